@@ -1,0 +1,59 @@
+"""Streaming with the Python API: print text as it is accepted, stop early with a cancel Event.
+
+    python examples/streaming.py [TARGET] [DRAFT] [--prompt TEXT] [--max-tokens N] [--timeout SECONDS]
+
+Ctrl-C (or the timeout) sets the Event; the engine finishes the current round and ends the stream
+cleanly (finish reason "cancelled"), keeping its KV cache consistent for the next call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+
+from ouroboros_local import Engine, EngineConfig
+from ouroboros_local.server import default_method
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("target", nargs="?", default="smollm2-135m-instruct")
+    p.add_argument("draft", nargs="?", default=None)
+    p.add_argument("--prompt", default="Write a short poem about the sea.")
+    p.add_argument("--max-tokens", type=int, default=200)
+    p.add_argument("--timeout", type=float, default=None, help="stop the answer after this many seconds")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    args = p.parse_args(argv)
+
+    cancel = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: cancel.set())      # Ctrl-C stops the answer, not the program
+    if args.timeout is not None:
+        timer = threading.Timer(args.timeout, cancel.set)
+        timer.daemon = True
+        timer.start()
+
+    with Engine.load(args.target, args.draft, config=EngineConfig(n_ctx=2048), progress=False) as engine:
+        method = default_method(engine.draft is not None)
+        t0 = time.perf_counter()
+        first = None
+        result = None
+        for event in engine.stream(args.prompt, chat=True, max_tokens=args.max_tokens, method=method,
+                                   stop=args.stop, cancel=cancel):
+            if event.text:
+                first = first or time.perf_counter() - t0
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+            result = event.result or result          # the last event carries the GenerationResult
+        assert result is not None
+        s = result.stats
+        print(f"\n[{s.method}] {s.tokens} tokens, first text after {first or 0:.2f}s, "
+              f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_pass:.2f} tokens/pass, "
+              f"finish: {s.finish_reason}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

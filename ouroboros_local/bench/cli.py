@@ -1,0 +1,311 @@
+"""`ouroboros-local bench`: every method (and the peers) on the same prompts, with reports and charts.
+
+    ouroboros-local bench -m TARGET [-d DRAFT] --prompts FILE[,FILE...] [--task T]
+        [--methods vanilla,prompt-lookup,...|all] [--peers llama-cpp-python-pld,llama.cpp]
+        [--llama-cpp-bin DIR] [--limit N] [-n N] [--out DIR] [--sweep [METHOD:]NAME=v1,v2,...]
+
+Writes DIR/results.json, DIR/results.md and DIR/speedup.png (DIR/sweep.png with --sweep).
+See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import ParameterError
+from .prompts import TASKS
+
+DEFAULT_METHODS = "all"
+TOLERANCE = 0.5   # ouroboros_local.compare.DEFAULT_TOLERANCE (not imported here: keeps --help cheap)
+
+
+def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,
+             add_method_args: Callable) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bench", help="benchmark methods and peers side by side (tokens/s, speed-up, identical output)",
+        description="Run vanilla decoding, our methods and the available peers on the same prompts in one "
+                    "process (interleaved per prompt), check every output against vanilla, and write "
+                    "results.json, results.md and speedup.png. See docs/benchmarks.md.")
+    add_model_args(p)
+    g = p.add_argument_group("benchmark")
+    g.add_argument("--prompts", required=True, metavar="FILE[,FILE...]",
+                   help="prompt sets: JSONL files of {id, task, turns, source, meta} (one set per file; "
+                        "a non-JSON file is one raw prompt)")
+    g.add_argument("--task", choices=TASKS, default=None,
+                   help="how to build prompts (default: from each file's task field; raw = first turn as is)")
+    g.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="comma-separated methods, or 'all' (default): every available method; vanilla is "
+                        "always run as the reference")
+    g.add_argument("--peers", default=None,
+                   help="comma-separated peers: llama-cpp-python, llama-cpp-python-pld, llama.cpp "
+                        "(= llama.cpp:vanilla,lookup,lookahead,ngram-simple,ngram-mod[,draft-simple]) or "
+                        "llama.cpp:VARIANT")
+    g.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
+                   help="directory with llama.cpp's binaries (scripts/build_llama_cpp.sh); default: PATH")
+    g.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    g.add_argument("-n", "--max-tokens", type=int, default=None,
+                   help="max new tokens (default per task: humaneval 192, cnndm 128, gsm8k 256, "
+                        "mt_bench 256, wmt 128, raw 128)")
+    g.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    g.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                   help="apply the model's chat template (default: yes for instruct/chat models)")
+    g.add_argument("--fewshot", type=int, default=0, help="gsm8k: worked examples before each question")
+    g.add_argument("--method-options", default=None, metavar="JSON",
+                   help='per-method options, e.g. \'{"ouroboros": {"gamma": 4}, '
+                        '"llama-cpp-python-pld": {"num_pred_tokens": 2}}\' (or @FILE)')
+    g.add_argument("--sweep", default=None, metavar="[METHOD:]NAME=V1,V2,...",
+                   help="run METHOD (default: every non-vanilla method) once per value of one option; "
+                        "plots sweep.png")
+    g.add_argument("--tolerance-margin", type=float, nargs="?", const=TOLERANCE, default=None, metavar="LOGITS",
+                   help="classify a difference as a tie-flip (not a failure) when plain decoding preferred its "
+                        "token over the method's by less than LOGITS at the first difference (re-decodes the "
+                        f"vanilla prefix; default when given without a value: {TOLERANCE}); default: off")
+    g.add_argument("--no-warmup", action="store_true", help="skip the warm-up generation per method")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--save-text", action="store_true", help="store every generated text in results.json")
+    g.add_argument("--reset-pool", action="store_true",
+                   help="forget learned state (phrase pools) before every generation (default: warm start)")
+    g.add_argument("--warm-prefill", action="store_true",
+                   help="let a method reuse the prompt cached by the previous one (faster runs; prefill "
+                        "numbers then mean little); default: every generation starts from an empty cache")
+    g.add_argument("--hash-models", action="store_true", help="sha256 the model files even when large")
+    g.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
+    g.add_argument("--peer-timeout", type=float, default=900.0, help="seconds per llama.cpp binary run")
+    g.add_argument("--strict", action="store_true", help="exit with status 3 if any output differs")
+    add_sampling_args(p)
+    add_method_args(p)
+    p.set_defaults(func=cmd_bench)
+    return p
+
+
+def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
+    if not text:
+        return {}
+    if text.startswith("@"):
+        path = Path(text[1:])
+        if not path.is_file():
+            raise ParameterError(f"--method-options file not found: {path}")
+        text = path.read_text(encoding="utf-8")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ParameterError(f"--method-options is not valid JSON: {exc.msg}") from None
+    if not isinstance(obj, dict) or not all(isinstance(v, dict) for v in obj.values()):
+        raise ParameterError('--method-options takes {"method": {"option": value, ...}, ...}')
+    return obj
+
+
+def parse_methods(spec: str, available: list[str], custom: list[str]) -> list[str]:
+    names = [m.strip() for m in spec.split(",") if m.strip()]
+    if not names or names == ["all"]:
+        names = list(available)
+    for m in names:
+        if m not in available and m not in custom:
+            raise ParameterError(f"unknown method {m!r}; available: {', '.join(available + custom)}")
+    out = ["vanilla"] + [m for m in dict.fromkeys(names) if m != "vanilla"]
+    return out
+
+
+def _sampling_desc(sampling: Any) -> str:
+    if sampling.greedy:
+        return "greedy"
+    return (f"temperature {sampling.temperature}, top-k {sampling.top_k}, top-p {sampling.top_p}, "
+            f"min-p {sampling.min_p}, seed {sampling.seed}")
+
+
+def _round_up(n: int, m: int = 256) -> int:
+    return int(math.ceil(n / m) * m)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..cli import _engine_from_args, _method_options, _sampling_from_args
+    from ..proposers import method_names
+    from . import peers as peers_mod
+    from . import prompts as prompts_mod
+    from . import report, runner
+
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise ParameterError("-n/--max-tokens must be >= 1")
+    if args.tolerance_margin is not None and args.tolerance_margin < 0:
+        raise ParameterError("--tolerance-margin must be >= 0")
+    sampling = _sampling_from_args(args)
+    method_opts = parse_method_options(args.method_options)
+    custom = list(runner.CUSTOM_METHODS)
+    spec = args.methods
+    if spec == DEFAULT_METHODS and getattr(args, "method", "vanilla") != "vanilla":
+        spec = args.method          # `bench --method X` = vanilla and X
+    methods = parse_methods(spec, method_names(), custom)
+    sweep = runner.parse_sweep(args.sweep, methods) if args.sweep else None
+    sets = prompts_mod.load_sets(args.prompts, task=args.task, limit=args.limit, fewshot=args.fewshot)
+    peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)
+    notes: list[str] = []
+    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    engine = _engine_from_args(args)
+    contenders: list[runner.Contender] = []
+    try:
+        target = engine.target
+        name = " ".join(filter(None, [target.meta("general.name"), Path(target.path).name]))
+        has_template = target.chat_template() is not None
+        chat = args.chat if args.chat is not None else prompts_mod.looks_like_chat_model(name, has_template)
+        if args.chat is None:
+            notes.append(f"chat template {'applied' if chat else 'not applied'} (auto-detected from "
+                         f"{name!r}; use --chat/--no-chat)")
+
+        def template(messages: list[dict[str, str]]) -> str:
+            return engine.apply_chat_template(messages, add_generation_prompt=True)
+
+        def tokenize(text: str, add_special: bool) -> list[int]:
+            return engine.tokenize(text, add_special=add_special, parse_special=True)
+
+        built = prompts_mod.build_prompts(sets, tokenize, chat, template if chat else None, args.max_tokens)
+        n_ctx = engine.target_ctx.n_ctx
+        fits = [b for b in built if len(b.tokens) + b.max_tokens + 1 <= n_ctx]
+        if len(fits) < len(built):
+            dropped = [f"{b.set_name}/{b.id}" for b in built if b not in fits]
+            notes.append(f"{len(dropped)} prompt(s) longer than the context ({n_ctx}) minus the max new tokens "
+                         f"were skipped: {', '.join(dropped[:10])}{' ...' if len(dropped) > 10 else ''}")
+            log(f"bench: {notes[-1]}")
+        built = fits
+        if not built:
+            raise ParameterError("no prompt fits the context; use a larger --ctx-size")
+        warm_tokens = tokenize("warm up", True)
+        warm = prompts_mod.BuiltPrompt(set_name="warmup", id="warmup", task="raw", text="warm up",
+                                       tokens=warm_tokens, chat=False, max_tokens=8)
+
+        # ---- our methods (with per-method options, and the sweep's variants) ----
+        base_opts = _method_options(args)
+        sweep_info: dict[str, Any] | None = None
+        if sweep:
+            swept, param, values = sweep
+            sweep_info = {"param": param, "methods": swept, "values": values, "labels": {}}
+        for m in methods:
+            opts = {**base_opts, **method_opts.get(m, {})}
+            variants = [(m, opts)]
+            if sweep_info and m in sweep_info["methods"]:
+                variants = []
+                for v in sweep_info["values"]:
+                    label = runner.sweep_label(m, sweep_info["param"], v)
+                    variants.append((label, {**opts, sweep_info["param"]: v}))
+                    sweep_info["labels"][label] = {"method": m, "value": v}
+            for label, o in variants:
+                if m in runner.CUSTOM_METHODS:
+                    contenders.append(runner.FnContender(engine, label, runner.CUSTOM_METHODS[m], sampling,
+                                                         options=o, method=m))
+                else:
+                    contenders.append(runner.EngineContender(engine, label, m, o, sampling,
+                                                             reset_shared=args.reset_pool,
+                                                             cold=not args.warm_prefill))
+
+        # ---- peers ----
+        threads = engine.target_ctx.n_threads
+        need_ctx = _round_up(max(len(b.tokens) + b.max_tokens for b in built) + 256)
+        gpu_layers = engine.config.gpu_layers
+        if peer_labels and not sampling.greedy:
+            notes.append("peers run greedy only: skipped with sampling")
+            peer_labels = []
+        draft_path = engine.draft.path if engine.draft is not None else None
+        for label in peer_labels:
+            opts = dict(method_opts.get(label, {}))
+            if label.startswith(peers_mod.BIN_PREFIX):
+                opts = {**method_opts.get("llama.cpp", {}), **opts}
+                if label.endswith(":draft-simple") and "n_max" not in opts and "gamma" in base_opts:
+                    opts["n_max"] = base_opts["gamma"]
+                contenders.append(peers_mod.LlamaCppBinPeer(
+                    label, args.llama_cpp_bin, target, target.path, draft_path, n_ctx=need_ctx,
+                    n_ubatch=min(512, engine.config.n_batch), threads=threads, gpu_layers=gpu_layers,
+                    draft_gpu_layers=engine.config.draft_gpu_layers, flash_attn=engine.config.flash_attn,
+                    options=opts, timeout=args.peer_timeout))
+            else:
+                if label == peers_mod.PY_PLD and "num_pred_tokens" not in opts:
+                    # llama-cpp-python's README: 10 on GPU, 2 on CPU
+                    opts["num_pred_tokens"] = 10 if gpu_layers != 0 else 2
+                contenders.append(peers_mod.LlamaCppPythonPeer(
+                    label, target.path, eog=target.eog_tokens, n_ctx=need_ctx,
+                    n_batch=512, threads=threads, gpu_layers=gpu_layers, options=opts,
+                    cold=not args.warm_prefill))
+        if peer_labels:
+            notes.append("peer speeds are per decode step: a peer's first token comes out of its prompt "
+                         "evaluation and is not timed; llama.cpp binaries are compared by text")
+
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        log(f"bench: {len(built)} prompts x {len(contenders)} methods "
+            f"({', '.join(c.label for c in contenders)}), chat={chat}, output in {out_dir}")
+        run = runner.run_benchmark(built, contenders, engine=engine, warmup_prompt=warm,
+                                   warmup=not args.no_warmup, greedy=sampling.greedy,
+                                   tolerance_margin=args.tolerance_margin, progress=not args.no_progress,
+                                   save_text=args.save_text, log=log)
+
+        machine = report.machine_info(measure_bandwidth=not args.no_bandwidth)
+        model_bytes = target.size_bytes
+        summary = report.summarize(run.records, run.contenders, model_bytes)
+        set_entries = []
+        for s in sets:
+            n_run = sum(1 for b in built if b.set_name == s.name)
+            set_entries.append({"name": s.name, "file": s.path, "task": s.task, "prompts": n_run,
+                                "max_tokens": args.max_tokens or prompts_mod.DEFAULT_MAX_TOKENS.get(s.task, 128),
+                                "chat": chat, "fewshot": len(s.fewshot)})
+        payload: dict[str, Any] = {
+            "schema": report.SCHEMA,
+            "created": started,
+            "command": ["ouroboros-local"] + sys.argv[1:],
+            "settings": {
+                "target": args.model, "draft": args.draft, "prompts": args.prompts, "task": args.task,
+                "methods": methods, "peers": peer_labels, "llama_cpp_bin": args.llama_cpp_bin,
+                "limit": args.limit, "max_tokens": args.max_tokens, "chat": chat, "fewshot": args.fewshot,
+                "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                             "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed},
+                "sampling_desc": _sampling_desc(sampling), "method_options": method_opts,
+                "cli_method_options": base_opts, "sweep": args.sweep,
+                "tolerance_margin": args.tolerance_margin, "warmup": not args.no_warmup,
+                "reset_pool": args.reset_pool, "prefill": "warm" if args.warm_prefill else "cold",
+                "threads": threads, "n_ctx": n_ctx,
+                "n_batch": engine.config.n_batch, "n_seq_max": engine.config.n_seq_max,
+                "gpu_layers": gpu_layers, "draft_gpu_layers": engine.config.draft_gpu_layers,
+                "flash_attn": engine.config.flash_attn, "order": "rotated per prompt",
+            },
+            "machine": machine,
+            "versions": report.versions(),
+            "models": {"target": report.model_info(target, force_hash=args.hash_models),
+                       "draft": report.model_info(engine.draft, force_hash=args.hash_models)},
+            "sets": set_entries,
+            "methods": run.contenders,
+            "skipped": run.skipped,
+            "summary": summary,
+            "mismatches": report.mismatch_list(run.records),
+            "records": run.records,
+            "sweep": sweep_info,
+            "notes": notes,
+            "wall_seconds": run.wall_seconds,
+        }
+        report.write_json(out_dir / "results.json", payload)
+        md = report.render_markdown(payload)
+        (out_dir / "results.md").write_text(md, encoding="utf-8")
+        title = f"{Path(target.path).name} on {machine.get('cpu')}"
+        if report.plot_speedup(summary, out_dir / "speedup.png", title=title):
+            log(f"bench: wrote {out_dir / 'speedup.png'}")
+        else:
+            log("bench: matplotlib is not installed (pip install 'ouroboros-local[plot]'): no speedup.png")
+        if sweep_info and report.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
+            log(f"bench: wrote {out_dir / 'sweep.png'}")
+        print(md)
+        log(f"bench: wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
+        n_bad = sum(1 for m in payload["mismatches"] if m["match"] == "mismatch")
+        if n_bad:
+            log(f"bench: WARNING: {n_bad} output(s) differ from vanilla (see results.md)")
+        return 3 if (args.strict and n_bad) else 0
+    finally:
+        for c in contenders:
+            try:
+                c.close()
+            except Exception:  # pragma: no cover - best effort
+                pass
+        engine.close()

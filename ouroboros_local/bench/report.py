@@ -1,0 +1,463 @@
+"""Summaries, machine facts, results.json / results.md, and the speed-up and sweep charts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import subprocess
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+SCHEMA = "ouroboros-local-bench/1"
+
+# Top-level keys of results.json (stable; tests assert this set).
+RESULT_KEYS = ("schema", "created", "command", "settings", "machine", "versions", "models", "sets",
+               "methods", "skipped", "summary", "mismatches", "records", "sweep", "notes", "wall_seconds")
+
+# Keys of every summary entry (results.json: summary[set][label]).
+SUMMARY_KEYS = ("label", "kind", "method", "prompts", "errors", "tokens", "timed_tokens", "prompt_tokens",
+                "prefill_seconds", "decode_seconds", "tokens_per_second", "prefill_tokens_per_second",
+                "speedup", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes", "drafted",
+                "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
+                "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs")
+
+ALL_SETS = "all"
+
+
+# ---- summaries ---------------------------------------------------------------------------------
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _geomean(values: Iterable[float]) -> float | None:
+    vals = [v for v in values if v and v > 0 and math.isfinite(v)]
+    if not vals:
+        return None
+    return math.exp(sum(math.log(v) for v in vals) / len(vals))
+
+
+def _per_prompt_tps(rec: Mapping[str, Any]) -> float | None:
+    timed = rec.get("timed_tokens") or 0
+    dec = rec.get("decode_seconds") or 0.0
+    return timed / dec if timed and dec > 0 else None
+
+
+def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping[str, Any]],
+              model_bytes: int | None, reference: str = "vanilla") -> dict[str, dict[str, dict[str, Any]]]:
+    """summary[set][label] = aggregated numbers (see SUMMARY_KEYS); an "all" set when there are several."""
+    info = {c["label"]: c for c in contenders}
+    labels = [c["label"] for c in contenders]
+    sets: list[str] = []
+    for r in records:
+        if r["set"] not in sets:
+            sets.append(r["set"])
+    groups: list[tuple[str, list[Mapping[str, Any]]]] = [(s, [r for r in records if r["set"] == s]) for s in sets]
+    if len(sets) > 1:
+        groups.append((ALL_SETS, list(records)))
+    out: dict[str, dict[str, dict[str, Any]]] = OrderedDict()
+    for set_name, recs in groups:
+        by_label: dict[str, dict[str, Any]] = OrderedDict()
+        ref_tps: dict[tuple[str, str], float | None] = {
+            (r["set"], r["id"]): _per_prompt_tps(r) for r in recs if r["label"] == reference and not r.get("error")}
+        for label in labels:
+            rs = [r for r in recs if r["label"] == label]
+            ok = [r for r in rs if not r.get("error")]
+            s: dict[str, Any] = {k: None for k in SUMMARY_KEYS}
+            c = info.get(label, {})
+            s.update(label=label, kind=c.get("kind"), method=c.get("method"), baseline=c.get("baseline"),
+                     prompts=len(ok), errors=len(rs) - len(ok))
+            tot = {k: sum((r.get(k) or 0) for r in ok) for k in (
+                "tokens", "timed_tokens", "prompt_tokens", "prefill_seconds", "decode_seconds",
+                "target_passes", "drafted", "accepted")}
+            s.update(tot)
+            s["tokens_per_second"] = _ratio(tot["timed_tokens"], tot["decode_seconds"])
+            s["prefill_tokens_per_second"] = _ratio(tot["prompt_tokens"], tot["prefill_seconds"])
+            if tot["target_passes"]:
+                s["accepted_per_pass"] = tot["accepted"] / tot["target_passes"]
+                s["tokens_per_pass"] = tot["timed_tokens"] / tot["target_passes"]
+            if tot["timed_tokens"]:
+                s["passes_per_100_tokens"] = 100.0 * tot["target_passes"] / tot["timed_tokens"]
+            if model_bytes and tot["decode_seconds"] > 0 and tot["target_passes"]:
+                s["bandwidth_gbs"] = model_bytes * tot["target_passes"] / tot["decode_seconds"] / 1e9
+            ratios = []
+            for r in ok:
+                a, b = _per_prompt_tps(r), ref_tps.get((r["set"], r["id"]))
+                if a and b:
+                    ratios.append(a / b)
+            s["speedup_geomean"] = _geomean(ratios)
+            compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
+            s["compared"] = len(compared)
+            s["identical"] = sum(r.get("match") in ("identical", "reference") for r in compared)
+            s["tie_flips"] = sum(r.get("match") == "tie-flip" for r in compared)
+            s["mismatches"] = sum(r.get("match") == "mismatch" for r in compared)
+            s["all_identical"] = (s["identical"] == len(compared)) if compared else None
+            by_label[label] = s
+        ref = by_label.get(reference, {}).get("tokens_per_second")
+        for s in by_label.values():
+            tps = s["tokens_per_second"]
+            s["speedup"] = tps / ref if tps is not None and ref else None
+            base = by_label.get(s["baseline"] or "", {}).get("tokens_per_second")
+            s["speedup_vs_baseline"] = tps / base if tps is not None and base else None
+        out[set_name] = by_label
+    return out
+
+
+def mismatch_list(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    keys = ("set", "id", "label", "match", "compare", "first_diff", "ref_token", "got_token", "margin")
+    return [{k: r.get(k) for k in keys} for r in records if r.get("match") in ("mismatch", "tie-flip")]
+
+
+# ---- machine / versions / models --------------------------------------------------------------
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
+def cpu_model() -> str:
+    info = _read("/proc/cpuinfo")
+    m = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE) or \
+        re.search(r"^(?:Hardware|Processor|cpu model)\s*:\s*(.+)$", info, re.MULTILINE)
+    if m:
+        return m.group(1).strip()
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or platform.processor()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
+
+
+def physical_cores() -> int | None:
+    info = _read("/proc/cpuinfo")
+    cores = set(re.findall(r"physical id\s*:\s*(\d+)[\s\S]*?core id\s*:\s*(\d+)", info))
+    return len(cores) or None
+
+
+def memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def gpus() -> list[str]:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [ln.strip() for ln in out.splitlines() if ln.strip()]
+
+
+def measure_memory_bandwidth(mib: int = 128, repeats: int = 5) -> float | None:
+    """Best-of-N numpy copy bandwidth in GB/s (bytes read + bytes written), a rough ceiling for CPU decoding."""
+    try:
+        import numpy as np
+
+        a = np.ones(mib * (1 << 20) // 8, dtype=np.float64)
+        b = np.empty_like(a)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            best = min(best, time.perf_counter() - t0)
+        return 2 * a.nbytes / best / 1e9
+    except MemoryError:  # pragma: no cover
+        return None
+
+
+def machine_info(measure_bandwidth: bool = True) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "cpu": cpu_model(), "logical_cores": os.cpu_count(), "physical_cores": physical_cores(),
+        "memory_bytes": memory_bytes(), "os": platform.platform(), "machine": platform.machine(),
+        "python": platform.python_version(), "gpus": gpus(), "memory_bandwidth_gbs": None,
+        "llama_system_info": None, "gpu_offload": None, "load_average": None,
+    }
+    try:
+        info["load_average"] = list(os.getloadavg())
+    except (OSError, AttributeError):
+        pass
+    try:
+        from ..llama import binding
+
+        info["llama_system_info"] = binding.system_info()
+        info["gpu_offload"] = binding.supports_gpu_offload()
+    except Exception:  # llama.cpp not importable: still report the rest
+        pass
+    if measure_bandwidth:
+        info["memory_bandwidth_gbs"] = measure_memory_bandwidth()
+    return info
+
+
+def versions() -> dict[str, Any]:
+    from importlib import metadata
+
+    from .. import __version__
+
+    out: dict[str, Any] = {"ouroboros_local": __version__}
+    for dist in ("llama-cpp-python", "numpy", "matplotlib", "tqdm"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    root = Path(__file__).resolve().parents[2]
+    head = _read(str(root / ".git" / "HEAD")).strip()
+    if head.startswith("ref: "):
+        head = _read(str(root / ".git" / head[5:])).strip()
+    out["git_commit"] = head if re.fullmatch(r"[0-9a-f]{40}", head or "") else None
+    return out
+
+
+def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def model_info(model: Any, hash_limit: int = 256 << 20, force_hash: bool = False) -> dict[str, Any] | None:
+    """Path, file size, weight bytes (what one target pass reads), parameters; sha256 when cheap."""
+    if model is None:
+        return None
+    path = Path(model.path)
+    size = path.stat().st_size if path.is_file() else None
+    info: dict[str, Any] = {"path": str(path), "file": path.name, "file_bytes": size, "sha256": None}
+    for key in ("size_bytes", "n_params", "description", "arch", "n_layer"):
+        try:
+            info[key] = getattr(model, key)
+        except Exception:
+            info[key] = None
+    try:
+        info["name"] = model.meta("general.name")
+    except Exception:
+        info["name"] = None
+    if size is not None and (force_hash or size <= hash_limit):
+        info["sha256"] = sha256_file(path)
+    return info
+
+
+# ---- output files ------------------------------------------------------------------------------
+def _json_default(obj: Any) -> Any:
+    try:
+        import numpy as np
+
+        if isinstance(obj, np.generic):
+            return obj.item()
+        if isinstance(obj, np.ndarray):
+            return obj.tolist()
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return repr(obj)
+
+
+def write_json(path: str | Path, payload: Mapping[str, Any]) -> Path:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False, default=_json_default) + "\n",
+                   encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def _f(v: Any, fmt: str = "{:.2f}", none: str = "–") -> str:
+    if v is None:
+        return none
+    try:
+        return fmt.format(v)
+    except (TypeError, ValueError):
+        return str(v)
+
+
+def _human_bytes(n: Any) -> str:
+    if not n:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def identical_cell(s: Mapping[str, Any]) -> str:
+    if s.get("label") == "vanilla":
+        return "reference"
+    if s.get("compared") == 0:
+        return "n/a"
+    if s.get("all_identical"):
+        return f"yes ({s['identical']}/{s['compared']})"
+    parts = [f"{s['identical']}/{s['compared']}"]
+    if s.get("mismatches"):
+        parts.append(f"{s['mismatches']} MISMATCH")
+    if s.get("tie_flips"):
+        parts.append(f"{s['tie_flips']} tie-flip")
+    return "NO: " + ", ".join(parts)
+
+
+def render_markdown(payload: Mapping[str, Any]) -> str:
+    lines: list[str] = ["# ouroboros-local benchmark", ""]
+    models = payload.get("models") or {}
+    tgt = models.get("target") or {}
+    dft = models.get("draft") or {}
+    mach = payload.get("machine") or {}
+    st = payload.get("settings") or {}
+    lines.append(f"- target: `{tgt.get('file')}` ({_human_bytes(tgt.get('size_bytes'))} weights)"
+                 + (f", draft: `{dft.get('file')}` ({_human_bytes(dft.get('size_bytes'))})" if dft else ""))
+    lines.append(f"- machine: {mach.get('cpu')}, {mach.get('logical_cores')} threads, "
+                 f"{_human_bytes(mach.get('memory_bytes'))} RAM, {mach.get('os')}"
+                 + (f", GPU: {'; '.join(mach['gpus'])}" if mach.get("gpus") else "")
+                 + (f"; memory copy bandwidth {_f(mach.get('memory_bandwidth_gbs'), '{:.1f}')} GB/s"
+                    if mach.get("memory_bandwidth_gbs") else ""))
+    lines.append(f"- settings: {st.get('sampling_desc', 'greedy')}, threads {st.get('threads')}, "
+                 f"ctx {st.get('n_ctx')}, chat {st.get('chat')}, warm-up {st.get('warmup')}, "
+                 f"gpu layers {st.get('gpu_layers')}, created {payload.get('created')}")
+    lines.append("")
+    lines.append("tok/s: decode tokens per second (prefill apart); speedup: over vanilla (sum of tokens / "
+                 "sum of decode seconds), geomean: per-prompt geometric mean; acc/pass: accepted draft "
+                 "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
+                 "target passes per second; identical: outputs equal to vanilla's.")
+    lines.append("")
+    for set_name, by_label in (payload.get("summary") or {}).items():
+        set_info = next((s for s in payload.get("sets", []) if s.get("name") == set_name), {})
+        title = f"## {set_name}"
+        if set_info:
+            title += f" ({set_info.get('task')}, {set_info.get('prompts')} prompts, " \
+                     f"max {set_info.get('max_tokens')} new tokens)"
+        lines += [title, "",
+                  "| method | tok/s | speedup | geomean | acc/pass | passes/100 tok | identical | "
+                  "prefill tok/s | GB/s |",
+                  "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+        for s in by_label.values():
+            speed = _f(s.get("speedup"), "{:.2f}x")
+            if s.get("kind") == "peer" and s.get("baseline") not in (None, "vanilla", s["label"]):
+                speed += f" ({_f(s.get('speedup_vs_baseline'), '{:.2f}x')} vs own)"
+            name = s["label"] + (" (peer)" if s.get("kind") == "peer" else "")
+            if s.get("errors"):
+                name += f" [{s['errors']} errors]"
+            lines.append(f"| {name} | {_f(s.get('tokens_per_second'), '{:.1f}')} | {speed} | "
+                         f"{_f(s.get('speedup_geomean'), '{:.2f}x')} | {_f(s.get('accepted_per_pass'))} | "
+                         f"{_f(s.get('passes_per_100_tokens'), '{:.1f}')} | {identical_cell(s)} | "
+                         f"{_f(s.get('prefill_tokens_per_second'), '{:.1f}')} | "
+                         f"{_f(s.get('bandwidth_gbs'), '{:.1f}')} |")
+        lines.append("")
+    mism = payload.get("mismatches") or []
+    if mism:
+        lines += ["## Outputs that differ from vanilla", "",
+                  "| set | prompt | method | kind | first difference | vanilla token | method token | "
+                  "ref. top-2 margin |", "|---|---|---|---|---:|---:|---:|---:|"]
+        for m in mism:
+            pos = f"{m['compare'] == 'tokens' and 'token' or 'char'} {m['first_diff']}"
+            lines.append(f"| {m['set']} | {m['id']} | {m['label']} | {m['match']} | {pos} | "
+                         f"{_f(m.get('ref_token'), '{}')} | {_f(m.get('got_token'), '{}')} | "
+                         f"{_f(m.get('margin'), '{:.4f}')} |")
+        lines.append("")
+    skipped = payload.get("skipped") or {}
+    if skipped:
+        lines += ["## Not run", ""] + [f"- {k}: {v}" for k, v in skipped.items()] + [""]
+    notes = payload.get("notes") or []
+    if notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    return "\n".join(lines)
+
+
+# ---- charts -----------------------------------------------------------------------------------
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_speedup(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], path: str | Path,
+                 title: str = "") -> bool:
+    """Grouped bars: one group per prompt set, one bar per method; vanilla = 1.0. False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    sets = list(summary)
+    labels: list[str] = []
+    for by_label in summary.values():
+        for lab in by_label:
+            if lab not in labels:
+                labels.append(lab)
+    n = max(len(labels), 1)
+    width = 0.8 / n
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + len(sets) * (0.35 * n + 0.6)), 4.5))
+    cmap = plt.get_cmap("tab20" if n > 10 else "tab10")
+    for j, lab in enumerate(labels):
+        xs, ys = [], []
+        for i, s in enumerate(sets):
+            v = summary[s].get(lab, {}).get("speedup")
+            if v is not None:
+                xs.append(i - 0.4 + width * (j + 0.5))
+                ys.append(v)
+        bars = ax.bar(xs, ys, width * 0.95, label=lab, color=cmap(j % cmap.N))
+        for b, y in zip(bars, ys):
+            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
+                        fontsize=7, xytext=(0, 1), textcoords="offset points")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(sets)))
+    ax.set_xticklabels(sets)
+    ax.set_ylabel("speed-up over vanilla (decode tok/s)")
+    if title:
+        ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, ncol=min(4, n), loc="upper left", bbox_to_anchor=(0, -0.08), frameon=False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def plot_sweep(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Mapping[str, Any],
+               path: str | Path) -> bool:
+    """Speed-up against the swept setting, one line per (set, method)."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    points = sweep.get("labels", {})
+    methods = sorted({p["method"] for p in points.values()})
+    numeric = all(isinstance(p["value"], (int, float)) and not isinstance(p["value"], bool)
+                  for p in points.values())
+    values = list(dict.fromkeys(p["value"] for p in points.values()))
+    for set_name, by_label in summary.items():
+        for m in methods:
+            pts = [(p["value"], by_label.get(lab, {}).get("speedup")) for lab, p in points.items()
+                   if p["method"] == m]
+            pts = [(v, y) for v, y in pts if y is not None]
+            if not pts:
+                continue
+            xs = [v if numeric else values.index(v) for v, _ in pts]
+            ax.plot(xs, [y for _, y in pts], marker="o", label=f"{set_name}: {m}")
+    if not numeric:
+        ax.set_xticks(range(len(values)))
+        ax.set_xticklabels([str(v) for v in values])
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xlabel(sweep.get("param", "setting"))
+    ax.set_ylabel("speed-up over vanilla")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True

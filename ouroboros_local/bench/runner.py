@@ -1,0 +1,365 @@
+"""Run every method (and peer) on the same prompts in one process, interleaved, and compare outputs.
+
+A *contender* is anything with ``label``, ``kind``, ``run(prompt, max_tokens) -> Outcome``,
+``warmup(prompt)`` and ``close()``: our methods through ``Engine.generate`` (`EngineContender`),
+a Python callable (`FnContender`, used to inject methods, e.g. in tests), or a peer (see peers.py).
+
+For each prompt every contender runs once, in an order rotated by one position per prompt, so slow
+drifts of the machine (thermal, background load) spread over all methods. Outputs are compared with the
+reference (vanilla) token by token; a difference is recorded at its first position and, with a tolerance
+margin, classified as a tie-flip when plain decoding preferred its token over the method's by less than
+that many logits there (ouroboros_local.compare, DESIGN.md §3).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
+
+from ..errors import OuroborosError, ParameterError
+from .prompts import BuiltPrompt
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine, GenerationResult
+    from ..sampling import SamplingParams
+
+
+REFERENCE = "vanilla"
+
+STAT_KEYS = ("method", "tokens", "timed_tokens", "prompt_tokens", "prefill_seconds", "decode_seconds",
+             "tokens_per_second", "target_passes", "drafted", "accepted", "accepted_per_pass", "tokens_per_pass",
+             "finish_reason", "extra")
+
+RECORD_KEYS = ("set", "id", "task", "label", "kind", "method", "max_tokens", "prompt_tokens", "tokens",
+               "timed_tokens", "prefill_seconds", "decode_seconds", "tokens_per_second", "target_passes", "drafted",
+               "accepted", "accepted_per_pass", "tokens_per_pass", "finish_reason", "extra", "match",
+               "compare", "first_diff", "ref_token", "got_token", "margin", "error", "order")
+
+# Extra methods by name: a callable (engine, prompt: BuiltPrompt, max_tokens, sampling, options) ->
+# GenerationResult | Outcome. `--methods NAME` picks them up like built-in methods. Tests register a
+# deliberately lossy method here to check that the report flags it.
+CUSTOM_METHODS: dict[str, Callable[..., Any]] = {}
+
+
+@dataclass
+class Outcome:
+    """What one contender produced for one prompt."""
+    tokens: list[int] | None          # None when only text is known (llama.cpp binaries)
+    text: str
+    stats: dict[str, Any]
+    compare: str = "tokens"           # how to compare with the reference: tokens | text
+
+    @classmethod
+    def from_result(cls, result: "GenerationResult") -> "Outcome":
+        return cls(tokens=list(result.tokens), text=result.text, stats=result.stats.to_dict())
+
+
+def empty_stats(method: str) -> dict[str, Any]:
+    return {"method": method, "tokens": 0, "prompt_tokens": 0, "prefill_seconds": 0.0,
+            "decode_seconds": 0.0, "tokens_per_second": 0.0, "target_passes": 0, "drafted": 0,
+            "accepted": 0, "accepted_per_pass": 0.0, "tokens_per_pass": 0.0, "finish_reason": "",
+            "extra": {}}
+
+
+class Contender:
+    label: str = ""
+    kind: str = "ours"              # ours | peer
+    method: str = ""
+    options: dict[str, Any]
+    baseline: str = REFERENCE       # label whose speed this one is compared with ("own vanilla")
+
+    def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def warmup(self, prompt: BuiltPrompt) -> None:
+        self.run(prompt, min(8, prompt.max_tokens))
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> dict[str, Any]:
+        return {"label": self.label, "kind": self.kind, "method": self.method,
+                "options": dict(getattr(self, "options", {}) or {}), "baseline": self.baseline}
+
+
+def cold_start(engine: "Engine") -> None:
+    """Forget the cached prompt (target and draft KV), so every generation pays its own prefill."""
+    engine.kv.reset()
+    if engine.draft is not None:
+        engine.draft_kv().reset()
+
+
+class EngineContender(Contender):
+    """One of our methods, run through Engine.generate on the prompt's token ids."""
+
+    def __init__(self, engine: "Engine", label: str, method: str, options: dict[str, Any] | None,
+                 sampling: "SamplingParams", stop: Sequence[str] = (), reset_shared: bool = False,
+                 cold: bool = True):
+        self.engine = engine
+        self.cold = cold
+        self.label = label
+        self.method = method
+        self.options = dict(options or {})
+        self.sampling = sampling
+        self.stop = list(stop)
+        self.reset_shared = reset_shared
+
+    def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
+        if self.reset_shared:
+            self.engine.shared.clear()
+        if self.cold:
+            cold_start(self.engine)
+        result = self.engine.generate(prompt.tokens, max_tokens=max_tokens, method=self.method,
+                                      sampling=self.sampling, stop=self.stop, options=self.options)
+        return Outcome.from_result(result)
+
+
+class FnContender(Contender):
+    """A method given as a Python callable (see CUSTOM_METHODS)."""
+
+    def __init__(self, engine: "Engine", label: str, fn: Callable[..., Any], sampling: "SamplingParams",
+                 options: dict[str, Any] | None = None, method: str | None = None):
+        self.engine = engine
+        self.label = label
+        self.method = method or label
+        self.fn = fn
+        self.sampling = sampling
+        self.options = dict(options or {})
+
+    def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
+        out = self.fn(self.engine, prompt, max_tokens, self.sampling, self.options)
+        return out if isinstance(out, Outcome) else Outcome.from_result(out)
+
+
+# ---- comparison --------------------------------------------------------------------------------
+def first_difference(ref: Sequence[int], got: Sequence[int]) -> int | None:
+    """Index of the first differing token (a length difference counts at the shorter length)."""
+    n = min(len(ref), len(got))
+    for i in range(n):
+        if ref[i] != got[i]:
+            return i
+    return None if len(ref) == len(got) else n
+
+
+def compare_text(ref: str, got: str, ref_tokens: int, got_tokens: int) -> int | None:
+    """First differing character between texts. A peer that generated at least as many tokens as the
+    reference may run past it (llama.cpp binaries overshoot -n by a token): compare the reference's length."""
+    n = len(ref) if got_tokens >= ref_tokens else min(len(ref), len(got))
+    a, b = ref[:n], got[:n]
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    if len(b) < n:
+        return len(b)
+    if got_tokens < ref_tokens and len(got) < len(ref):
+        return len(got)
+    return None
+
+
+def classify(engine: "Engine | None", prompt: BuiltPrompt, ref: Outcome, got: Outcome,
+             tolerance_margin: float | None) -> dict[str, Any]:
+    """match = identical | mismatch | tie-flip, with the first differing position."""
+    info: dict[str, Any] = {"match": "identical", "compare": got.compare, "first_diff": None,
+                            "ref_token": None, "got_token": None, "margin": None}
+    if got.compare == "tokens" and ref.tokens is not None and got.tokens is not None:
+        pos = first_difference(ref.tokens, got.tokens)
+        if pos is None:
+            return info
+        info["first_diff"] = pos
+        info["ref_token"] = ref.tokens[pos] if pos < len(ref.tokens) else None
+        info["got_token"] = got.tokens[pos] if pos < len(got.tokens) else None
+        info["match"] = "mismatch"
+        if tolerance_margin is not None and engine is not None:
+            from ..compare import compare_greedy  # the project's tolerance rule (DESIGN.md §3/§5)
+
+            try:
+                cold_start(engine)   # the reference row from a clean prefill, whatever ran before
+                rep = compare_greedy(engine, prompt.tokens, ref.tokens, got.tokens, tolerance=tolerance_margin)
+            except OuroborosError:
+                return info
+            info["margin"] = rep.margin
+            if rep.tie_flip:
+                info["match"] = "tie-flip"
+        return info
+    info["compare"] = "text"
+    pos = compare_text(ref.text, got.text, ref.stats.get("tokens", 0), got.stats.get("tokens", 0))
+    if pos is not None:
+        info.update(match="mismatch", first_diff=pos)
+    return info
+
+
+# ---- the run -----------------------------------------------------------------------------------
+@dataclass
+class BenchRun:
+    records: list[dict[str, Any]] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)      # label -> why it did not run
+    contenders: list[dict[str, Any]] = field(default_factory=list)
+    wall_seconds: float = 0.0
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        return None
+    return tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+def rotate(items: Sequence[Any], k: int) -> list[Any]:
+    if not items:
+        return []
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
+
+
+def _record(prompt: BuiltPrompt, c: Contender, order: int) -> dict[str, Any]:
+    rec = {k: None for k in RECORD_KEYS}
+    rec.update({"set": prompt.set_name, "id": prompt.id, "task": prompt.task, "label": c.label, "kind": c.kind,
+                "method": c.method, "max_tokens": prompt.max_tokens, "prompt_tokens": len(prompt.tokens),
+                "order": order})
+    return rec
+
+
+def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender], *,
+                  engine: "Engine | None" = None, warmup_prompt: BuiltPrompt | None = None,
+                  warmup: bool = True, greedy: bool = True, tolerance_margin: float | None = None,
+                  progress: bool = True, save_text: bool = False,
+                  log: Callable[[str], None] | None = None) -> BenchRun:
+    """Run every contender on every prompt (rotating order), compare with the reference, return records."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
+    labels = [c.label for c in contenders]
+    if len(set(labels)) != len(labels):
+        raise ParameterError(f"duplicate method labels: {labels}")
+    if REFERENCE not in labels:
+        raise ParameterError("the benchmark needs the vanilla method as its reference")
+    run = BenchRun()
+    t_start = time.perf_counter()
+    active: list[Contender] = []
+    for c in contenders:
+        if warmup and warmup_prompt is not None:
+            try:
+                c.warmup(warmup_prompt)
+            except (OuroborosError, OSError, RuntimeError, ValueError) as exc:
+                run.skipped[c.label] = f"{type(exc).__name__}: {exc}"
+                log(f"bench: skipping {c.label}: {exc}")
+                if c.label == REFERENCE:
+                    raise
+                continue
+        active.append(c)
+    run.contenders = [c.describe() for c in active]
+
+    bar = _progress(len(prompts) * len(active), progress)
+    try:
+        dropped: set[str] = set()
+        for i, prompt in enumerate(prompts):
+            outcomes: dict[str, Outcome] = {}
+            recs: dict[str, dict[str, Any]] = {}
+            for order, c in enumerate(rotate(active, i)):
+                if c.label in dropped:
+                    if bar is not None:
+                        bar.update(1)
+                    continue
+                rec = _record(prompt, c, order)
+                if bar is not None:
+                    bar.set_postfix_str(f"{prompt.set_name}/{prompt.id} {c.label}", refresh=False)
+                try:
+                    out = c.run(prompt, prompt.max_tokens)
+                except ParameterError as exc:
+                    # a configuration problem (e.g. no draft model): it would fail on every prompt
+                    if c.label == REFERENCE:
+                        raise
+                    run.skipped[c.label] = f"{type(exc).__name__}: {exc}"
+                    log(f"bench: skipping {c.label}: {exc}")
+                    dropped.add(c.label)
+                    continue
+                except (OuroborosError, OSError, RuntimeError, ValueError) as exc:
+                    rec.update(match="error", error=f"{type(exc).__name__}: {exc}")
+                    log(f"bench: {c.label} failed on {prompt.set_name}/{prompt.id}: {exc}")
+                else:
+                    outcomes[c.label] = out
+                    stats = {**{k: v for k, v in out.stats.items() if k != "method"}}
+                    stats.setdefault("prompt_tokens", len(prompt.tokens))
+                    if not stats.get("prompt_tokens"):
+                        stats["prompt_tokens"] = len(prompt.tokens)
+                    if stats.get("timed_tokens") is None:   # ours: every token is a timed decode step
+                        stats["timed_tokens"] = stats.get("tokens", 0)
+                    rec.update({k: stats.get(k) for k in STAT_KEYS if k != "method"})
+                    rec["extra"] = dict(stats.get("extra") or {})
+                    if save_text:
+                        rec["prompt"] = prompt.text
+                        rec["text"] = out.text
+                recs[c.label] = rec
+                if bar is not None:
+                    bar.update(1)
+            ref = outcomes.get(REFERENCE)
+            for label, rec in recs.items():
+                if rec["match"] == "error":
+                    pass
+                elif label == REFERENCE:
+                    rec.update(match="reference", compare="tokens")
+                elif ref is None:
+                    rec.update(match="no-reference")
+                elif not greedy:
+                    rec.update(match="n/a", compare="sampled")
+                else:
+                    rec.update(classify(engine, prompt, ref, outcomes[label], tolerance_margin))
+                    if rec["match"] != "identical":
+                        log(f"bench: {label} differs from vanilla on {prompt.set_name}/{prompt.id} "
+                            f"at {'token' if rec['compare'] == 'tokens' else 'char'} {rec['first_diff']} "
+                            f"({rec['match']})")
+                run.records.append(rec)
+    finally:
+        if bar is not None:
+            bar.close()
+    if dropped:
+        run.records = [r for r in run.records if r["label"] not in dropped]
+        run.contenders = [c for c in run.contenders if c["label"] not in dropped]
+    run.wall_seconds = time.perf_counter() - t_start
+    return run
+
+
+def parse_value(text: str) -> Any:
+    """'4' -> 4, '0.5' -> 0.5, 'true' -> True, 'none' -> None, anything else stays a string."""
+    t = text.strip()
+    low = t.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    if low in ("none", "null"):
+        return None
+    for conv in (int, float):
+        try:
+            return conv(t)
+        except ValueError:
+            pass
+    return t
+
+
+def parse_sweep(spec: str, methods: Iterable[str]) -> tuple[list[str], str, list[Any]]:
+    """`[METHOD:]NAME=v1,v2,...` -> (methods swept, option name, values). Without METHOD every
+    non-vanilla method is swept."""
+    if "=" not in spec:
+        raise ParameterError(f"--sweep takes [METHOD:]NAME=v1,v2,... (got {spec!r})")
+    key, _, values = spec.partition("=")
+    method, _, name = key.rpartition(":")
+    name = name.strip().replace("-", "_")
+    vals = [parse_value(v) for v in values.split(",") if v.strip()]
+    if not name or not vals:
+        raise ParameterError(f"--sweep takes [METHOD:]NAME=v1,v2,... (got {spec!r})")
+    methods = list(methods)
+    if method:
+        if method not in methods:
+            raise ParameterError(f"--sweep method {method!r} is not in --methods")
+        swept = [method]
+    else:
+        swept = [m for m in methods if m != REFERENCE]
+    if not swept:
+        raise ParameterError("--sweep needs a method other than vanilla")
+    return swept, name, vals
+
+
+def sweep_label(method: str, name: str, value: Any) -> str:
+    return f"{method}[{name}={value}]"

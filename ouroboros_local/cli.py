@@ -1,0 +1,219 @@
+"""`ouroboros-local` command line. Errors print one line to stderr and exit non-zero."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from .errors import OuroborosError, ParameterError
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+
+# Method hyperparameters exposed as flags: flag dest -> option name passed to the proposer.
+METHOD_FLAGS = {"gamma": "gamma", "window": "window", "level": "level", "guess_set": "guess_set",
+                "topk": "topk", "pool": "pool", "p_min": "p_min", "max_ngram": "max_ngram"}
+
+
+def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -> None:
+    g = p.add_argument_group("models")
+    g.add_argument("-m", "--model", default=None if target_required else DEFAULT_TARGET,
+                   required=target_required,
+                   help="target: a GGUF path, hf://OWNER/REPO/FILE.gguf or a catalogue name "
+                        f"(default: {DEFAULT_TARGET})")
+    g.add_argument("-d", "--draft", default=None, help="draft model (same forms as -m)")
+    g.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
+    g.add_argument("-b", "--batch-size", type=int, default=256,
+                   help="largest decode in tokens: tree size and prefill chunk (default 256)")
+    g.add_argument("--seqs", type=int, default=16, help="sequence ids per context (default 16)")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("--gpu-layers", default="0", help="target layers on the GPU: all, N or 0 (default 0)")
+    g.add_argument("--draft-gpu-layers", default="0", help="draft layers on the GPU: all, N or 0")
+    g.add_argument("--flash-attn", choices=["off", "on", "auto"], default="off",
+                   help="flash attention (default off: bit-reproducible greedy output on CPU)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--seed", type=int, default=None)
+
+
+def _add_method_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("method hyperparameters (defaults suit a small CPU)")
+    g.add_argument("--method", default="vanilla",
+                   help="vanilla | speculative | ouroboros | lookahead | prompt-lookup (default vanilla)")
+    g.add_argument("--gamma", type=int, default=None, help="draft tokens per round")
+    g.add_argument("--window", type=int, default=None, help="lookahead window columns (W)")
+    g.add_argument("--level", type=int, default=None, help="lookahead n-gram size (N)")
+    g.add_argument("--guess-set", type=int, default=None, help="pool phrases verified per round (G)")
+    g.add_argument("--topk", type=int, default=None, help="pool phrases hung after a draft")
+    g.add_argument("--max-ngram", type=int, default=None, help="prompt-lookup: longest n-gram matched")
+    g.add_argument("--p-min", type=float, default=None, help="stop drafting below this draft confidence")
+    g.add_argument("--pool", default=None, help="phrase pool file, loaded and saved (history reuse)")
+
+
+def _gpu_layers(value: str) -> int:
+    if value in ("all", "-1"):
+        return -1
+    try:
+        n = int(value)
+    except ValueError:
+        raise ParameterError(f"--gpu-layers takes all, N or 0 (got {value!r})") from None
+    if n < 0:
+        raise ParameterError(f"--gpu-layers takes all, N or 0 (got {value!r})")
+    return n
+
+
+def _method_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {opt: getattr(args, dest) for dest, opt in METHOD_FLAGS.items()
+            if getattr(args, dest, None) is not None}
+
+
+def _engine_from_args(args: argparse.Namespace):
+    from .engine import Engine, EngineConfig
+
+    for name in ("ctx_size", "batch_size", "seqs"):
+        if getattr(args, name) < 1:
+            raise ParameterError(f"--{name.replace('_', '-')} must be >= 1")
+    config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
+                          threads=args.threads, flash_attn=args.flash_attn,
+                          gpu_layers=_gpu_layers(args.gpu_layers),
+                          draft_gpu_layers=_gpu_layers(args.draft_gpu_layers))
+    return Engine.load(args.model, args.draft, config=config, progress=True)
+
+
+def _sampling_from_args(args: argparse.Namespace):
+    from .sampling import SamplingParams
+
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed).validated()
+
+
+def _read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.file is not None:
+        raise ParameterError("give either -p/--prompt or -f/--file, not both")
+    if args.file is not None:
+        path = Path(args.file)
+        if str(path) == "-":
+            return sys.stdin.read()
+        if not path.is_file():
+            raise ParameterError(f"prompt file not found: {path}")
+        return path.read_text(encoding="utf-8")
+    if args.prompt is None:
+        raise ParameterError("a prompt is needed: -p TEXT or -f FILE")
+    return args.prompt
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = _read_prompt(args)
+    sampling = _sampling_from_args(args)
+    if args.max_tokens < 0:
+        raise ParameterError("-n/--max-tokens must be >= 0")
+    engine = _engine_from_args(args)
+    options = _method_options(args)
+    kwargs = dict(max_tokens=args.max_tokens, sampling=sampling, stop=args.stop or (), chat=args.chat)
+    out = sys.stdout
+    result = None
+    for event in engine.stream(prompt, method=args.method, options=options, **kwargs):
+        if event.text and not args.quiet:
+            out.write(event.text)
+            out.flush()
+        result = event.result or result
+    assert result is not None
+    if not args.quiet:
+        out.write("\n")
+    stats = result.stats
+    if args.compare and args.method != "vanilla":
+        base = engine.generate(prompt, method="vanilla", **kwargs)
+        same = base.tokens == result.tokens
+        speedup = stats.tokens_per_second / base.stats.tokens_per_second if base.stats.tokens_per_second else 0
+        print(f"[{args.method}] {stats.tokens_per_second:.1f} tok/s vs [vanilla] "
+              f"{base.stats.tokens_per_second:.1f} tok/s: {speedup:.2f}x, "
+              f"{stats.tokens_per_pass:.2f} tokens per target pass, "
+              f"{'identical' if same else 'DIFFERENT'} output", file=sys.stderr)
+    elif not args.json:
+        print(f"[{stats.method}] {stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
+              f"{stats.target_passes} target passes, {stats.tokens_per_pass:.2f} tokens/pass, "
+              f"prefill {stats.prefill_seconds:.2f}s", file=sys.stderr)
+    if args.json:
+        keys = ("method", "tokens", "prefill_seconds", "decode_seconds", "tokens_per_second",
+                "target_passes", "drafted", "accepted", "accepted_per_pass")
+        full = stats.to_dict()
+        payload = {"text": result.text, "tokens": result.tokens,
+                   "stats": {**{k: full[k] for k in keys}, **{k: v for k, v in full.items() if k not in keys}}}
+        print(json.dumps(payload, ensure_ascii=False))
+    engine.close()
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from . import models
+
+    if args.action == "list":
+        for entry in models.list_models():
+            print(entry)
+        return 0
+    for name in args.names:
+        print(models.resolve_model(name, progress=True))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ouroboros-local",
+                                     description="Lossless speculative decoding for local GGUF models")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    _add_model_args(gen)
+    gen.add_argument("-p", "--prompt", default=None)
+    gen.add_argument("-f", "--file", default=None, help="read the prompt from a file (- = stdin)")
+    gen.add_argument("-n", "--max-tokens", type=int, default=128)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--json", action="store_true", help="print a JSON object on the last line")
+    gen.add_argument("--quiet", action="store_true", help="do not stream the text")
+    gen.add_argument("--compare", action="store_true",
+                     help="also run vanilla decoding and print the speed-up and whether the text matches")
+    _add_sampling_args(gen)
+    _add_method_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    mod = sub.add_parser("models", help="list or fetch catalogue models")
+    mod.add_argument("action", choices=["list", "fetch"])
+    mod.add_argument("names", nargs="*")
+    mod.set_defaults(func=cmd_models)
+
+    for name, module in (("bench", "ouroboros_local.bench.cli"), ("chat", "ouroboros_local.chat_cli"),
+                         ("serve", "ouroboros_local.server.cli"), ("calibrate", "ouroboros_local.calibrate"),
+                         ("doctor", "ouroboros_local.doctor")):
+        try:
+            mod_ = __import__(module, fromlist=["register"])
+        except ImportError:
+            continue
+        mod_.register(sub, _add_model_args, _add_sampling_args, _add_method_args)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except OuroborosError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,371 @@
+"""The one decoding loop, and the public Engine API.
+
+    engine = Engine.load("qwen2.5-coder-1.5b-instruct", draft=None)
+    result = engine.generate("def fib(n):", max_tokens=64, method="prompt-lookup")
+    for event in engine.stream("Hello", max_tokens=32): print(event.text, end="")
+
+Every method runs the same loop (DESIGN.md §1): propose a token tree, verify it in ONE target decode,
+emit the accepted tokens, let the proposer learn. Only the proposer differs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from .errors import ContextOverflowError, ParameterError
+from .kv import KVCache
+from .llama import Context, ContextParams, Model, TextStream
+from .proposers import create_proposer, method_names
+from .proposers.base import ProposeSetup, Proposer
+from .sampling import SamplingParams
+from .tree import layout
+from .verify import VerifyResult, verify
+
+
+@dataclass
+class EngineConfig:
+    n_ctx: int = 4096
+    n_batch: int = 256            # largest tree / prefill chunk in one decode
+    n_seq_max: int = 16           # sequence ids per context (branches + lookahead window)
+    threads: int | None = None
+    threads_batch: int | None = None
+    flash_attn: str = "off"       # off gives bit-reproducible greedy output on CPU (DESIGN.md §3)
+    gpu_layers: int = 0
+    draft_gpu_layers: int = 0
+    type_k: str = "f16"
+    type_v: str = "f16"
+    draft_n_ctx: int | None = None
+
+
+@dataclass
+class GenerationStats:
+    method: str
+    tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    target_passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_pass: float = 0.0    # accepted draft tokens per target pass (bonus excluded)
+    tokens_per_pass: float = 0.0      # emitted tokens per target pass (bonus included)
+    finish_reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def finalize(self) -> None:
+        self.tokens_per_second = self.tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+        if self.target_passes:
+            self.accepted_per_pass = self.accepted / self.target_passes
+            self.tokens_per_pass = self.tokens / self.target_passes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    tokens: list[int]
+    stats: GenerationStats
+
+    @property
+    def finish_reason(self) -> str:
+        return self.stats.finish_reason
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "tokens": self.tokens, "stats": self.stats.to_dict()}
+
+
+@dataclass
+class StreamEvent:
+    text: str                          # new text since the previous event ("" is possible)
+    tokens: list[int]                  # new tokens since the previous event
+    result: GenerationResult | None = None   # set on the final event only
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and holds back text that may begin one."""
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = [s for s in stops if s]
+        self.text = ""       # everything released so far
+        self.pending = ""
+        self.stopped = False
+
+    def push(self, piece: str) -> str:
+        if not self.stops:
+            self.text += piece
+            return piece
+        self.pending += piece
+        window = self.text[-max(map(len, self.stops)):] + self.pending
+        offset = len(window) - len(self.pending)
+        hits = [window.find(s) for s in self.stops]
+        hits = [h for h in hits if h >= 0]
+        if hits:
+            cut = min(hits) - offset
+            out = self.pending[:max(cut, 0)]
+            if cut < 0:  # stop began in already released text: cannot happen (we hold back)
+                out = ""
+            self.pending = ""
+            self.stopped = True
+            self.text += out
+            return out
+        hold = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
+                if self.pending.endswith(s[:k]):
+                    hold = max(hold, k)
+                    break
+        out = self.pending[:len(self.pending) - hold]
+        self.pending = self.pending[len(self.pending) - hold:]
+        self.text += out
+        return out
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        self.text += out
+        return out
+
+
+class Engine:
+    """A target model (and optionally a draft model) loaded once; generations run one at a time."""
+
+    def __init__(self, target: Model, draft: Model | None = None, config: EngineConfig | None = None,
+                 pair_compatible: bool | None = None):
+        self.config = config or EngineConfig()
+        self.target = target
+        self.draft = draft
+        self.pair_compatible = pair_compatible
+        cfg = self.config
+        self.target_ctx = Context(target, ContextParams(
+            n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_seq_max, n_threads=cfg.threads,
+            n_threads_batch=cfg.threads_batch, flash_attn=cfg.flash_attn, type_k=cfg.type_k,
+            type_v=cfg.type_v))
+        self.kv = KVCache(self.target_ctx)
+        self._draft_ctx: Context | None = None
+        self._draft_kv: KVCache | None = None
+        self._lock = threading.Lock()
+        self.shared: dict[str, Any] = {}    # state proposers keep across requests (phrase pool, ...)
+        self.check_kv = False               # tests: assert the KV invariant after every round
+
+    # ---- construction ---------------------------------------------------------------------------
+    @classmethod
+    def load(cls, target: str | Path, draft: str | Path | None = None, *,
+             config: EngineConfig | None = None, progress: bool = True, **overrides: Any) -> "Engine":
+        """Resolve (path, hf://, catalogue name), validate and load a target and optional draft."""
+        config = config or EngineConfig()
+        for key, value in overrides.items():
+            if not hasattr(config, key):
+                raise ParameterError(f"unknown engine option {key!r}")
+            setattr(config, key, value)
+        target_path, draft_path, compatible = resolve_and_check(target, draft, progress=progress)
+        target_model = Model(target_path, n_gpu_layers=config.gpu_layers)
+        draft_model = Model(draft_path, n_gpu_layers=config.draft_gpu_layers) if draft_path else None
+        return cls(target_model, draft_model, config, pair_compatible=compatible)
+
+    def draft_kv(self) -> KVCache:
+        """The draft model's context (created on first use, kept across generations)."""
+        if self.draft is None:
+            raise ParameterError("this method needs a draft model (-d/--draft)")
+        if self._draft_kv is None:
+            cfg = self.config
+            self._draft_ctx = Context(self.draft, ContextParams(
+                n_ctx=cfg.draft_n_ctx or cfg.n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_seq_max,
+                n_threads=cfg.threads, n_threads_batch=cfg.threads_batch, flash_attn=cfg.flash_attn))
+            self._draft_kv = KVCache(self._draft_ctx)
+        return self._draft_kv
+
+    def close(self) -> None:
+        with self._lock:
+            for ctx in (self._draft_ctx, self.target_ctx):
+                if ctx is not None:
+                    ctx.close()
+            for model in (self.draft, self.target):
+                if model is not None:
+                    model.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- text helpers ---------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return self.target.detokenize(tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        from .chat import render_chat
+
+        return render_chat(self.target, messages, add_generation_prompt=add_generation_prompt)
+
+    def prompt_tokens(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if chat:
+                text = self.apply_chat_template([{"role": "user", "content": prompt}])
+                return self.tokenize(text, add_special=False, parse_special=True)
+            return self.tokenize(prompt)
+        return [int(t) for t in prompt]
+
+    # ---- generation -----------------------------------------------------------------------------
+    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+        result = None
+        for event in self.stream(prompt, **kwargs):
+            result = event.result or result
+        assert result is not None
+        return result
+
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
+               options: dict[str, Any] | None = None,
+               cancel: Callable[[], bool] | threading.Event | None = None) -> Iterator[StreamEvent]:
+        """Yield text pieces as they are accepted; the last event carries the GenerationResult."""
+        sampling = (sampling or SamplingParams()).validated()
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
+        if method not in method_names():
+            raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+        tokens = self.prompt_tokens(prompt, chat=chat)
+        if not tokens:
+            raise ParameterError("the prompt is empty")
+        if len(tokens) + 1 > self.target_ctx.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(tokens)} tokens but the context holds {self.target_ctx.n_ctx}; "
+                "use a larger --ctx-size or a shorter prompt")
+        is_cancelled = _cancel_check(cancel)
+        proposer = create_proposer(method, self, options or {})
+        with self._lock:
+            yield from self._run(tokens, proposer, max_tokens, sampling, list(stop), is_cancelled)
+
+    def _run(self, prompt: list[int], proposer: Proposer, max_tokens: int, sampling: SamplingParams,
+             stops: list[str], is_cancelled: Callable[[], bool]) -> Iterator[StreamEvent]:
+        stats = GenerationStats(method=proposer.name, prompt_tokens=len(prompt))
+        rng = sampling.rng()
+        eog = self.target.eog_tokens
+        cfg = self.config
+        setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
+                             max_branches=cfg.n_seq_max, eog_tokens=eog)
+        text_stream = TextStream(self.target)
+        matcher = StopMatcher(stops)
+        committed = list(prompt)
+        generated: list[int] = []
+        finish = "length"
+
+        t0 = time.perf_counter()
+        try:
+            self.kv.sync_to(prompt[:-1])
+        except BaseException:
+            self.kv.reset()  # a failed prefill leaves the cache in an unknown state
+            raise
+        proposer.begin(committed, setup)
+        t1 = time.perf_counter()
+        stats.prefill_seconds = t1 - t0
+        try:
+            while len(generated) < max_tokens:
+                if is_cancelled():
+                    finish = "cancelled"
+                    break
+                room = self.target_ctx.n_ctx - self.kv.n_past - 1
+                if room <= 0:
+                    finish = "length"
+                    break
+                budget = max(0, min(setup.max_tree_nodes, max_tokens - len(generated) - 1, room - 1))
+                tree = proposer.propose(committed, budget)
+                if tree.tokens[0] != committed[-1]:
+                    raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+                result = self._verify(tree, sampling, rng)
+                stats.target_passes += 1
+                if self.check_kv:
+                    self.kv.check()
+                stats.drafted += tree.n_candidates
+                new = result.tokens
+                cut = False
+                emitted: list[int] = []
+                text_out = ""
+                for tok in new:
+                    if tok in eog:
+                        finish, cut = "stop", True
+                        break
+                    emitted.append(tok)
+                    text_out += matcher.push(text_stream.push(tok))
+                    if matcher.stopped:
+                        finish, cut = "stop", True
+                        break
+                    if len(generated) + len(emitted) >= max_tokens:
+                        cut = True
+                        break
+                committed.extend(new)
+                generated.extend(emitted)
+                stats.accepted += len(result.accepted)
+                if emitted or text_out:
+                    yield StreamEvent(text=text_out, tokens=emitted)
+                if cut:
+                    break
+                proposer.observe(committed, result)
+        finally:
+            proposer.end()
+            stats.extra.update(proposer.stats())
+        tail = text_stream.flush()
+        text_tail = matcher.push(tail) if tail and not matcher.stopped else ""
+        text_tail += matcher.flush() if not matcher.stopped else ""
+        stats.decode_seconds = time.perf_counter() - t1
+        stats.tokens = len(generated)
+        stats.finish_reason = finish
+        stats.finalize()
+        final = GenerationResult(text=matcher.text, tokens=generated, stats=stats)
+        yield StreamEvent(text=text_tail, tokens=[], result=final)
+
+    def _verify(self, tree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
+        lay = layout(tree)
+        rows = self.kv.decode_layout(lay)
+        tree_rows = rows[:lay.n_tree]
+        path, bonus, predictions = verify(tree, tree_rows, sampling, rng)
+        extra_logits = None
+        if tree.extras:
+            extra_idx = [r for r in lay.extra_rows if r >= 0]
+            extra_logits = np.array(rows[extra_idx]) if extra_idx else None
+        last = path[-1]
+        winner = min(s for s in lay.seq_ids[last] if s < len(lay.leaf_seq)) if lay.n_seqs > 1 else 0
+        accepted = [tree.tokens[i] for i in path[1:]]
+        self.kv.commit_tree(tree.tokens[0], accepted, winner, lay.n_seqs)
+        by_source: dict[str, int] = {}
+        for i in path[1:]:
+            src = tree.sources.get(i)
+            if src:
+                by_source[src] = by_source.get(src, 0) + 1
+        return VerifyResult(tree=tree, path=path, accepted=accepted, bonus=int(bonus),
+                            predictions=predictions, extra_logits=extra_logits, winner_seq=winner,
+                            accepted_by_source=by_source)
+
+
+def resolve_and_check(target: str | Path, draft: str | Path | None,
+                      progress: bool = True) -> tuple[Path, Path | None, bool | None]:
+    """Resolve model specs to validated GGUF files and refuse a draft whose vocabulary differs."""
+    from . import models
+
+    target_path = models.resolve_model(str(target), progress=progress)
+    models.validate_gguf(target_path)
+    if draft is None:
+        return target_path, None, None
+    draft_path = models.resolve_model(str(draft), progress=progress)
+    models.validate_gguf(draft_path)
+    models.require_compatible(target_path, draft_path)
+    return target_path, draft_path, True
+
+
+def _cancel_check(cancel: Callable[[], bool] | threading.Event | None) -> Callable[[], bool]:
+    if cancel is None:
+        return lambda: False
+    if isinstance(cancel, threading.Event):
+        return cancel.is_set
+    return cancel

@@ -1,0 +1,25 @@
+"""User-facing errors: the CLI prints `str(error)` as one line, with no traceback."""
+
+
+class OuroborosError(Exception):
+    """Base class for every error that is the user's to fix (bad file, bad parameter, ...)."""
+
+
+class ModelError(OuroborosError):
+    """A model file is missing, unreadable, truncated, not a GGUF, or of an unsupported kind."""
+
+
+class IncompatiblePairError(OuroborosError):
+    """Draft and target vocabularies differ, so same-vocabulary drafting is impossible."""
+
+
+class ContextOverflowError(OuroborosError):
+    """The prompt (plus the room generation needs) does not fit the context window."""
+
+
+class ParameterError(OuroborosError):
+    """A generation or configuration parameter is out of range."""
+
+
+class PoolError(OuroborosError):
+    """A saved phrase pool is corrupt or belongs to another tokenizer."""

@@ -1,0 +1,130 @@
+"""KV-cache bookkeeping: the one place that decides positions, sequence ids and rollback.
+
+Invariant between rounds: sequence 0 holds exactly ``cached`` (positions 0..len-1). Other sequences are
+synced lazily: ``synced[s]`` cells of sequence s equal sequence 0's first ``synced[s]`` cells, and s
+holds nothing beyond them. Before a batch uses sequence s it is brought up to date with a cheap,
+metadata-only ``seq_cp`` (the cache is unified).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .errors import ContextOverflowError
+from .llama import Batch, Context
+from .tree import BatchLayout
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class KVCache:
+    def __init__(self, ctx: Context, max_seqs_per_token: int | None = None):
+        self.ctx = ctx
+        self.batch = Batch(ctx.n_batch, max_seqs_per_token or ctx.n_seq_max)
+        self.cached: list[int] = []
+        self.synced = [0] * ctx.n_seq_max
+
+    @property
+    def n_past(self) -> int:
+        return len(self.cached)
+
+    @property
+    def room(self) -> int:
+        return self.ctx.n_ctx - self.n_past
+
+    def reset(self) -> None:
+        self.ctx.clear()
+        self.cached = []
+        self.synced = [0] * self.ctx.n_seq_max
+
+    def truncate(self, n: int) -> None:
+        """Forget every cell at position >= n in every sequence."""
+        if n < self.n_past:
+            self.ctx.seq_rm(-1, n, -1)
+            del self.cached[n:]
+            self.synced = [min(s, n) for s in self.synced]
+
+    def feed(self, tokens: Sequence[int], logits_last: bool = False) -> np.ndarray | None:
+        """Append tokens to sequence 0 in n_batch chunks; returns the last token's logits row if asked."""
+        if not tokens:
+            return None
+        if self.n_past + len(tokens) > self.ctx.n_ctx:
+            raise ContextOverflowError(
+                f"{self.n_past + len(tokens)} tokens do not fit the context of {self.ctx.n_ctx}")
+        self._sync_seq(0)
+        step = self.ctx.n_batch
+        for start in range(0, len(tokens), step):
+            chunk = tokens[start:start + step]
+            last_chunk = start + step >= len(tokens)
+            self.batch.clear()
+            self.batch.add_sequence(chunk, self.n_past, (0,), logits_last and last_chunk)
+            self.ctx.decode(self.batch)
+            self.cached.extend(int(t) for t in chunk)
+            self.synced[0] = self.n_past
+        return self.ctx.logits(1)[0] if logits_last else None
+
+    def sync_to(self, tokens: Sequence[int], logits_last: bool = False) -> np.ndarray | None:
+        """Make the cache hold exactly ``tokens``, reusing the longest common prefix."""
+        keep = common_prefix(self.cached, tokens)
+        if logits_last and keep == len(tokens) and keep > 0:
+            keep -= 1  # re-decode the last token to get its logits
+        self.truncate(keep)
+        return self.feed(list(tokens[keep:]), logits_last=logits_last)
+
+    def _sync_seq(self, s: int) -> None:
+        if self.synced[s] < self.n_past:
+            if s != 0:
+                self.ctx.seq_cp(0, s, self.synced[s], self.n_past)
+            self.synced[s] = self.n_past
+
+    # ---- token trees ------------------------------------------------------------------------------
+    def decode_layout(self, lay: BatchLayout) -> np.ndarray:
+        """Decode a tree layout whose root goes at position n_past; returns all output rows."""
+        if lay.n_seqs > self.ctx.n_seq_max:
+            raise ValueError(f"tree needs {lay.n_seqs} sequences, context has {self.ctx.n_seq_max}")
+        if len(lay.tokens) > self.ctx.n_batch:
+            raise ValueError(f"tree of {len(lay.tokens)} tokens exceeds n_batch {self.ctx.n_batch}")
+        depth = max(lay.pos_offsets)
+        if self.n_past + depth + 1 > self.ctx.n_ctx:
+            raise ContextOverflowError(f"the context of {self.ctx.n_ctx} tokens is full")
+        for s in range(lay.n_seqs):
+            self._sync_seq(s)
+        base = self.n_past
+        self.batch.clear()
+        for tok, off, seqs, want in zip(lay.tokens, lay.pos_offsets, lay.seq_ids, lay.logits):
+            self.batch.add(tok, base + off, seqs, want)
+        self.ctx.decode(self.batch)
+        return self.ctx.logits(self.batch.n_outputs)
+
+    def commit_tree(self, root_token: int, accepted: Sequence[int], winner_seq: int, n_seqs: int) -> None:
+        """Keep the root and the accepted path's cells; drop every other cell of this round."""
+        p = self.n_past
+        a = len(accepted)
+        ctx = self.ctx
+        ctx.seq_rm(-1, p + a + 1, -1)
+        if n_seqs > 1:
+            for s in range(n_seqs):
+                if s != winner_seq:
+                    ctx.seq_rm(s, p + 1, -1)
+            if winner_seq != 0:
+                ctx.seq_cp(winner_seq, 0, p + 1, -1)
+        self.cached.append(int(root_token))
+        self.cached.extend(int(t) for t in accepted)
+        for s in range(n_seqs):
+            self.synced[s] = p + 1
+        self.synced[0] = self.n_past
+        self.synced[winner_seq] = self.n_past
+
+    def check(self) -> None:
+        """Assert the invariant against llama.cpp's own view (used by tests)."""
+        for s, n in enumerate(self.synced):
+            got = self.ctx.pos_max(s)
+            assert got == n - 1, f"seq {s}: pos_max {got}, expected {n - 1}"

@@ -1,0 +1,411 @@
+"""The only module that touches ctypes: llama.cpp models, contexts and batches.
+
+Built on llama-cpp-python's low-level bindings (``llama_cpp.llama_cpp``), never on its high-level
+``Llama`` class, because we need several sequences per context, a unified KV cache and our own batches.
+"""
+
+from __future__ import annotations
+
+import codecs
+import ctypes
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..errors import ContextOverflowError, ModelError, OuroborosError
+
+try:
+    from llama_cpp import llama_cpp as lc
+except ImportError as exc:  # pragma: no cover - import guard for a clear message
+    raise OuroborosError(
+        "llama-cpp-python is not installed: pip install 'llama-cpp-python>=0.3.36'") from exc
+
+_init_lock = threading.Lock()
+_initialised = False
+_log_callback = None  # keep a reference: a collected CFUNCTYPE segfaults when llama.cpp calls it
+_log_lines: list[str] = []
+
+
+def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
+    message = text.decode("utf-8", "replace") if text else ""
+    if os.environ.get("OUROBOROS_VERBOSE"):
+        os.write(2, message.encode())
+    elif level >= 4:  # GGML_LOG_LEVEL_ERROR: remember for error messages
+        _log_lines.append(message.strip())
+        del _log_lines[:-20]
+
+
+def backend_init() -> None:
+    """Initialise llama.cpp once per process and route its logs (quiet unless OUROBOROS_VERBOSE)."""
+    global _initialised, _log_callback
+    with _init_lock:
+        if _initialised:
+            return
+        _log_callback = lc.llama_log_callback(_on_log)
+        lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        _initialised = True
+
+
+def last_log_error() -> str:
+    return _log_lines[-1] if _log_lines else ""
+
+
+def default_threads() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS / Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def supports_gpu_offload() -> bool:
+    backend_init()
+    return bool(lc.llama_supports_gpu_offload())
+
+
+def system_info() -> str:
+    backend_init()
+    return lc.llama_print_system_info().decode("utf-8", "replace")
+
+
+class Model:
+    """A loaded GGUF model: weights, vocabulary, metadata, tokenizer."""
+
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False):
+        backend_init()
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelError(f"model file not found: {self.path}")
+        params = lc.llama_model_default_params()
+        params.n_gpu_layers = int(n_gpu_layers)
+        params.vocab_only = bool(vocab_only)
+        self.n_gpu_layers = int(n_gpu_layers)
+        ptr = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        if not ptr:
+            detail = last_log_error()
+            raise ModelError(f"llama.cpp could not load {self.path}" + (f": {detail}" if detail else ""))
+        self._ptr = ptr
+        self.vocab = lc.llama_model_get_vocab(ptr)
+        if not vocab_only and (lc.llama_model_is_recurrent(ptr) or lc.llama_model_is_hybrid(ptr)):
+            kind = "recurrent" if lc.llama_model_is_recurrent(ptr) else "hybrid"
+            self.close()
+            raise ModelError(
+                f"{self.path.name} is a {kind} model: speculative decoding needs to roll back rejected "
+                "tokens, which llama.cpp cannot do for recurrent state; use a transformer model")
+        self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
+        self.bos = int(lc.llama_vocab_bos(self.vocab))
+        self.eos = int(lc.llama_vocab_eos(self.vocab))
+        self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self._pieces: dict[tuple[int, bool], bytes] = {}
+        self._eog: frozenset[int] | None = None
+
+    # ---- metadata -------------------------------------------------------------------------------
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise OuroborosError("model is closed")
+        return self._ptr
+
+    def meta(self, key: str) -> str | None:
+        buf = ctypes.create_string_buffer(4096)
+        n = lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        if n >= len(buf):
+            buf = ctypes.create_string_buffer(n + 1)
+            lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    @property
+    def arch(self) -> str:
+        return self.meta("general.architecture") or "unknown"
+
+    @property
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        lc.llama_model_desc(self.ptr, buf, len(buf))
+        return buf.value.decode("utf-8", "replace")
+
+    @property
+    def size_bytes(self) -> int:
+        return int(lc.llama_model_size(self.ptr))
+
+    @property
+    def n_params(self) -> int:
+        return int(lc.llama_model_n_params(self.ptr))
+
+    @property
+    def n_ctx_train(self) -> int:
+        return int(lc.llama_model_n_ctx_train(self.ptr))
+
+    @property
+    def n_layer(self) -> int:
+        return int(lc.llama_model_n_layer(self.ptr))
+
+    @property
+    def n_swa(self) -> int:
+        return int(lc.llama_model_n_swa(self.ptr))
+
+    def chat_template(self) -> str | None:
+        raw = lc.llama_model_chat_template(self.ptr, None)
+        return raw.decode("utf-8", "replace") if raw else None
+
+    # ---- vocabulary -----------------------------------------------------------------------------
+    def token_text(self, token: int) -> str:
+        raw = lc.llama_vocab_get_text(self.vocab, int(token))
+        return raw.decode("utf-8", "replace") if raw else ""
+
+    def is_control(self, token: int) -> bool:
+        return bool(lc.llama_vocab_is_control(self.vocab, int(token)))
+
+    @property
+    def eog_tokens(self) -> frozenset[int]:
+        """Every end-of-generation token (EOS, EOT, <|im_end|>, ...), found once by asking llama.cpp."""
+        if self._eog is None:
+            is_eog = lc.llama_vocab_is_eog
+            self._eog = frozenset(t for t in range(self.n_vocab) if is_eog(self.vocab, t))
+        return self._eog
+
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        while True:
+            buf = (lc.llama_token * cap)()
+            n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
+            if n >= 0:
+                return list(buf[:n])
+            if n == -(2**31):
+                raise OuroborosError("text too long to tokenize")
+            cap = -n
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        """The bytes of one token (may be a partial UTF-8 sequence). Cached."""
+        key = (int(token), special)
+        cached = self._pieces.get(key)
+        if cached is not None:
+            return cached
+        buf = ctypes.create_string_buffer(64)
+        n = lc.llama_token_to_piece(self.vocab, int(token), buf, len(buf), 0, special)
+        if n < 0:
+            buf = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(self.vocab, int(token), buf, len(buf), 0, special)
+        out = buf.raw[:n]
+        self._pieces[key] = out
+        return out
+
+    def detokenize(self, tokens: Iterable[int], special: bool = False) -> str:
+        return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None) is not None:
+            lc.llama_model_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class TextStream:
+    """Turns token pieces into text safely: holds back incomplete UTF-8 sequences."""
+
+    def __init__(self, model: Model, special: bool = False):
+        self.model = model
+        self.special = special
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def push(self, token: int) -> str:
+        return self._decoder.decode(self.model.piece(token, self.special))
+
+    def flush(self) -> str:
+        return self._decoder.decode(b"", final=True)
+
+
+@dataclass
+class ContextParams:
+    n_ctx: int = 4096
+    n_batch: int = 512
+    n_seq_max: int = 1
+    n_threads: int | None = None
+    n_threads_batch: int | None = None
+    flash_attn: str = "off"        # off | on | auto
+    type_k: str = "f16"
+    type_v: str = "f16"
+    swa_full: bool = True
+    offload_kqv: bool = True
+
+
+_KV_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0,
+             "q4_0": lc.GGML_TYPE_Q4_0, "q4_1": lc.GGML_TYPE_Q4_1, "q5_0": lc.GGML_TYPE_Q5_0,
+             "q5_1": lc.GGML_TYPE_Q5_1}
+_FLASH = {"off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+          "auto": lc.LLAMA_FLASH_ATTN_TYPE_AUTO}
+
+
+class Batch:
+    """A reusable llama_batch with explicit positions, sequence ids and logits flags."""
+
+    def __init__(self, capacity: int, max_seqs_per_token: int):
+        self.capacity = capacity
+        self.max_seqs = max_seqs_per_token
+        self._b = lc.llama_batch_init(capacity, 0, max_seqs_per_token)
+        self.n_outputs = 0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self._b.n_tokens)
+
+    def clear(self) -> None:
+        self._b.n_tokens = 0
+        self.n_outputs = 0
+
+    def add(self, token: int, pos: int, seq_ids: Sequence[int], logits: bool) -> int:
+        """Append a token; returns its batch index."""
+        i = self._b.n_tokens
+        if i >= self.capacity:
+            raise OuroborosError(f"batch overflow: capacity {self.capacity}")
+        if not 0 < len(seq_ids) <= self.max_seqs:
+            raise OuroborosError(f"a token needs 1..{self.max_seqs} sequence ids")
+        b = self._b
+        b.token[i] = token
+        b.pos[i] = pos
+        b.n_seq_id[i] = len(seq_ids)
+        row = b.seq_id[i]
+        for j, s in enumerate(seq_ids):
+            row[j] = s
+        b.logits[i] = 1 if logits else 0
+        b.n_tokens = i + 1
+        if logits:
+            self.n_outputs += 1
+        return i
+
+    def add_sequence(self, tokens: Sequence[int], start_pos: int, seq_ids: Sequence[int],
+                     logits_last: bool) -> None:
+        for k, tok in enumerate(tokens):
+            self.add(tok, start_pos + k, seq_ids, logits_last and k == len(tokens) - 1)
+
+    def free(self) -> None:
+        if self._b is not None:
+            lc.llama_batch_free(self._b)
+            self._b = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.free()
+        except Exception:
+            pass
+
+
+class Context:
+    """A llama.cpp context with a unified KV cache over ``n_seq_max`` sequences."""
+
+    def __init__(self, model: Model, params: ContextParams):
+        self.model = model
+        self.params = params
+        threads = params.n_threads or default_threads()
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = params.n_ctx
+        cp.n_batch = params.n_batch
+        cp.n_ubatch = params.n_batch  # one verification = one ubatch (uses n_threads_batch)
+        cp.n_seq_max = params.n_seq_max
+        cp.n_threads = threads
+        cp.n_threads_batch = params.n_threads_batch or threads
+        try:
+            cp.flash_attn_type = _FLASH[params.flash_attn]
+            cp.type_k = _KV_TYPES[params.type_k]
+            cp.type_v = _KV_TYPES[params.type_v]
+        except KeyError as exc:
+            raise ModelError(f"unknown setting {exc.args[0]!r}") from None
+        cp.kv_unified = True
+        cp.swa_full = params.swa_full
+        cp.offload_kqv = params.offload_kqv
+        cp.no_perf = True
+        ptr = lc.llama_init_from_model(model.ptr, cp)
+        if not ptr:
+            detail = last_log_error()
+            raise ModelError("llama.cpp could not create a context "
+                             f"(n_ctx={params.n_ctx}, n_seq_max={params.n_seq_max})"
+                             + (f": {detail}" if detail else ""))
+        self._ptr = ptr
+        self.mem = lc.llama_get_memory(ptr)
+        self.n_ctx = int(lc.llama_n_ctx(ptr))
+        self.n_batch = int(lc.llama_n_batch(ptr))
+        self.n_seq_max = int(lc.llama_n_seq_max(ptr))
+        self.n_vocab = model.n_vocab
+        self.n_threads = threads
+        self._lock = threading.Lock()
+
+    @property
+    def ptr(self):
+        if self._ptr is None:
+            raise OuroborosError("context is closed")
+        return self._ptr
+
+    def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
+        lc.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
+
+    def decode(self, batch: Batch) -> None:
+        """Decode a batch; raises with llama.cpp's reason on failure."""
+        rc = lc.llama_decode(self.ptr, batch._b)
+        if rc == 0:
+            return
+        if rc == 1:
+            raise ContextOverflowError(
+                f"the context is full ({self.n_ctx} tokens): use a larger --ctx-size or a shorter prompt")
+        detail = last_log_error()
+        raise OuroborosError(f"llama_decode failed (code {rc})" + (f": {detail}" if detail else ""))
+
+    def logits(self, n_rows: int) -> np.ndarray:
+        """Zero-copy view of the last decode's output rows (valid until the next decode)."""
+        ptr = lc.llama_get_logits(self.ptr)
+        if not ptr:
+            raise OuroborosError("no logits available")
+        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+
+    # ---- memory (KV cache) ----------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:
+        if not lc.llama_memory_seq_rm(self.mem, seq, p0, p1):
+            raise OuroborosError("llama.cpp could not remove KV cells (recurrent memory?)")
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        lc.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_keep(self, seq: int) -> None:
+        lc.llama_memory_seq_keep(self.mem, seq)
+
+    def pos_max(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_max(self.mem, seq))
+
+    def pos_min(self, seq: int) -> int:
+        return int(lc.llama_memory_seq_pos_min(self.mem, seq))
+
+    def clear(self) -> None:
+        lc.llama_memory_clear(self.mem, True)
+
+    def close(self) -> None:
+        if getattr(self, "_ptr", None) is not None:
+            lc.llama_free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def quantize(src: str | Path, dst: str | Path, ftype: int, n_threads: int | None = None) -> None:
+    """Requantize a GGUF (e.g. to make a cheaper draft of the same model)."""
+    backend_init()
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.nthread = n_threads or default_threads()
+    rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise ModelError(f"quantization of {src} failed (code {rc})")

@@ -1,0 +1,50 @@
+"""Drafting strategies behind one interface (base.Proposer), and the method registry."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import ParameterError
+from .base import NoDraft, ProposeSetup, Proposer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine
+
+# method name -> "module:factory"; factories take (engine, options) and return a fresh Proposer.
+_METHODS: dict[str, str] = {
+    "vanilla": "ouroboros_local.proposers:_vanilla",
+    "speculative": "ouroboros_local.proposers.draft_model:create",
+    "prompt-lookup": "ouroboros_local.proposers.prompt_lookup:create",
+    "lookahead": "ouroboros_local.proposers.lookahead:create",
+    "ouroboros": "ouroboros_local.proposers.ouroboros:create",
+}
+
+
+def _vanilla(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    return NoDraft()
+
+
+def method_names() -> list[str]:
+    """Methods whose implementation is importable in this build."""
+    names = []
+    for name, target in _METHODS.items():
+        module, _, attr = target.partition(":")
+        try:
+            if hasattr(import_module(module), attr):
+                names.append(name)
+        except ImportError:
+            continue
+    return names
+
+
+def create_proposer(method: str, engine: "Engine", options: dict[str, Any]) -> Proposer:
+    target = _METHODS.get(method)
+    if target is None:
+        raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+    module, _, attr = target.partition(":")
+    factory: Callable[["Engine", dict[str, Any]], Proposer] = getattr(import_module(module), attr)
+    return factory(engine, options)
+
+
+__all__ = ["NoDraft", "ProposeSetup", "Proposer", "create_proposer", "method_names"]

@@ -1,0 +1,78 @@
+"""The one small interface every drafting strategy implements.
+
+The engine's loop (engine.py) is the same for every method::
+
+    proposer.begin(prompt_tokens, setup)
+    while not done:
+        tree   = proposer.propose(committed, budget)   # TokenTree rooted at committed[-1]
+        result = verify(tree)                          # ONE target decode, greedy or lossless sampling
+        emit(result.tokens)
+        proposer.observe(committed, result)            # committed already includes result.tokens
+    proposer.end()
+
+Proposers never touch the target's KV cache (the engine owns it); draft-model proposers own their
+draft context and keep it in step with ``committed`` themselves.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ..tree import TokenTree
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..sampling import SamplingParams
+    from ..verify import VerifyResult
+
+
+@dataclass
+class ProposeSetup:
+    """What a proposer may use for one generation."""
+
+    sampling: "SamplingParams"
+    rng: np.random.Generator
+    max_tree_nodes: int          # candidate nodes (root excluded) one target batch may hold
+    max_branches: int            # sequence ids available for leaf paths + extra sequences
+    eog_tokens: frozenset[int] = frozenset()
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+class Proposer(ABC):
+    """A drafting strategy. Subclasses set ``name``."""
+
+    name: str = "base"
+    needs_draft_model: bool = False
+
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        """Start a generation whose committed tokens are ``prompt``."""
+        self.setup = setup
+
+    @abstractmethod
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        """Return a tree rooted at ``committed[-1]`` with at most ``budget`` candidate nodes."""
+
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        """Learn from a verification; ``committed`` already ends with ``result.tokens``."""
+
+    def end(self) -> None:
+        """The generation is over (finished, stopped or cancelled)."""
+
+    def stats(self) -> dict[str, Any]:
+        """Method-specific numbers merged into the generation stats (optional)."""
+        return {}
+
+    def close(self) -> None:
+        """Free native resources (draft contexts)."""
+
+
+class NoDraft(Proposer):
+    """Vanilla decoding: the tree is the root alone, so each pass yields exactly one token."""
+
+    name = "vanilla"
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        return TokenTree.rooted_at(committed[-1])

@@ -1,0 +1,176 @@
+"""Lookahead decoding (LADE), target only: a Jacobi window rides along in the target's verify batch.
+
+Geometry (research note §2.2, §3.3), with ``u`` = the root (last committed token) at offset 0:
+
+* level 0 holds W-1 guesses ``a0[1..W-1]`` at offsets 1..W-1 (column 0 of level 0 is ``u`` itself);
+* level l = 1..N-2 holds W guesses ``al[0..W-1]``, column i at offset l+i;
+* column i reads the chain ``u a0[1..i] a1[i] .. al[i]`` at consecutive positions.
+
+As tree extras, column i is extra sequence i. A level-0 token ``a0[i]`` carries sequences i..W-1 (every
+column to its right reads it), a level-l token only its own column, and the root carries every extra
+sequence (the engine adds them). So each sequence is gap-free (root, a0[1..i], then i+1..i+N-2) and a
+multi-sequence level-0 token sees the same cells through each of its ids: the only cells below its
+position in those sequences are ``u`` and ``a0[1..i-1]`` (column tokens sit above position i).
+Only the last level asks for logits; their argmax is the next Jacobi iterate ``new[0..W-1]``.
+
+After each pass: harvest one phrase per column, key = the column's level-0 token, phrase =
+``(a1[i], .., a_{N-2}[i], new[i])`` (N-1 tokens on the diagonal), then shift the levels by one
+(LADE's ALWAYS_FWD_ONE): level 0 = level 1 without its first column, level l = level l+1, the last
+level = new. The engine drops the window's cells after every round, so it is decoded afresh each pass,
+as in llama.cpp's example. Pool phrases keyed by the root (at most G) are the verification branches.
+With ``pool_from_prompt`` the pool is also fed with the n-grams of the prompt and the output (LADE's
+POOL_FROM_PROMPT), which makes it a prompt-lookup as well.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ..errors import ParameterError
+from ..pool import PhrasePool, harvest_strategy, harvest_verification
+from ..tree import ExtraToken, TokenTree
+from .base import Proposer, ProposeSetup
+from .prompt_lookup import fill_tree
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine
+    from ..verify import VerifyResult
+
+
+class LookaheadProposer(Proposer):
+    name = "lookahead"
+
+    def __init__(self, window: int = 4, ngram: int = 3, guess: int = 4, pool: PhrasePool | None = None,
+                 pool_from_prompt: bool = True, harvest: str | None = "none", seed: int = 0):
+        if window < 1:
+            raise ParameterError(f"lookahead window must be >= 1 (got {window})")
+        if ngram < 3:
+            raise ParameterError(f"lookahead ngram size N must be >= 3 (got {ngram})")
+        if guess < 0:
+            raise ParameterError(f"lookahead guess set size must be >= 0 (got {guess})")
+        self.W, self.N, self.G = window, ngram, guess
+        self.pool = pool if pool is not None else PhrasePool(key_len=1, max_per_key=max(guess, 1),
+                                                              phrase_len=ngram - 1)
+        self.pool_from_prompt = pool_from_prompt
+        self.harvest = harvest_strategy(harvest)
+        self.seed = seed
+        # Static window geometry: (level, column, pos_offset, extra seqs, wants logits) in batch order.
+        W, N = window, ngram
+        self._geometry: list[tuple[int, int, int, tuple[int, ...], bool]] = \
+            [(0, i, i, tuple(range(i, W)), False) for i in range(1, W)]
+        self._geometry += [(lev, i, lev + i, (i,), lev == N - 2) for lev in range(1, N - 1) for i in range(W)]
+        self.n_extras = len(self._geometry)          # (W-1) + W(N-2)
+        self.window_depth = W - 1 + N - 2            # largest position offset of a window token
+        self.levels: list[list[int]] = []
+        self._pending: tuple[TokenTree, list[int]] | None = None
+        self._fed = 0
+        self._stats: dict[str, int] = {}
+
+    # ---- generation lifecycle ---------------------------------------------------------------------
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        super().begin(prompt, setup)
+        if setup.max_branches < self.W + 1:
+            raise ParameterError(f"lookahead window W={self.W} needs {self.W + 1} sequence ids, the "
+                                 f"context has {setup.max_branches}; lower the window or raise n_seq_max")
+        if setup.max_tree_nodes < self.n_extras:
+            raise ParameterError(f"lookahead window W={self.W}, N={self.N} needs {self.n_extras + 1} "
+                                 f"batch tokens, the batch holds {setup.max_tree_nodes + 1}")
+        self._init_window(prompt)
+        self._pending = None
+        self._fed = 0
+        self._feed(prompt)
+        self._stats = {"rounds": 0, "window_rounds": 0, "window_phrases": 0, "branch_nodes": 0,
+                       "branch_accepted": 0, "verify_phrases": 0}
+
+    def _init_window(self, prompt: Sequence[int]) -> None:
+        # Random prompt tokens (LADE) rather than llama.cpp's dummy ids: plausible tokens converge faster.
+        # An own generator keeps the sampler's random stream untouched.
+        rng = np.random.default_rng(self.seed)
+        src = np.asarray(prompt, dtype=np.int64)
+        self.levels = [rng.choice(src, size=self.W - 1).tolist()]
+        self.levels += [rng.choice(src, size=self.W).tolist() for _ in range(self.N - 2)]
+
+    def _feed(self, committed: Sequence[int]) -> None:
+        if self.pool_from_prompt:
+            self.pool.add_ngrams(committed, self.N, start=self._fed)
+            self._fed = len(committed)
+
+    # ---- one round --------------------------------------------------------------------------------
+    def window_extras(self) -> list[ExtraToken]:
+        """The current window as tree extras (see the module docstring for the layout)."""
+        return [ExtraToken(self.levels[lev][i - 1] if lev == 0 else self.levels[lev][i], off, seqs, want)
+                for lev, i, off, seqs, want in self._geometry]
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        tree = TokenTree.rooted_at(committed[-1])
+        self._pending = None
+        if budget <= 0:
+            return tree
+        self._stats["rounds"] += 1
+        # The window needs room for its positions and tokens; near the end of a generation it pauses.
+        with_window = budget >= self.window_depth
+        n_extra = self.n_extras if with_window else 0
+        max_nodes = min(budget, self.setup.max_tree_nodes - n_extra)
+        max_leaves = min(self.G, self.setup.max_branches - (self.W if with_window else 0))
+        if max_nodes > 0 and max_leaves >= 1:
+            phrases = self.pool.lookup(committed, k=self.G)
+            fill_tree(tree, ((p, "lookahead") for p in phrases), max_nodes, max_leaves)
+            self._stats["branch_nodes"] += tree.n_candidates
+        if with_window:
+            tree.extras = self.window_extras()
+            tree.n_extra_seqs = self.W
+            self._pending = (tree, [int(t) for t in committed[-self.pool.key_len:]])
+            self._stats["window_rounds"] += 1
+        return tree
+
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        pending, self._pending = self._pending, None
+        self._stats["branch_accepted"] += getattr(result, "accepted_by_source", {}).get("lookahead", 0)
+        if pending is not None and pending[0] is result.tree and result.extra_logits is not None:
+            new = np.asarray(result.extra_logits).argmax(axis=1).tolist()
+            if len(new) != self.W:
+                raise RuntimeError(f"lookahead: expected {self.W} window rows, got {len(new)}")
+            self._stats["window_phrases"] += self.harvest_window(pending[1], new)
+            self.shift(new)
+        if self.harvest != "none":
+            root = len(committed) - len(result.tokens) - 1
+            ctx = committed[max(0, root - self.pool.key_len + 1):max(root, 0)]
+            self._stats["verify_phrases"] += harvest_verification(
+                self.pool, result.tree, result.predictions, result.path, self.harvest, context=ctx)
+        self._feed(committed)
+
+    def harvest_window(self, key_context: list[int], new: list[int]) -> int:
+        """One phrase per column: key = its level-0 token (``u`` for column 0), phrase = its diagonal."""
+        chain = key_context + self.levels[0]        # ... u a0[1] .. a0[W-1]
+        base = len(key_context)
+        added = 0
+        for i in range(self.W):
+            phrase = [self.levels[lev][i] for lev in range(1, self.N - 1)] + [new[i]]
+            if self.pool.add(chain[:base + i], phrase):
+                added += 1
+        return added
+
+    def shift(self, new: list[int]) -> None:
+        """Advance the Jacobi window by one position (ALWAYS_FWD_ONE)."""
+        self.levels = [self.levels[1][1:]] + self.levels[2:] + [list(new)]
+
+    def stats(self) -> dict[str, Any]:
+        return {"la_" + k: v for k, v in self._stats.items()}
+
+
+def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    W = int(options.get("window", 4))
+    N = int(options.get("ngram", 3))
+    G = int(options.get("guess", 4))
+    pool = options.get("pool")
+    if pool is not None and not isinstance(pool, PhrasePool):
+        raise ParameterError("lookahead option 'pool' must be a PhrasePool")
+    if pool is None and options.get("warm_start", True):
+        # Warm start: one pool per engine and geometry survives across requests (Ouroboros §1.9).
+        pool = engine.shared.setdefault(f"lookahead_pool:N={N}:G={G}",
+                                        PhrasePool(key_len=1, max_per_key=max(G, 1), phrase_len=N - 1))
+    return LookaheadProposer(window=W, ngram=N, guess=G, pool=pool,
+                             pool_from_prompt=bool(options.get("pool_from_prompt", True)),
+                             harvest=options.get("harvest", "none"), seed=int(options.get("seed", 0)))

@@ -1,0 +1,563 @@
+"""Ouroboros: draft-model speculative decoding that drafts phrase by phrase (research note §1).
+
+One round (``propose``):
+
+1. **Phrase-level drafting.** Each draft forward is ONE batch on the draft context: the committed tokens
+   the draft KV lacks, the current token ``u``, a Jacobi lookahead window (W columns, N-1 levels) and the
+   pool phrases keyed by ``u`` (G at most), all in one ``TokenTree`` (window and phrases are branches
+   below ``u``; shared prefixes merge). The draft then walks the tree greedily from ``u``: every node
+   whose token is the draft's own argmax after its parent is accepted, so one forward commits 1 + h
+   tokens (h phrase/window tokens, plus the draft's token after the last of them: the full-match bonus
+   that the reference code drops, §1.12). The window yields W new phrases per forward and shifts by one
+   column (LADE's ALWAYS_FWD_ONE); it lives across rounds. Drafting stops at ``gamma`` tokens or an EOG
+   token; a forward's overshoot beyond gamma is kept (§1.12).
+2. **Long drafts.** The ``topk`` most recent pool phrases for the last draft token hang below the draft
+   as branches; the target verifies trunk + branches in one decode (engine).
+3. **Phrases from verification.** ``observe`` feeds the target's argmax over rejected tails and tried
+   branches into the pool (``pool.harvest_verification``, strategy ``harvest``), and the n-grams of the
+   committed text (``pool_from_prompt``).
+4. **History.** The pool lives in ``engine.shared["ouroboros_pool"]`` across requests; option ``pool``
+   names a file that is loaded at creation (refused for another tokenizer) and saved after every
+   generation.
+
+Draft, window and pool are greedy and deterministic (tree nodes carry no draft distribution), so the
+verifier's sample-and-match keeps the target's distribution exactly in sampling mode, and seeded runs
+are reproducible. Without a draft model ``create`` returns the target-only lookahead proposer.
+
+Draft batch geometry, with ``u`` at depth 0 below the uncached chain: level 0 is the chain
+``u -> a0[1] -> .. -> a0[W-1]``; column i hangs ``a1[i] -> .. -> a_{N-2}[i]`` below its level-0 node
+(``u`` for column 0), so ``a_l[i]`` sits at depth i + l and reads exactly its column trajectory. One
+sequence id per leaf (``tree.layout``): each column end and each phrase end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+import numpy as np
+
+from ..errors import ParameterError, PoolError
+from ..kv import common_prefix
+from ..pool import PhrasePool, harvest_strategy, harvest_verification
+from ..tree import TokenTree, check_layout, layout
+from .base import ProposeSetup, Proposer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine
+    from ..kv import KVCache
+    from ..verify import VerifyResult
+
+SHARED_POOL = "ouroboros_pool"
+SHARED_POOL_FILE = "ouroboros_pool_file"
+DEFAULTS: dict[str, Any] = {"gamma": 4, "window": 4, "level": 3, "guess_set": 4, "topk": 2,
+                            "harvest": "predicted-tail", "pool": None, "pool_from_prompt": True,
+                            "overshoot": True, "seed": 0}
+
+
+class JacobiWindow:
+    """The 2-D Jacobi window: ``cells[l, i]`` = level l, column i; ``cells[0, 0]`` is unused (it is ``u``).
+
+    Level 0 holds W-1 guesses (columns 1..W-1), levels 1..N-2 hold W each. After a forward whose last
+    level predicted ``new`` (W tokens), column i offers the phrase ``(a1[i], .., a_{N-2}[i], new[i])``
+    under the key "level-0 token of column i" and the window shifts by one position.
+    """
+
+    def __init__(self, width: int, level: int):
+        if width < 0:
+            raise ParameterError(f"ouroboros window must be >= 0 (got {width})")
+        if level < 3:
+            raise ParameterError(f"ouroboros level N must be >= 3 (got {level}): phrases hold N-1 tokens")
+        self.W = width
+        self.N = level
+        self.K = level - 1
+        self.cells = np.zeros((level - 1, width), dtype=np.int64)
+        self.age = 0          # forwards since reset
+
+    @property
+    def n_nodes(self) -> int:
+        """Window tokens in a draft batch."""
+        return max(self.W - 1, 0) + (self.N - 2) * self.W
+
+    @property
+    def depth(self) -> int:
+        """Deepest window token below ``u``."""
+        return self.W - 1 + self.N - 2 if self.W else 0
+
+    @property
+    def ready(self) -> bool:
+        """Every key and phrase token is a model output (not a random initial guess)."""
+        return self.age >= self.N - 1
+
+    def reset(self, prompt: Sequence[int], seed: int = 0) -> None:
+        """Fill every level with tokens drawn from the prompt (LADE's initialisation, no warm-up)."""
+        if self.W:
+            rng = np.random.default_rng(seed)
+            self.cells[:] = rng.choice(np.asarray(prompt, dtype=np.int64), size=self.cells.shape)
+        self.age = 0
+
+    def phrases(self, u: int, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(keys[W], phrases[W, K]): key = level-0 token of each column, phrase = its diagonal + new."""
+        keys = self.cells[0].copy()
+        keys[0] = u
+        return keys, np.vstack([self.cells[1:], np.asarray(new, dtype=np.int64)[None, :]]).T
+
+    def shift(self, new: np.ndarray) -> None:
+        """Advance by one position: level 0 = level 1 without column 0, level l = level l+1, last = new."""
+        c = self.cells
+        c[0, 1:] = c[1, 1:]
+        c[1:-1] = c[2:]
+        c[-1] = new
+        self.age += 1
+
+
+class _Tree:
+    """A TokenTree under construction with O(1) de-duplication of (parent, token) and a leaf count."""
+
+    __slots__ = ("tree", "kids", "n_leaves", "has_child")
+
+    def __init__(self, root: int):
+        self.tree = TokenTree.rooted_at(root)
+        self.kids: dict[tuple[int, int], int] = {}
+        self.n_leaves = 1
+        self.has_child: set[int] = set()
+
+    def add(self, parent: int, token: int, source: str | None = None) -> int:
+        node = self.kids.get((parent, token))
+        if node is not None:
+            return node
+        t = self.tree
+        node = len(t.tokens)
+        t.tokens.append(token)
+        t.parents.append(parent)
+        t.depths.append(t.depths[parent] + 1)
+        if source is not None:
+            t.sources[node] = source
+        self.kids[(parent, token)] = node
+        if parent in self.has_child:
+            self.n_leaves += 1
+        else:
+            self.has_child.add(parent)
+        return node
+
+    def add_phrase(self, parent: int, phrase: Sequence[int], source: str, max_nodes: int,
+                   max_leaves: int) -> int:
+        """Add a chain below ``parent`` unless it needs a leaf beyond ``max_leaves``; cut at max_nodes.
+
+        Returns the number of new nodes."""
+        node = parent
+        i = 0
+        for i, tok in enumerate(phrase):
+            nxt = self.kids.get((node, tok))
+            if nxt is None:
+                break
+            node = nxt
+        else:
+            return 0
+        if node in self.has_child and self.n_leaves >= max_leaves:
+            return 0
+        added = 0
+        for tok in phrase[i:]:
+            if len(self.tree.tokens) - 1 >= max_nodes:
+                break
+            node = self.add(node, tok, source)
+            added += 1
+        return added
+
+
+class OuroborosProposer(Proposer):
+    name = "ouroboros"
+    needs_draft_model = True
+
+    def __init__(self, kv: "KVCache", pool: PhrasePool, n_target_vocab: int, *, gamma: int = 4,
+                 window: int = 4, level: int = 3, guess_set: int = 4, topk: int = 2,
+                 harvest: str | None = "predicted-tail", pool_from_prompt: bool = True,
+                 overshoot: bool = True, seed: int = 0, pool_file: str | None = None,
+                 fingerprint: str | None = None, check: bool | Any = False):
+        for name, value, low in (("gamma", gamma, 1), ("guess_set", guess_set, 0), ("topk", topk, 0)):
+            if value < low:
+                raise ParameterError(f"ouroboros {name} must be >= {low} (got {value})")
+        self.kv = kv
+        self.pool = pool
+        self.n_target_vocab = n_target_vocab
+        self.gamma = gamma
+        self.window = JacobiWindow(window, level)
+        self.G = guess_set
+        self.topk = topk
+        self.harvest = harvest_strategy(harvest)
+        self.pool_from_prompt = pool_from_prompt
+        self.overshoot = overshoot
+        self.seed = seed
+        self.pool_file = pool_file
+        self.fingerprint = fingerprint
+        self._check = check            # an object with a truthy ``check_kv`` (the engine), or a bool
+        ctx = kv.ctx
+        if self.window.W > ctx.n_seq_max:
+            raise ParameterError(f"ouroboros window W={window} needs {window} sequence ids; the draft "
+                                 f"context has {ctx.n_seq_max} (lower the window or raise n_seq_max)")
+        if self.window.n_nodes + 1 > ctx.n_batch:
+            raise ParameterError(f"ouroboros window W={window}, N={level} needs {self.window.n_nodes + 1} "
+                                 f"batch tokens; the batch holds {ctx.n_batch}")
+        self._fed = 0
+        self._stats: dict[str, Any] = {}
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        super().begin(prompt, setup)
+        self.window.reset(prompt, self.seed)
+        self._fed = 0
+        self._feed(prompt)
+        # Draft prefill (prefix reuse across generations); the last prompt token is the first input.
+        self.kv.sync_to(list(prompt[:-1]))
+        self._stats = {"rounds": 0, "draft_forwards": 0, "draft_tokens": 0, "draft_phrase_tokens": 0,
+                       "draft_window_tokens": 0, "window_phrases": 0, "suffix_nodes": 0,
+                       "suffix_accepted": 0, "verify_phrases": 0}
+
+    def _checking(self) -> bool:
+        c = self._check
+        return bool(c if isinstance(c, bool) else getattr(c, "check_kv", False))
+
+    def _feed(self, committed: Sequence[int]) -> None:
+        if self.pool_from_prompt:
+            self.pool.add_ngrams(committed, self.window.N, start=self._fed)
+            self._fed = len(committed)
+
+    # ---- drafting ---------------------------------------------------------------------------------
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        tree = TokenTree.rooted_at(committed[-1])
+        budget = min(budget, self.setup.max_tree_nodes)
+        if budget <= 0:
+            return tree
+        self._stats["rounds"] += 1
+        eog = self.setup.eog_tokens
+        limit = min(self.gamma, budget)
+        d: list[int] = []
+        while len(d) < limit:
+            new = self._draft_forward(committed, d)
+            if not new:
+                break
+            stop = next((i for i, t in enumerate(new) if t in eog), None)
+            if stop is not None:
+                d.extend(new[:stop + 1])
+                break
+            d.extend(new)
+        if not self.overshoot:
+            del d[limit:]
+        del d[budget:]
+        node = 0
+        for tok in d:
+            node = tree.add(node, tok, source="draft")
+        # Long draft: the most recent pool phrases for the last draft token, as parallel branches.
+        if d and d[-1] not in eog and self.topk and tree.n_candidates < budget:
+            kl = self.pool.key_len
+            ctx = d[-kl:] if len(d) >= kl else list(committed[len(committed) - (kl - len(d)):]) + d
+            leaves = 1
+            max_leaves = self.setup.max_branches
+            for phrase in self.pool.lookup(ctx, k=self.topk):
+                phrase = _cut_at_eog(phrase, eog)
+                grows = _would_add_leaf(tree, node, phrase)
+                if grows is None:
+                    continue
+                if grows:
+                    if leaves >= max_leaves:
+                        continue
+                    leaves += 1
+                before = tree.n_candidates
+                tree.add_path(node, phrase, source="pool", max_nodes=budget)
+                self._stats["suffix_nodes"] += tree.n_candidates - before
+                if tree.n_candidates >= budget:
+                    break
+        return tree
+
+    def _draft_forward(self, committed: Sequence[int], d: list[int]) -> list[int]:
+        """One draft decode at the end of ``committed + d``; returns the 1 + h tokens it commits."""
+        kv = self.kv
+        ctx = kv.ctx
+        n_past = kv.n_past
+        n_com = len(committed)
+        chain = list(committed[n_past:]) + d if n_past <= n_com else d[n_past - n_com:]
+        win = self.window
+        if len(chain) + win.n_nodes >= ctx.n_batch:
+            kv.feed(chain[:-1])            # a long uncached run (rare): feed it in chunks first
+            chain = chain[-1:]
+            n_past = kv.n_past
+        u = chain[-1]
+        depth_room = ctx.n_ctx - n_past - len(chain)   # offsets below u that still fit the context
+        if depth_room < 1:
+            return []
+        use_window = win.W > 0 and win.depth < depth_room
+        b = _Tree(chain[0])
+        node = 0
+        for tok in chain[1:]:
+            node = b.add(node, tok)
+        u_node = node
+        last_nodes: list[int] = []
+        if use_window:
+            cells = win.cells.tolist()
+            lvl0 = [u_node]
+            for i in range(1, win.W):
+                lvl0.append(b.add(lvl0[-1], cells[0][i], "window"))
+            for i in range(win.W):
+                p = lvl0[i]
+                for lev in range(1, win.N - 1):
+                    p = b.add(p, cells[lev][i], "window")
+                last_nodes.append(p)
+        if self.G:
+            kl = self.pool.key_len
+            key_ctx = chain[-kl:] if len(chain) >= kl else (list(committed) + d)[-kl:]
+            max_nodes = ctx.n_batch - 1
+            max_leaves = ctx.n_seq_max
+            max_len = min(self.window.K + 1, depth_room - 1)
+            eog = self.setup.eog_tokens
+            for phrase in self.pool.lookup(key_ctx, k=self.G):
+                b.add_phrase(u_node, _cut_at_eog(phrase[:max_len], eog), "pool", max_nodes, max_leaves)
+        tree = b.tree
+        lay = layout(tree)
+        if self._checking():
+            check_layout(lay)
+        for i in range(u_node):          # the uncached chain needs no logits
+            lay.logits[i] = False
+        rows = kv.decode_layout(lay)
+        if rows.shape[1] > self.n_target_vocab:
+            rows = rows[:, :self.n_target_vocab]   # tokens the target lacks can never be accepted
+        preds = rows.argmax(axis=1)               # preds[k] = draft argmax after node u_node + k
+        # Greedy walk from u through window and phrase nodes.
+        kids = b.kids
+        path: list[int] = []
+        node = u_node
+        while True:
+            y = int(preds[node - u_node])
+            nxt = kids.get((node, y))
+            if nxt is None:
+                break
+            path.append(nxt)
+            node = nxt
+        toks = tree.tokens
+        accepted = [toks[i] for i in path]
+        winner = min(lay.seq_ids[node]) if lay.n_seqs > 1 else 0
+        kv.commit_tree(chain[0], chain[1:] + accepted, winner, lay.n_seqs)
+        if self._checking():
+            kv.check()
+        st = self._stats
+        st["draft_forwards"] += 1
+        st["draft_tokens"] += len(accepted) + 1
+        for i in path:
+            if tree.sources.get(i) == "pool":
+                st["draft_phrase_tokens"] += 1
+            else:
+                st["draft_window_tokens"] += 1
+        if use_window:
+            new = preds[np.asarray(last_nodes, dtype=np.int64) - u_node]
+            if win.ready:
+                st["window_phrases"] += self._harvest_window(chain, committed, d, new)
+            win.shift(new)
+        return accepted + [y]
+
+    def _harvest_window(self, chain: list[int], committed: Sequence[int], d: list[int],
+                        new: np.ndarray) -> int:
+        keys, phrases = self.window.phrases(chain[-1], new)
+        pool = self.pool
+        kl = pool.key_len
+        added = 0
+        if kl == 1:
+            for key, phrase in zip(keys.tolist(), phrases.tolist()):
+                added += pool.add((key,), phrase)
+            return added
+        base = (list(committed) + d)[-kl:] if len(chain) < kl else chain[-kl:]
+        level0 = base + self.window.cells[0, 1:].tolist()
+        for i, phrase in enumerate(phrases.tolist()):
+            added += pool.add(level0[:len(base) + i], phrase)
+        return added
+
+    # ---- learning from the target ------------------------------------------------------------------
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        kv = self.kv
+        prev = len(committed) - len(result.tokens)     # committed length when the tree was proposed
+        start = min(kv.n_past, prev)                   # the draft KV is a prefix of the old committed + d
+        keep = start + common_prefix(kv.cached[start:], committed[start:])
+        kv.truncate(min(keep, len(committed) - 1))
+        if self._checking():
+            kv.check()
+        self._stats["suffix_accepted"] += result.accepted_by_source.get("pool", 0)
+        if self.harvest != "none" and result.tree.n_candidates:
+            root = prev - 1
+            kl = self.pool.key_len
+            ctx = committed[max(0, root - kl + 1):root] if kl > 1 else ()
+            self._stats["verify_phrases"] += harvest_verification(
+                self.pool, result.tree, result.predictions, result.path, self.harvest, context=ctx)
+        self._feed(committed)
+
+    def end(self) -> None:
+        if self.pool_file is not None and self.fingerprint is not None:
+            self.pool.save(self.pool_file, self.fingerprint)
+
+    def stats(self) -> dict[str, Any]:
+        out = {"ouro_" + k: v for k, v in self._stats.items()}
+        out["ouro_pool_size"] = len(self.pool)
+        out["ouro_pool_keys"] = self.pool.n_keys
+        return out
+
+
+class _Fallback(Proposer):
+    """Ouroboros without a draft model: a target-only proposer under the same name, saying so in stats."""
+
+    name = "ouroboros"
+
+    def __init__(self, inner: Proposer, kind: str, pool: PhrasePool | None, pool_file: str | None,
+                 fingerprint: str | None):
+        self.inner = inner
+        self.kind = kind
+        self.pool = pool
+        self.pool_file = pool_file
+        self.fingerprint = fingerprint
+
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        super().begin(prompt, setup)
+        self.inner.begin(prompt, setup)
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        return self.inner.propose(committed, budget)
+
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        self.inner.observe(committed, result)
+
+    def end(self) -> None:
+        try:
+            self.inner.end()
+        finally:
+            if self.pool is not None and self.pool_file is not None and self.fingerprint is not None:
+                self.pool.save(self.pool_file, self.fingerprint)
+
+    def stats(self) -> dict[str, Any]:
+        out = dict(self.inner.stats())
+        out["ouroboros_fallback"] = self.kind
+        if self.pool is not None:
+            out["ouro_pool_size"] = len(self.pool)
+        return out
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _would_add_leaf(tree: TokenTree, node: int, tokens: Sequence[int]) -> bool | None:
+    """Would ``add_path(node, tokens)`` open a new leaf? None if the tree already holds the path."""
+    for tok in tokens:
+        child = tree.child_with_token(node, int(tok))
+        if child is None:
+            return any(tree.parents[i] == node for i in range(node + 1, len(tree.tokens)))
+        node = child
+    return None
+
+
+def _cut_at_eog(tokens: Sequence[int], eog: frozenset[int]) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(int(t))
+        if t in eog:
+            break
+    return out
+
+
+def tokenizer_fingerprint(engine: "Engine") -> str:
+    """The target tokenizer's fingerprint (cached per engine)."""
+    fp = engine.shared.get("tokenizer_fingerprint")
+    if fp is None:
+        try:
+            from ..models import tokenizer_fingerprint as from_gguf
+
+            fp = from_gguf(engine.target.path)
+        except Exception:  # noqa: BLE001 - no metadata reader: hash the token texts instead
+            h = hashlib.sha256(b"ouroboros-token-texts\0")
+            model = engine.target
+            for t in range(model.n_vocab):
+                h.update(model.token_text(t).encode("utf-8", "surrogatepass") + b"\0")
+            fp = h.hexdigest()
+        engine.shared["tokenizer_fingerprint"] = fp
+    return fp
+
+
+def shared_pool(engine: "Engine", phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
+    """The engine's history pool: reused across requests; loaded from ``path`` when that file exists.
+
+    A pool of another geometry (phrase length, phrases per key) is re-shaped into a new one, so the
+    history is kept and the settings of this request hold.
+    """
+    pool = engine.shared.get(SHARED_POOL)
+    current = engine.shared.get(SHARED_POOL_FILE)
+    if path is not None and path != current and os.path.exists(path):
+        pool = PhrasePool.load(path, tokenizer_fingerprint(engine))   # PoolError for another tokenizer
+    if pool is not None and (pool.phrase_len != phrase_len or pool.max_per_key != max_per_key
+                             or pool.key_len != 1):
+        fresh = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len,
+                           max_tokens=pool.max_tokens)
+        for key, phrases in pool.items():
+            for phrase in phrases:
+                fresh.add(key, phrase)
+        pool = fresh
+    if pool is None:
+        pool = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len)
+    engine.shared[SHARED_POOL] = pool
+    if path is not None:
+        engine.shared[SHARED_POOL_FILE] = path
+    return pool
+
+
+def _int_option(options: dict[str, Any], name: str) -> int:
+    value = options.get(name)
+    if value is None:
+        value = DEFAULTS[name]
+    try:
+        if isinstance(value, bool) or int(value) != float(value):
+            raise ValueError
+        return int(value)
+    except (TypeError, ValueError):
+        raise ParameterError(f"ouroboros option {name!r} must be an integer (got {value!r})") from None
+
+
+def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    # Options of other methods (the CLI's shared flags) are ignored, as every method does.
+    gamma, window, level, guess, topk = (_int_option(options, k)
+                                         for k in ("gamma", "window", "level", "guess_set", "topk"))
+    harvest = harvest_strategy(options.get("harvest") or DEFAULTS["harvest"])
+    path = options.get("pool")
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise ParameterError("ouroboros option 'pool' must be a file path")
+        path = str(Path(path).expanduser().resolve())
+    if level < 3:
+        raise ParameterError(f"ouroboros level N must be >= 3 (got {level}): phrases hold N-1 tokens")
+    pool = shared_pool(engine, level - 1, max(guess, topk, 1), path)
+    fingerprint = tokenizer_fingerprint(engine) if path is not None else None
+    if engine.draft is None:
+        return _fallback(engine, options, pool, path, fingerprint)
+    return OuroborosProposer(
+        engine.draft_kv(), pool, engine.target.n_vocab, gamma=gamma, window=window, level=level,
+        guess_set=guess, topk=topk, harvest=harvest,
+        pool_from_prompt=bool(options.get("pool_from_prompt", True)),
+        overshoot=bool(options.get("overshoot", True)), seed=_int_option(options, "seed"),
+        pool_file=path, fingerprint=fingerprint, check=engine)
+
+
+def _fallback(engine: "Engine", options: dict[str, Any], pool: PhrasePool, path: str | None,
+              fingerprint: str | None) -> Proposer:
+    try:
+        from .lookahead import create as lookahead_create
+    except ImportError:
+        lookahead_create = None
+    if lookahead_create is not None:
+        inner = lookahead_create(engine, {
+            "window": max(_int_option(options, "window"), 1), "ngram": _int_option(options, "level"),
+            "guess": _int_option(options, "guess_set"), "pool": pool,
+            "harvest": options.get("harvest") or DEFAULTS["harvest"],
+            "pool_from_prompt": bool(options.get("pool_from_prompt", True)),
+            "seed": _int_option(options, "seed")})
+        return _Fallback(inner, "lookahead", pool, path, fingerprint)
+    from .prompt_lookup import create as prompt_lookup_create
+
+    inner = prompt_lookup_create(engine, {"pool": pool, "gamma": max(_int_option(options, "gamma"), 1)})
+    return _Fallback(inner, "prompt-lookup", pool, path, fingerprint)
+
+
+__all__ = ["DEFAULTS", "JacobiWindow", "OuroborosProposer", "create", "shared_pool", "tokenizer_fingerprint"]

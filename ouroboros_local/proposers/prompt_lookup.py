@@ -1,0 +1,212 @@
+"""Prompt lookup: draft by copying what followed an earlier occurrence of the last few tokens.
+
+Matches the last n committed tokens (n from ``max_ngram`` down to ``min_ngram``) against earlier
+positions of the prompt and the output, most recent occurrence first, as llama.cpp's ngram-simple and
+``lookup`` do. An n-gram -> positions index is updated incrementally as tokens are committed, so a step
+costs O(max_ngram) dictionary lookups instead of a scan of the context. A shared ``PhrasePool`` (phrases
+from earlier requests, §2.6 "dynamic cache") is consulted after the context.
+
+Nodes are deterministic, so sampling verification uses sample-and-match (the verifier handles that).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from ..errors import ParameterError
+from ..pool import PhrasePool
+from ..tree import TokenTree
+from .base import Proposer, ProposeSetup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine
+    from ..verify import VerifyResult
+
+
+def would_add_leaf(tree: TokenTree, tokens: Sequence[int]) -> bool | None:
+    """Would ``add_path(0, tokens)`` add a leaf? None if the tree already holds the whole path."""
+    node = 0
+    for tok in tokens:
+        child = tree.child_with_token(node, int(tok))
+        if child is None or child in tree.draft_probs:
+            # diverges here: a new leaf unless it extends a current leaf
+            return any(tree.parents[i] == node for i in range(node + 1, len(tree.tokens)))
+        node = child
+    return None
+
+
+def fill_tree(tree: TokenTree, phrases: Iterator[tuple[Sequence[int], str]], max_nodes: int,
+              max_leaves: int) -> int:
+    """Hang distinct phrases below the root until ``max_nodes`` candidates or ``max_leaves`` leaves.
+
+    Returns the number of phrases used. Shared prefixes merge (TokenTree.add_path).
+    """
+    used = 0
+    skipped = 0
+    leaves = len(tree.leaves())
+    for phrase, source in phrases:
+        if tree.n_candidates >= max_nodes:
+            break
+        grows = would_add_leaf(tree, phrase)
+        if grows is None:
+            continue
+        if grows:
+            if leaves >= max_leaves:
+                # later phrases are older or shorter matches: rarely an extension worth the scan
+                skipped += 1
+                if skipped > 2:
+                    break
+                continue
+            leaves += 1
+        tree.add_path(0, phrase, source=source, max_nodes=max_nodes)
+        used += 1
+    return used
+
+
+class NgramIndex:
+    """n-gram (min_n..max_n tokens) -> positions where it ends, most recent last, for a growing sequence."""
+
+    def __init__(self, min_n: int, max_n: int, max_positions: int = 4):
+        self.min_n = min_n
+        self.max_n = max_n
+        self.max_positions = max_positions
+        self.tokens: list[int] = []
+        self._maps: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
+        self._indexed = 0   # n-grams ending before this position are indexed
+
+    def reset(self) -> None:
+        self.tokens = []
+        for m in self._maps.values():
+            m.clear()
+        self._indexed = 0
+
+    def sync(self, committed: Sequence[int]) -> None:
+        """Follow ``committed``: extend if it grew, rebuild if it is not a continuation."""
+        have = len(self.tokens)
+        if have > len(committed) or (have and int(committed[have - 1]) != self.tokens[-1]):
+            self.reset()
+            have = 0
+        if len(committed) > have:
+            self.tokens.extend(int(t) for t in committed[have:])
+        # Index every n-gram that has at least one following token (so it can be copied from).
+        toks = self.tokens
+        cap = self.max_positions
+        for end in range(self._indexed, len(toks) - 1):
+            for n, m in self._maps.items():
+                if end + 1 < n:
+                    continue
+                key = tuple(toks[end + 1 - n:end + 1])
+                positions = m.get(key)
+                if positions is None:
+                    m[key] = [end]
+                else:
+                    positions.append(end)
+                    if len(positions) > cap:
+                        del positions[0]
+        self._indexed = max(self._indexed, len(toks) - 1)
+
+    def continuations(self, length: int) -> Iterator[tuple[int, list[int]]]:
+        """(n, tokens that followed a match) for the current suffix: longest n, most recent first.
+
+        When a copy reaches the end of the sequence it continues with its own tokens (a match at distance
+        d predicts a period-d repetition), so repetitive text gets full-length drafts.
+        """
+        toks = self.tokens
+        total = len(toks)
+        for n in range(self.max_n, self.min_n - 1, -1):
+            if total < n + 1:
+                continue
+            for end in reversed(self._maps[n].get(tuple(toks[total - n:]), ())):
+                out: list[int] = []
+                for j in range(length):
+                    idx = end + 1 + j
+                    out.append(toks[idx] if idx < total else out[idx - total])
+                yield n, out
+
+
+class PromptLookupProposer(Proposer):
+    """Draft-free drafting from the context (and optionally a shared phrase pool)."""
+
+    name = "prompt-lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 8, max_branches: int = 1,
+                 pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ParameterError(f"need 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram})")
+        if gamma < 1:
+            raise ParameterError(f"gamma must be >= 1 (got {gamma})")
+        if max_branches < 1:
+            raise ParameterError(f"max_branches must be >= 1 (got {max_branches})")
+        self.gamma = gamma
+        self.max_branches = max_branches
+        self.pool = pool
+        self.feed_pool = feed_pool
+        self.index = NgramIndex(min_ngram, max_ngram, max_positions=max(max_positions, max_branches))
+        self._fed = 0
+        self._stats = {"proposals": 0, "context_phrases": 0, "pool_phrases": 0}
+
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        super().begin(prompt, setup)
+        self.index.reset()
+        self.index.sync(prompt)
+        self._fed = 0
+        self._feed(prompt)
+        self._stats = {"proposals": 0, "context_phrases": 0, "pool_phrases": 0}
+
+    def _feed(self, committed: Sequence[int]) -> None:
+        # Grow the shared pool with the n-grams of new committed text: the history future requests use.
+        if self.pool is not None and self.feed_pool:
+            self.pool.add_ngrams(committed, self.pool.phrase_len + 1, start=self._fed)
+            self._fed = len(committed)
+
+    def _phrases(self, committed: Sequence[int]) -> Iterator[tuple[list[int], str]]:
+        eog = self.setup.eog_tokens
+        for _, cont in self.index.continuations(self.gamma):
+            yield _cut_at_eog(cont, eog), "prompt-lookup"
+        if self.pool is not None:
+            for phrase in self.pool.lookup(committed, k=max(self.max_branches, 2)):
+                yield _cut_at_eog(list(phrase[:self.gamma]), eog), "pool"
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        tree = TokenTree.rooted_at(committed[-1])
+        max_nodes = min(budget, self.setup.max_tree_nodes)
+        if max_nodes <= 0:
+            return tree
+        self.index.sync(committed)
+        max_leaves = max(1, min(self.max_branches, self.setup.max_branches))
+        fill_tree(tree, self._phrases(committed), max_nodes, max_leaves)
+        if tree.n_candidates:
+            self._stats["proposals"] += 1
+            for src in tree.sources.values():
+                key = "pool_phrases" if src == "pool" else "context_phrases"
+                self._stats[key] += 1
+        return tree
+
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        self.index.sync(committed)
+        self._feed(committed)
+
+    def stats(self) -> dict[str, Any]:
+        # node counts per source ("*_phrases" count drafted nodes from each source)
+        return {"pl_" + k: v for k, v in self._stats.items()}
+
+
+def _cut_at_eog(tokens: list[int], eog: frozenset[int]) -> list[int]:
+    # Nothing after an end-of-generation token can ever be emitted.
+    for i, tok in enumerate(tokens):
+        if tok in eog:
+            return tokens[:i + 1]
+    return tokens
+
+
+def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    pool = options.get("pool")
+    if pool is True:   # the engine's shared history pool
+        pool = engine.shared.setdefault("phrase_pool", PhrasePool())
+    if pool is not None and not isinstance(pool, PhrasePool):
+        raise ParameterError("prompt-lookup option 'pool' must be a PhrasePool or True")
+    return PromptLookupProposer(max_ngram=int(options.get("max_ngram", 3)),
+                                min_ngram=int(options.get("min_ngram", 1)),
+                                gamma=int(options.get("gamma", 8)),
+                                max_branches=int(options.get("max_branches", 1)),
+                                pool=pool, feed_pool=bool(options.get("feed_pool", True)))

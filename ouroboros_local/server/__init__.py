@@ -1,0 +1,34 @@
+"""OpenAI-compatible HTTP server (``ouroboros-local serve``).
+
+FastAPI and uvicorn are the optional extra ``server``; importing this package does not need them.
+``create_app`` (in ``.app``) builds the ASGI application around a loaded Engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def default_method(has_draft: bool, available: list[str] | None = None) -> str:
+    """The fastest lossless method for a model pair: "auto" where the build has it, else a draft
+    model's speculative decoding, else prompt lookup (needs no draft), else plain decoding."""
+    if available is None:
+        from ..proposers import method_names
+
+        available = method_names()
+    order = ["auto", "speculative", "prompt-lookup", "vanilla"] if has_draft else \
+        ["auto", "prompt-lookup", "vanilla"]
+    for name in order:
+        if name in available:
+            return name
+    return "vanilla"
+
+
+def create_app(*args: Any, **kwargs: Any):
+    """Build the FastAPI application (see ``ouroboros_local.server.app.create_app``)."""
+    from .app import create_app as _create_app
+
+    return _create_app(*args, **kwargs)
+
+
+__all__ = ["create_app", "default_method"]

@@ -1,0 +1,102 @@
+"""`ouroboros-local serve`: the OpenAI-compatible server on loopback (FastAPI + uvicorn)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import OuroborosError, ParameterError
+
+API_KEY_ENV = "OUROBOROS_API_KEY"
+
+
+def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,
+             add_method_args: Callable) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, ...)",
+        description="Serve a model over an OpenAI-compatible HTTP API. Binds to 127.0.0.1 by default. "
+                    "Sampling flags set the defaults for requests that omit them.")
+    add_model_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8080, help="TCP port (default 8080)")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every request (default: ${API_KEY_ENV} if set)")
+    g.add_argument("--max-queue", type=int, default=16,
+                   help="requests that may wait behind the running one; more get 503 (default 16)")
+    g.add_argument("--model-name", default=None,
+                   help="model id reported by /v1/models and accepted in requests (default: the file name)")
+    g.add_argument("--default-max-tokens", type=int, default=512,
+                   help="chat completion length when a request gives no max_tokens (default 512)")
+    g.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn log level (default warning)")
+    add_sampling_args(p)
+    add_method_args(p)
+    for action in p._actions:  # the server picks the fastest lossless method for the pair by default
+        if action.dest == "method":
+            action.default = None
+            action.help = ("default decoding method; requests may override it with a 'method' field "
+                           "(default: auto if available, else speculative with -d, else prompt-lookup)")
+    p.set_defaults(func=cmd_serve)
+    return p
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from .app import ServerConfig, create_app
+    except ImportError as exc:
+        raise OuroborosError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
+                             "pip install 'ouroboros-local[server]'") from None
+    from .. import cli
+    from ..proposers import method_names
+    from . import default_method
+
+    if not 0 <= args.port <= 65535:
+        raise ParameterError(f"--port must be in 0..65535 (got {args.port})")
+    if args.max_queue < 0:
+        raise ParameterError("--max-queue must be >= 0")
+    if args.default_max_tokens < 1:
+        raise ParameterError("--default-max-tokens must be >= 1")
+    if args.method is not None and args.method not in method_names():
+        raise ParameterError(f"unknown method {args.method!r}; choose one of {', '.join(method_names())}")
+    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    sampling = cli._sampling_from_args(args)
+    options = cli._method_options(args)
+
+    engine = cli._engine_from_args(args)
+    try:
+        method = args.method or default_method(engine.draft is not None)
+        model_id = args.model_name or Path(str(engine.target.path)).name
+        aliases = tuple({str(args.model), Path(str(engine.target.path)).stem} - {model_id})
+        config = ServerConfig(model_id=model_id, aliases=aliases, method=method, method_options=options,
+                              sampling=sampling, api_key=api_key, max_queue=args.max_queue,
+                              default_max_tokens=args.default_max_tokens)
+        app = create_app(engine, config)
+        if not _is_loopback(args.host) and not api_key:
+            print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port "
+                  "can use the model", file=sys.stderr)
+        shown = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"serving {model_id} on http://{shown}:{args.port}/v1 (method {method}, "
+              f"context {engine.target_ctx.n_ctx}, queue {args.max_queue}"
+              f"{', API key required' if api_key else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                    timeout_graceful_shutdown=5, access_log=args.log_level in ("info", "debug", "trace"))
+    finally:
+        engine.close()
+    return 0

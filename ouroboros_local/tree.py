@@ -1,0 +1,206 @@
+"""Token trees: the candidate continuations one target pass verifies, and their llama.cpp batch layout.
+
+Node 0 is the *root*: the last committed token, which is not yet in the target's KV cache. Every other
+node is a candidate token whose parent precedes it (``parents[i] < i``), so a tree is stored in batch
+order. A node at depth d sits at position ``P + d`` where P is the root's position.
+
+Sequence ids: each root-to-leaf path gets its own sequence id, and a node carries the ids of every leaf
+below it. llama.cpp decides what a multi-sequence token attends to through *one* of its ids, and which
+one is unspecified (DESIGN.md §3). With one id per leaf path, the cells any of a node's ids hold below the
+node's position are exactly the node's ancestors (plus the shared committed prefix), so every id gives
+the same view. ``check_layout`` asserts this invariant.
+
+*Extras* are tokens a proposer rides along in the same target decode without them being candidates
+(lookahead's Jacobi window). They use their own sequence ids, numbered after the leaf paths; the root
+carries those ids too so that the extras see the committed prefix and the root.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class ExtraToken:
+    """A non-candidate token decoded in the target batch (e.g. a lookahead window cell).
+
+    ``pos_offset`` is relative to the root (>= 1); ``seqs`` are extra-sequence indices (0-based, local to
+    the extras); ``want_logits`` asks for its logits row (returned in ``VerifyResult.extra_logits``).
+    """
+
+    token: int
+    pos_offset: int
+    seqs: tuple[int, ...]
+    want_logits: bool = True
+
+
+@dataclass
+class TokenTree:
+    tokens: list[int]
+    parents: list[int]
+    depths: list[int]
+    # Draft distribution a node's token was sampled from (stochastic drafts). Nodes without one are
+    # deterministic proposals and are verified by sample-and-match.
+    draft_probs: dict[int, np.ndarray] = field(default_factory=dict)
+    # Which proposer produced each node (for per-source acceptance statistics); optional.
+    sources: dict[int, str] = field(default_factory=dict)
+    extras: list[ExtraToken] = field(default_factory=list)
+    n_extra_seqs: int = 0
+
+    @classmethod
+    def rooted_at(cls, token: int) -> "TokenTree":
+        return cls(tokens=[int(token)], parents=[-1], depths=[0])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def n_candidates(self) -> int:
+        """Number of non-root nodes (drafted tokens)."""
+        return len(self.tokens) - 1
+
+    def child_with_token(self, parent: int, token: int) -> int | None:
+        for i in range(parent + 1, len(self.tokens)):
+            if self.parents[i] == parent and self.tokens[i] == token:
+                return i
+        return None
+
+    def children(self, node: int) -> list[int]:
+        return [i for i in range(node + 1, len(self.tokens)) if self.parents[i] == node]
+
+    def add(self, parent: int, token: int, draft_probs: np.ndarray | None = None,
+            source: str | None = None) -> int:
+        """Add a child (or return the existing deterministic child with the same token)."""
+        if not 0 <= parent < len(self.tokens):
+            raise IndexError(f"parent {parent} out of range")
+        token = int(token)
+        if draft_probs is None:
+            existing = self.child_with_token(parent, token)
+            if existing is not None and existing not in self.draft_probs:
+                return existing
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        node = len(self.tokens) - 1
+        if draft_probs is not None:
+            self.draft_probs[node] = draft_probs
+        if source is not None:
+            self.sources[node] = source
+        return node
+
+    def add_path(self, parent: int, tokens: Sequence[int], source: str | None = None,
+                 max_nodes: int | None = None) -> int:
+        """Add a chain of deterministic tokens below ``parent`` (sharing existing prefixes).
+
+        Stops early once the tree holds ``max_nodes`` candidate nodes. Returns the last node reached.
+        """
+        node = parent
+        for tok in tokens:
+            existing = self.child_with_token(node, int(tok))
+            if existing is not None and existing not in self.draft_probs:
+                node = existing
+                continue
+            if max_nodes is not None and self.n_candidates >= max_nodes:
+                break
+            node = self.add(node, int(tok), source=source)
+        return node
+
+    def path_to(self, node: int) -> list[int]:
+        """Node indices from the root to ``node`` (inclusive)."""
+        path = []
+        while node >= 0:
+            path.append(node)
+            node = self.parents[node]
+        return path[::-1]
+
+    def leaves(self) -> list[int]:
+        has_child = set(self.parents[1:])
+        return [i for i in range(len(self.tokens)) if i not in has_child]
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def is_chain(self) -> bool:
+        return all(self.parents[i] == i - 1 for i in range(1, len(self.tokens)))
+
+
+@dataclass
+class BatchLayout:
+    """Where every token of a tree (+ extras) goes in one llama.cpp batch."""
+
+    tokens: list[int]
+    pos_offsets: list[int]          # relative to the root position
+    seq_ids: list[tuple[int, ...]]  # absolute sequence ids
+    logits: list[bool]
+    n_tree: int                     # the first n_tree batch entries are the tree nodes, in node order
+    n_seqs: int                     # sequence ids used: 0 .. n_seqs-1
+    leaf_seq: dict[int, int]        # leaf node -> its sequence id
+    extra_rows: list[int]           # output-row index of each extra token that wants logits (-1 if none)
+
+
+def layout(tree: TokenTree) -> BatchLayout:
+    """Assign positions and sequence ids (one per root-to-leaf path, then one per extra sequence)."""
+    leaves = tree.leaves()
+    leaf_seq = {leaf: s for s, leaf in enumerate(leaves)}
+    n_paths = len(leaves)
+    node_seqs: list[set[int]] = [set() for _ in tree.tokens]
+    for leaf, s in leaf_seq.items():
+        node = leaf
+        while node >= 0:
+            node_seqs[node].add(s)
+            node = tree.parents[node]
+    extra_seq_ids = tuple(range(n_paths, n_paths + tree.n_extra_seqs))
+    node_seqs[0].update(extra_seq_ids)
+
+    tokens = list(tree.tokens)
+    pos = list(tree.depths)
+    seqs = [tuple(sorted(s)) for s in node_seqs]
+    logits = [True] * len(tree.tokens)
+    extra_rows = []
+    row = len(tree.tokens)
+    for extra in tree.extras:
+        if extra.pos_offset < 1:
+            raise ValueError("extra tokens must sit after the root")
+        tokens.append(int(extra.token))
+        pos.append(extra.pos_offset)
+        seqs.append(tuple(n_paths + s for s in extra.seqs))
+        logits.append(extra.want_logits)
+        if extra.want_logits:
+            extra_rows.append(row)
+            row += 1
+        else:
+            extra_rows.append(-1)
+    return BatchLayout(tokens=tokens, pos_offsets=pos, seq_ids=seqs, logits=logits,
+                       n_tree=len(tree.tokens), n_seqs=n_paths + tree.n_extra_seqs,
+                       leaf_seq=leaf_seq, extra_rows=extra_rows)
+
+
+def check_layout(lay: BatchLayout) -> None:
+    """Assert llama.cpp's batch rules and the seq-id view invariant for a layout (raises AssertionError).
+
+    1. Per sequence, batch positions are gap-free, unique, start at the root (offset 0) and never
+       decrease in batch order.
+    2. A token with several seq ids sees the same cells through each of them: the set of
+       (position, batch index) cells at lower positions is identical for all its ids.
+    """
+    by_seq: dict[int, list[tuple[int, int]]] = {}
+    for i, (p, ss) in enumerate(zip(lay.pos_offsets, lay.seq_ids)):
+        assert ss, f"token {i} has no sequence id"
+        for s in ss:
+            by_seq.setdefault(s, []).append((p, i))
+    for s, cells in by_seq.items():
+        positions = [p for p, _ in cells]
+        assert positions == sorted(positions), f"seq {s}: positions decrease in batch order"
+        distinct = sorted(set(positions))
+        assert len(distinct) == len(positions), f"seq {s}: two tokens at one position"
+        assert distinct[0] == 0, f"seq {s} does not start at the root"
+        assert distinct[-1] - distinct[0] + 1 == len(distinct), f"seq {s}: positions have gaps"
+    for i, (p, ss) in enumerate(zip(lay.pos_offsets, lay.seq_ids)):
+        if len(ss) < 2:
+            continue
+        views = [frozenset(c for c in by_seq[s] if c[0] < p) for s in ss]
+        assert all(v == views[0] for v in views), f"token {i}: its seq ids give different views"

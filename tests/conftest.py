@@ -1,0 +1,60 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ouroboros_local.testing import write_tiny_model
+
+# ---------------------------------------------------------------------------------------------
+# Tiny generated GGUF models (session-scoped: each is written once, in ~0.1 s, never downloaded)
+# ---------------------------------------------------------------------------------------------
+
+# Draft = target weights + 2% (of each tensor's init std) fresh noise. Random tiny models have
+# small top-1/top-2 margins, so agreement falls fast with noise: 0.01 -> ~92%, 0.02 -> ~87%,
+# 0.03 -> ~78%, 0.1 -> ~40% greedy acceptance along the target's greedy path.
+TINY_DRAFT_NOISE = 0.02
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tiny_models")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_models_dir: Path) -> Path:
+    """Vocab "a" (509 tokens), seed 1, f32."""
+    return write_tiny_model(tiny_models_dir / "target.gguf", vocab="a", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft(tiny_models_dir: Path) -> Path:
+    """Perturbed copy of `tiny_target`: same vocab and shapes, high but imperfect agreement."""
+    return write_tiny_model(
+        tiny_models_dir / "draft.gguf", vocab="a", seed=2, base_seed=1, noise=TINY_DRAFT_NOISE
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_self_draft(tiny_models_dir: Path) -> Path:
+    """Byte-identical to `tiny_target`, in its own file: every greedy draft token is accepted."""
+    return write_tiny_model(tiny_models_dir / "self_draft.gguf", vocab="a", seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_other_vocab(tiny_models_dir: Path) -> Path:
+    """Vocab "b" (409 tokens, specials at ids 0-2): for cross-vocabulary tests and refusals."""
+    return write_tiny_model(tiny_models_dir / "other_vocab.gguf", vocab="b", seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_f16(tiny_models_dir: Path) -> Path:
+    """Same weights as `tiny_target` stored as F16 (logits within ~0.03 of the f32 model)."""
+    return write_tiny_model(tiny_models_dir / "target_f16.gguf", vocab="a", seed=1, dtype="f16")
+
+
+# ---------------------------------------------------------------------------------------------
+# Project fixtures (lead engineer): loaded models/contexts, engines, ... go below.
+# ---------------------------------------------------------------------------------------------

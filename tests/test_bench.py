@@ -1,0 +1,308 @@
+"""The benchmark harness: prompt building, comparison, peers' output parsing, and a full run on tiny models."""
+
+from __future__ import annotations
+
+import json
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from ouroboros_local.bench import peers, prompts, report, runner
+from ouroboros_local.bench.cli import parse_method_options, parse_methods
+from ouroboros_local.cli import build_parser, main
+from ouroboros_local.errors import ParameterError
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def item(task: str, text: str, **meta) -> prompts.PromptItem:
+    return prompts.PromptItem(id="x", task=task, turns=[text], meta=meta)
+
+
+def fake_template(messages: list[dict[str, str]]) -> str:
+    return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages) + \
+        "<|im_start|>assistant\n"
+
+
+# ---- prompts ---------------------------------------------------------------------------------
+def test_render_prompts_per_task() -> None:
+    stub = "def f(x):\n    \"\"\"Double x.\"\"\"\n"
+    raw = prompts.render_prompt(item("humaneval", stub), "humaneval", chat=False)
+    assert raw == prompts.HUMANEVAL_INSTRUCTION + "\n" + stub
+    assert len(raw.split("\n")[0]) + 1 == 113          # the paper's prompt[:113] split point
+    chat = prompts.render_prompt(item("humaneval", stub), "humaneval", chat=True, template=fake_template)
+    assert chat == fake_template([{"role": "user", "content": prompts.HUMANEVAL_INSTRUCTION}]) + stub
+
+    assert prompts.render_prompt(item("cnndm", "ART"), "cnndm", chat=False) == \
+        "Please summarize the following document within one sentence. Document: ART  Summary: "
+    assert prompts.render_prompt(item("cnndm", "ART"), "cnndm", chat=True, template=fake_template) \
+        .startswith("<|im_start|>user\nPlease summarize")
+
+    shot = prompts.PromptItem(id="s", task="gsm8k", turns=["1+1?"],
+                              meta={"answer": "1 + 1 = <<1+1=2>>2\n#### 2", "final": "2"})
+    gsm = prompts.render_prompt(item("gsm8k", "2+2?"), "gsm8k", chat=False, fewshot=[shot])
+    assert gsm == "Q: 1+1?\nA: 1 + 1 = 2 The answer is 2.\n\nQ: 2+2?\nA:"
+
+    wmt = prompts.render_prompt(item("wmt_de_en", "Hallo Welt", src_lang="de", tgt_lang="en"), "wmt", chat=False)
+    assert wmt == "Translate German to English: Hallo Welt"
+    mt = prompts.PromptItem(id="m", task="mt_bench", turns=["first", "second"])
+    assert prompts.render_prompt(mt, "mt_bench", chat=False) == "first"
+    assert prompts.render_prompt(item("raw", "as is"), "raw", chat=False) == "as is"
+    with pytest.raises(ParameterError):
+        prompts.render_prompt(item("raw", "x"), "raw", chat=True, template=None)
+
+
+def test_load_sets(tmp_path: Path) -> None:
+    rows = [{"id": f"g{i}", "task": "gsm8k", "turns": [f"q{i}"], "source": "t",
+             "meta": {"answer": f"#### {i}"}} for i in range(5)]
+    f = write_jsonl(tmp_path / "gsm.jsonl", rows)
+    w = write_jsonl(tmp_path / "w.jsonl", [{"id": "w", "task": "wmt_de_en", "turns": ["a"]}])
+    sets = prompts.load_sets(f"{f},{w}", limit=2, fewshot=2)
+    assert [s.name for s in sets] == ["gsm", "w"]
+    assert [s.task for s in sets] == ["gsm8k", "wmt"]
+    assert [i.id for i in sets[0].items] == ["g2", "g3"] and len(sets[0].fewshot) == 2
+    assert prompts.load_sets(str(f), task="raw")[0].task == "raw"
+    assert prompts.normalize_task("mt-bench") == "mt_bench" and prompts.normalize_task("??") == "raw"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": 1, "turns": ["a"]}\nnot json\n')
+    with pytest.raises(ParameterError, match="bad.jsonl:2"):
+        prompts.load_sets(str(bad))
+    with pytest.raises(ParameterError, match="turns"):
+        prompts.load_sets(str(write_jsonl(tmp_path / "t.jsonl", [{"id": "a", "turns": []}])))
+    with pytest.raises(ParameterError, match="not found"):
+        prompts.load_sets(str(tmp_path / "missing.jsonl"))
+    txt = tmp_path / "p.txt"
+    txt.write_text("hello\n")
+    assert prompts.load_sets(str(txt))[0].items[0].turns == ["hello\n"]
+    assert prompts.looks_like_chat_model("Qwen2.5 Coder 1.5B Instruct", True)
+    assert not prompts.looks_like_chat_model("Qwen2.5 Coder 1.5B", True)
+    assert not prompts.looks_like_chat_model("x-instruct", False)
+
+
+# ---- parsing helpers ------------------------------------------------------------------------
+def test_option_parsing() -> None:
+    assert runner.parse_sweep("gamma=1,2,4", ["vanilla", "speculative", "ouroboros"]) == \
+        (["speculative", "ouroboros"], "gamma", [1, 2, 4])
+    assert runner.parse_sweep("lookahead:guess-set=4,8", ["vanilla", "lookahead"]) == \
+        (["lookahead"], "guess_set", [4, 8])
+    with pytest.raises(ParameterError):
+        runner.parse_sweep("x:gamma=1", ["vanilla", "speculative"])
+    with pytest.raises(ParameterError):
+        runner.parse_sweep("gamma", ["vanilla", "speculative"])
+    assert [runner.parse_value(v) for v in ("3", "0.5", "true", "none", "abc")] == [3, 0.5, True, None, "abc"]
+    assert parse_methods("prompt-lookup,vanilla", ["vanilla", "prompt-lookup"], []) == ["vanilla", "prompt-lookup"]
+    assert parse_methods("all", ["vanilla", "lookahead"], ["fake"]) == ["vanilla", "lookahead"]
+    with pytest.raises(ParameterError, match="unknown method"):
+        parse_methods("nope", ["vanilla"], [])
+    assert parse_method_options('{"ouroboros": {"gamma": 4}}') == {"ouroboros": {"gamma": 4}}
+    for bad in ("{", '{"a": 1}', "[1]"):
+        with pytest.raises(ParameterError):
+            parse_method_options(bad)
+
+
+def test_comparisons() -> None:
+    assert runner.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert runner.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert runner.first_difference([1, 2, 3], [1, 2]) == 2
+    assert runner.compare_text("abc", "abcdef", 3, 5) is None       # a peer overshooting -n
+    assert runner.compare_text("abc", "abX", 3, 3) == 2
+    assert runner.compare_text("abcdef", "abc", 6, 3) == 3            # stopped early
+    assert runner.rotate([1, 2, 3], 4) == [2, 3, 1]
+
+
+def test_peer_names() -> None:
+    assert peers.expand_peers("llama-cpp-python-pld", has_draft=False) == ["llama-cpp-python",
+                                                                          "llama-cpp-python-pld"]
+    labels = peers.expand_peers("llama.cpp", has_draft=False)
+    assert labels[0] == "llama.cpp:vanilla" and "llama.cpp:draft-simple" not in labels
+    assert "llama.cpp:draft-simple" in peers.expand_peers("llama.cpp", has_draft=True)
+    with pytest.raises(ParameterError):
+        peers.expand_peers("llama.cpp:draft-simple", has_draft=False)
+    with pytest.raises(ParameterError, match="unknown peer"):
+        peers.expand_peers("vllm", has_draft=False)
+
+
+SPEC_SIMPLE_STDERR = """\
+main: encoded  120 tokens in    0.412 seconds, speed:  291.262 t/s
+main: decoded   65 tokens in    2.000 seconds, speed:   32.500 t/s
+
+main: n_draft   = 8
+main: n_predict = 65
+main: n_drafted = 80
+main: n_accept  = 40
+main: accept    = 50.000%
+llama_perf_context_print:        load time =     100.00 ms
+llama_perf_context_print: prompt eval time =     300.00 ms /   200 tokens
+llama_perf_context_print:        eval time =     200.00 ms /    20 runs
+"""
+
+
+def test_parse_llama_cpp_output() -> None:
+    nums = peers.parse_llama_cpp_output(SPEC_SIMPLE_STDERR)
+    assert nums["prompt_tokens"] == 120 and nums["prefill_seconds"] == pytest.approx(0.412)
+    assert nums["decoded"] == 65 and nums["decode_seconds"] == pytest.approx(2.0)
+    assert (nums["n_draft"], nums["n_predict"], nums["n_drafted"], nums["n_accept"]) == (8, 65, 80, 40)
+    assert nums["accept_percent"] == pytest.approx(50.0)
+    la = peers.parse_llama_cpp_output("W = 15\nN =  5\nG = 15\n\nn_predict = 10\nn_accept  = 4\n")
+    assert (la["W"], la["N"], la["G"], la["n_predict"], la["n_accept"]) == (15, 5, 15, 10, 4)
+    out = "\n\nPROMPT\nline" + "gen \x1b[0;96mtext\x1b[0m<|im_end|>" + "\n\n\n\n"
+    assert peers.generated_text(out, "PROMPT\nline") == "gen text<|im_end|>"
+
+
+class _StubModel:
+    add_bos = True
+    bos = 0
+
+    def token_text(self, tok: int) -> str:
+        return "<s>"
+
+
+FAKE_BINARY = r'''#!{python}
+import sys
+args = sys.argv[1:]
+prompt = open(args[args.index("-f") + 1], encoding="utf-8").read()
+assert prompt.endswith("\n")
+prompt = prompt[:-1]                      # what llama.cpp's -f does
+n = int(args[args.index("-n") + 1])
+assert "--no-escape" in args and "0" == args[args.index("--spec-draft-n-max") + 1]
+sys.stdout.write("\n\n" + prompt + "abc" * n + "\n\n\n\n")
+sys.stderr.write("main: encoded   7 tokens in 0.010 seconds, speed: 700.0 t/s\n"
+                 f"main: decoded {{n + 1:4d}} tokens in    0.500 seconds, speed: 10.0 t/s\n"
+                 f"n_draft      = 0\nn_predict    = {{n + 1}}\nn_drafted    = 0\nn_accept     = 0\n")
+'''
+
+
+def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
+    exe = tmp_path / "bin" / "llama-lookup"
+    exe.parent.mkdir()
+    exe.write_text(FAKE_BINARY.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, _StubModel(), "t.gguf", n_ctx=512, threads=1)
+    bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="<s>hello\n", tokens=[0, 1, 2], chat=True,
+                             max_tokens=4)
+    out = peer.run(bp, 4)
+    peer.close()
+    assert out.compare == "text" and out.tokens is None
+    assert out.text == "abc" * 4                      # the prompt (minus the BOS the binary adds) stripped
+    assert out.stats["tokens"] == 5 and out.stats["timed_tokens"] == 4 and out.stats["target_passes"] == 4
+    assert out.stats["tokens_per_second"] == pytest.approx(8.0)
+    missing = peers.LlamaCppBinPeer("llama.cpp:lookahead", tmp_path, _StubModel(), "t.gguf", n_ctx=512)
+    with pytest.raises(peers.PeerUnavailable):
+        missing.run(bp, 4)
+    missing.close()
+
+
+# ---- full runs on the tiny models ---------------------------------------------------------------
+def lossy(engine, prompt, max_tokens, sampling, options):
+    """A deliberately wrong method: vanilla's output with one token changed."""
+    res = engine.generate(prompt.tokens, max_tokens=max_tokens, method="vanilla", sampling=sampling)
+    toks = list(res.tokens)
+    k = min(2, len(toks) - 1)
+    toks[k] = (toks[k] + 1) % engine.target.n_vocab
+    return runner.Outcome(tokens=toks, text=engine.detokenize(toks), stats=res.stats.to_dict())
+
+
+def test_cli_parses() -> None:
+    args = build_parser().parse_args(
+        ["bench", "-m", "t.gguf", "-d", "d.gguf", "--prompts", "a.jsonl,b.jsonl", "--task", "humaneval",
+         "--methods", "vanilla,speculative", "--peers", "llama-cpp-python-pld,llama.cpp", "--llama-cpp-bin",
+         "/opt/llama", "--limit", "3", "-n", "16", "--out", "o", "--no-chat", "--sweep", "gamma=2,4",
+         "--method-options", '{"speculative": {"gamma": 3}}', "--tolerance-margin", "0.01", "--gamma", "5"])
+    assert (args.model, args.draft, args.task, args.limit, args.max_tokens, args.chat) == \
+        ("t.gguf", "d.gguf", "humaneval", 3, 16, False)
+    assert args.methods == "vanilla,speculative" and args.sweep == "gamma=2,4" and args.gamma == 5
+    assert args.tolerance_margin == 0.01 and args.llama_cpp_bin == "/opt/llama"
+    assert args.func.__module__ == "ouroboros_local.bench.cli"
+
+
+def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    monkeypatch.setitem(runner.CUSTOM_METHODS, "lossy", lossy)
+    rows = [{"id": "p1", "task": "raw", "turns": ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n"],
+             "source": "test", "meta": {}},
+            {"id": "p2", "task": "raw", "turns": ["The quick brown fox jumps over the lazy dog. The quick"],
+             "source": "test", "meta": {}}]
+    pfile = write_jsonl(tmp_path / "tiny.jsonl", rows)
+    out = tmp_path / "out"
+    peer_args = []
+    try:
+        import llama_cpp  # noqa: F401
+
+        peer_args = ["--peers", "llama-cpp-python-pld,llama.cpp:lookup", "--llama-cpp-bin", str(tmp_path)]
+    except ImportError:
+        pass
+    rc = main(["bench", "-m", str(tiny_target), "-d", str(tiny_draft), "--prompts", str(pfile),
+               "--methods", "vanilla,speculative,prompt-lookup,lossy", "--sweep", "speculative:gamma=1,3",
+               "-n", "8", "--out", str(out), "-c", "512", "-b", "64", "--seqs", "8", "-t", "1", "--no-progress",
+               "--no-bandwidth", "--tolerance-margin", "0.0", "--strict", *peer_args])
+    assert rc == 3                                   # --strict: the lossy method differs
+    data = json.loads((out / "results.json").read_text())
+    assert set(data) == set(report.RESULT_KEYS)
+    assert data["schema"] == report.SCHEMA
+    labels = [m["label"] for m in data["methods"]]
+    assert labels[:4] == ["vanilla", "speculative[gamma=1]", "speculative[gamma=3]", "prompt-lookup"]
+    assert "lossy" in labels
+    summary = data["summary"]["tiny"]
+    for s in summary.values():
+        assert set(s) == set(report.SUMMARY_KEYS)
+    assert summary["vanilla"]["speedup"] == pytest.approx(1.0)
+    for lab in ("speculative[gamma=1]", "speculative[gamma=3]", "prompt-lookup"):
+        assert summary[lab]["all_identical"] is True, lab
+        assert summary[lab]["tokens"] == summary["vanilla"]["tokens"]
+    assert summary["lossy"]["all_identical"] is False and summary["lossy"]["mismatches"] == 2
+    mism = data["mismatches"]
+    assert {m["label"] for m in mism} == {"lossy"} and all(m["first_diff"] == 2 for m in mism)
+    assert all(m["margin"] is not None for m in mism)
+    assert len(data["records"]) == 2 * len(labels)
+    for rec in data["records"]:
+        assert set(runner.RECORD_KEYS) <= set(rec)
+    assert data["sweep"]["param"] == "gamma" and set(data["sweep"]["labels"]) == {"speculative[gamma=1]",
+                                                                                 "speculative[gamma=3]"}
+    assert data["machine"]["logical_cores"] and data["versions"]["ouroboros_local"]
+    assert data["models"]["target"]["size_bytes"] > 0 and data["models"]["target"]["sha256"]
+    if peer_args:
+        assert summary["llama-cpp-python-pld"]["all_identical"] is True
+        assert summary["llama-cpp-python-pld"]["baseline"] == "llama-cpp-python"
+        assert "llama.cpp:lookup" in data["skipped"]          # no binaries in tmp_path
+    md = (out / "results.md").read_text()
+    assert "| vanilla |" in md and "MISMATCH" in md and "## Outputs that differ from vanilla" in md
+    assert "| vanilla |" in capsys.readouterr().out
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (out / "speedup.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
+
+
+def test_tolerance_margin_tie_flip(tiny_target: Path) -> None:
+    import numpy as np
+
+    from ouroboros_local.engine import Engine, EngineConfig
+    from ouroboros_local.llama import Model
+
+    with Engine(Model(tiny_target), None, EngineConfig(n_ctx=256, n_batch=32, n_seq_max=2, threads=1)) as engine:
+        bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="The quick brown fox",
+                                 tokens=engine.tokenize("The quick brown fox"), chat=False, max_tokens=6)
+        ref = runner.Outcome.from_result(engine.generate(bp.tokens, max_tokens=6))
+        runner.cold_start(engine)
+        row = np.array(engine.kv.sync_to(bp.tokens + ref.tokens[:3], logits_last=True))
+        second = int(np.argsort(-row)[1])
+        if second == ref.tokens[3]:
+            second = int(np.argsort(-row)[0])
+        margin = float(row[ref.tokens[3]] - row[second])
+        flipped = list(ref.tokens)
+        flipped[3] = second
+        got = runner.Outcome(tokens=flipped, text="", stats={})
+        strict = runner.classify(engine, bp, ref, got, tolerance_margin=None)
+        assert strict["match"] == "mismatch" and strict["first_diff"] == 3 and strict["margin"] is None
+        assert (strict["ref_token"], strict["got_token"]) == (ref.tokens[3], second)
+        loose = runner.classify(engine, bp, ref, got, tolerance_margin=abs(margin) + 1.0)
+        assert loose["match"] == "tie-flip" and loose["margin"] == pytest.approx(margin, abs=1e-3)
+        tight = runner.classify(engine, bp, ref, got, tolerance_margin=0.0)
+        assert tight["match"] == ("tie-flip" if margin < 0 else "mismatch")
+        assert runner.classify(engine, bp, ref, ref, tolerance_margin=1.0)["match"] == "identical"

@@ -1,0 +1,217 @@
+"""`ouroboros-local chat`: the session logic in-process, and the real CLI through a pseudo-terminal."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from ouroboros_local.chat_cli import PROMPT, ChatSession, run_repl
+from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.errors import ContextOverflowError
+from ouroboros_local.llama import Model
+from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.testing import write_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+SYSTEM = "You are terse."
+STATS_LINE = re.compile(r"\[[a-z-]+\] \d+ tokens, [\d.]+ tok/s")
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft):
+    eng = Engine(Model(tiny_target), Model(tiny_draft),
+                 EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1, threads_batch=1))
+    eng.check_kv = True
+    yield eng
+    eng.close()
+
+
+def slow_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Same file as tests/test_server.py writes: a wider random model whose answers run long."""
+    path = tmp_path_factory.getbasetemp() / "slow_chat.gguf"
+    if not path.exists():
+        write_tiny_model(path, seed=7, n_layer=4, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536,
+                         n_ctx_train=4096)
+    return path
+
+
+def chat_tokens(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
+    return engine.tokenize(engine.apply_chat_template(messages), add_special=False, parse_special=True)
+
+
+# ---- ChatSession --------------------------------------------------------------------------------
+def test_session_history_matches_template_over_whole_conversation(engine):
+    session = ChatSession(engine, method="speculative", sampling=SamplingParams(), system=SYSTEM, max_tokens=20)
+    pieces: list[str] = []
+    first = session.ask("Tell me about the sea.", pieces.append)
+    assert "".join(pieces) == first.text
+    expected = engine.generate(chat_tokens(engine, [{"role": "system", "content": SYSTEM},
+                                                    {"role": "user", "content": "Tell me about the sea."}]),
+                               max_tokens=20, method="vanilla")
+    assert first.text == expected.text
+    second = session.ask("And the boats?")
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me about the sea."},
+               {"role": "assistant", "content": first.text}, {"role": "user", "content": "And the boats?"}]
+    assert second.text == engine.generate(chat_tokens(engine, history), max_tokens=20, method="vanilla").text
+    assert [m["role"] for m in session.messages] == ["system", "user", "assistant", "user", "assistant"]
+    assert session.totals.turns == 2
+    assert session.context_used == len(chat_tokens(engine, history)) + second.stats.tokens
+    summary = session.summary()
+    assert "2 answers" in summary and "context" in summary
+    assert STATS_LINE.match(ChatSession.turn_line(second))
+
+    session.reset()
+    assert session.messages == [{"role": "system", "content": SYSTEM}]
+    again = session.ask("Tell me about the sea.")
+    assert again.text == first.text
+
+
+def test_session_cancel_keeps_partial_answer(engine):
+    session = ChatSession(engine, method="vanilla", max_tokens=200)
+    cancel = threading.Event()
+    seen: list[str] = []
+
+    def on_text(text: str) -> None:
+        seen.append(text)
+        cancel.set()           # like Ctrl-C right after the first piece
+
+    result = session.ask("hello", on_text, cancel)
+    assert result.stats.finish_reason in ("cancelled", "stop")
+    if result.stats.finish_reason == "cancelled":
+        assert "stopped" in ChatSession.turn_line(result)
+    assert session.messages[-1] == {"role": "assistant", "content": result.text}
+    # The engine is fine afterwards.
+    assert session.ask("again").stats.finish_reason in ("stop", "length")
+
+
+def test_session_context_overflow(engine):
+    session = ChatSession(engine, method="vanilla", max_tokens=4)
+    with pytest.raises(ContextOverflowError):
+        session.ask("the sea " * 400)
+    assert session.messages == []      # a refused turn does not join the history
+
+
+def test_repl_commands_without_a_terminal(engine):
+    lines = iter(["", "/help", "hello", "/stats", "/reset", "/stats", "/quit", "never read"])
+
+    def read(prompt: str) -> str:
+        assert prompt == PROMPT
+        return next(lines)
+
+    session = ChatSession(engine, method="vanilla", max_tokens=8, system=SYSTEM)
+    out, err = io.StringIO(), io.StringIO()
+    assert run_repl(session, read=read, out=out, err=err) == 0
+    assert next(lines) == "never read"
+    log = err.getvalue()
+    assert "/reset" in log and "conversation cleared" in log
+    assert "1 answers" in log and "0 answers" not in log.split("conversation cleared")[0]
+    assert STATS_LINE.search(log)
+    assert session.messages == [{"role": "system", "content": SYSTEM}]
+
+    def eof(prompt: str) -> str:
+        raise EOFError
+
+    assert run_repl(session, read=eof, out=io.StringIO(), err=io.StringIO()) == 0
+
+
+# ---- the real CLI in a pseudo-terminal ----------------------------------------------------------
+try:
+    import pexpect
+except ImportError:  # pragma: no cover
+    pexpect = None
+needs_pty = pytest.mark.skipif(pexpect is None or not hasattr(os, "openpty"),
+                               reason="needs pexpect and a POSIX pseudo-terminal")
+
+
+def _spawn(model: Path, *extra: str):
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TERM": "dumb", "PYTHONUNBUFFERED": "1"}
+    args = ["-m", "ouroboros_local.cli", "chat", "-m", str(model), "-c", "2048", "-b", "64", "-t", "1",
+            "--method", "vanilla", *extra]
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", codec_errors="replace", timeout=60,
+                          dimensions=(40, 200))
+    child.expect_exact("chatting with")
+    child.expect_exact(PROMPT)
+    return child
+
+
+def _long_answer_prompt(model: Path) -> str:
+    """A first message whose greedy answer does not end within 80 tokens (the model is random)."""
+    with Engine(Model(model), None, EngineConfig(n_ctx=2048, n_batch=64, n_seq_max=4, threads=1)) as eng:
+        for text in ("hi", "Hello", "Write some code", "Why?", "ok", "Tell me more"):
+            msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+            if eng.generate(chat_tokens(eng, msgs), max_tokens=80).stats.finish_reason == "length":
+                return text
+    pytest.skip("no candidate prompt gives a long answer with this random model")
+
+
+@needs_pty
+def test_chat_in_a_pty_ctrl_c_stops_the_answer(tmp_path_factory):
+    model = slow_chat_model(tmp_path_factory)
+    prompt = _long_answer_prompt(model)
+    child = _spawn(model, "--system", SYSTEM, "-n", "1500")
+    try:
+        child.sendline(prompt)
+        child.expect_exact(prompt)                     # the terminal echo
+        child.expect(r"\S")                            # streamed answer text arrives ...
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        child.sendintr()                               # ... Ctrl-C in the middle of it
+        child.expect(r"\[vanilla\] (\d+) tokens, [\d.]+ tok/s[^\r\n]*stopped", timeout=20)
+        stopped_after = time.monotonic() - t0
+        n_tokens = int(child.match.group(1))
+        assert 0 < n_tokens < 1500
+        child.expect_exact(PROMPT)                     # back at the prompt, not quit
+        assert child.isalive()
+
+        child.sendline("/stats")
+        child.expect(r"1 answers \(1 stopped\)")
+        child.expect_exact(PROMPT)
+
+        child.sendline("/reset")
+        child.expect_exact("conversation cleared")
+        child.expect_exact(PROMPT)
+
+        child.sendline("What is the weather?")       # a full answer afterwards (capped by -n)
+        child.expect(r"\[vanilla\] \d+ tokens, [\d.]+ tok/s[^\r\n]*", timeout=60)
+        assert "stopped" not in child.match.group(0)
+        child.expect_exact(PROMPT)
+
+        child.sendeof()                                # Ctrl-D quits
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+    print(f"Ctrl-C stopped the answer after {n_tokens} tokens, {stopped_after:.2f}s to the stats line")
+
+
+@needs_pty
+def test_chat_in_a_pty_ctrl_c_at_the_prompt_quits(tiny_target):
+    child = _spawn(tiny_target, "-n", "8")
+    try:
+        child.sendline("hello")
+        child.expect(r"\[vanilla\] \d+ tokens")
+        child.expect_exact(PROMPT)
+        child.sendintr()
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, (child.exitstatus, child.signalstatus)
+
+
+@needs_pty
+def test_chat_in_a_pty_quit_command(tiny_target):
+    child = _spawn(tiny_target, "-n", "8", "--system", "Be brief.")
+    try:
+        child.sendline("/quit")
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0

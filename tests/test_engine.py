@@ -1,0 +1,210 @@
+"""The decoding loop on generated tiny models: losslessness, KV cleanup, stop conditions."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from ouroboros_local.engine import Engine, EngineConfig, StopMatcher
+from ouroboros_local.errors import ContextOverflowError, ParameterError
+from ouroboros_local.llama import Context, ContextParams, Model
+from ouroboros_local.proposers import method_names
+from ouroboros_local.sampling import SamplingParams, distribution
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "héllo wörld ✓ 日本 <|im_start|>user\nhi<|im_end|>\n",
+]
+
+
+def make_engine(target, draft=None, **cfg) -> Engine:
+    # one thread: tiny models gain nothing from two, and tests run beside each other on 2 cores
+    config = EngineConfig(n_ctx=cfg.pop("n_ctx", 512), n_batch=cfg.pop("n_batch", 64),
+                          n_seq_max=cfg.pop("n_seq_max", 8), threads=cfg.pop("threads", 1), **cfg)
+    engine = Engine(Model(target), Model(draft) if draft else None, config)
+    engine.check_kv = True
+    return engine
+
+
+@pytest.fixture(scope="module")
+def pair_engine(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft)
+    yield engine
+    engine.close()
+
+
+def draft_free_methods() -> list[str]:
+    return [m for m in method_names() if m not in ("vanilla", "speculative")]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_speculative_greedy_equals_vanilla(pair_engine: Engine, prompt: str) -> None:
+    base = pair_engine.generate(prompt, max_tokens=40, method="vanilla")
+    for gamma in (1, 3, 6):
+        spec = pair_engine.generate(prompt, max_tokens=40, method="speculative", options={"gamma": gamma})
+        assert spec.tokens == base.tokens, f"gamma={gamma}"
+        assert spec.text == base.text
+        assert spec.stats.target_passes <= base.stats.target_passes
+    assert base.stats.target_passes == base.stats.tokens or base.stats.finish_reason == "stop"
+
+
+def test_self_draft_accepts_everything(tiny_target, tiny_self_draft) -> None:
+    with make_engine(tiny_target, tiny_self_draft) as engine:
+        res = engine.generate(PROMPTS[1], max_tokens=30, method="speculative", options={"gamma": 4})
+        assert res.stats.drafted > 0
+        assert res.stats.accepted == res.stats.drafted or res.stats.finish_reason == "stop"
+        assert res.stats.tokens_per_pass > 3
+
+
+@pytest.mark.parametrize("method", ["vanilla", "speculative"] + draft_free_methods())
+def test_every_method_is_greedy_lossless_and_keeps_the_kv_clean(pair_engine: Engine, method: str) -> None:
+    for prompt in PROMPTS:
+        base = pair_engine.generate(prompt, max_tokens=32, method="vanilla")
+        res = pair_engine.generate(prompt, max_tokens=32, method=method)
+        assert res.tokens == base.tokens, method
+        # the cache holds exactly the committed tokens but the uncached last one
+        committed = pair_engine.prompt_tokens(prompt) + res.tokens
+        assert pair_engine.kv.cached == committed[:len(pair_engine.kv.cached)]
+
+
+def test_prefix_reuse_across_generations(pair_engine: Engine) -> None:
+    a = pair_engine.generate(PROMPTS[0], max_tokens=10)
+    cached_before = list(pair_engine.kv.cached)
+    b = pair_engine.generate(PROMPTS[0], max_tokens=10)
+    assert a.tokens == b.tokens
+    assert b.stats.prefill_seconds <= a.stats.prefill_seconds * 5 + 0.05
+    assert cached_before[:5] == pair_engine.kv.cached[:5]
+
+
+def test_max_tokens_and_stop_strings(pair_engine: Engine) -> None:
+    res = pair_engine.generate(PROMPTS[1], max_tokens=7, method="speculative")
+    assert len(res.tokens) == 7 and res.finish_reason == "length"
+    full = pair_engine.generate(PROMPTS[1], max_tokens=30)
+    if len(full.text) > 6:
+        stop = full.text[3:6]
+        res = pair_engine.generate(PROMPTS[1], max_tokens=30, stop=[stop], method="speculative")
+        assert res.text == full.text[:full.text.find(stop)]
+        assert res.finish_reason == "stop"
+    assert pair_engine.generate(PROMPTS[1], max_tokens=0).tokens == []
+
+
+def test_stop_matcher_holds_back_partial_matches() -> None:
+    m = StopMatcher(["END"])
+    assert m.push("abc E") == "abc "
+    assert m.push("N") == ""
+    assert m.push("Dxyz") == ""
+    assert m.stopped and m.text == "abc E"[:4]
+    m = StopMatcher(["END"])
+    assert m.push("abE") == "ab"
+    assert m.push("x") == "Ex"
+    assert m.flush() == ""
+
+
+def test_streaming_yields_the_same_text(pair_engine: Engine) -> None:
+    pieces = []
+    result = None
+    for ev in pair_engine.stream(PROMPTS[2], max_tokens=25, method="speculative"):
+        pieces.append(ev.text)
+        result = ev.result or result
+    assert "".join(pieces) == result.text
+
+
+def test_cancellation(pair_engine: Engine) -> None:
+    calls = {"n": 0}
+
+    def cancel() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 2
+
+    res = pair_engine.generate(PROMPTS[0], max_tokens=50, cancel=cancel)
+    assert res.finish_reason == "cancelled" and 0 < len(res.tokens) < 50
+    # the engine is usable and exact afterwards
+    assert pair_engine.generate(PROMPTS[0], max_tokens=8).tokens == \
+        pair_engine.generate(PROMPTS[0], max_tokens=8, method="speculative").tokens
+
+
+def test_bad_parameters_raise_clear_errors(pair_engine: Engine) -> None:
+    with pytest.raises(ParameterError, match="temperature"):
+        pair_engine.generate("x", sampling=SamplingParams(temperature=-1))
+    with pytest.raises(ParameterError, match="max_tokens"):
+        pair_engine.generate("x", max_tokens=-1)
+    with pytest.raises(ParameterError, match="unknown method"):
+        pair_engine.generate("x", method="nope")
+    with pytest.raises(ParameterError, match="gamma"):
+        pair_engine.generate("x", method="speculative", options={"gamma": 0})
+    with pytest.raises(ContextOverflowError, match="context"):
+        pair_engine.generate("word " * 2000, max_tokens=4)
+    # still fine afterwards
+    assert len(pair_engine.generate("x y z", max_tokens=3).tokens) == 3
+
+
+def test_speculative_without_draft_is_refused(tiny_target) -> None:
+    with make_engine(tiny_target) as engine:
+        with pytest.raises(ParameterError, match="draft"):
+            engine.generate("x", method="speculative")
+
+
+def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft) -> None:
+    with make_engine(tiny_target, tiny_draft, n_ctx=64) as engine:
+        prompt = "a b c d e f g h"
+        res = engine.generate(prompt, max_tokens=500, method="speculative")
+        assert res.finish_reason in ("length", "stop")
+        assert len(engine.prompt_tokens(prompt)) + len(res.tokens) <= 64
+
+
+# ---- sampling losslessness on the tiny vocabulary ------------------------------------------------
+
+def target_pair_distribution(model_path, prompt_tokens, params, firsts):
+    """Exact p(t1, t2) of the target for t1 in ``firsts`` (plain one-token decodes)."""
+    model = Model(model_path)
+    ctx = Context(model, ContextParams(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
+    from ouroboros_local.kv import KVCache
+
+    kv = KVCache(ctx)
+    p1 = distribution(kv.sync_to(prompt_tokens, logits_last=True).copy(), params)
+    joint = {}
+    for t1 in firsts:
+        p2 = distribution(kv.sync_to(prompt_tokens + [t1], logits_last=True).copy(), params)
+        for t2 in np.nonzero(p2)[0]:
+            joint[(t1, int(t2))] = p1[t1] * p2[t2]
+    ctx.close()
+    model.close()
+    return p1, joint
+
+
+@pytest.mark.parametrize("method", ["speculative"] + draft_free_methods())
+def test_sampling_is_lossless(pair_engine: Engine, tiny_target, method: str) -> None:
+    params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+    prompt = PROMPTS[1]
+    tokens = pair_engine.prompt_tokens(prompt)
+    p1, _ = target_pair_distribution(tiny_target, tokens, params, [])
+    firsts = [int(t) for t in np.nonzero(p1)[0]]
+    _, joint = target_pair_distribution(tiny_target, tokens, params, firsts)
+    n = 600
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(n):
+        sp = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, seed=seed)
+        res = pair_engine.generate(prompt, max_tokens=2, method=method, sampling=sp)
+        key = tuple(res.tokens)
+        assert key in joint, f"{key} has zero target probability"
+        counts[key] = counts.get(key, 0) + 1
+    keys = sorted(joint)
+    expected = np.array([joint[k] for k in keys]) * n
+    observed = np.array([counts.get(k, 0) for k in keys])
+    # pool rare cells so every expected count is >= 5
+    rare = expected < 5
+    exp = np.append(expected[~rare], expected[rare].sum())
+    obs = np.append(observed[~rare], observed[rare].sum())
+    if exp[-1] == 0:
+        exp, obs = exp[:-1], obs[:-1]
+    pvalue = sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert pvalue > 1e-3, (method, pvalue)
+
+
+def test_seeded_sampling_is_reproducible(pair_engine: Engine) -> None:
+    sp = SamplingParams(temperature=0.8, seed=123)
+    a = pair_engine.generate(PROMPTS[0], max_tokens=20, method="speculative", sampling=sp)
+    b = pair_engine.generate(PROMPTS[0], max_tokens=20, method="speculative", sampling=sp)
+    assert a.tokens == b.tokens

