@@ -24,6 +24,7 @@ from .llama import Context, ContextParams, Model, TextStream
 from .proposers import create_proposer, method_names
 from .proposers.base import ProposeSetup, Proposer
 from .sampling import SamplingParams
+from .scheduler import CalibrationCache, CostModel, Scheduler, calibration_key, measure_costs
 from .tree import layout
 from .verify import VerifyResult, verify
 
@@ -41,6 +42,9 @@ class EngineConfig:
     type_k: str = "f16"
     type_v: str = "f16"
     draft_n_ctx: int | None = None
+    adaptive: bool = True         # cap draft lengths by the measured cost model (scheduler.py)
+    calibration: str = "auto"     # auto: cached or measured cost curve; off: assume flat costs
+    max_draft: int = 16
 
 
 @dataclass
@@ -154,6 +158,8 @@ class Engine:
         self._lock = threading.Lock()
         self.shared: dict[str, Any] = {}    # state proposers keep across requests (phrase pool, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
+        self._scheduler: Scheduler | None = None
+        self._draft_cost: dict[str, float] = {}   # seconds per drafted token, per proposer (EMA)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -181,6 +187,37 @@ class Engine:
                 n_threads=cfg.threads, n_threads_batch=cfg.threads_batch, flash_attn=cfg.flash_attn))
             self._draft_kv = KVCache(self._draft_ctx)
         return self._draft_kv
+
+    # ---- cost model -----------------------------------------------------------------------------
+    def calibration_settings(self) -> dict[str, Any]:
+        cfg = self.config
+        from .llama import system_info
+
+        return {"gpu_layers": cfg.gpu_layers, "threads": self.target_ctx.n_threads,
+                "n_batch": self.target_ctx.n_batch, "flash_attn": cfg.flash_attn, "type_k": cfg.type_k,
+                "type_v": cfg.type_v, "system": system_info()}
+
+    def cost_model(self, refresh: bool = False) -> CostModel:
+        """The target's verify-cost curve: from the on-disk cache, else measured now (a few decodes)."""
+        if self.config.calibration == "off":
+            return CostModel.flat()
+        key = calibration_key(self.target.path, self.calibration_settings())
+        cache = CalibrationCache()
+        model = None if refresh else cache.get(key)
+        if model is None:
+            with self._lock:
+                model = measure_costs(self.kv)
+            model.key = key
+            try:
+                cache.put(model)
+            except OSError:
+                pass  # a read-only cache directory only costs a re-measurement next time
+        return model
+
+    def scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft)
+        return self._scheduler
 
     def close(self) -> None:
         with self._lock:
@@ -244,6 +281,8 @@ class Engine:
                 "use a larger --ctx-size or a shorter prompt")
         is_cancelled = _cancel_check(cancel)
         proposer = create_proposer(method, self, options or {})
+        if self.config.adaptive and getattr(proposer, "adaptive", False):
+            self.scheduler()  # calibrate (or load the cached curve) before taking the lock
         with self._lock:
             yield from self._run(tokens, proposer, max_tokens, sampling, list(stop), is_cancelled)
 
@@ -255,6 +294,7 @@ class Engine:
         cfg = self.config
         setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
                              max_branches=cfg.n_seq_max, eog_tokens=eog)
+        sched = self._scheduler if cfg.adaptive and getattr(proposer, "adaptive", False) else None
         text_stream = TextStream(self.target)
         matcher = StopMatcher(stops)
         committed = list(prompt)
@@ -280,7 +320,15 @@ class Engine:
                     finish = "length"
                     break
                 budget = max(0, min(setup.max_tree_nodes, max_tokens - len(generated) - 1, room - 1))
+                if sched is not None:
+                    budget = sched.best_length(proposer.name, self._draft_cost.get(proposer.name, 0.0),
+                                               limit=budget)
+                t_propose = time.perf_counter()
                 tree = proposer.propose(committed, budget)
+                if tree.n_candidates:
+                    per_token = (time.perf_counter() - t_propose) / tree.n_candidates
+                    old = self._draft_cost.get(proposer.name)
+                    self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
                 if tree.tokens[0] != committed[-1]:
                     raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
                 result = self._verify(tree, sampling, rng)
@@ -307,6 +355,8 @@ class Engine:
                 committed.extend(new)
                 generated.extend(emitted)
                 stats.accepted += len(result.accepted)
+                if sched is not None:
+                    sched.update(proposer.name, tree.max_depth, len(result.accepted))
                 if emitted or text_out:
                     yield StreamEvent(text=text_out, tokens=emitted)
                 if cut:

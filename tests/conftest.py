@@ -58,3 +58,11 @@ def tiny_f16(tiny_models_dir: Path) -> Path:
 # ---------------------------------------------------------------------------------------------
 # Project fixtures (lead engineer): loaded models/contexts, engines, ... go below.
 # ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _isolated_calibration(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Keep measured cost curves out of the user's cache."""
+    import os
+
+    os.environ["OUROBOROS_CALIBRATION_FILE"] = str(tmp_path_factory.mktemp("calib") / "calibration.json")

@@ -18,6 +18,7 @@ _METHODS: dict[str, str] = {
     "prompt-lookup": "ouroboros_local.proposers.prompt_lookup:create",
     "lookahead": "ouroboros_local.proposers.lookahead:create",
     "ouroboros": "ouroboros_local.proposers.ouroboros:create",
+    "auto": "ouroboros_local.proposers.auto:create",
 }
 
 

@@ -46,6 +46,9 @@ class Proposer(ABC):
 
     name: str = "base"
     needs_draft_model: bool = False
+    # True when the proposer honours small budgets sensibly (a chain or trunk first), so the engine
+    # may cap its budget by the cost model; proposers with fixed-size extras (lookahead) say False.
+    adaptive: bool = False
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         """Start a generation whose committed tokens are ``prompt``."""

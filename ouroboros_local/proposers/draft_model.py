@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 class DraftModelProposer(Proposer):
     name = "speculative"
     needs_draft_model = True
+    adaptive = True  # the engine may cap gamma by the cost model
 
     def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0):
         if gamma < 1:

@@ -1,0 +1,38 @@
+"""`ouroboros-local calibrate`: measure (or show the cached) verify-cost curve of a target."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .cli import _engine_from_args
+
+    t0 = time.perf_counter()
+    engine = _engine_from_args(args)
+    t_load = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    costs = engine.cost_model(refresh=args.refresh)
+    t_cal = time.perf_counter() - t1
+    if args.json:
+        print(json.dumps({**costs.to_dict(), "load_seconds": t_load, "calibration_seconds": t_cal}))
+    else:
+        print(f"target {engine.target.path.name}: {engine.target_ctx.n_threads} threads, "
+              f"gpu layers {engine.config.gpu_layers}, flash-attn {engine.config.flash_attn}")
+        print("tokens per decode   seconds   x one token")
+        for n, s in zip(costs.sizes, costs.seconds):
+            print(f"{n:>17}   {s:7.4f}   {s / costs.seconds[0]:6.2f}")
+        print(f"model load {t_load:.2f}s, calibration {t_cal:.2f}s "
+              f"({'cached' if t_cal < 0.05 else 'measured'}; key {costs.key[:12]})")
+    engine.close()
+    return 0
+
+
+def register(sub, add_model_args, add_sampling_args, add_method_args) -> None:
+    p = sub.add_parser("calibrate", help="measure the target's verify-cost curve (cached per settings)")
+    add_model_args(p)
+    p.add_argument("--refresh", action="store_true", help="measure again even if a cached curve exists")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_calibrate)

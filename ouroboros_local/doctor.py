@@ -1,0 +1,60 @@
+"""`ouroboros-local doctor`: what llama.cpp was built with, what it sees, and whether a pair fits."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import llama_cpp
+
+    from . import __version__, models
+    from .llama import default_threads, supports_gpu_offload, system_info
+
+    print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
+          f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
+    print(f"llama.cpp system info: {system_info().strip()}")
+    gpu = supports_gpu_offload()
+    print(f"GPU offload: {'available' if gpu else 'not available (CPU build: --gpu-layers is ignored)'}")
+    print(f"threads: {default_threads()} usable cores (os.cpu_count() = {os.cpu_count()})")
+    available = _meminfo_bytes("MemAvailable")
+    if available:
+        print(f"memory available: {available / 2**30:.1f} GiB")
+    total = 0
+    for label, spec in (("target", args.model), ("draft", args.draft)):
+        if not spec:
+            continue
+        path = models.resolve_model(spec, progress=True)
+        info = models.validate_gguf(path)
+        total += info.file_size
+        print(f"{label}: {path} ({info.arch}, vocab {info.n_vocab}, {info.file_size / 2**20:.0f} MiB, "
+              f"trained context {info.context_length})")
+    if args.draft:
+        report = models.check_pair(models.resolve_model(args.model), models.resolve_model(args.draft))
+        print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible
+                          else f"different vocabularies: {report.reason}"))
+    if total and available:
+        # weights plus a rough KV/compute allowance for the default context
+        need = total * 1.1 + 512 * 2**20
+        verdict = "fits" if need < available else "does NOT fit"
+        print(f"memory: the models need about {need / 2**30:.1f} GiB: {verdict} in available memory")
+    return 0
+
+
+def register(sub, add_model_args, add_sampling_args, add_method_args) -> None:
+    p = sub.add_parser("doctor", help="report the llama.cpp backend, devices, threads and memory fit")
+    add_model_args(p)
+    p.set_defaults(func=cmd_doctor)

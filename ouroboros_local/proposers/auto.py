@@ -1,0 +1,93 @@
+"""Method ``auto``: pick, round by round, the proposer with the best expected speed on this machine.
+
+Candidates, cheapest first: prompt lookup (free drafts, copied from the prompt, the output and the
+shared phrase pool) and, when a same-vocabulary draft model is loaded, the draft model. Each round:
+
+1. prompt lookup proposes up to the scheduler's best length for it; if it finds a match, that is the
+   round's tree (a free draft beats a paid one of similar acceptance);
+2. otherwise the draft model drafts the scheduler's best length for it (its measured per-token cost
+   included), if drafting pays at all;
+3. otherwise the tree is the root alone: a plain decoding step.
+
+The scheduler (scheduler.py) holds an acceptance estimate per proposer and the measured verify-cost
+curve, so on a CPU where verification is expensive ``auto`` drafts short or not at all, and on a GPU
+it drafts long. Every sub-proposer observes every round so its state (index, draft KV) stays current.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..tree import TokenTree
+from .base import ProposeSetup, Proposer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine
+    from ..scheduler import Scheduler
+    from ..verify import VerifyResult
+
+
+class AutoProposer(Proposer):
+    name = "auto"
+
+    def __init__(self, scheduler: "Scheduler", candidates: list[Proposer]):
+        self.scheduler = scheduler
+        self.candidates = candidates
+        self._last: Proposer | None = None
+        self._draft_cost: dict[str, float] = {}
+        self.rounds: dict[str, int] = {}
+
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        super().begin(prompt, setup)
+        for proposer in self.candidates:
+            proposer.begin(prompt, setup)
+        self.rounds = {}
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        self._last = None
+        for proposer in self.candidates:
+            cost = self._draft_cost.get(proposer.name, 0.0)
+            k = self.scheduler.best_length(proposer.name, cost, limit=budget)
+            if k <= 0:
+                continue
+            t0 = time.perf_counter()
+            tree = proposer.propose(committed, k)
+            if tree.n_candidates:
+                per_token = (time.perf_counter() - t0) / tree.n_candidates
+                old = self._draft_cost.get(proposer.name)
+                self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
+                self._last = proposer
+                self.rounds[proposer.name] = self.rounds.get(proposer.name, 0) + 1
+                return tree
+        self.rounds["plain"] = self.rounds.get("plain", 0) + 1
+        return TokenTree.rooted_at(committed[-1])
+
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        if self._last is not None:
+            self.scheduler.update(self._last.name, result.tree.max_depth, len(result.accepted))
+        for proposer in self.candidates:
+            proposer.observe(committed, result)
+
+    def end(self) -> None:
+        for proposer in self.candidates:
+            proposer.end()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"auto_rounds": dict(self.rounds),
+                               "auto_alpha": {p.name: round(self.scheduler.estimate(p.name).alpha, 3)
+                                              for p in self.candidates}}
+        for proposer in self.candidates:
+            out.update(proposer.stats())
+        return out
+
+
+def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    from . import prompt_lookup
+
+    candidates: list[Proposer] = [prompt_lookup.create(engine, dict(options))]
+    if engine.draft is not None and engine.pair_compatible is not False:
+        from . import draft_model
+
+        candidates.append(draft_model.create(engine, dict(options)))
+    return AutoProposer(engine.scheduler(), candidates)

@@ -1,0 +1,225 @@
+"""Hardware-aware draft lengths: a measured verify-cost curve times an online acceptance estimate.
+
+The model (DESIGN.md §4). Verifying a chain of k draft tokens costs one target decode of k + 1 tokens,
+``c(k + 1)``, measured on this machine (on a 2-core CPU c(8) is ~5.5 c(1); on a GPU it is nearly flat),
+plus the proposer's own drafting cost ``d(k)`` (k draft-model steps; zero for prompt lookup). If each
+draft token is right with probability alpha given the ones before it were (a geometric acceptance
+model), one round yields on average
+
+    E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)
+
+tokens (the bonus token included), so the throughput of length k is ``E(k) / (c(k+1) + d(k))``. The
+scheduler picks the k that maximises it, and k = 0 (plain decoding) when no length pays. alpha is
+estimated per proposer from what verification accepted: every accepted draft token is a success and
+every round that stopped short of its draft's end is one failure (maximum likelihood for the geometric
+model), with a weak prior and exponential forgetting so it tracks the text as it changes.
+
+When k = 0 wins, no drafts are made and alpha would never be re-measured, so the scheduler still probes
+with a short draft now and then; the interval doubles after each failed probe, which keeps the probing
+overhead on hopeless text to a few percent while letting drafting resume when the text turns repetitive.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from .tree import TokenTree, layout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .kv import KVCache
+
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+@dataclass
+class CostModel:
+    """Seconds for one target decode of n tokens (n = root + draft tokens)."""
+
+    sizes: list[int]
+    seconds: list[float]
+    draft_step: float = 0.0          # seconds per draft-model token (0 when there is no draft model)
+    measured_at: float = field(default_factory=time.time)
+    key: str = ""
+
+    def cost(self, n_tokens: int) -> float:
+        xs, ys = self.sizes, self.seconds
+        if n_tokens <= xs[-1]:
+            return float(np.interp(n_tokens, xs, ys))
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
+        return ys[-1] + slope * (n_tokens - xs[-1])
+
+    def ratio(self, n_tokens: int) -> float:
+        return self.cost(n_tokens) / self.cost(1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def flat(cls) -> "CostModel":
+        """An uncalibrated stand-in: verification as cheap as one step (the GPU-like optimum)."""
+        return cls(sizes=[1, 64], seconds=[1.0, 1.0])
+
+
+def calibration_key(model_path: str | Path, settings: dict) -> str:
+    path = Path(model_path)
+    st = path.stat()
+    payload = json.dumps({"path": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+                          **settings}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int = 2,
+                  prefix_len: int = 32, vocab: int | None = None) -> CostModel:
+    """Time chain decodes of each size on the engine's own context (cache is reset afterwards)."""
+    rng = np.random.default_rng(0)
+    n_vocab = vocab or kv.ctx.n_vocab
+    kv.reset()
+    kv.feed([int(t) for t in rng.integers(0, n_vocab, prefix_len)])
+    sizes = [s for s in sizes if s <= kv.ctx.n_batch]
+    seconds = []
+    for n in sizes:
+        best = float("inf")
+        for _ in range(repeats + 1):  # first run warms the graph for this shape
+            tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
+            tree.add_path(0, [int(t) for t in rng.integers(0, n_vocab, n - 1)])
+            t0 = time.perf_counter()
+            kv.decode_layout(layout(tree))
+            kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
+            best = min(best, time.perf_counter() - t0)
+            kv.ctx.seq_rm(-1, kv.n_past, -1)
+        seconds.append(best)
+    kv.reset()
+    # costs never shrink with more tokens; smooth out timer noise
+    seconds = list(np.maximum.accumulate(seconds))
+    return CostModel(sizes=list(sizes), seconds=seconds)
+
+
+def measure_draft_step(kv: "KVCache", repeats: int = 4, prefix_len: int = 32) -> float:
+    rng = np.random.default_rng(1)
+    kv.reset()
+    kv.feed([int(t) for t in rng.integers(0, kv.ctx.n_vocab, prefix_len)])
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        kv.feed([int(rng.integers(kv.ctx.n_vocab))], logits_last=True)
+        best = min(best, time.perf_counter() - t0)
+    kv.reset()
+    return best
+
+
+class CalibrationCache:
+    """Cost models on disk, keyed by model file + device/offload + threads + batch settings."""
+
+    def __init__(self, path: Path | None = None):
+        base = Path(os.environ.get("OUROBOROS_CACHE", Path.home() / ".cache" / "ouroboros-local"))
+        override = os.environ.get("OUROBOROS_CALIBRATION_FILE")
+        self.path = path or (Path(override) if override else base / "calibration.json")
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> CostModel | None:
+        raw = self._read().get(key)
+        if not raw:
+            return None
+        try:
+            return CostModel(**raw)
+        except TypeError:
+            return None
+
+    def put(self, model: CostModel) -> None:
+        data = self._read()
+        data[model.key] = model.to_dict()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.path)
+
+
+@dataclass
+class Acceptance:
+    """Geometric-model acceptance estimate with forgetting."""
+
+    successes: float = 1.0   # prior: alpha ~ 0.5 with the weight of two observations
+    failures: float = 1.0
+    decay: float = 0.98
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.successes = self.successes * self.decay + accepted
+        self.failures = self.failures * self.decay + (1.0 if accepted < drafted else 0.0)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    if alpha >= 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+class Scheduler:
+    """Chooses per round how many draft tokens each proposer may propose."""
+
+    def __init__(self, costs: CostModel, max_length: int = 16, probe_length: int = 2):
+        self.costs = costs
+        self.max_length = max_length
+        self.probe_length = probe_length
+        self.acceptance: dict[str, Acceptance] = {}
+        self._idle: dict[str, int] = {}
+        self._probe_every: dict[str, int] = {}
+        self._probing: set[str] = set()
+
+    def estimate(self, source: str) -> Acceptance:
+        return self.acceptance.setdefault(source, Acceptance())
+
+    def throughput(self, alpha: float, k: int, draft_cost: float) -> float:
+        return expected_tokens(alpha, k) / (self.costs.cost(k + 1) + draft_cost * k)
+
+    def best_length(self, source: str, draft_cost: float = 0.0, limit: int | None = None) -> int:
+        """The draft length with the best expected tokens per second (0 = plain decoding)."""
+        limit = self.max_length if limit is None else min(limit, self.max_length)
+        alpha = self.estimate(source).alpha
+        scores = [self.throughput(alpha, k, draft_cost) for k in range(limit + 1)]
+        best = int(np.argmax(scores))
+        if best > 0:
+            self._idle[source] = 0
+            return best
+        # nothing pays: probe now and then, less often after each failed probe
+        idle = self._idle.get(source, 0) + 1
+        self._idle[source] = idle
+        every = self._probe_every.get(source, 8)
+        if idle >= every and limit > 0:
+            self._idle[source] = 0
+            self._probing.add(source)
+            return min(self.probe_length, limit)
+        return 0
+
+    def gain(self, source: str, draft_cost: float = 0.0) -> float:
+        """Best expected speed-up over plain decoding for this proposer right now."""
+        alpha = self.estimate(source).alpha
+        base = self.throughput(alpha, 0, 0.0)
+        return max(self.throughput(alpha, k, draft_cost) for k in range(self.max_length + 1)) / base
+
+    def update(self, source: str, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.estimate(source).update(drafted, accepted)
+        if source in self._probing:
+            self._probing.discard(source)
+            every = self._probe_every.get(source, 8)
+            self._probe_every[source] = 8 if accepted > 0 else min(every * 2, 256)

@@ -1,0 +1,88 @@
+"""Cost model, acceptance estimate and draft-length choice."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.llama import Model
+from ouroboros_local.scheduler import (Acceptance, CalibrationCache, CostModel, Scheduler,
+                                       expected_tokens)
+
+CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # DESIGN.md §4
+GPU = CostModel(sizes=[1, 8, 16, 32], seconds=[1.0, 1.05, 1.1, 1.3])
+
+
+def test_expected_tokens_geometric() -> None:
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_cost_interpolates_and_extrapolates() -> None:
+    assert CPU.cost(3) == pytest.approx(2.35)
+    assert CPU.cost(20) > CPU.cost(16)
+    assert CPU.ratio(8) == pytest.approx(5.5)
+
+
+def scheduler_with(costs: CostModel, alpha: float) -> Scheduler:
+    sched = Scheduler(costs, max_length=16)
+    sched.acceptance["x"] = Acceptance(successes=alpha * 1000, failures=(1 - alpha) * 1000)
+    return sched
+
+
+def test_cpu_drafts_short_or_not_at_all_and_gpu_drafts_long() -> None:
+    assert scheduler_with(CPU, 0.3).best_length("x") == 0       # nothing pays at 30% on this CPU
+    k_cpu = scheduler_with(CPU, 0.9).best_length("x")
+    k_gpu = scheduler_with(GPU, 0.9).best_length("x")
+    assert 1 <= k_cpu < k_gpu
+    assert scheduler_with(GPU, 0.99).best_length("x") == 16
+
+
+def test_draft_cost_shortens_drafts() -> None:
+    free = scheduler_with(GPU, 0.8).best_length("x", draft_cost=0.0)
+    paid = scheduler_with(GPU, 0.8).best_length("x", draft_cost=0.5)
+    assert paid < free
+
+
+def test_acceptance_estimate_tracks_observations() -> None:
+    acc = Acceptance()
+    for _ in range(50):
+        acc.update(drafted=4, accepted=4)
+    assert acc.alpha > 0.9
+    for _ in range(200):
+        acc.update(drafted=4, accepted=0)
+    assert acc.alpha < 0.2
+
+
+def test_probing_backs_off_after_failed_probes() -> None:
+    sched = scheduler_with(CPU, 0.05)
+    lengths = [sched.best_length("x") for _ in range(8)]
+    assert lengths[-1] == sched.probe_length and sum(lengths[:-1]) == 0
+    sched.update("x", drafted=2, accepted=0)
+    lengths = [sched.best_length("x") for _ in range(16)]
+    assert lengths[-1] > 0 and sum(lengths[:-1]) == 0  # the interval doubled to 16
+
+
+def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(tmp_path / "cal.json"))
+    config = EngineConfig(n_ctx=256, n_batch=32, n_seq_max=4, threads=1)
+    with Engine(Model(tiny_target), None, config) as engine:
+        first = engine.cost_model()
+        assert first.sizes[0] == 1 and all(s > 0 for s in first.seconds)
+        assert first.seconds == sorted(first.seconds)
+        data = json.loads((tmp_path / "cal.json").read_text())
+        assert first.key in data
+        assert CalibrationCache(tmp_path / "cal.json").get(first.key).seconds == first.seconds
+        # a second engine with the same settings reuses the curve without measuring
+        import ouroboros_local.engine as eng
+
+        monkeypatch.setattr(eng, "measure_costs", lambda *a, **k: pytest.fail("re-measured"))
+        assert engine.cost_model().seconds == first.seconds
+    # other settings -> another key
+    config2 = EngineConfig(n_ctx=256, n_batch=16, n_seq_max=4, threads=1)
+    with Engine(Model(tiny_target), None, config2) as engine:
+        monkeypatch.setattr(eng, "measure_costs", lambda kv: CostModel([1], [1.0]))
+        assert engine.cost_model().key != first.key
