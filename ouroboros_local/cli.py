@@ -29,8 +29,17 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                    help="largest decode in tokens: tree size and prefill chunk (default 256)")
     g.add_argument("--seqs", type=int, default=16, help="sequence ids per context (default 16)")
     g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    g.add_argument("--gpu-layers", default="0", help="target layers on the GPU: all, N or 0 (default 0)")
-    g.add_argument("--draft-gpu-layers", default="0", help="draft layers on the GPU: all, N or 0")
+    g.add_argument("--gpu-layers", default="auto",
+                   help="target layers on the GPU: all, N, 0 or auto (default auto: all when llama.cpp "
+                        "has a GPU backend, else 0)")
+    g.add_argument("--draft-gpu-layers", default="auto", help="draft layers on the GPU: all, N, 0 or auto")
+    g.add_argument("--main-gpu", type=int, default=0, help="GPU index for the models (default 0)")
+    for who in ("", "draft-"):
+        for kind in ("k", "v"):
+            g.add_argument(f"--{who}cache-type-{kind}", default="f16",
+                           choices=["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
+                           help=f"{'draft' if who else 'target'} KV cache type for {kind.upper()} "
+                                "(quantized V needs --flash-attn on/auto)")
     g.add_argument("--flash-attn", choices=["off", "on", "auto"], default="off",
                    help="flash attention (default off: bit-reproducible greedy output on CPU)")
 
@@ -59,14 +68,18 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
 
 
 def _gpu_layers(value: str) -> int:
+    if value == "auto":
+        from .llama import supports_gpu_offload
+
+        return -1 if supports_gpu_offload() else 0
     if value in ("all", "-1"):
         return -1
     try:
         n = int(value)
     except ValueError:
-        raise ParameterError(f"--gpu-layers takes all, N or 0 (got {value!r})") from None
+        raise ParameterError(f"--gpu-layers takes all, N, 0 or auto (got {value!r})") from None
     if n < 0:
-        raise ParameterError(f"--gpu-layers takes all, N or 0 (got {value!r})")
+        raise ParameterError(f"--gpu-layers takes all, N, 0 or auto (got {value!r})")
     return n
 
 
@@ -84,7 +97,9 @@ def _engine_from_args(args: argparse.Namespace):
     config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
                           threads=args.threads, flash_attn=args.flash_attn,
                           gpu_layers=_gpu_layers(args.gpu_layers),
-                          draft_gpu_layers=_gpu_layers(args.draft_gpu_layers))
+                          draft_gpu_layers=_gpu_layers(args.draft_gpu_layers), main_gpu=args.main_gpu,
+                          type_k=args.cache_type_k, type_v=args.cache_type_v,
+                          draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v)
     return Engine.load(args.model, args.draft, config=config, progress=True)
 
 

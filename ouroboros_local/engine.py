@@ -39,8 +39,11 @@ class EngineConfig:
     flash_attn: str = "off"       # off gives bit-reproducible greedy output on CPU (DESIGN.md §3)
     gpu_layers: int = 0
     draft_gpu_layers: int = 0
+    main_gpu: int = 0
     type_k: str = "f16"
     type_v: str = "f16"
+    draft_type_k: str = "f16"
+    draft_type_v: str = "f16"
     draft_n_ctx: int | None = None
     adaptive: bool = True         # cap draft lengths by the measured cost model (scheduler.py)
     calibration: str = "auto"     # auto: cached or measured cost curve; off: assume flat costs
@@ -172,8 +175,9 @@ class Engine:
                 raise ParameterError(f"unknown engine option {key!r}")
             setattr(config, key, value)
         target_path, draft_path, compatible = resolve_and_check(target, draft, progress=progress)
-        target_model = Model(target_path, n_gpu_layers=config.gpu_layers)
-        draft_model = Model(draft_path, n_gpu_layers=config.draft_gpu_layers) if draft_path else None
+        target_model = Model(target_path, n_gpu_layers=config.gpu_layers, main_gpu=config.main_gpu)
+        draft_model = (Model(draft_path, n_gpu_layers=config.draft_gpu_layers, main_gpu=config.main_gpu)
+                       if draft_path else None)
         return cls(target_model, draft_model, config, pair_compatible=compatible)
 
     def draft_kv(self) -> KVCache:
@@ -184,7 +188,8 @@ class Engine:
             cfg = self.config
             self._draft_ctx = Context(self.draft, ContextParams(
                 n_ctx=cfg.draft_n_ctx or cfg.n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_seq_max,
-                n_threads=cfg.threads, n_threads_batch=cfg.threads_batch, flash_attn=cfg.flash_attn))
+                n_threads=cfg.threads, n_threads_batch=cfg.threads_batch, flash_attn=cfg.flash_attn,
+                type_k=cfg.draft_type_k, type_v=cfg.draft_type_v))
             self._draft_kv = KVCache(self._draft_ctx)
         return self._draft_kv
 

@@ -197,6 +197,47 @@ def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
     missing.close()
 
 
+def _fake(tokens_fn, fail: Exception | None = None):
+    def fn(engine, prompt, max_tokens, sampling, options):
+        if fail is not None:
+            raise fail
+        toks = tokens_fn(prompt)
+        stats = runner.empty_stats("fake")
+        stats.update(tokens=len(toks), decode_seconds=0.1 * len(toks), target_passes=len(toks))
+        return runner.Outcome(tokens=toks, text=" ".join(map(str, toks)), stats=stats)
+    return fn
+
+
+def test_run_benchmark_with_injected_methods() -> None:
+    bps = [prompts.BuiltPrompt(set_name="s", id=str(i), task="raw", text="x", tokens=[1, 2, i], chat=False,
+                               max_tokens=4) for i in range(3)]
+    same = _fake(lambda p: [5, 6, 7])
+    contenders = [runner.FnContender(None, "vanilla", same, None),
+                  runner.FnContender(None, "copy", same, None),
+                  runner.FnContender(None, "bad", _fake(lambda p: [5, 9, 7]), None),
+                  runner.FnContender(None, "broken", _fake(None, RuntimeError("boom")), None),
+                  runner.FnContender(None, "needs-draft", _fake(None, ParameterError("no draft")), None)]
+    logs: list[str] = []
+    run = runner.run_benchmark(bps, contenders, warmup=False, progress=False, log=logs.append)
+    assert "needs-draft" in run.skipped and all(r["label"] != "needs-draft" for r in run.records)
+    by = {(r["id"], r["label"]): r for r in run.records}
+    assert by[("0", "vanilla")]["match"] == "reference" and by[("0", "copy")]["match"] == "identical"
+    assert by[("1", "bad")]["match"] == "mismatch" and by[("1", "bad")]["first_diff"] == 1
+    assert by[("2", "broken")]["match"] == "error" and "boom" in by[("2", "broken")]["error"]
+    # rotated by one position per prompt; a skipped contender takes no slot
+    assert [by[("1", lab)]["order"] for lab in ("vanilla", "copy", "bad", "broken")] == [3, 0, 1, 2]
+    summary = report.summarize(run.records, run.contenders, model_bytes=1000)["s"]
+    assert summary["copy"]["speedup"] == pytest.approx(1.0) and summary["copy"]["all_identical"] is True
+    assert summary["bad"]["mismatches"] == 3 and summary["broken"]["errors"] == 3
+    assert summary["vanilla"]["passes_per_100_tokens"] == pytest.approx(100.0)
+    assert summary["vanilla"]["bandwidth_gbs"] == pytest.approx(1000 * 10 / 1e9)
+    sampled = runner.run_benchmark(bps[:1], contenders[:2], warmup=False, greedy=False, progress=False,
+                                   log=logs.append)
+    assert [r["match"] for r in sampled.records] == ["reference", "n/a"]
+    with pytest.raises(ParameterError, match="vanilla"):
+        runner.run_benchmark(bps, contenders[1:2], warmup=False, progress=False)
+
+
 # ---- full runs on the tiny models ---------------------------------------------------------------
 def lossy(engine, prompt, max_tokens, sampling, options):
     """A deliberately wrong method: vanilla's output with one token changed."""

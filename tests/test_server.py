@@ -554,7 +554,15 @@ def test_queued_request_disconnect_is_skipped(slow_engine):
         srv.stop()
 
 
-def test_requests_are_served_first_in_first_out(slow_engine):
+def test_requests_are_served_first_in_first_out(slow_engine, monkeypatch):
+    started: list[str] = []          # prompts in the order the worker hands them to the engine
+    real_stream = slow_engine.stream
+
+    def recording_stream(prompt, **kwargs):
+        started.append(slow_engine.detokenize(prompt))
+        return real_stream(prompt, **kwargs)
+
+    monkeypatch.setattr(slow_engine, "stream", recording_stream)
     app = create_app(slow_engine, ServerConfig(model_id="slow", method="vanilla", max_queue=8))
     srv = LiveServer(app)
     try:
@@ -562,14 +570,12 @@ def test_requests_are_served_first_in_first_out(slow_engine):
         messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
         blocker = _open_stream(srv.base, {"messages": messages, "max_tokens": 1500, "stream": True})
         blocker.getresponse().readline()
-        finished: list[int] = []
-        lock = threading.Lock()
+        errors: list[str] = []
 
         def request(i: int) -> None:
             status, _, body = http(srv.base, "/v1/completions", {"prompt": f"request {i}", "max_tokens": 3})
-            assert status == 200, body
-            with lock:
-                finished.append(i)
+            if status != 200:
+                errors.append(body.decode())
 
         threads = []
         for i in range(5):
@@ -583,7 +589,9 @@ def test_requests_are_served_first_in_first_out(slow_engine):
         _hard_close(blocker)
         for t in threads:
             t.join(timeout=60)
-        assert finished == [0, 1, 2, 3, 4]
+        assert not errors
+        served = [p for p in started if p.startswith("request ")]
+        assert served == [f"request {i}" for i in range(5)]
     finally:
         srv.stop()
 

@@ -11,6 +11,7 @@ See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -244,6 +245,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    tolerance_margin=args.tolerance_margin, progress=not args.no_progress,
                                    save_text=args.save_text, log=log)
 
+        if run.interrupted:
+            notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
         machine = report.machine_info(measure_bandwidth=not args.no_bandwidth)
         model_bytes = target.size_bytes
         summary = report.summarize(run.records, run.contenders, model_bytes)
@@ -271,6 +274,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "n_batch": engine.config.n_batch, "n_seq_max": engine.config.n_seq_max,
                 "gpu_layers": gpu_layers, "draft_gpu_layers": engine.config.draft_gpu_layers,
                 "flash_attn": engine.config.flash_attn, "order": "rotated per prompt",
+                "engine_config": dataclasses.asdict(engine.config),
             },
             "machine": machine,
             "versions": report.versions(),
@@ -301,6 +305,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         n_bad = sum(1 for m in payload["mismatches"] if m["match"] == "mismatch")
         if n_bad:
             log(f"bench: WARNING: {n_bad} output(s) differ from vanilla (see results.md)")
+        if run.interrupted:
+            return 130
         return 3 if (args.strict and n_bad) else 0
     finally:
         for c in contenders:

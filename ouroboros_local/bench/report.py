@@ -360,8 +360,11 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     mism = payload.get("mismatches") or []
     if mism:
         lines += ["## Outputs that differ from vanilla", "",
-                  "| set | prompt | method | kind | first difference | vanilla token | method token | "
-                  "ref. top-2 margin |", "|---|---|---|---|---:|---:|---:|---:|"]
+              "margin: how much plain decoding preferred vanilla's token over the method's at the first "
+              "difference, re-decoding the vanilla prefix in one batch (--tolerance-margin); below the "
+              "tolerance the difference is a tie-flip (a floating-point near-tie), otherwise a mismatch.", "",
+                  "| set | prompt | method | verdict | first difference | vanilla token | method token | "
+                  "margin (logits) |", "|---|---|---|---|---:|---:|---:|---:|"]
         for m in mism:
             pos = f"{m['compare'] == 'tokens' and 'token' or 'char'} {m['first_diff']}"
             lines.append(f"| {m['set']} | {m['id']} | {m['label']} | {m['match']} | {pos} | "
@@ -450,7 +453,9 @@ def plot_sweep(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Ma
                 continue
             xs = [v if numeric else values.index(v) for v, _ in pts]
             ax.plot(xs, [y for _, y in pts], marker="o", label=f"{set_name}: {m}")
-    if not numeric:
+    if numeric:
+        ax.set_xticks(sorted(values))
+    else:
         ax.set_xticks(range(len(values)))
         ax.set_xticklabels([str(v) for v in values])
     ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")

@@ -197,6 +197,7 @@ class BenchRun:
     skipped: dict[str, str] = field(default_factory=dict)      # label -> why it did not run
     contenders: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
+    interrupted: bool = False     # Ctrl-C: the records hold the prompts completed before it
 
 
 def _progress(total: int, enabled: bool):
@@ -258,12 +259,14 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
         for i, prompt in enumerate(prompts):
             outcomes: dict[str, Outcome] = {}
             recs: dict[str, dict[str, Any]] = {}
-            for order, c in enumerate(rotate(active, i)):
+            order = 0
+            for c in rotate(active, i):
                 if c.label in dropped:
                     if bar is not None:
                         bar.update(1)
                     continue
                 rec = _record(prompt, c, order)
+                order += 1
                 if bar is not None:
                     bar.set_postfix_str(f"{prompt.set_name}/{prompt.id} {c.label}", refresh=False)
                 try:
@@ -275,6 +278,8 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                     run.skipped[c.label] = f"{type(exc).__name__}: {exc}"
                     log(f"bench: skipping {c.label}: {exc}")
                     dropped.add(c.label)
+                    if bar is not None:
+                        bar.update(1)
                     continue
                 except (OuroborosError, OSError, RuntimeError, ValueError) as exc:
                     rec.update(match="error", error=f"{type(exc).__name__}: {exc}")
@@ -312,6 +317,10 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                             f"at {'token' if rec['compare'] == 'tokens' else 'char'} {rec['first_diff']} "
                             f"({rec['match']})")
                 run.records.append(rec)
+    except KeyboardInterrupt:
+        run.interrupted = True
+        log(f"bench: interrupted after {len({(r['set'], r['id']) for r in run.records})} prompts; "
+            "writing what was measured")
     finally:
         if bar is not None:
             bar.close()

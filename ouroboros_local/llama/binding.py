@@ -75,7 +75,8 @@ def system_info() -> str:
 class Model:
     """A loaded GGUF model: weights, vocabulary, metadata, tokenizer."""
 
-    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False):
+    def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False,
+                 main_gpu: int = 0):
         backend_init()
         self.path = Path(path)
         if not self.path.is_file():
@@ -83,6 +84,7 @@ class Model:
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.vocab_only = bool(vocab_only)
+        params.main_gpu = int(main_gpu)
         self.n_gpu_layers = int(n_gpu_layers)
         ptr = lc.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:

@@ -4,10 +4,21 @@ Greedy: the draft's argmax chain (deterministic). Sampling: each draft token is 
 processed distribution q, which travels with the node so the verifier can do rejection sampling.
 The draft's KV cache is kept in step with the committed text by prefix reuse: only tokens the draft has
 not seen (the target's bonus, a corrected token) are decoded again.
+
+Early draft stopping (optional, ``options["adaedl"] = True``): AdaEDL (Agrawal, Jeon & Lee,
+arXiv 2410.18351; research note pearl_related.md §3). Before appending draft token i >= 1 the proposer
+computes the entropy H (nats) of the draft distribution at that position and stops if
+``1 - sqrt(gamma_e * H) < lambda``; ``gamma`` becomes the hard cap L_max. ``lambda`` adapts after every
+round from an EMA of the acceptance rate (see ``AdaEDL.update``). For a greedy draft H is taken from the
+draft's temperature-1 softmax of the raw logits (the one-hot q would have H = 0); for a sampled draft it
+is the entropy of the processed q the token is drawn from. Stopping only shortens the draft, so the
+output is unchanged (greedy) or keeps the target's distribution (sampling).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -23,12 +34,86 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..verify import VerifyResult
 
 
+def logits_entropy(logits: np.ndarray) -> float:
+    """Entropy (nats) of softmax(logits) at temperature 1; -inf entries are allowed."""
+    x = np.asarray(logits, dtype=np.float32)
+    z = np.maximum(x - x.max(), -80.0)   # exp(-80) ~ 1e-35: keeps 0 * -inf out, costs nothing
+    e = np.exp(z)
+    s = float(e.sum())
+    return max(0.0, math.log(s) - float(np.dot(e, z)) / s)
+
+
+def probs_entropy(probs: np.ndarray) -> float:
+    """Entropy (nats) of a dense probability vector (zeros allowed)."""
+    p = probs[probs > 0]
+    return max(0.0, float(-np.dot(p, np.log(p))))
+
+
+@dataclass
+class AdaEDL:
+    """Entropy-based early draft stopping with an adaptive threshold (research note §3, Algorithm 1).
+
+    Defaults follow the paper as reconstructed in the note; ``lam`` (the initial lambda) is not fixed
+    by the paper (it sweeps 0.3-0.9): 0.7 stops when H > 0.45 nats.
+    """
+
+    gamma_e: float = 0.2   # entropy scale in the bound  beta ~ 1 - sqrt(gamma_e * H)
+    lam: float = 0.7       # current threshold lambda (initial value lambda_0)
+    alpha: float = 0.9     # acceptance-rate target
+    beta1: float = 0.5     # EMA weight of the acceptance rate
+    beta2: float = 0.9     # smoothing of lambda
+    eps: float = 0.01      # lambda step
+    ar: float | None = None  # acceptance-rate EMA; starts at alpha
+
+    def __post_init__(self) -> None:
+        checks = [("adaedl_gamma_e", self.gamma_e, 0.0, math.inf, False),
+                  ("adaedl_lambda", self.lam, 0.0, 1.0, True),
+                  ("adaedl_alpha", self.alpha, 0.0, 1.0, True),
+                  ("adaedl_beta1", self.beta1, 0.0, 1.0, True),
+                  ("adaedl_beta2", self.beta2, 0.0, 1.0, True),
+                  ("adaedl_eps", self.eps, 0.0, 1.0, True)]
+        for name, value, lo, hi, closed_lo in checks:
+            ok = isinstance(value, (int, float)) and math.isfinite(value) and value < hi and \
+                (value >= lo if closed_lo else value > lo)
+            if not ok:
+                raise ParameterError(f"{name} must be in {'[' if closed_lo else '('}{lo}, {hi}) "
+                                     f"(got {value!r})")
+        if self.ar is None:
+            self.ar = self.alpha
+
+    def acceptance_bound(self, entropy: float) -> float:
+        return 1.0 - math.sqrt(self.gamma_e * entropy)
+
+    def should_stop(self, entropy: float) -> bool:
+        return self.acceptance_bound(entropy) < self.lam
+
+    @property
+    def entropy_threshold(self) -> float:
+        """The entropy (nats) above which drafting stops at the current lambda."""
+        return (1.0 - self.lam) ** 2 / self.gamma_e
+
+    def update(self, n_drafted: int, n_accepted: int, l_max: int) -> None:
+        """Adapt lambda after a round that drafted ``n_drafted`` (>= 1) tokens under cap ``l_max``."""
+        if n_drafted <= 0:
+            return
+        assert self.ar is not None
+        self.ar = self.beta1 * self.ar + (1.0 - self.beta1) * (n_accepted / n_drafted)
+        if self.ar < self.alpha:
+            target = self.lam + self.eps          # acceptance too low: stop earlier
+        elif n_accepted != l_max:
+            target = self.lam - self.eps          # high acceptance but we stopped short: draft longer
+        else:
+            target = self.lam
+        lam = self.beta2 * self.lam + (1.0 - self.beta2) * target
+        self.lam = min(max(lam, 0.0), 0.999)
+
+
 class DraftModelProposer(Proposer):
     name = "speculative"
     needs_draft_model = True
-    adaptive = True  # the engine may cap gamma by the cost model
 
-    def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0):
+    def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0,
+                 adaedl: AdaEDL | None = None):
         if gamma < 1:
             raise ParameterError(f"gamma must be >= 1 (got {gamma})")
         if not 0.0 <= p_min < 1.0:
@@ -37,11 +122,25 @@ class DraftModelProposer(Proposer):
         self.gamma = gamma
         self.p_min = p_min
         self.n_target_vocab = n_target_vocab
+        self.adaedl_init = adaedl
+        self.adaedl: AdaEDL | None = None
+        self._reset_counters()
+
+    def _reset_counters(self) -> None:
         self.draft_steps = 0
+        self.rounds = 0
+        self.drafted = 0
+        self.early_stops = 0
+        self._last_tree: TokenTree | None = None
+        self._last_cap = 0
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
-        self.draft_steps = 0
+        self._reset_counters()
+        # a fresh copy per generation: lambda adapts within a generation, never across requests
+        # (keeps seeded sampling runs reproducible)
+        if self.adaedl_init is not None:
+            self.adaedl = AdaEDL(**{**self.adaedl_init.__dict__, "ar": None})
 
     def _row(self, logits: np.ndarray) -> np.ndarray:
         # Tokens the target does not have can never be accepted: keep q on the target's vocabulary.
@@ -55,16 +154,21 @@ class DraftModelProposer(Proposer):
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
+        self._last_tree = None
         n = min(self.gamma, budget)
         if n <= 0:
             return tree
         logits = self.kv.sync_to(committed, logits_last=True)
         self.draft_steps += 1
         sampling = self.setup.sampling
+        ada = self.adaedl
         node = 0
         for i in range(n):
             row = self._row(logits)
             if sampling.greedy:
+                if ada is not None and i > 0 and ada.should_stop(logits_entropy(row)):
+                    self.early_stops += 1
+                    break
                 token = int(np.argmax(row))
                 q = None
                 if self.p_min > 0.0:
@@ -74,24 +178,75 @@ class DraftModelProposer(Proposer):
                         break
             else:
                 q = distribution(row, sampling)
+                if ada is not None and i > 0 and ada.should_stop(probs_entropy(q)):
+                    self.early_stops += 1
+                    break
                 token = sample(q, self.setup.rng)
             node = tree.add(node, token, draft_probs=q, source="draft")
             if token in self.setup.eog_tokens or i == n - 1:
                 break
             logits = self.kv.feed([token], logits_last=True)
             self.draft_steps += 1
+        self.rounds += 1
+        self.drafted += tree.n_candidates
+        self._last_tree = tree
+        self._last_cap = n
         return tree
 
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         # Drop the draft's cells past what the target accepted; the next propose() decodes the
         # missing tokens (a corrected token, the bonus) in one batch.
         self.kv.truncate(common_prefix(self.kv.cached, committed))
+        # learn only from rounds whose tree this proposer made (method "auto" lets every
+        # candidate observe every round)
+        if self.adaedl is not None and self._last_tree is not None and result.tree is self._last_tree:
+            self.adaedl.update(self._last_tree.n_candidates, len(result.accepted), self._last_cap)
+        self._last_tree = None
 
     def stats(self) -> dict[str, Any]:
-        return {"draft_steps": self.draft_steps}
+        out: dict[str, Any] = {"draft_steps": self.draft_steps,
+                               "draft_rounds": self.rounds,
+                               "mean_draft_len": round(self.drafted / self.rounds, 3) if self.rounds else 0.0}
+        if self.adaedl is not None:
+            out.update({"adaedl_early_stops": self.early_stops,
+                        "adaedl_stop_rate": round(self.early_stops / self.rounds, 3) if self.rounds else 0.0,
+                        "adaedl_lambda": round(self.adaedl.lam, 4),
+                        "adaedl_acceptance_ema": round(float(self.adaedl.ar or 0.0), 4)})
+        return out
+
+
+ADAEDL_OPTIONS = {"adaedl_gamma_e": "gamma_e", "adaedl_lambda": "lam", "adaedl_alpha": "alpha",
+                  "adaedl_beta1": "beta1", "adaedl_beta2": "beta2", "adaedl_eps": "eps"}
+ADAEDL_DEFAULT_CAP = 8   # gamma (= L_max) when AdaEDL is on and no gamma is given
+
+
+def _truthy(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() in ("1", "true", "yes", "on")
+    return bool(value)
+
+
+def adaedl_from_options(options: dict[str, Any]) -> AdaEDL | None:
+    """``AdaEDL`` built from ``adaedl`` (bool) and ``adaedl_*`` options, or None when off."""
+    if not _truthy(options.get("adaedl", False)):
+        return None
+    kwargs: dict[str, float] = {}
+    for key, attr in ADAEDL_OPTIONS.items():
+        if options.get(key) is not None:
+            try:
+                kwargs[attr] = float(options[key])
+            except (TypeError, ValueError):
+                raise ParameterError(f"{key} must be a number (got {options[key]!r})") from None
+    return AdaEDL(**kwargs)
 
 
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
-    return DraftModelProposer(engine.draft_kv(), engine.target.n_vocab,
-                              gamma=int(options.get("gamma", 4)),
-                              p_min=float(options.get("p_min", 0.0)))
+    adaedl = adaedl_from_options(options)
+    default_gamma = ADAEDL_DEFAULT_CAP if adaedl is not None else 4
+    try:
+        raw = options.get("gamma")
+        gamma = default_gamma if raw is None else int(raw)
+    except (TypeError, ValueError):
+        raise ParameterError(f"gamma must be an integer (got {options.get('gamma')!r})") from None
+    return DraftModelProposer(engine.draft_kv(), engine.target.n_vocab, gamma=gamma,
+                              p_min=float(options.get("p_min", 0.0)), adaedl=adaedl)

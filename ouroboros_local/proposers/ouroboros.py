@@ -231,6 +231,8 @@ class OuroborosProposer(Proposer):
         if budget <= 0:
             return tree
         self._stats["rounds"] += 1
+        if self.kv.n_past >= len(committed):   # observe() keeps it shorter; be safe if it was skipped
+            self.kv.truncate(len(committed) - 1)
         eog = self.setup.eog_tokens
         limit = min(self.gamma, budget)
         d: list[int] = []

@@ -128,6 +128,7 @@ class PromptLookupProposer(Proposer):
     """Draft-free drafting from the context (and optionally a shared phrase pool)."""
 
     name = "prompt-lookup"
+    adaptive = True  # a chain (or shallow tree) first: the engine may cap its length by the cost model
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 8, max_branches: int = 1,
                  pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4):

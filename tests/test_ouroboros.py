@@ -1,0 +1,322 @@
+"""Ouroboros: window harvest/shift, draft batches, a pure-Python run, and greedy equality on tiny models."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Sequence
+
+import numpy as np
+import pytest
+
+from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.errors import ParameterError, PoolError
+from ouroboros_local.llama import Model
+from ouroboros_local.pool import PhrasePool
+from ouroboros_local.proposers.ouroboros import (
+    SHARED_POOL,
+    JacobiWindow,
+    OuroborosProposer,
+    shared_pool,
+)
+from ouroboros_local.testing.sim import FakeTarget, make_setup, one_hot, simulate
+from ouroboros_local.tree import BatchLayout, check_layout
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "héllo wörld ✓ 日本 <|im_start|>user\nhi<|im_end|>\n",
+    "for i in range(10):\n    print(i)\nfor i in range(10):\n    print(i)\nfor i in range(10):\n",
+]
+
+
+# ---- the Jacobi window on synthetic data ----------------------------------------------------------
+
+def test_window_phrases_and_shift() -> None:
+    win = JacobiWindow(width=3, level=4)                # levels 0..2, K = 3
+    win.cells[:] = [[0, 11, 12], [20, 21, 22], [30, 31, 32]]
+    new = np.array([40, 41, 42])
+    keys, phrases = win.phrases(u=7, new=new)
+    assert keys.tolist() == [7, 11, 12]                 # column 0's key is the input token u
+    assert phrases.tolist() == [[20, 30, 40], [21, 31, 41], [22, 32, 42]]
+    win.shift(new)
+    # level 0 = level 1 without column 0, level l = level l+1, last level = new
+    assert win.cells[0, 1:].tolist() == [21, 22]
+    assert win.cells[1].tolist() == [30, 31, 32]
+    assert win.cells[2].tolist() == [40, 41, 42]
+    assert win.age == 1
+
+
+def test_window_n3_shift_and_readiness() -> None:
+    win = JacobiWindow(width=4, level=3)
+    win.reset([5, 6, 7], seed=1)
+    assert set(win.cells[:, :].ravel().tolist()) <= {5, 6, 7}
+    assert win.n_nodes == 3 + 4 and win.depth == 4 and not win.ready
+    for step in range(3):
+        new = np.arange(4) + 10 * (step + 1)
+        win.shift(new)
+        assert win.cells[1].tolist() == new.tolist()
+        assert win.cells[0, 1:].tolist() == (new - 10)[1:].tolist() or step == 0
+    assert win.ready
+    with pytest.raises(ParameterError):
+        JacobiWindow(width=4, level=2)
+
+
+# ---- a fake draft KV cache (pure Python, llama.cpp's visibility rule) ------------------------------
+
+class FakeDraftKV:
+    """KVCache's public surface over a FakeTarget: visibility by sequence id and position."""
+
+    def __init__(self, model: FakeTarget, n_batch: int = 64, n_seq_max: int = 16, n_ctx: int = 4096):
+        self.model = model
+        self.ctx = SimpleNamespace(n_batch=n_batch, n_seq_max=n_seq_max, n_ctx=n_ctx)
+        self.cached: list[int] = []
+        self.decodes = 0
+        self.batch_sizes: list[int] = []
+
+    @property
+    def n_past(self) -> int:
+        return len(self.cached)
+
+    def truncate(self, n: int) -> None:
+        del self.cached[n:]
+
+    def feed(self, tokens: Sequence[int], logits_last: bool = False):
+        self.cached.extend(int(t) for t in tokens)
+        return None
+
+    def sync_to(self, tokens: Sequence[int], logits_last: bool = False):
+        k = 0
+        while k < min(len(tokens), len(self.cached)) and tokens[k] == self.cached[k]:
+            k += 1
+        self.truncate(k)
+        return self.feed(tokens[k:])
+
+    def decode_layout(self, lay: BatchLayout) -> np.ndarray:
+        check_layout(lay)
+        assert lay.n_seqs <= self.ctx.n_seq_max and len(lay.tokens) <= self.ctx.n_batch
+        assert self.n_past + max(lay.pos_offsets) + 1 <= self.ctx.n_ctx
+        preds = self.model.decode_layout(self.cached, lay)
+        self.decodes += 1
+        self.batch_sizes.append(len(lay.tokens))
+        return one_hot([p for p, want in zip(preds, lay.logits) if want], self.model.vocab)
+
+    def commit_tree(self, root_token: int, accepted: Sequence[int], winner_seq: int, n_seqs: int) -> None:
+        self.cached.append(int(root_token))
+        self.cached.extend(int(t) for t in accepted)
+
+    def check(self) -> None:
+        pass
+
+
+def _corpus(vocab: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    motifs = [rng.integers(3, vocab, size=int(rng.integers(4, 9))).tolist() for _ in range(6)]
+    out: list[int] = []
+    for _ in range(60):
+        out += motifs[int(rng.integers(len(motifs)))]
+    return out
+
+
+@pytest.mark.parametrize("W,N,G,gamma,topk", [(4, 3, 4, 4, 2), (0, 3, 4, 3, 1), (5, 4, 2, 6, 3),
+                                               (3, 5, 0, 2, 0), (1, 3, 6, 5, 4)])
+def test_simulated_greedy_equality_and_batches(W: int, N: int, G: int, gamma: int, topk: int) -> None:
+    vocab = 40
+    corpus = _corpus(vocab)
+    target = FakeTarget(corpus, vocab, order=2)
+    draft = FakeTarget(corpus[: len(corpus) // 2], vocab, order=2)    # agrees often, not always
+    prompt = corpus[:30]
+    expected = target.greedy(prompt, 80)
+    kv = FakeDraftKV(draft, n_batch=64, n_seq_max=16)
+    pool = PhrasePool(max_per_key=max(G, topk, 1), phrase_len=N - 1)
+    prop = OuroborosProposer(kv, pool, vocab, gamma=gamma, window=W, level=N, guess_set=G, topk=topk,
+                             harvest="predicted-tail", check=True)
+    out, st = simulate(prop, target, prompt, 80, make_setup(max_tree_nodes=63, max_branches=16))
+    assert out == expected
+    assert st.passes < 80                                 # it speculates
+    s = prop.stats()
+    assert s["ouro_draft_forwards"] >= s["ouro_rounds"] > 0
+    assert s["ouro_draft_tokens"] >= s["ouro_draft_forwards"]
+    assert max(kv.batch_sizes) <= 64
+    if W:
+        assert s["ouro_window_phrases"] > 0
+    # the draft KV never runs ahead of committed + 1 forward, and ends as a prefix of the output
+    seq = list(prompt) + out
+    assert kv.cached == seq[:len(kv.cached)]
+
+
+def test_simulated_draft_accepts_phrases_and_suffixes() -> None:
+    """A perfect draft on periodic text: phrases make draft forwards commit several tokens each, and
+    long-draft suffixes from the pool are accepted by the target."""
+    vocab = 30
+    period = [3, 9, 4, 17, 8, 22, 5, 11]
+    corpus = period * 30
+    target = FakeTarget(corpus, vocab, order=2)
+    prompt = corpus[:24]
+    kv = FakeDraftKV(FakeTarget(corpus, vocab, order=2))
+    pool = PhrasePool(max_per_key=4, phrase_len=3)
+    prop = OuroborosProposer(kv, pool, vocab, gamma=6, window=4, level=4, guess_set=4, topk=2, check=True)
+    out, st = simulate(prop, target, prompt, 96)
+    assert out == target.greedy(prompt, 96)
+    s = prop.stats()
+    assert s["ouro_draft_phrase_tokens"] > 0
+    assert s["ouro_draft_tokens"] / s["ouro_draft_forwards"] > 2      # phrase-level drafting
+    assert s["ouro_suffix_accepted"] > 0                                  # long drafts pay off
+    assert 96 / st.passes > 6
+
+
+def test_draft_batch_columns_read_their_trajectories() -> None:
+    """Every window token of a draft forward sees u, a0[1..i], a1[i]..al[i] (the sim asserts the
+    per-seq views agree); phrases hang below u and see only u."""
+    seen: list[tuple[int, list[int]]] = []
+
+    class Recorder(FakeTarget):
+        def next_token(self, context):
+            seen.append((len(context), list(context)))
+            return super().next_token(context)
+
+    vocab = 1000
+    model = Recorder([1, 2, 3], vocab, order=1)
+    kv = FakeDraftKV(model)
+    pool = PhrasePool(max_per_key=4, phrase_len=2)
+    pool.add([3], (500, 501))
+    prop = OuroborosProposer(kv, pool, vocab, gamma=1, window=3, level=4, guess_set=4, topk=0,
+                             pool_from_prompt=False, check=True)
+    prop.begin([1, 2, 3], make_setup())
+    prop.window.cells[:] = [[0, 101, 102], [110, 111, 112], [120, 121, 122]]
+    seen.clear()
+    prop.propose([1, 2, 3], budget=4)
+    contexts = [c for _, c in seen]
+    prefix = [1, 2, 3]
+    assert prefix + [101, 102, 112, 122] in contexts         # column 2: u a0[1] a0[2] a1[2] a2[2]
+    assert prefix + [110, 120] in contexts                    # column 0: u a1[0] a2[0]
+    assert prefix + [101, 111, 121] in contexts               # column 1
+    assert prefix + [500, 501] in contexts                    # the pool phrase below u
+
+
+def test_budget_eog_and_room_limits() -> None:
+    vocab = 30
+    corpus = [3, 9, 4, 17, 8, 22, 5, 11] * 20
+    model = FakeTarget(corpus, vocab, order=2)
+    kv = FakeDraftKV(model, n_ctx=30)
+    pool = PhrasePool(max_per_key=4, phrase_len=2)
+    prop = OuroborosProposer(kv, pool, vocab, gamma=8, window=4, level=3, guess_set=4, topk=3, check=True)
+    prompt = corpus[:16]
+    prop.begin(prompt, make_setup(max_tree_nodes=63, max_branches=2, eog=frozenset({22})))
+    tree = prop.propose(prompt, budget=3)
+    assert tree.n_candidates <= 3
+    tree = prop.propose(prompt, budget=20)
+    drafted = [tree.tokens[i] for i in range(1, len(tree)) if tree.sources.get(i) == "draft"]
+    assert drafted and drafted[-1] == 22 and 22 not in drafted[:-1]  # cut at the EOG token
+    assert len(tree.leaves()) <= 2
+    assert prop.propose(prompt, budget=0).n_candidates == 0
+    # near the end of the draft context the window pauses and nothing overflows
+    prop.kv.truncate(0)
+    long_prompt = corpus[:28]
+    prop.begin(long_prompt, make_setup())
+    prop.propose(long_prompt, budget=8)
+    assert kv.n_past <= 30
+
+
+# ---- tiny llama.cpp models ---------------------------------------------------------------------------
+
+def make_engine(target, draft=None, **cfg) -> Engine:
+    config = EngineConfig(n_ctx=cfg.pop("n_ctx", 512), n_batch=cfg.pop("n_batch", 64),
+                          n_seq_max=cfg.pop("n_seq_max", 8), **cfg)
+    engine = Engine(Model(target), Model(draft) if draft else None, config)
+    engine.check_kv = True
+    return engine
+
+
+@pytest.fixture(scope="module")
+def pair_engine(tiny_target, tiny_draft):
+    engine = make_engine(tiny_target, tiny_draft)
+    yield engine
+    engine.close()
+
+
+SETTINGS = [
+    {},
+    {"window": 2, "level": 4, "guess_set": 2, "gamma": 6, "topk": 3},
+    {"window": 0, "guess_set": 6, "gamma": 3, "topk": 1, "harvest": "agreeing-runs"},
+    {"window": 5, "level": 3, "guess_set": 3, "gamma": 2, "topk": 0, "harvest": "none"},
+]
+
+
+@pytest.mark.parametrize("options", SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
+def test_greedy_equals_vanilla(pair_engine: Engine, options: dict) -> None:
+    pair_engine.shared.pop(SHARED_POOL, None)          # cold pool first ...
+    for warm in (False, True):                         # ... then warm from the previous pass
+        for prompt in PROMPTS:
+            base = pair_engine.generate(prompt, max_tokens=40, method="vanilla")
+            res = pair_engine.generate(prompt, max_tokens=40, method="ouroboros", options=options)
+            assert res.tokens == base.tokens, (options, warm, prompt)
+            assert res.text == base.text
+            assert res.stats.target_passes <= base.stats.target_passes
+            pair_engine.draft_kv().check()
+            committed = pair_engine.prompt_tokens(prompt) + res.tokens
+            dkv = pair_engine.draft_kv()
+            assert dkv.cached == committed[:len(dkv.cached)]
+            extra = res.stats.extra
+            assert extra["ouro_draft_forwards"] > 0 and "ouroboros_fallback" not in extra
+    assert len(pair_engine.shared[SHARED_POOL]) > 0
+
+
+def test_sampling_is_seeded_and_runs(pair_engine: Engine) -> None:
+    from ouroboros_local.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=0.8, seed=7)
+    a = pair_engine.generate(PROMPTS[1], max_tokens=24, method="ouroboros", sampling=sp)
+    b = pair_engine.generate(PROMPTS[1], max_tokens=24, method="ouroboros", sampling=sp)
+    assert a.tokens == b.tokens and len(a.tokens) > 0
+
+
+def test_self_draft_accepts_several_tokens_per_pass(tiny_target, tiny_self_draft) -> None:
+    with make_engine(tiny_target, tiny_self_draft) as engine:
+        res = engine.generate(PROMPTS[3], max_tokens=48, method="ouroboros")
+        assert res.stats.accepted_per_pass > 2
+        assert res.tokens == engine.generate(PROMPTS[3], max_tokens=48, method="vanilla").tokens
+
+
+def test_context_end_is_handled(tiny_target, tiny_draft) -> None:
+    with make_engine(tiny_target, tiny_draft, n_ctx=64) as engine:
+        prompt = "a b c d e f g h"
+        base = engine.generate(prompt, max_tokens=500)
+        res = engine.generate(prompt, max_tokens=500, method="ouroboros", options={"gamma": 6})
+        assert res.tokens == base.tokens
+        assert len(engine.prompt_tokens(prompt)) + len(res.tokens) <= 64
+
+
+def test_fallback_without_draft(tiny_target) -> None:
+    with make_engine(tiny_target) as engine:
+        base = engine.generate(PROMPTS[0], max_tokens=24)
+        res = engine.generate(PROMPTS[0], max_tokens=24, method="ouroboros")
+        assert res.tokens == base.tokens
+        assert res.stats.extra["ouroboros_fallback"] == "lookahead"
+        assert res.stats.method == "ouroboros"
+
+
+def test_pool_persistence_round_trip(tiny_target, tiny_draft, tiny_other_vocab, tmp_path) -> None:
+    path = tmp_path / "ouro.pool"
+    with make_engine(tiny_target, tiny_draft) as engine:
+        res = engine.generate(PROMPTS[0], max_tokens=32, method="ouroboros", options={"pool": str(path)})
+        assert path.exists()
+        size = res.stats.extra["ouro_pool_size"]
+        assert size > 0
+    with make_engine(tiny_target, tiny_draft) as engine:             # a new process, in effect
+        pool = shared_pool(engine, 2, 4, str(path))
+        assert len(pool) == size
+        base = engine.generate(PROMPTS[0], max_tokens=32)
+        res = engine.generate(PROMPTS[0], max_tokens=32, method="ouroboros", options={"pool": str(path)})
+        assert res.tokens == base.tokens
+        assert res.stats.extra["ouro_pool_size"] >= size
+    with make_engine(tiny_other_vocab) as engine:                    # another tokenizer: refused
+        with pytest.raises(PoolError, match="tokenizer"):
+            engine.generate("x", max_tokens=2, method="ouroboros", options={"pool": str(path)})
+
+
+def test_bad_options(pair_engine: Engine) -> None:
+    for opts, msg in (({"gamma": 0}, "gamma"), ({"level": 2}, "level"), ({"window": 9}, "window"),
+                      ({"harvest": "nope"}, "harvest"), ({"gamma": "x"}, "gamma")):
+        with pytest.raises(ParameterError, match=msg):
+            pair_engine.generate("x", max_tokens=2, method="ouroboros", options=opts)
+    assert len(pair_engine.generate("x y", max_tokens=3, method="ouroboros").tokens) == 3

@@ -1,0 +1,322 @@
+"""PEARL (method "pearl"): parallel draft/target on the tiny generated models.
+
+Greedy output equals plain decoding, sampling keeps the target distribution (and, because PEARL's
+drafts are greedy and checked by sample-and-match, a seeded run equals plain seeded decoding), the
+draft's background thread never outlives a generation, thread settings are restored, and the
+automatic fallback picks sequential speculative decoding when PEARL measures slower.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from llama_cpp import llama_cpp as lc
+from scipy import stats as sps
+
+from ouroboros_local.errors import ParameterError
+from ouroboros_local.llama.binding import default_threads
+from ouroboros_local.proposers import _METHODS
+from ouroboros_local.proposers import pearl as pearl_mod
+from ouroboros_local.sampling import SamplingParams
+
+from test_engine import PROMPTS, make_engine, target_pair_distribution
+
+# Until the lead registers the method in proposers/__init__.py (no-op once it is there).
+_METHODS.setdefault("pearl", "ouroboros_local.proposers.pearl:create")
+
+TWO_CORES = default_threads() >= 2
+needs_two_cores = pytest.mark.skipif(not TWO_CORES, reason="PEARL's parallel mode needs 2 cores")
+# the engines in these tests use 1 thread per context; PEARL runs them 1 + 1 at once
+PAR = {"mode": "parallel", "threads_target": 1, "threads_draft": 1}
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft):
+    eng = make_engine(tiny_target, tiny_draft)
+    yield eng
+    eng.close()
+
+
+def check_draft_kv(engine) -> None:
+    kv = engine.draft_kv()
+    assert kv.ctx.pos_max(0) == len(kv.cached) - 1
+
+
+def ctx_threads(ctx) -> tuple[int, int]:
+    return int(lc.llama_n_threads(ctx.ptr)), int(lc.llama_n_threads_batch(ctx.ptr))
+
+
+# ---- greedy losslessness ------------------------------------------------------------------------
+
+@needs_two_cores
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_parallel_greedy_equals_vanilla(engine, prompt) -> None:
+    base = engine.generate(prompt, max_tokens=48, method="vanilla")
+    for gamma in (2, 3, 5, 8, "auto"):
+        res = engine.generate(prompt, max_tokens=48, method="pearl", options={**PAR, "gamma": gamma})
+        assert res.tokens == base.tokens, gamma
+        assert res.text == base.text
+        extra = res.stats.extra
+        assert extra["pearl_mode"] == "parallel" and extra["pearl_rounds_parallel"] > 0
+        assert extra["pearl_threads"] == "1+1"
+        assert res.stats.target_passes <= base.stats.target_passes
+        check_draft_kv(engine)
+
+
+@pytest.mark.parametrize("mode", ["sequential", "auto"])
+def test_other_modes_greedy_equal_vanilla(engine, mode) -> None:
+    opts = {"mode": mode, "probe_rounds": 2}
+    if TWO_CORES:
+        opts.update(threads_target=1, threads_draft=1)
+    for prompt in PROMPTS:
+        base = engine.generate(prompt, max_tokens=40, method="vanilla")
+        res = engine.generate(prompt, max_tokens=40, method="pearl", options=opts)
+        assert res.tokens == base.tokens, (mode, prompt)
+        check_draft_kv(engine)
+
+
+@needs_two_cores
+def test_post_verify_chains_with_a_perfect_draft(tiny_target, tiny_self_draft) -> None:
+    with make_engine(tiny_target, tiny_self_draft) as eng:
+        base = eng.generate(PROMPTS[1], max_tokens=60)
+        res = eng.generate(PROMPTS[1], max_tokens=60, method="pearl", options={**PAR, "gamma": 4})
+        assert res.tokens == base.tokens
+        extra = res.stats.extra
+        # one pre-verify round, then every continuation is kept: post-verify never stops
+        assert extra["pearl_pre_rounds"] == 1
+        assert extra["pearl_continuations_dropped"] == 0
+        assert extra["pearl_continuations_kept"] >= extra["pearl_post_rounds"]
+        assert res.stats.tokens_per_pass > 3   # gamma-1 draft tokens + the matched continuation token
+
+
+@needs_two_cores
+def test_limits_stop_strings_and_small_budgets(engine) -> None:
+    for n in (1, 2, 3, 5):
+        base = engine.generate(PROMPTS[0], max_tokens=n)
+        res = engine.generate(PROMPTS[0], max_tokens=n, method="pearl", options={**PAR, "gamma": 4})
+        assert res.tokens == base.tokens and len(res.tokens) == n
+    full = engine.generate(PROMPTS[1], max_tokens=30)
+    if len(full.text) > 6:
+        stop = full.text[3:6]
+        res = engine.generate(PROMPTS[1], max_tokens=30, stop=[stop], method="pearl", options=PAR)
+        assert res.text == full.text[:full.text.find(stop)] and res.finish_reason == "stop"
+    assert engine.generate(PROMPTS[1], max_tokens=0, method="pearl", options=PAR).tokens == []
+
+
+@needs_two_cores
+def test_context_full_ends_cleanly(tiny_target, tiny_draft) -> None:
+    with make_engine(tiny_target, tiny_draft, n_ctx=64) as eng:
+        prompt = "a b c d e f g h"
+        base = eng.generate(prompt, max_tokens=500)
+        res = eng.generate(prompt, max_tokens=500, method="pearl", options={**PAR, "gamma": 6})
+        assert res.tokens == base.tokens
+        assert len(eng.prompt_tokens(prompt)) + len(res.tokens) <= 64
+
+
+# ---- sampling -----------------------------------------------------------------------------------
+
+@needs_two_cores
+def test_sampling_is_lossless(engine, tiny_target) -> None:
+    params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+    prompt = PROMPTS[1]
+    tokens = engine.prompt_tokens(prompt)
+    p1, _ = target_pair_distribution(tiny_target, tokens, params, [])
+    firsts = [int(t) for t in np.nonzero(p1)[0]]
+    _, joint = target_pair_distribution(tiny_target, tokens, params, firsts)
+    n = 1200
+    counts: dict[tuple[int, int], int] = {}
+    for seed in range(n):
+        sp = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, seed=seed)
+        res = engine.generate(prompt, max_tokens=2, method="pearl", sampling=sp, options=PAR)
+        key = tuple(res.tokens)
+        assert key in joint, f"{key} has zero target probability"
+        counts[key] = counts.get(key, 0) + 1
+    keys = sorted(joint)
+    expected = np.array([joint[k] for k in keys]) * n
+    observed = np.array([counts.get(k, 0) for k in keys])
+    rare = expected < 5
+    exp = np.append(expected[~rare], expected[rare].sum())
+    obs = np.append(observed[~rare], observed[rare].sum())
+    if exp[-1] == 0:
+        exp, obs = exp[:-1], obs[:-1]
+    pvalue = sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+    assert pvalue > 1e-3, pvalue
+
+
+@needs_two_cores
+def test_seeded_sampling_equals_plain_seeded_decoding(engine) -> None:
+    # greedy drafts + sample-and-match: each emitted token uses one uniform, as in plain decoding
+    for seed in range(6):
+        for temperature in (0.5, 1.2):
+            sp = SamplingParams(temperature=temperature, seed=seed)
+            base = engine.generate(PROMPTS[seed % 3], max_tokens=30, sampling=sp)
+            for opts in (PAR, {**PAR, "gamma": 6}, {"mode": "sequential"}):
+                res = engine.generate(PROMPTS[seed % 3], max_tokens=30, sampling=sp, method="pearl",
+                                      options=opts)
+                assert res.tokens == base.tokens, (seed, temperature, opts)
+
+
+# ---- threads ------------------------------------------------------------------------------------
+
+@needs_two_cores
+def test_no_thread_leaks_and_threads_restored(tiny_target, tiny_draft) -> None:
+    baseline = threading.active_count()
+    eng = make_engine(tiny_target, tiny_draft)
+    target_threads = ctx_threads(eng.target_ctx)
+    draft_threads = ctx_threads(eng.draft_kv().ctx)
+    for gamma in (2, 5):
+        eng.generate(PROMPTS[0], max_tokens=40, method="pearl", options={**PAR, "gamma": gamma})
+        assert threading.active_count() == baseline
+        assert ctx_threads(eng.target_ctx) == target_threads
+        assert ctx_threads(eng.draft_kv().ctx) == draft_threads
+    # a stream abandoned half-way (the background job may be running) cleans up when closed
+    stream = eng.stream(PROMPTS[1], max_tokens=40, method="pearl", options=PAR)
+    next(stream)
+    stream.close()
+    assert threading.active_count() == baseline
+    assert ctx_threads(eng.target_ctx) == target_threads
+    eng.close()
+    assert threading.active_count() == baseline
+
+
+@needs_two_cores
+def test_threads_are_split_while_running(engine, monkeypatch) -> None:
+    seen = []
+    original = pearl_mod.PearlProposer._draft
+
+    def spy(self, seq, n):
+        seen.append((ctx_threads(self.target_ctx), ctx_threads(self.kv.ctx)))
+        return original(self, seq, n)
+
+    monkeypatch.setattr(pearl_mod.PearlProposer, "_draft", spy)
+    engine.generate(PROMPTS[0], max_tokens=20, method="pearl", options=PAR)
+    assert seen and all(t == ((1, 1), (1, 1)) for t in seen)
+
+
+def test_thread_split_never_oversubscribes() -> None:
+    assert pearl_mod.thread_split(1, False, False) is None
+    for cores in range(2, 65):
+        for tg in (False, True):
+            for dg in (False, True):
+                nt, nd = pearl_mod.thread_split(cores, tg, dg)
+                assert nt >= 1 and nd >= 1 and nt + nd <= cores, (cores, tg, dg)
+    assert pearl_mod.thread_split(2, False, False) == (1, 1)
+    assert pearl_mod.thread_split(16, True, False) == (2, 14)   # GPU target: the CPU goes to the draft
+
+
+def test_one_core_runs_sequentially(tiny_target, tiny_draft) -> None:
+    # the tests' engines use 1 thread per context: the automatic split refuses to double it
+    with make_engine(tiny_target, tiny_draft) as eng:
+        base = eng.generate(PROMPTS[2], max_tokens=20)
+        res = eng.generate(PROMPTS[2], max_tokens=20, method="pearl")
+        assert res.tokens == base.tokens
+        assert res.stats.extra["pearl_decision"] == "sequential"
+        assert res.stats.extra["pearl_rounds_parallel"] == 0
+        assert "oversubscribe" in res.stats.extra["pearl_reason"]
+
+
+# ---- cancellation, errors -----------------------------------------------------------------------
+
+@needs_two_cores
+def test_cancellation_leaves_the_engine_usable(engine) -> None:
+    baseline = threading.active_count()
+    calls = {"n": 0}
+
+    def cancel() -> bool:
+        calls["n"] += 1
+        return calls["n"] > 3
+
+    res = engine.generate(PROMPTS[0], max_tokens=60, method="pearl", options=PAR, cancel=cancel)
+    assert res.finish_reason == "cancelled" and 0 < len(res.tokens) < 60
+    assert threading.active_count() == baseline
+    check_draft_kv(engine)
+    # cancelled from another thread mid-generation
+    event = threading.Event()
+    timer = threading.Timer(0.005, event.set)
+    timer.start()
+    engine.generate(PROMPTS[1], max_tokens=400, method="pearl", options=PAR, cancel=event)
+    timer.join()
+    assert threading.active_count() == baseline
+    base = engine.generate(PROMPTS[0], max_tokens=30)
+    assert engine.generate(PROMPTS[0], max_tokens=30, method="pearl", options=PAR).tokens == base.tokens
+
+
+@needs_two_cores
+def test_background_error_surfaces_and_engine_recovers(engine, monkeypatch) -> None:
+    original = pearl_mod.PearlProposer._draft
+    state = {"n": 0}
+
+    def flaky(self, seq, n):
+        if threading.current_thread() is not threading.main_thread():
+            state["n"] += 1
+            if state["n"] == 3:
+                raise RuntimeError("draft exploded")
+        return original(self, seq, n)
+
+    monkeypatch.setattr(pearl_mod.PearlProposer, "_draft", flaky)
+    baseline = threading.active_count()
+    with pytest.raises(RuntimeError, match="draft exploded"):
+        engine.generate(PROMPTS[0], max_tokens=40, method="pearl", options=PAR)
+    assert threading.active_count() == baseline
+    monkeypatch.setattr(pearl_mod.PearlProposer, "_draft", original)
+    base = engine.generate(PROMPTS[0], max_tokens=30)
+    assert engine.generate(PROMPTS[0], max_tokens=30, method="pearl", options=PAR).tokens == base.tokens
+    check_draft_kv(engine)
+
+
+def test_bad_options_and_missing_draft(engine, tiny_target) -> None:
+    for opts, match in (({"gamma": 1}, "gamma"), ({"mode": "fast"}, "mode"),
+                        ({"seq_gamma": 0}, "seq_gamma"), ({"probe_rounds": 0}, "probe_rounds"),
+                        ({"threads_target": default_threads(), "threads_draft": 1}, "threads")):
+        with pytest.raises(ParameterError, match=match):
+            engine.generate("x", max_tokens=2, method="pearl", options=opts)
+    with make_engine(tiny_target) as eng:
+        with pytest.raises(ParameterError, match="draft"):
+            eng.generate("x", method="pearl")
+
+
+# ---- automatic fallback -------------------------------------------------------------------------
+
+@needs_two_cores
+def test_auto_falls_back_to_sequential_when_parallel_is_slower(tiny_target, tiny_draft, monkeypatch) -> None:
+    original = pearl_mod.PearlProposer._draft
+
+    def slow_in_background(self, seq, n):
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.02)   # a draft that competes for the CPU: PEARL rounds get slow
+        return original(self, seq, n)
+
+    monkeypatch.setattr(pearl_mod.PearlProposer, "_draft", slow_in_background)
+    with make_engine(tiny_target, tiny_draft) as eng:
+        base = eng.generate(PROMPTS[1], max_tokens=80)
+        opts = {"threads_target": 1, "threads_draft": 1, "probe_rounds": 3}
+        res = eng.generate(PROMPTS[1], max_tokens=80, method="pearl", options=opts)
+        assert res.tokens == base.tokens
+        extra = res.stats.extra
+        assert extra["pearl_rounds_parallel"] >= 6 and extra["pearl_rounds_sequential"] >= 6
+        assert extra["pearl_decision"] == "sequential" and extra["pearl_reason"].startswith("measured")
+        assert extra["pearl_tok_s_parallel"] < extra["pearl_tok_s_sequential"]
+        # the decision is kept for the next generation on this engine: no more probing
+        res2 = eng.generate(PROMPTS[0], max_tokens=30, method="pearl", options=opts)
+        assert res2.stats.extra["pearl_rounds_parallel"] == 0
+        assert res2.tokens == eng.generate(PROMPTS[0], max_tokens=30).tokens
+
+
+@needs_two_cores
+def test_auto_gamma_stays_in_range(engine) -> None:
+    res = engine.generate(PROMPTS[0], max_tokens=60, method="pearl", options={**PAR, "gamma": "auto"})
+    assert pearl_mod.GAMMA_MIN <= res.stats.extra["pearl_gamma"] <= pearl_mod.GAMMA_MAX
+
+
+@needs_two_cores
+def test_stress_many_rounds(tiny_target, tiny_draft) -> None:
+    # many concurrent rounds on two contexts (the note asks for a ctypes stress test)
+    with make_engine(tiny_target, tiny_draft, n_ctx=1024) as eng:
+        for prompt in PROMPTS:
+            base = eng.generate(prompt, max_tokens=300)
+            res = eng.generate(prompt, max_tokens=300, method="pearl", options={**PAR, "gamma": 3})
+            assert res.tokens == base.tokens
+            assert res.stats.extra["pearl_rounds_parallel"] > 50
