@@ -11,10 +11,12 @@ from typing import Any, Sequence
 from .errors import OuroborosError, ParameterError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_METHOD = "auto"
 
 # Method hyperparameters exposed as flags: flag dest -> option name passed to the proposer.
 METHOD_FLAGS = {"gamma": "gamma", "window": "window", "level": "level", "guess_set": "guess_set",
-                "topk": "topk", "pool": "pool", "p_min": "p_min", "max_ngram": "max_ngram"}
+                "topk": "topk", "pool": "pool", "p_min": "p_min", "max_ngram": "max_ngram",
+                "adaedl": "adaedl", "adaedl_lambda": "adaedl_lambda", "pearl_mode": "mode"}
 
 
 def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -> None:
@@ -55,8 +57,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("method hyperparameters (defaults suit a small CPU)")
-    g.add_argument("--method", default="vanilla",
-                   help="vanilla | speculative | ouroboros | lookahead | prompt-lookup (default vanilla)")
+    g.add_argument("--method", default=DEFAULT_METHOD,
+                   help="auto | vanilla | speculative | ouroboros | lookahead | prompt-lookup | pearl "
+                        f"(default {DEFAULT_METHOD})")
     g.add_argument("--gamma", type=int, default=None, help="draft tokens per round")
     g.add_argument("--window", type=int, default=None, help="lookahead window columns (W)")
     g.add_argument("--level", type=int, default=None, help="lookahead n-gram size (N)")
@@ -65,6 +68,12 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-ngram", type=int, default=None, help="prompt-lookup: longest n-gram matched")
     g.add_argument("--p-min", type=float, default=None, help="stop drafting below this draft confidence")
     g.add_argument("--pool", default=None, help="phrase pool file, loaded and saved (history reuse)")
+    g.add_argument("--adaedl", action="store_true", default=None,
+                   help="speculative: stop drafting early when the draft's entropy is high (AdaEDL)")
+    g.add_argument("--adaedl-lambda", type=float, default=None, help="AdaEDL's initial threshold (0..1)")
+    g.add_argument("--pearl-mode", choices=["auto", "parallel", "sequential"], default=None,
+                   help="pearl: draft and target at the same time, one after the other, or measure both "
+                        "and keep the faster (default auto)")
 
 
 def _gpu_layers(value: str) -> int:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .errors import ContextOverflowError, ParameterError
+from .errors import ContextOverflowError, MethodOptionError, ParameterError
 from .kv import KVCache
 from .llama import Context, ContextParams, Model, TextStream
 from .proposers import create_proposer, method_names
@@ -145,11 +145,18 @@ class Engine:
     """A target model (and optionally a draft model) loaded once; generations run one at a time."""
 
     def __init__(self, target: Model, draft: Model | None = None, config: EngineConfig | None = None,
-                 pair_compatible: bool | None = None):
+                 pair_compatible: bool | None = None, pair_reason: str | None = None):
         self.config = config or EngineConfig()
         self.target = target
         self.draft = draft
+        if draft is not None and pair_compatible is None:
+            from .proposers.cross_vocab import vocabulary_difference
+
+            pair_reason = vocabulary_difference(target, draft)
+            pair_compatible = pair_reason is None
+        # False: the draft speaks another vocabulary, so draft methods bridge through text
         self.pair_compatible = pair_compatible
+        self.pair_reason = pair_reason
         cfg = self.config
         self.target_ctx = Context(target, ContextParams(
             n_ctx=cfg.n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_seq_max, n_threads=cfg.threads,
@@ -174,11 +181,11 @@ class Engine:
             if not hasattr(config, key):
                 raise ParameterError(f"unknown engine option {key!r}")
             setattr(config, key, value)
-        target_path, draft_path, compatible = resolve_and_check(target, draft, progress=progress)
+        target_path, draft_path, compatible, reason = resolve_and_check(target, draft, progress=progress)
         target_model = Model(target_path, n_gpu_layers=config.gpu_layers, main_gpu=config.main_gpu)
         draft_model = (Model(draft_path, n_gpu_layers=config.draft_gpu_layers, main_gpu=config.main_gpu)
                        if draft_path else None)
-        return cls(target_model, draft_model, config, pair_compatible=compatible)
+        return cls(target_model, draft_model, config, pair_compatible=compatible, pair_reason=reason)
 
     def draft_kv(self) -> KVCache:
         """The draft model's context (created on first use, kept across generations)."""
@@ -285,7 +292,14 @@ class Engine:
                 f"the prompt has {len(tokens)} tokens but the context holds {self.target_ctx.n_ctx}; "
                 "use a larger --ctx-size or a shorter prompt")
         is_cancelled = _cancel_check(cancel)
-        proposer = create_proposer(method, self, options or {})
+        try:
+            proposer = create_proposer(method, self, options or {})
+        except MethodOptionError:
+            raise
+        except ParameterError as exc:
+            if not options:
+                raise
+            raise MethodOptionError(str(exc)) from None
         if self.config.adaptive and getattr(proposer, "adaptive", False):
             self.scheduler()  # calibrate (or load the cached curve) before taking the lock
         with self._lock:
@@ -403,19 +417,23 @@ class Engine:
                             accepted_by_source=by_source)
 
 
-def resolve_and_check(target: str | Path, draft: str | Path | None,
-                      progress: bool = True) -> tuple[Path, Path | None, bool | None]:
-    """Resolve model specs to validated GGUF files and refuse a draft whose vocabulary differs."""
+def resolve_and_check(target: str | Path, draft: str | Path | None, progress: bool = True
+                      ) -> tuple[Path, Path | None, bool | None, str | None]:
+    """Resolve model specs to validated GGUF files and compare the pair's vocabularies.
+
+    Returns (target, draft, compatible, reason): a draft with another vocabulary is not refused here;
+    draft methods then run through the cross-vocabulary proposer (proposers/__init__.py).
+    """
     from . import models
 
     target_path = models.resolve_model(str(target), progress=progress)
     models.validate_gguf(target_path)
     if draft is None:
-        return target_path, None, None
+        return target_path, None, None, None
     draft_path = models.resolve_model(str(draft), progress=progress)
     models.validate_gguf(draft_path)
-    models.require_compatible(target_path, draft_path)
-    return target_path, draft_path, True
+    report = models.check_pair(target_path, draft_path)
+    return target_path, draft_path, report.compatible, report.reason
 
 
 def _cancel_check(cancel: Callable[[], bool] | threading.Event | None) -> Callable[[], bool]:

@@ -21,5 +21,9 @@ class ParameterError(OuroborosError):
     """A generation or configuration parameter is out of range."""
 
 
+class MethodOptionError(ParameterError):
+    """A method's option (gamma, window, ...) is invalid for that method."""
+
+
 class PoolError(OuroborosError):
     """A saved phrase pool is corrupt or belongs to another tokenizer."""

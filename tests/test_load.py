@@ -21,6 +21,7 @@ import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -137,7 +138,8 @@ def ask(client: "openai.OpenAI", req: Req, max_tokens: int) -> str:
 
 
 def run_load(base: str, methods: list[str | None], n_clients: int, n_requests: int, max_tokens: int,
-             expected: dict[tuple[int, bool], str], retries: int = 40) -> Tally:
+             expected: dict[tuple[int, bool], str], retries: int = 40,
+             tie_flip: "Callable[[Req, str, str], bool] | None" = None) -> Tally:
     tally = Tally()
 
     def worker(c: int) -> None:
@@ -167,8 +169,10 @@ def run_load(base: str, methods: list[str | None], n_clients: int, n_requests: i
                     break
                 with tally.lock:
                     tally.answered += 1
-                    if text != expected[(req.prompt, req.chat)]:
-                        tally.mismatches.append(f"{req}: {text!r} != {expected[(req.prompt, req.chat)]!r}")
+                    want = expected[(req.prompt, req.chat)]
+                    if text != want and not (req.method != "vanilla" and tie_flip is not None
+                                             and tie_flip(req, want, text)):
+                        tally.mismatches.append(f"{req}: {text!r} != {want!r}")
                 break
 
     threads = [threading.Thread(target=worker, args=(c,)) for c in range(n_clients)]
@@ -189,20 +193,45 @@ def single_client_answers(base: str, max_tokens: int) -> dict[tuple[int, bool], 
     return out
 
 
+def tie_flip_checker(model: str, n_ctx: int) -> "Callable[[Req, str, str], bool]":
+    """For a quantized model: does a speculative answer differ from vanilla's only after a tie-flip?
+
+    Batched verification and one-token decoding use different matmul kernels, so on a Q4 model a
+    greedy near-tie may flip (README, "Exactness on real hardware"). The answers are re-tokenized
+    in this process and compared with ``compare_greedy``'s tolerance rule (0.5 logits)."""
+    from ouroboros_local.compare import compare_greedy
+    from ouroboros_local.engine import Engine, EngineConfig
+
+    engine = Engine.load(model, config=EngineConfig(n_ctx=n_ctx), progress=False)
+    lock = threading.Lock()
+
+    def check(req: Req, want: str, got: str) -> bool:
+        with lock:
+            prompt = engine.prompt_tokens(PROMPTS[req.prompt], chat=req.chat)
+            ref = engine.tokenize(want, add_special=False, parse_special=False)
+            cand = engine.tokenize(got, add_special=False, parse_special=False)
+            if engine.detokenize(ref) != want or engine.detokenize(cand) != got:
+                return False
+            return compare_greedy(engine, prompt, ref, cand).tie_flip
+
+    return check
+
+
 def load_test(model: str, draft: str | None, extra: list[str], n_clients: int, n_requests: int,
-              max_tokens: int, methods: list[str | None], rss_limit_mib: float) -> None:
+              max_tokens: int, methods: list[str | None], rss_limit_mib: float,
+              tie_flip: "Callable[[Req, str, str], bool] | None" = None) -> None:
     server = ServeProcess(model, draft, *extra)
     try:
         expected = single_client_answers(server.base, max_tokens)
         # Warm-up round (allocator pools, draft context, first-time code paths), then measure.
-        warm = run_load(server.base, methods, n_clients, 1, max_tokens, expected)
+        warm = run_load(server.base, methods, n_clients, 1, max_tokens, expected, tie_flip=tie_flip)
         assert not warm.errors and not warm.mismatches, (warm.errors, warm.mismatches)
         rss0 = server.rss
         t0 = time.monotonic()
-        tally = run_load(server.base, methods, n_clients, n_requests, max_tokens, expected)
+        tally = run_load(server.base, methods, n_clients, n_requests, max_tokens, expected, tie_flip=tie_flip)
         elapsed = time.monotonic() - t0
         rss1 = server.rss
-        tally2 = run_load(server.base, methods, n_clients, n_requests, max_tokens, expected)
+        tally2 = run_load(server.base, methods, n_clients, n_requests, max_tokens, expected, tie_flip=tie_flip)
         rss2 = server.rss
         metrics = server.get("/metrics")
         health = json.loads(server.get("/health"))
@@ -248,5 +277,6 @@ def test_load_smollm2():
         model = str(resolve_model("smollm2-135m-instruct"))
     except ModelError as exc:  # pragma: no cover - offline machine
         pytest.skip(f"SmolLM2 unavailable: {exc}")
+    # vanilla answers must be exact; the default method's may differ from them only after a tie-flip
     load_test(model, None, ["-c", "2048", "--max-queue", "16"], n_clients=8, n_requests=25, max_tokens=24,
-              methods=[None, "vanilla"], rss_limit_mib=48)
+              methods=[None, "vanilla"], rss_limit_mib=48, tie_flip=tie_flip_checker(model, 2048))

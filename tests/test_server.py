@@ -349,7 +349,7 @@ BAD_REQUESTS = [
     ("method_options bad value", "/v1/completions",
      {"prompt": "x", "method": "speculative", "method_options": {"gamma": "many"}}, 400, "method_options"),
     ("method_options out of range", "/v1/completions",
-     {"prompt": "x", "method": "speculative", "method_options": {"gamma": 0}}, 400, None),
+     {"prompt": "x", "method": "speculative", "method_options": {"gamma": 0}}, 400, "method_options"),
     ("n = 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("penalty", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import ParameterError
+from ..errors import IncompatiblePairError, ParameterError
 from .base import NoDraft, ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -18,7 +18,13 @@ _METHODS: dict[str, str] = {
     "prompt-lookup": "ouroboros_local.proposers.prompt_lookup:create",
     "lookahead": "ouroboros_local.proposers.lookahead:create",
     "ouroboros": "ouroboros_local.proposers.ouroboros:create",
+    "pearl": "ouroboros_local.proposers.pearl:create",
     "auto": "ouroboros_local.proposers.auto:create",
+}
+# A draft whose vocabulary differs from the target's runs these instead (text-level bridging).
+_CROSS_VOCAB_METHODS: dict[str, str] = {
+    "speculative": "ouroboros_local.proposers.cross_vocab:create",
+    "ouroboros": "ouroboros_local.proposers.cross_vocab:create_ouroboros",
 }
 
 
@@ -43,6 +49,13 @@ def create_proposer(method: str, engine: "Engine", options: dict[str, Any]) -> P
     target = _METHODS.get(method)
     if target is None:
         raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+    if engine.draft is not None and engine.pair_compatible is False:
+        if method in _CROSS_VOCAB_METHODS:
+            target = _CROSS_VOCAB_METHODS[method]
+        elif method == "pearl":
+            raise IncompatiblePairError(
+                f"pearl needs a draft with the target's vocabulary ({engine.pair_reason}); "
+                "--method speculative or ouroboros bridge different vocabularies through text")
     module, _, attr = target.partition(":")
     factory: Callable[["Engine", dict[str, Any]], Proposer] = getattr(import_module(module), attr)
     return factory(engine, options)

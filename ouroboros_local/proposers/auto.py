@@ -1,13 +1,18 @@
 """Method ``auto``: pick, round by round, the proposer with the best expected speed on this machine.
 
 Candidates, cheapest first: prompt lookup (free drafts, copied from the prompt, the output and the
-shared phrase pool) and, when a same-vocabulary draft model is loaded, the draft model. Each round:
+shared phrase pool) and, when a draft model is loaded, the draft model (through the cross-vocabulary
+proposer when its vocabulary differs from the target's). Each round:
 
 1. prompt lookup proposes up to the scheduler's best length for it; if it finds a match, that is the
    round's tree (a free draft beats a paid one of similar acceptance);
 2. otherwise the draft model drafts the scheduler's best length for it (its measured per-token cost
    included), if drafting pays at all;
 3. otherwise the tree is the root alone: a plain decoding step.
+
+Every draft is deterministic (prompt lookup, greedy draft-model chains), so with sampling the verifier
+uses sample-and-match: each emitted token consumes exactly one uniform of the seeded generator, and a
+seeded ``auto`` run gives the same text as seeded plain decoding, however the rounds were drafted.
 
 The scheduler (scheduler.py) holds an acceptance estimate per proposer and the measured verify-cost
 curve, so on a CPU where verification is expensive ``auto`` drafts short or not at all, and on a GPU
@@ -86,8 +91,10 @@ def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
     from . import prompt_lookup
 
     candidates: list[Proposer] = [prompt_lookup.create(engine, dict(options))]
-    if engine.draft is not None and engine.pair_compatible is not False:
-        from . import draft_model
+    if engine.draft is not None:
+        from . import cross_vocab, draft_model
 
-        candidates.append(draft_model.create(engine, dict(options)))
+        module = draft_model if engine.pair_compatible is not False else cross_vocab
+        # greedy drafts: seeded sampling then reproduces plain seeded decoding, whatever the scheduler chose
+        candidates.append(module.create(engine, {**options, "greedy_draft": True}))
     return AutoProposer(engine.scheduler(), candidates)

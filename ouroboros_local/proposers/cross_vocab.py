@@ -43,12 +43,15 @@ for conversion) and ``text_to_target`` are independent of the drafting strategy;
 from __future__ import annotations
 
 import codecs
+import os
 from bisect import bisect_right
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
 from ..errors import ParameterError
+from ..kv import common_prefix
 from ..tree import TokenTree
 from .base import ProposeSetup, Proposer
 
@@ -56,6 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine
     from ..kv import KVCache
     from ..llama import Model
+    from ..pool import PhrasePool
     from ..verify import VerifyResult
 
 _WS = frozenset(b" \t\n\r\x0b\x0c")
@@ -67,15 +71,19 @@ def is_chunk_start(buf: bytes | bytearray, p: int) -> bool:
     """Must every GPT-2-family pre-tokenizer start a chunk at byte ``p`` of ``buf``, whatever follows?
 
     True for p == 0, for a space after a non-whitespace byte, and for a non-whitespace byte after a
-    newline. (No pattern of those regexes matches non-space + space or newline + non-space, and the
-    only lookahead, ``\\s+(?!\\S)``, reads one character that is already known.)
+    newline that itself follows a non-whitespace byte. (No pattern of those regexes matches
+    non-space + space or newline + non-space. The lookahead ``\\s+(?!\\S)`` re-splits a run of
+    several whitespace bytes once a non-space follows it, "\\n\\n" + "d" -> "\\n", "\\n", "d", so a
+    boundary after a longer whitespace run is not stable.)
     """
     if p <= 0:
         return True
     if p >= len(buf):
         return False
     prev, cur = buf[p - 1], buf[p]
-    return (cur == _SPACE and prev not in _WS) or (prev == _NL and cur not in _WS)
+    if cur == _SPACE:
+        return prev not in _WS
+    return prev == _NL and cur not in _WS and (p < 2 or buf[p - 2] not in _WS)
 
 
 def valid_utf8_prefix(data: bytes) -> int:
@@ -442,25 +450,187 @@ class CrossVocabProposer(Proposer):
                 "inexact_restarts": self.view.inexact_restarts}
 
 
-def same_vocabulary(target: "Model", draft: "Model") -> bool:
-    """Do both models give every token id the same bytes? (Cheap when the sizes differ.)"""
-    if target.n_vocab != draft.n_vocab:
-        return False
-    return all(target.token_text(t) == draft.token_text(t) for t in range(target.n_vocab))
+def vocabulary_difference(target: "Model", draft: "Model", max_size_difference: int = 128) -> str | None:
+    """Why the draft cannot propose target token ids directly, or None when it can.
+
+    The rule of ``models.check_pair`` on loaded models: sizes within ``max_size_difference``, the same
+    special ids, and the same token texts over the common range.
+    """
+    if abs(target.n_vocab - draft.n_vocab) > max_size_difference:
+        return f"draft vocabulary differs from target: size {draft.n_vocab} vs {target.n_vocab}"
+    for label, t_val, d_val in (("bos id", target.bos, draft.bos), ("eos id", target.eos, draft.eos)):
+        if t_val != d_val:
+            return f"draft {label} {d_val} differs from the target's {t_val}"
+    for t in range(min(target.n_vocab, draft.n_vocab)):
+        if target.token_text(t) != draft.token_text(t):
+            return f"token {t} is {target.token_text(t)!r} in the target but {draft.token_text(t)!r} in the draft"
+    return None
+
+
+def _gamma(options: dict[str, Any], default: int) -> int:
+    gamma = options.get("gamma")
+    try:
+        return default if gamma is None else int(gamma)
+    except (TypeError, ValueError):
+        raise ParameterError(f"gamma must be an integer (got {gamma!r})") from None
 
 
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
     if engine.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft)")
-    gamma = options.get("gamma")
-    try:
-        gamma = 6 if gamma is None else int(gamma)
-    except (TypeError, ValueError):
-        raise ParameterError(f"gamma must be an integer (got {options.get('gamma')!r})") from None
-    return CrossVocabProposer(engine.draft_kv(), engine.target, engine.draft, gamma=gamma,
+    return CrossVocabProposer(engine.draft_kv(), engine.target, engine.draft, gamma=_gamma(options, 6),
                               map_specials=bool(options.get("map_specials", True)),
                               keep_unstable=bool(options.get("keep_unstable", False)))
 
 
-__all__ = ["CrossVocabProposer", "DraftView", "create", "is_chunk_start", "same_vocabulary",
-           "text_to_target", "valid_utf8_prefix"]
+class CrossVocabOuroboros(CrossVocabProposer):
+    """Ouroboros across vocabularies: phrase-level drafting in the draft's vocabulary, the phrase pool
+    for long drafts and verification phrases in the target's.
+
+    ``inner`` is an ``OuroborosProposer`` over the draft context working on ``view.tokens`` (its Jacobi
+    window and its own draft-vocabulary pool make one draft forward yield several tokens); its draft
+    text is converted to target tokens as in ``CrossVocabProposer``; then the target-vocabulary pool's
+    phrases for the last converted token hang below the draft (long drafts), and ``observe`` harvests
+    the target's predictions over rejected tails into that pool.
+    """
+
+    name = "ouroboros"
+
+    def __init__(self, kv: "KVCache", target: "Model", draft: "Model", inner: Proposer,
+                 pool: "PhrasePool", *, gamma: int, topk: int, harvest: str, pool_from_prompt: bool,
+                 pool_file: str | None = None, fingerprint: str | None = None, map_specials: bool = True):
+        super().__init__(kv, target, draft, gamma=gamma, map_specials=map_specials)
+        self.inner = inner
+        self.pool = pool
+        self.topk = topk
+        self.harvest = harvest
+        self.pool_from_prompt = pool_from_prompt
+        self.pool_file = pool_file
+        self.fingerprint = fingerprint
+        self._fed = 0
+        self.suffix_nodes = 0
+        self.suffix_accepted = 0
+        self.verify_phrases = 0
+
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        Proposer.begin(self, prompt, setup)
+        self._zero_stats()
+        self.view.reset()
+        self.view.extend(prompt)
+        self._kv_equal = 0
+        draft_setup = ProposeSetup(sampling=setup.sampling, rng=setup.rng,
+                                   max_tree_nodes=setup.max_tree_nodes, max_branches=setup.max_branches,
+                                   eog_tokens=self.draft.eog_tokens)
+        self.inner.begin(list(self.view.tokens), draft_setup)   # window reset + draft prefill
+        self._fed = 0
+        self._feed(prompt)
+        self.suffix_nodes = self.suffix_accepted = self.verify_phrases = 0
+
+    def _feed(self, committed: Sequence[int]) -> None:
+        if self.pool_from_prompt:
+            self.pool.add_ngrams(committed, self.pool.phrase_len + 1, start=self._fed)
+            self._fed = len(committed)
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        from .ouroboros import hang_pool_phrases
+
+        view = self.view
+        if len(committed) > view.n_target:
+            view.extend(committed[view.n_target:])
+        tree = TokenTree.rooted_at(committed[-1])
+        self.rounds += 1
+        self.last_draft_tokens, self.last_draft_text, self.last_target_tokens = [], b"", []
+        tokens = list(view.tokens)
+        if budget <= 0 or len(tokens) < 2 or view.pending or len(tokens) + 1 >= self.kv.ctx.n_ctx:
+            self.empty_rounds += 1
+            return tree
+        # the draft KV must be a prefix of the view (re-tokenization may have changed its tail)
+        self.kv.truncate(min(common_prefix(self.kv.cached, tokens), len(tokens) - 1))
+        drafted = self.inner.draft_tokens(tokens, self.gamma)
+        self.draft_steps = self.inner._stats.get("draft_forwards", 0)
+        closing: int | None = None
+        for i, tok in enumerate(drafted):
+            special = view.draft_special(tok)
+            if special is not False:
+                closing, drafted = special, drafted[:i]
+                break
+        self.draft_tokens += len(drafted)
+        text = b"".join(self.draft.piece(t) for t in drafted)
+        self.last_draft_tokens, self.last_draft_text = drafted, text
+        toks, complete = self.to_target(text, closed=closing is not None)
+        if closing is not None and complete:
+            toks.append(closing)
+        toks = toks[:budget]
+        self.last_target_tokens = toks
+        node = tree.add_path(0, toks, source="draft") if toks else 0
+        eog = self.setup.eog_tokens
+        last = toks[-1] if toks else committed[-1]
+        if self.topk and last not in eog:
+            self.suffix_nodes += hang_pool_phrases(tree, node, self.pool.lookup([last], k=self.topk),
+                                                   budget, self.setup.max_branches, eog)
+        if not tree.n_candidates:
+            self.empty_rounds += 1
+        return tree
+
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        from ..pool import harvest_verification
+
+        self.suffix_accepted += result.accepted_by_source.get("pool", 0)
+        if self.harvest != "none" and result.tree.n_candidates:
+            self.verify_phrases += harvest_verification(self.pool, result.tree, result.predictions,
+                                                        result.path, self.harvest, context=())
+        self._feed(committed)
+
+    def end(self) -> None:
+        self.inner.end()
+        if self.pool_file is not None and self.fingerprint is not None:
+            self.pool.save(self.pool_file, self.fingerprint)
+
+    def stats(self) -> dict[str, Any]:
+        out = super().stats()
+        inner = self.inner.stats()
+        out.update({k: v for k, v in inner.items() if k.startswith("ouro_draft") or k == "ouro_window_phrases"})
+        out.update({"ouro_suffix_nodes": self.suffix_nodes, "ouro_suffix_accepted": self.suffix_accepted,
+                    "ouro_verify_phrases": self.verify_phrases, "ouro_pool_size": len(self.pool),
+                    "ouro_draft_pool_size": len(self.inner.pool)})
+        return out
+
+
+def create_ouroboros(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    """Ouroboros for a draft with another vocabulary (see ``CrossVocabOuroboros``)."""
+    from ..pool import PhrasePool, harvest_strategy
+    from .ouroboros import DEFAULTS, OuroborosProposer, _int_option, shared_pool, tokenizer_fingerprint
+
+    if engine.draft is None:
+        raise ParameterError("this method needs a draft model (-d/--draft)")
+    gamma, window, level, guess, topk = (_int_option(options, k)
+                                         for k in ("gamma", "window", "level", "guess_set", "topk"))
+    harvest = harvest_strategy(options.get("harvest") or DEFAULTS["harvest"])
+    if level < 3:
+        raise ParameterError(f"ouroboros level N must be >= 3 (got {level}): phrases hold N-1 tokens")
+    path = options.get("pool")
+    if path is not None:
+        if not isinstance(path, (str, os.PathLike)):
+            raise ParameterError("ouroboros option 'pool' must be a file path")
+        path = str(Path(path).expanduser().resolve())
+    pool = shared_pool(engine, level - 1, max(guess, topk, 1), path)      # target vocabulary
+    # the draft's own window/phrase pool (draft vocabulary), kept across requests like the target's
+    draft_pool = engine.shared.setdefault(
+        f"ouroboros_draft_pool:N={level}:G={guess}",
+        PhrasePool(key_len=1, max_per_key=max(guess, 1), phrase_len=level - 1))
+    kv = engine.draft_kv()
+    inner = OuroborosProposer(kv, draft_pool, engine.draft.n_vocab, gamma=gamma, window=window,
+                              level=level, guess_set=guess, topk=0, harvest="none",
+                              pool_from_prompt=bool(options.get("pool_from_prompt", True)),
+                              overshoot=bool(options.get("overshoot", True)),
+                              seed=_int_option(options, "seed"), check=engine)
+    return CrossVocabOuroboros(kv, engine.target, engine.draft, inner, pool, gamma=gamma, topk=topk,
+                               harvest=harvest,
+                               pool_from_prompt=bool(options.get("pool_from_prompt", True)),
+                               pool_file=path,
+                               fingerprint=tokenizer_fingerprint(engine) if path is not None else None,
+                               map_specials=bool(options.get("map_specials", True)))
+
+
+__all__ = ["CrossVocabOuroboros", "CrossVocabProposer", "DraftView", "create", "create_ouroboros",
+           "is_chunk_start", "text_to_target", "valid_utf8_prefix", "vocabulary_difference"]

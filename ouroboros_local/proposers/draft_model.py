@@ -113,7 +113,7 @@ class DraftModelProposer(Proposer):
     needs_draft_model = True
 
     def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0,
-                 adaedl: AdaEDL | None = None):
+                 adaedl: AdaEDL | None = None, greedy_draft: bool = False):
         if gamma < 1:
             raise ParameterError(f"gamma must be >= 1 (got {gamma})")
         if not 0.0 <= p_min < 1.0:
@@ -124,6 +124,9 @@ class DraftModelProposer(Proposer):
         self.n_target_vocab = n_target_vocab
         self.adaedl_init = adaedl
         self.adaedl: AdaEDL | None = None
+        # Greedy drafts even when sampling: verified by sample-and-match, every emitted token uses
+        # exactly one uniform, so a seeded run equals plain seeded decoding whatever the draft lengths.
+        self.greedy_draft = greedy_draft
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -165,7 +168,7 @@ class DraftModelProposer(Proposer):
         node = 0
         for i in range(n):
             row = self._row(logits)
-            if sampling.greedy:
+            if sampling.greedy or self.greedy_draft:
                 if ada is not None and i > 0 and ada.should_stop(logits_entropy(row)):
                     self.early_stops += 1
                     break
@@ -249,4 +252,5 @@ def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
     except (TypeError, ValueError):
         raise ParameterError(f"gamma must be an integer (got {options.get('gamma')!r})") from None
     return DraftModelProposer(engine.draft_kv(), engine.target.n_vocab, gamma=gamma,
-                              p_min=float(options.get("p_min", 0.0)), adaedl=adaedl)
+                              p_min=float(options.get("p_min", 0.0)), adaedl=adaedl,
+                              greedy_draft=_truthy(options.get("greedy_draft", False)))

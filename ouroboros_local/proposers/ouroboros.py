@@ -230,6 +230,21 @@ class OuroborosProposer(Proposer):
         budget = min(budget, self.setup.max_tree_nodes)
         if budget <= 0:
             return tree
+        eog = self.setup.eog_tokens
+        d = self.draft_tokens(committed, budget)
+        node = 0
+        for tok in d:
+            node = tree.add(node, tok, source="draft")
+        # Long draft: the most recent pool phrases for the last draft token, as parallel branches.
+        if d and d[-1] not in eog and self.topk:
+            kl = self.pool.key_len
+            ctx = d[-kl:] if len(d) >= kl else list(committed[len(committed) - (kl - len(d)):]) + d
+            self._stats["suffix_nodes"] += hang_pool_phrases(
+                tree, node, self.pool.lookup(ctx, k=self.topk), budget, self.setup.max_branches, eog)
+        return tree
+
+    def draft_tokens(self, committed: Sequence[int], budget: int) -> list[int]:
+        """Phrase-level drafting: up to ``gamma`` (plus a forward's overshoot) tokens after committed."""
         self._stats["rounds"] += 1
         if self.kv.n_past >= len(committed):   # observe() keeps it shorter; be safe if it was skipped
             self.kv.truncate(len(committed) - 1)
@@ -248,30 +263,7 @@ class OuroborosProposer(Proposer):
         if not self.overshoot:
             del d[limit:]
         del d[budget:]
-        node = 0
-        for tok in d:
-            node = tree.add(node, tok, source="draft")
-        # Long draft: the most recent pool phrases for the last draft token, as parallel branches.
-        if d and d[-1] not in eog and self.topk and tree.n_candidates < budget:
-            kl = self.pool.key_len
-            ctx = d[-kl:] if len(d) >= kl else list(committed[len(committed) - (kl - len(d)):]) + d
-            leaves = 1
-            max_leaves = self.setup.max_branches
-            for phrase in self.pool.lookup(ctx, k=self.topk):
-                phrase = _cut_at_eog(phrase, eog)
-                grows = _would_add_leaf(tree, node, phrase)
-                if grows is None:
-                    continue
-                if grows:
-                    if leaves >= max_leaves:
-                        continue
-                    leaves += 1
-                before = tree.n_candidates
-                tree.add_path(node, phrase, source="pool", max_nodes=budget)
-                self._stats["suffix_nodes"] += tree.n_candidates - before
-                if tree.n_candidates >= budget:
-                    break
-        return tree
+        return d
 
     def _draft_forward(self, committed: Sequence[int], d: list[int]) -> list[int]:
         """One draft decode at the end of ``committed + d``; returns the 1 + h tokens it commits."""
@@ -443,6 +435,30 @@ class _Fallback(Proposer):
         self.inner.close()
 
 
+def hang_pool_phrases(tree: TokenTree, node: int, phrases: Sequence[Sequence[int]], budget: int,
+                      max_leaves: int, eog: frozenset[int]) -> int:
+    """Hang phrases below ``node`` (long-draft concatenation) within the node and leaf budgets.
+
+    Returns the number of nodes added."""
+    added = 0
+    leaves = len(tree.leaves())
+    for phrase in phrases:
+        if tree.n_candidates >= budget:
+            break
+        phrase = _cut_at_eog(phrase, eog)
+        grows = _would_add_leaf(tree, node, phrase)
+        if grows is None:
+            continue
+        if grows:
+            if leaves >= max_leaves:
+                continue
+            leaves += 1
+        before = tree.n_candidates
+        tree.add_path(node, phrase, source="pool", max_nodes=budget)
+        added += tree.n_candidates - before
+    return added
+
+
 def _would_add_leaf(tree: TokenTree, node: int, tokens: Sequence[int]) -> bool | None:
     """Would ``add_path(node, tokens)`` open a new leaf? None if the tree already holds the path."""
     for tok in tokens:
@@ -562,4 +578,5 @@ def _fallback(engine: "Engine", options: dict[str, Any], pool: PhrasePool, path:
     return _Fallback(inner, "prompt-lookup", pool, path, fingerprint)
 
 
-__all__ = ["DEFAULTS", "JacobiWindow", "OuroborosProposer", "create", "shared_pool", "tokenizer_fingerprint"]
+__all__ = ["DEFAULTS", "JacobiWindow", "OuroborosProposer", "create", "hang_pool_phrases", "shared_pool",
+           "tokenizer_fingerprint"]

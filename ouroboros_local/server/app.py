@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .. import __version__
 from ..chat import validate_messages
-from ..errors import ContextOverflowError, OuroborosError, ParameterError
+from ..errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError
 from ..proposers import method_names
 from ..sampling import SamplingParams
 from . import default_method
@@ -432,6 +432,8 @@ def _usage(n_prompt: int, result: "GenerationResult") -> dict[str, int]:
 def _engine_error(exc: BaseException, job: Job) -> ApiError:
     if isinstance(exc, ContextOverflowError):
         return ApiError(413, str(exc), code="context_length_exceeded")
+    if isinstance(exc, MethodOptionError) and job.user_options:
+        return _bad("method_options", f"invalid method_options: {exc}")
     if isinstance(exc, OuroborosError):
         return ApiError(400, str(exc), code="invalid_value")
     if isinstance(exc, (ValueError, TypeError)) and job.user_options:

@@ -1,0 +1,190 @@
+"""Cross-vocabulary drafting: a draft whose tokenizer differs from the target's, bridged through text.
+
+Tiny generated models with different vocabularies ("a": 509 tokens, specials last; "b": 409 tokens,
+specials first, other merges) prove exactness: the target decides every token, so greedy output equals
+plain decoding and seeded sampling reproduces plain sampling. A slow test runs the real pair
+(SmolLM2-135M drafting for Qwen2.5-Coder-1.5B) and checks that drafts are accepted.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ouroboros_local.engine import Engine
+from ouroboros_local.errors import IncompatiblePairError
+from ouroboros_local.llama import Model
+from ouroboros_local.proposers.cross_vocab import (DraftView, is_chunk_start, text_to_target,
+                                                   valid_utf8_prefix, vocabulary_difference)
+from ouroboros_local.sampling import SamplingParams
+
+from test_engine import PROMPTS, make_engine
+
+CROSS_PROMPTS = PROMPTS + [
+    "<|im_start|>user\nWrite a function.<|im_end|>\n<|im_start|>assistant\n",
+    "naïve café — ünïcödé 𝄞 déjà vu, déjà vu",
+]
+
+
+@pytest.fixture(scope="module")
+def cross_engine(tiny_target, tiny_other_vocab):
+    engine = make_engine(tiny_target, tiny_other_vocab)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def models(tiny_target, tiny_other_vocab):
+    target, draft = Model(tiny_target, vocab_only=True), Model(tiny_other_vocab, vocab_only=True)
+    yield target, draft
+    target.close()
+    draft.close()
+
+
+# ---- pieces ---------------------------------------------------------------------------------------
+
+def test_chunk_boundaries_and_utf8_prefix() -> None:
+    buf = b"def f(x):\n    return x + 1"
+    assert is_chunk_start(buf, 0)
+    assert is_chunk_start(buf, 3)                  # space after "def"
+    assert not is_chunk_start(buf, 4)              # inside a word
+    assert not is_chunk_start(buf, 11)             # space after a newline belongs to the indent
+    assert is_chunk_start(b"a\nb", 2)              # non-space after a newline
+    assert not is_chunk_start(b"a  b", 2)          # the second of two spaces
+    assert valid_utf8_prefix("é".encode()) == 2
+    assert valid_utf8_prefix("aé".encode()[:2]) == 1   # a cut two-byte character
+    assert valid_utf8_prefix("𝄞".encode()[:3]) == 0
+
+
+def test_pair_is_detected_and_reported(cross_engine: Engine, models) -> None:
+    target, draft = models
+    assert cross_engine.pair_compatible is False
+    assert "differs" in (cross_engine.pair_reason or "")
+    assert vocabulary_difference(target, target) is None
+    assert vocabulary_difference(target, draft) == cross_engine.pair_reason
+    assert "size 409 vs 509" in vocabulary_difference(target, draft, max_size_difference=50)
+
+
+def test_text_to_target_keeps_only_stable_tokens(models) -> None:
+    target, _ = models
+
+    def tokenize(text: str) -> list[int]:
+        return target.tokenize(text, add_special=False, parse_special=False)
+
+    full = "    return a + b\n\ndef add(a, b):"
+    ids = tokenize(full)
+    anchor = b"    return"
+    # a split that falls on a token boundary of the full tokenization
+    cut, acc = None, 0
+    for j, tok in enumerate(ids):
+        acc += len(target.piece(tok))
+        if acc == len(anchor):
+            cut = j + 1
+    assert cut is not None
+    rest = full.encode()[len(anchor):]
+    out, complete = text_to_target(tokenize, target.piece, anchor, rest)
+    assert out == ids[cut:-1] and not complete         # the last token may still grow: dropped
+    out, complete = text_to_target(tokenize, target.piece, anchor, rest, closed=True)
+    assert out == ids[cut:] and complete
+    # a partial UTF-8 character at the end is cut off, never turned into a replacement character
+    out, complete = text_to_target(tokenize, target.piece, b"x", " é".encode()[:2], closed=True)
+    assert not complete and b"".join(target.piece(t) for t in out) in (b"", b" ")
+
+
+@pytest.mark.parametrize("text", CROSS_PROMPTS)
+def test_incremental_view_equals_full_retokenization(models, text: str) -> None:
+    target, draft = models
+    tokens = target.tokenize(text, add_special=True, parse_special=True)
+    view = DraftView(target, draft)
+    for tok in tokens:                      # one committed target token at a time
+        view.extend([tok])
+    # the reference: draft tokenization of the same text, specials mapped to the draft's own ids
+    expected = draft.tokenize(text, add_special=True, parse_special=True)
+    assert view.tokens == expected
+    assert view.n_target == len(tokens)
+
+
+# ---- exactness in the engine ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["speculative", "ouroboros", "auto"])
+def test_greedy_equals_vanilla(cross_engine: Engine, method: str) -> None:
+    for prompt in CROSS_PROMPTS:
+        base = cross_engine.generate(prompt, max_tokens=32, method="vanilla")
+        res = cross_engine.generate(prompt, max_tokens=32, method=method, options={"gamma": 5})
+        assert res.tokens == base.tokens, (method, prompt)
+        assert res.text == base.text
+        committed = cross_engine.prompt_tokens(prompt) + res.tokens
+        assert cross_engine.kv.cached == committed[:len(cross_engine.kv.cached)]
+    if method != "auto":
+        assert res.stats.extra["cross_vocab"] is True
+        assert res.stats.drafted > 0
+
+
+def test_chat_prompt_with_specials(cross_engine: Engine) -> None:
+    base = cross_engine.generate("Say hi.", chat=True, max_tokens=24, method="vanilla")
+    for method in ("speculative", "ouroboros"):
+        res = cross_engine.generate("Say hi.", chat=True, max_tokens=24, method=method)
+        assert res.tokens == base.tokens
+
+
+def test_seeded_sampling_reproduces_plain_sampling(cross_engine: Engine) -> None:
+    # Deterministic drafts are checked by sample-and-match: each emitted token is the target's own
+    # sample and consumes one uniform, exactly as plain sampling does with the same seed.
+    for seed in range(6):
+        sp = SamplingParams(temperature=0.9, top_k=20, top_p=0.95, min_p=0.0, seed=seed)
+        base = cross_engine.generate(PROMPTS[seed % 3], max_tokens=24, method="vanilla", sampling=sp)
+        for method in ("speculative", "ouroboros"):
+            res = cross_engine.generate(PROMPTS[seed % 3], max_tokens=24, method=method, sampling=sp)
+            assert res.tokens == base.tokens, (method, seed)
+
+
+def test_pearl_refuses_another_vocabulary(cross_engine: Engine) -> None:
+    with pytest.raises(IncompatiblePairError, match="pearl needs a draft with the target's vocabulary"):
+        cross_engine.generate("x", method="pearl")
+
+
+def test_oracle_draft_text_is_accepted(cross_engine: Engine) -> None:
+    """The conversion is right: text that continues the committed text comes back as the target's own
+    tokens for it (the canonical tokenization), short of the last token, which may still grow."""
+    from ouroboros_local.proposers.cross_vocab import CrossVocabProposer
+
+    target = cross_engine.target
+    proposer = CrossVocabProposer(cross_engine.draft_kv(), target, cross_engine.draft)
+    for text in CROSS_PROMPTS:
+        full = target.tokenize(text, add_special=True, parse_special=False)
+        k = len(full) // 2
+        while valid_utf8_prefix(b"".join(target.piece(t) for t in full[:k])) < \
+                len(b"".join(target.piece(t) for t in full[:k])):
+            k += 1          # split between characters: inside one there is no token boundary
+        proposer.view.reset()
+        proposer.view.extend(full[:k])
+        toks, _ = proposer.to_target(target.detokenize(full[k:]).encode())
+        assert toks == full[k:k + len(toks)], text
+        assert len(toks) >= len(full) - k - 2, text
+
+
+# ---- the real pair --------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_smollm2_drafts_for_qwen() -> None:
+    from ouroboros_local.compare import compare_greedy
+    from ouroboros_local.engine import EngineConfig
+    from ouroboros_local.errors import ModelError
+
+    try:
+        engine = Engine.load("qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct",
+                             config=EngineConfig(n_ctx=1024), progress=False)
+    except ModelError as exc:  # pragma: no cover - offline machine
+        pytest.skip(f"real models unavailable: {exc}")
+    with engine:
+        assert engine.pair_compatible is False
+        prompt = "Write a Python function that returns the n-th Fibonacci number."
+        tokens = engine.prompt_tokens(prompt, chat=True)
+        base = engine.generate(prompt, chat=True, max_tokens=48, method="vanilla")
+        for method in ("speculative", "ouroboros"):
+            res = engine.generate(prompt, chat=True, max_tokens=48, method=method)
+            report = compare_greedy(engine, tokens, base.tokens, res.tokens)
+            assert report.ok, (method, report)
+            assert res.stats.extra["cross_vocab"] is True
+            assert res.stats.accepted > 0, method        # the small model does predict the big one
+            assert np.isfinite(res.stats.tokens_per_second)
