@@ -15,7 +15,8 @@ every round that stopped short of its draft's end is one failure (maximum likeli
 model), with a weak prior and exponential forgetting so it tracks the text as it changes.
 
 When k = 0 wins, no drafts are made and alpha would never be re-measured, so the scheduler still probes
-with a short draft now and then; the interval doubles after each failed probe, which keeps the probing
+with a short draft now and then; the interval doubles after each probe after which drafting still does
+not pay (its measured cost included), which keeps the probing
 overhead on hopeless text to a few percent while letting drafting resume when the text turns repetitive.
 """
 
@@ -183,6 +184,7 @@ class Scheduler:
         self._idle: dict[str, int] = {}
         self._probe_every: dict[str, int] = {}
         self._probing: set[str] = set()
+        self._last_draft_cost: dict[str, float] = {}
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
@@ -193,6 +195,7 @@ class Scheduler:
     def best_length(self, source: str, draft_cost: float = 0.0, limit: int | None = None) -> int:
         """The draft length with the best expected tokens per second (0 = plain decoding)."""
         limit = self.max_length if limit is None else min(limit, self.max_length)
+        self._last_draft_cost[source] = draft_cost
         alpha = self.estimate(source).alpha
         scores = [self.throughput(alpha, k, draft_cost) for k in range(limit + 1)]
         best = int(np.argmax(scores))
@@ -220,6 +223,9 @@ class Scheduler:
             return
         self.estimate(source).update(drafted, accepted)
         if source in self._probing:
+            # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
+            # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)
             every = self._probe_every.get(source, 8)
-            self._probe_every[source] = 8 if accepted > 0 else min(every * 2, 256)
+            pays = self.gain(source, self._last_draft_cost.get(source, 0.0)) > 1.0
+            self._probe_every[source] = 8 if pays else min(every * 2, 256)

@@ -86,3 +86,13 @@ def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path, monkeypa
     with Engine(Model(tiny_target), None, config2) as engine:
         monkeypatch.setattr(eng, "measure_costs", lambda kv: CostModel([1], [1.0]))
         assert engine.cost_model().key != first.key
+
+
+def test_probe_that_accepts_but_does_not_pay_still_backs_off() -> None:
+    sched = scheduler_with(CPU, 0.05)
+    cost = CPU.cost(1)  # an expensive draft: one draft token costs a whole target step
+    lengths = [sched.best_length("x", cost) for _ in range(8)]
+    assert lengths[-1] == sched.probe_length
+    sched.update("x", drafted=2, accepted=1)     # something accepted, but drafting still loses
+    lengths = [sched.best_length("x", cost) for _ in range(16)]
+    assert lengths[-1] > 0 and sum(lengths[:-1]) == 0
