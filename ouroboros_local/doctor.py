@@ -22,13 +22,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import llama_cpp
 
     from . import __version__, models
-    from .llama import default_threads, supports_gpu_offload, system_info
+    from .llama import default_threads, devices, supports_gpu_offload, system_info
 
     print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
           f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
     print(f"llama.cpp system info: {system_info().strip()}")
     gpu = supports_gpu_offload()
     print(f"GPU offload: {'available' if gpu else 'not available (CPU build: --gpu-layers is ignored)'}")
+    found = devices()
+    for i, dev in enumerate(found):
+        memory = (f", {dev.memory_free / 2**30:.1f} of {dev.memory_total / 2**30:.1f} GiB free"
+                  if dev.memory_total else "")
+        print(f"device {i}: {dev.name} ({dev.kind}: {dev.description}{memory})")
     print(f"threads: {default_threads()} usable cores (os.cpu_count() = {os.cpu_count()})")
     available = _meminfo_bytes("MemAvailable")
     if available:
@@ -46,9 +51,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report = models.check_pair(models.resolve_model(args.model), models.resolve_model(args.draft))
         print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible
                           else f"different vocabularies: {report.reason}"))
-    if total and available:
-        # weights plus a rough KV/compute allowance for the default context
-        need = total * 1.1 + 512 * 2**20
+    # weights plus a rough KV/compute allowance for the default context
+    need = total * 1.1 + 512 * 2**20
+    gpu_free = sum(dev.memory_free for dev in found if dev.kind in ("gpu", "igpu"))
+    if total and gpu and gpu_free:
+        verdict = "fits" if need < gpu_free else "does NOT fit (offload fewer layers: --gpu-layers N)"
+        print(f"memory: the models need about {need / 2**30:.1f} GiB: {verdict} in free GPU memory")
+    elif total and available:
         verdict = "fits" if need < available else "does NOT fit"
         print(f"memory: the models need about {need / 2**30:.1f} GiB: {verdict} in available memory")
     return 0

@@ -150,21 +150,58 @@ class CalibrationCache:
 
 @dataclass
 class Acceptance:
-    """Geometric-model acceptance estimate with forgetting."""
+    """Acceptance estimate with forgetting: pooled (geometric model) and per draft depth.
+
+    ``alpha_at(d)`` is the chance that the draft token at depth d + 1 is accepted given the d before it
+    were. Copy-like proposers (prompt lookup, phrase pools) are right in long runs or not at all, so their
+    conditional acceptance grows with depth, which the pooled geometric model underestimates. Each
+    depth's estimate is shrunk towards the pooled alpha with the weight of ``prior`` observations, so
+    depths seldom reached fall back to the geometric model.
+    """
 
     successes: float = 1.0   # prior: alpha ~ 0.5 with the weight of two observations
     failures: float = 1.0
     decay: float = 0.98
+    prior: float = 4.0
+    depth_successes: list[float] = field(default_factory=list)
+    depth_failures: list[float] = field(default_factory=list)
 
     @property
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
+
+    def alpha_at(self, depth: int) -> float:
+        pooled = self.alpha
+        if depth >= len(self.depth_successes):
+            return pooled
+        s, f = self.depth_successes[depth], self.depth_failures[depth]
+        return (s + self.prior * pooled) / (s + f + self.prior)
+
+    def expected(self, k: int) -> float:
+        """Expected tokens of a round that drafts k (the bonus token included)."""
+        total, run = 1.0, 1.0
+        for d in range(k):
+            run *= self.alpha_at(d)
+            total += run
+        return total
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1.0 if accepted < drafted else 0.0)
+        grow = drafted - len(self.depth_successes)
+        if grow > 0:
+            self.depth_successes.extend([0.0] * grow)
+            self.depth_failures.extend([0.0] * grow)
+        ds, df = self.depth_successes, self.depth_failures
+        for d in range(len(ds)):
+            ds[d] *= self.decay
+            df[d] *= self.decay
+        for d in range(accepted):
+            ds[d] += 1.0
+        if accepted < drafted:
+            df[accepted] += 1.0
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -189,15 +226,15 @@ class Scheduler:
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
 
-    def throughput(self, alpha: float, k: int, draft_cost: float) -> float:
-        return expected_tokens(alpha, k) / (self.costs.cost(k + 1) + draft_cost * k)
+    def throughput(self, acc: Acceptance, k: int, draft_cost: float) -> float:
+        return acc.expected(k) / (self.costs.cost(k + 1) + draft_cost * k)
 
     def best_length(self, source: str, draft_cost: float = 0.0, limit: int | None = None) -> int:
         """The draft length with the best expected tokens per second (0 = plain decoding)."""
         limit = self.max_length if limit is None else min(limit, self.max_length)
         self._last_draft_cost[source] = draft_cost
-        alpha = self.estimate(source).alpha
-        scores = [self.throughput(alpha, k, draft_cost) for k in range(limit + 1)]
+        acc = self.estimate(source)
+        scores = [self.throughput(acc, k, draft_cost) for k in range(limit + 1)]
         best = int(np.argmax(scores))
         if best > 0:
             self._idle[source] = 0
@@ -214,9 +251,9 @@ class Scheduler:
 
     def gain(self, source: str, draft_cost: float = 0.0) -> float:
         """Best expected speed-up over plain decoding for this proposer right now."""
-        alpha = self.estimate(source).alpha
-        base = self.throughput(alpha, 0, 0.0)
-        return max(self.throughput(alpha, k, draft_cost) for k in range(self.max_length + 1)) / base
+        acc = self.estimate(source)
+        base = self.throughput(acc, 0, 0.0)
+        return max(self.throughput(acc, k, draft_cost) for k in range(self.max_length + 1)) / base
 
     def update(self, source: str, drafted: int, accepted: int) -> None:
         if drafted <= 0:

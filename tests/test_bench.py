@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from ouroboros_local.bench import peers, prompts, report, runner
-from ouroboros_local.bench.cli import parse_method_options, parse_methods
+from ouroboros_local.bench.cli import parse_method_options, parse_methods, resolve_methods
 from ouroboros_local.cli import build_parser, main
 from ouroboros_local.errors import ParameterError
 
@@ -259,6 +259,14 @@ def test_cli_parses() -> None:
     assert args.methods == "vanilla,speculative" and args.sweep == "gamma=2,4" and args.gamma == 5
     assert args.tolerance_margin == 0.01 and args.llama_cpp_bin == "/opt/llama"
     assert args.func.__module__ == "ouroboros_local.bench.cli"
+
+
+def test_default_methods_are_all_and_method_is_a_shorthand() -> None:
+    available = ["vanilla", "speculative", "lookahead", "auto"]
+    default = build_parser().parse_args(["bench", "-m", "t.gguf", "--prompts", "a.jsonl"])
+    assert resolve_methods(default, available, []) == available     # generate's --method default is not used
+    one = build_parser().parse_args(["bench", "-m", "t.gguf", "--prompts", "a.jsonl", "--method", "lookahead"])
+    assert resolve_methods(one, available, []) == ["vanilla", "lookahead"]
 
 
 def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,

@@ -96,3 +96,13 @@ def test_probe_that_accepts_but_does_not_pay_still_backs_off() -> None:
     sched.update("x", drafted=2, accepted=1)     # something accepted, but drafting still loses
     lengths = [sched.best_length("x", cost) for _ in range(16)]
     assert lengths[-1] > 0 and sum(lengths[:-1]) == 0
+
+
+def test_acceptance_per_depth_sees_all_or_nothing_runs() -> None:
+    acc = Acceptance()
+    for i in range(100):
+        acc.update(drafted=8, accepted=8 if i % 2 else 0)   # a copy is right to the end, or wrong at once
+    assert acc.alpha_at(0) == pytest.approx(0.5, abs=0.05)
+    assert all(acc.alpha_at(d) > 0.95 for d in range(1, 8))
+    assert acc.expected(8) == pytest.approx(1 + 0.5 * 8, rel=0.05)
+    assert acc.alpha_at(20) == acc.alpha          # never drafted that deep: the pooled estimate

@@ -81,7 +81,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g.add_argument("--strict", action="store_true", help="exit with status 3 if any output differs")
     add_sampling_args(p)
     add_method_args(p)
-    p.set_defaults(func=cmd_bench)
+    # --method is generate's flag (default auto); here it is only a shorthand when given explicitly
+    p.set_defaults(func=cmd_bench, method=None)
     return p
 
 
@@ -113,6 +114,14 @@ def parse_methods(spec: str, available: list[str], custom: list[str]) -> list[st
     return out
 
 
+def resolve_methods(args: argparse.Namespace, available: list[str], custom: list[str]) -> list[str]:
+    """--methods (default: all), or `--method X` as shorthand for vanilla and X."""
+    spec = args.methods
+    if spec == DEFAULT_METHODS and getattr(args, "method", None) not in (None, "vanilla"):
+        spec = args.method
+    return parse_methods(spec, available, custom)
+
+
 def _sampling_desc(sampling: Any) -> str:
     if sampling.greedy:
         return "greedy"
@@ -138,10 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sampling = _sampling_from_args(args)
     method_opts = parse_method_options(args.method_options)
     custom = list(runner.CUSTOM_METHODS)
-    spec = args.methods
-    if spec == DEFAULT_METHODS and getattr(args, "method", "vanilla") != "vanilla":
-        spec = args.method          # `bench --method X` = vanilla and X
-    methods = parse_methods(spec, method_names(), custom)
+    methods = resolve_methods(args, method_names(), custom)
     sweep = runner.parse_sweep(args.sweep, methods) if args.sweep else None
     sets = prompts_mod.load_sets(args.prompts, task=args.task, limit=args.limit, fewshot=args.fewshot)
     peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)

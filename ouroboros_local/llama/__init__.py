@@ -1,7 +1,7 @@
 """llama.cpp binding layer: the only code that touches ctypes."""
 
-from .binding import (Batch, Context, ContextParams, Model, TextStream, backend_init, default_threads,
-                      quantize, supports_gpu_offload, system_info)
+from .binding import (Batch, Context, ContextParams, Device, Model, TextStream, backend_init,
+                      default_threads, devices, quantize, supports_gpu_offload, system_info)
 
-__all__ = ["Batch", "Context", "ContextParams", "Model", "TextStream", "backend_init", "default_threads",
-           "quantize", "supports_gpu_offload", "system_info"]
+__all__ = ["Batch", "Context", "ContextParams", "Device", "Model", "TextStream", "backend_init",
+           "default_threads", "devices", "quantize", "supports_gpu_offload", "system_info"]

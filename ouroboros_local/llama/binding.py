@@ -72,6 +72,53 @@ def system_info() -> str:
     return lc.llama_print_system_info().decode("utf-8", "replace")
 
 
+@dataclass(frozen=True)
+class Device:
+    """A compute device llama.cpp's ggml backends see (the CPU included)."""
+
+    name: str
+    description: str
+    kind: str                 # cpu, gpu, igpu or accel
+    memory_free: int          # bytes
+    memory_total: int
+
+
+_DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
+
+
+def _ggml_device_api() -> ctypes.CDLL:
+    from llama_cpp import _ggml
+
+    lib = _ggml.libggml
+    if not getattr(lib, "_ouroboros_typed", False):
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        lib.ggml_backend_dev_count.restype = sz
+        lib.ggml_backend_dev_get.argtypes, lib.ggml_backend_dev_get.restype = [sz], vp
+        for fn in (lib.ggml_backend_dev_name, lib.ggml_backend_dev_description):
+            fn.argtypes, fn.restype = [vp], ctypes.c_char_p
+        lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [vp], ctypes.c_int
+        lib.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
+        lib.ggml_backend_dev_memory.restype = None
+        lib._ouroboros_typed = True
+    return lib
+
+
+def devices() -> list[Device]:
+    """The devices llama.cpp can run on, in its order (GPUs first in offload order, then the CPU)."""
+    backend_init()
+    lib = _ggml_device_api()
+    found = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        found.append(Device(name=(lib.ggml_backend_dev_name(dev) or b"").decode("utf-8", "replace"),
+                            description=(lib.ggml_backend_dev_description(dev) or b"").decode("utf-8", "replace"),
+                            kind=_DEVICE_KINDS.get(lib.ggml_backend_dev_type(dev), "other"),
+                            memory_free=free.value, memory_total=total.value))
+    return found
+
+
 class Model:
     """A loaded GGUF model: weights, vocabulary, metadata, tokenizer."""
 
@@ -408,6 +455,7 @@ def quantize(src: str | Path, dst: str | Path, ftype: int, n_threads: int | None
     params = lc.llama_model_quantize_default_params()
     params.ftype = ftype
     params.nthread = n_threads or default_threads()
+    params.allow_requantize = True   # the source is usually already quantized (a Q4 GGUF)
     rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
         raise ModelError(f"quantization of {src} failed (code {rc})")

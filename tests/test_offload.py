@@ -1,0 +1,81 @@
+"""GPU offload flags: parsed and honoured on a CPU build (0 layers), exercised for real on a GPU build.
+
+The GPU tests run only where llama.cpp was built with a GPU backend (CI has none; they were run on a
+lent H100, see scripts/gpu_check.sh). On a GPU, batched kernels differ from one-token kernels, so the
+comparison with plain decoding uses the tolerance rule (ouroboros_local/compare.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from ouroboros_local.cli import _gpu_layers
+from ouroboros_local.compare import compare_greedy
+from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.errors import ParameterError
+from ouroboros_local.llama import Model, supports_gpu_offload
+from ouroboros_local.proposers import method_names
+
+GPU = supports_gpu_offload()
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n"
+
+
+def engine_with(target, draft, gpu_layers: int, draft_gpu_layers: int) -> Engine:
+    config = EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1,
+                          gpu_layers=gpu_layers, draft_gpu_layers=draft_gpu_layers)
+    return Engine(Model(target, n_gpu_layers=gpu_layers),
+                  Model(draft, n_gpu_layers=draft_gpu_layers) if draft else None, config)
+
+
+@pytest.mark.parametrize("value, layers", [("all", -1), ("-1", -1), ("0", 0), ("12", 12)])
+def test_gpu_layer_flag_values(value: str, layers: int) -> None:
+    assert _gpu_layers(value) == layers
+
+
+def test_gpu_layers_auto_follows_the_backend() -> None:
+    assert _gpu_layers("auto") == (-1 if GPU else 0)
+
+
+@pytest.mark.parametrize("bad", ["-2", "many", "1.5", ""])
+def test_bad_gpu_layer_flag_is_refused(bad: str) -> None:
+    with pytest.raises(ParameterError, match="--gpu-layers"):
+        _gpu_layers(bad)
+
+
+def test_cli_rejects_bad_gpu_layers_with_one_line(tiny_target, capsys) -> None:
+    from ouroboros_local.cli import main
+
+    assert main(["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "--gpu-layers", "lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--gpu-layers" in err[0]
+
+
+@pytest.mark.skipif(GPU, reason="checks the CPU build's behaviour")
+def test_offload_request_on_a_cpu_build_changes_nothing(tiny_target, tiny_draft) -> None:
+    with engine_with(tiny_target, tiny_draft, 0, 0) as cpu:
+        want = cpu.generate(PROMPT, max_tokens=24, method="speculative").tokens
+    with engine_with(tiny_target, tiny_draft, -1, -1) as asked:
+        assert asked.target.n_gpu_layers == -1
+        assert asked.generate(PROMPT, max_tokens=24, method="speculative").tokens == want
+
+
+@pytest.mark.skipif(not GPU, reason="llama.cpp has no GPU backend in this build")
+@pytest.mark.parametrize("draft_layers", [-1, 0])   # draft on the GPU too, or target on GPU + draft on CPU
+def test_offloaded_methods_match_plain_decoding(tiny_target, tiny_draft, draft_layers: int) -> None:
+    with engine_with(tiny_target, tiny_draft, -1, draft_layers) as engine:
+        prompt_tokens = engine.prompt_tokens(PROMPT)
+        base = engine.generate(PROMPT, max_tokens=32, method="vanilla").tokens
+        for method in method_names():
+            got = engine.generate(PROMPT, max_tokens=32, method=method).tokens
+            report = compare_greedy(engine, prompt_tokens, base, got)
+            assert report.ok, (method, report)
+
+
+@pytest.mark.skipif(not GPU, reason="llama.cpp has no GPU backend in this build")
+def test_gpu_and_cpu_agree_on_plain_decoding(tiny_target) -> None:
+    with engine_with(tiny_target, None, 0, 0) as cpu:
+        want = cpu.generate(PROMPT, max_tokens=32, method="vanilla").tokens
+    with engine_with(tiny_target, None, -1, 0) as gpu:
+        got = gpu.generate(PROMPT, max_tokens=32, method="vanilla").tokens
+        report = compare_greedy(gpu, gpu.prompt_tokens(PROMPT), want, got)
+        assert report.ok, report
