@@ -314,6 +314,7 @@ class Engine:
         setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
                              max_branches=cfg.n_seq_max, eog_tokens=eog)
         sched = self._scheduler if cfg.adaptive and getattr(proposer, "adaptive", False) else None
+        costs_learner = self._scheduler if cfg.adaptive else None   # auto schedules by itself
         text_stream = TextStream(self.target)
         matcher = StopMatcher(stops)
         committed = list(prompt)
@@ -350,7 +351,9 @@ class Engine:
                     self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
                 if tree.tokens[0] != committed[-1]:
                     raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+                t_verify = time.perf_counter()
                 result = self._verify(tree, sampling, rng)
+                round_seconds = time.perf_counter() - t_verify
                 stats.target_passes += 1
                 if self.check_kv:
                     self.kv.check()
@@ -380,7 +383,11 @@ class Engine:
                     yield StreamEvent(text=text_out, tokens=emitted)
                 if cut:
                     break
+                t_observe = time.perf_counter()   # the consumer's time at the yield above is not ours
                 proposer.observe(committed, result)
+                if costs_learner is not None:
+                    round_seconds += time.perf_counter() - t_observe
+                    costs_learner.observe_round(tree.n_candidates + 1, round_seconds)
         finally:
             proposer.end()
             stats.extra.update(proposer.stats())

@@ -106,3 +106,23 @@ def test_acceptance_per_depth_sees_all_or_nothing_runs() -> None:
     assert all(acc.alpha_at(d) > 0.95 for d in range(1, 8))
     assert acc.expected(8) == pytest.approx(1 + 0.5 * 8, rel=0.05)
     assert acc.alpha_at(20) == acc.alpha          # never drafted that deep: the pooled estimate
+
+
+def test_measured_round_overhead_stops_drafting_that_does_not_pay() -> None:
+    # GPU-like curve: drafting 8 at alpha 0.6 looks like a clear win from c(n) alone
+    sched = scheduler_with(GPU, 0.6)
+    assert sched.best_length("x") > 0
+    for _ in range(60):   # but every drafted round really costs 1.5 steps more than c(n) (small model, GPU)
+        sched.observe_round(1, GPU.cost(1))
+        sched.observe_round(9, GPU.cost(9) + 1.5)
+    assert sched.overhead["plain"] == pytest.approx(0.0, abs=1e-9)
+    assert sched.overhead["drafted"] == pytest.approx(1.5, rel=0.01)
+    assert sched.best_length("x") == 0
+
+
+def test_engine_feeds_round_costs_to_the_scheduler(tiny_target) -> None:
+    config = EngineConfig(n_ctx=256, n_batch=32, n_seq_max=4, threads=1)
+    with Engine(Model(tiny_target), None, config) as engine:
+        engine.scheduler().costs = CostModel(sizes=[1, 64], seconds=[1e-9, 1e-9])  # ~all is overhead
+        engine.generate("abc abc abc abc abc abc", max_tokens=24, method="prompt-lookup")
+        assert engine.scheduler().overhead["plain"] > 0 or engine.scheduler().overhead["drafted"] > 0
