@@ -315,6 +315,8 @@ class Engine:
                              max_branches=cfg.n_seq_max, eog_tokens=eog)
         sched = self._scheduler if cfg.adaptive and getattr(proposer, "adaptive", False) else None
         costs_learner = self._scheduler if cfg.adaptive else None   # auto schedules by itself
+        if costs_learner is not None:
+            costs_learner.use_method(proposer.name)
         text_stream = TextStream(self.target)
         matcher = StopMatcher(stops)
         committed = list(prompt)
@@ -387,7 +389,7 @@ class Engine:
                 proposer.observe(committed, result)
                 if costs_learner is not None:
                     round_seconds += time.perf_counter() - t_observe
-                    costs_learner.observe_round(tree.n_candidates + 1, round_seconds)
+                    costs_learner.observe_round(len(tree.tokens) + len(tree.extras), round_seconds)  # batch size
         finally:
             proposer.end()
             stats.extra.update(proposer.stats())

@@ -235,8 +235,11 @@ class Scheduler:
         # and the proposer's observe step. Negligible on a CPU (~1 ms against 50+ ms decodes), but on a
         # GPU a small model decodes in ~1.5 ms and one-token decodes run as CUDA graphs while batches
         # do not, so drafted rounds cost measurably more than c(n) says. Plain and drafted rounds are
-        # tracked apart (EMA), so "does drafting pay" compares what rounds really cost here.
-        self.overhead = {"plain": 0.0, "drafted": 0.0}
+        # tracked apart (EMA), so "does drafting pay" compares what rounds really cost here. Methods
+        # differ in what a round costs (ouroboros harvests phrases, lookahead decodes a window), so
+        # each generation's method keeps its own figures (see ``use_method``).
+        self._overheads: dict[str, dict[str, float]] = {}
+        self.use_method("")
         self.max_length = max_length
         self.probe_length = probe_length
         self.acceptance: dict[str, Acceptance] = {}
@@ -254,6 +257,10 @@ class Scheduler:
         seconds[0] += self.overhead["plain"]
         seconds[1:] += self.overhead["drafted"]
         return acc.expected_all(limit) / seconds
+
+    def use_method(self, method: str) -> None:
+        """Rounds observed from now on are the given method's (the engine calls this per generation)."""
+        self.overhead = self._overheads.setdefault(method, {"plain": 0.0, "drafted": 0.0})
 
     def observe_round(self, n_tokens: int, seconds: float, weight: float = 0.1) -> None:
         """Learn what a verification round of ``n_tokens`` (root included) cost beyond c(n)."""

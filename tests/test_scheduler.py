@@ -126,3 +126,14 @@ def test_engine_feeds_round_costs_to_the_scheduler(tiny_target) -> None:
         engine.scheduler().costs = CostModel(sizes=[1, 64], seconds=[1e-9, 1e-9])  # ~all is overhead
         engine.generate("abc abc abc abc abc abc", max_tokens=24, method="prompt-lookup")
         assert engine.scheduler().overhead["plain"] > 0 or engine.scheduler().overhead["drafted"] > 0
+
+
+def test_round_overhead_is_kept_per_method() -> None:
+    sched = scheduler_with(GPU, 0.6)
+    sched.use_method("lookahead")                # a window of extra rows: dear rounds
+    for _ in range(60):
+        sched.observe_round(9, GPU.cost(9) + 1.5)
+    sched.use_method("prompt-lookup")            # its own rounds cost what c(n) says
+    assert sched.overhead["drafted"] == 0.0 and sched.best_length("x") > 0
+    sched.use_method("lookahead")
+    assert sched.overhead["drafted"] == pytest.approx(1.5, rel=0.01)

@@ -299,7 +299,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         report.write_json(out_dir / "results.json", payload)
         md = report.render_markdown(payload)
         (out_dir / "results.md").write_text(md, encoding="utf-8")
-        title = f"{Path(target.path).name} on {machine.get('cpu')}"
+        offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
+        where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
+        title = f"{Path(target.path).name} on {where}"
         if report.plot_speedup(summary, out_dir / "speedup.png", title=title):
             log(f"bench: wrote {out_dir / 'speedup.png'}")
         else:
