@@ -179,19 +179,8 @@ class Acceptance:
     def alpha(self) -> float:
         return self.successes / (self.successes + self.failures)
 
-    def alpha_at(self, depth: int) -> float:
-        pooled = self.alpha
-        if depth >= len(self.depth_successes):
-            return pooled
-        s, f = self.depth_successes[depth], self.depth_failures[depth]
-        return (s + self.prior * pooled) / (s + f + self.prior)
-
-    def expected(self, k: int) -> float:
-        """Expected tokens of a round that drafts k (the bonus token included)."""
-        return float(self.expected_all(k)[-1])
-
-    def expected_all(self, k: int) -> np.ndarray:
-        """Expected tokens of rounds that draft 0, 1, ..., k, in one pass."""
+    def depth_alphas(self, k: int) -> np.ndarray:
+        """alpha_at(0), ..., alpha_at(k - 1)."""
         pooled = self.alpha
         alphas = np.full(k, pooled)
         known = min(k, len(self.depth_successes))
@@ -199,7 +188,18 @@ class Acceptance:
             s = np.asarray(self.depth_successes[:known])
             f = np.asarray(self.depth_failures[:known])
             alphas[:known] = (s + self.prior * pooled) / (s + f + self.prior)
-        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(alphas))))
+        return alphas
+
+    def alpha_at(self, depth: int) -> float:
+        return float(self.depth_alphas(depth + 1)[depth])
+
+    def expected(self, k: int) -> float:
+        """Expected tokens of a round that drafts k (the bonus token included)."""
+        return float(self.expected_all(k)[-1])
+
+    def expected_all(self, k: int) -> np.ndarray:
+        """Expected tokens of rounds that draft 0, 1, ..., k, in one pass."""
+        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(self.depth_alphas(k)))))
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:

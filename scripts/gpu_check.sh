@@ -52,8 +52,8 @@ case "${1:-}" in
     ( cd "$src" && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native -DLLAMA_BUILD_TESTS=OFF" \
         CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" setsid nohup sh -c \
         "$PY -m pip install --no-index --no-deps --no-build-isolation --target $SITE --upgrade -v . \
-         > /tmp/build.log 2>&1; echo \$? > /tmp/build.done" > /dev/null 2>&1 & )
-    echo "build started"
+         > /tmp/build.log 2>&1; echo \$? > /tmp/build.done" < /dev/null > /dev/null 2>&1 & )
+    echo "build started (run this step without a pipe: the device tool may wait on the background build)"
     ;;
   stash)
     cp -v "$2"/* "$MODELS"/
