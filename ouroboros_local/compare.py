@@ -53,10 +53,17 @@ def compare_greedy(engine: "Engine", prompt_tokens: Sequence[int], reference: Se
     i = first_difference(reference, candidate)
     if i is None:
         return MatchReport(identical=True)
-    if i >= min(len(reference), len(candidate)):
-        # one output is a prefix of the other: a stop condition fired at a different place
-        return MatchReport(identical=False, first_difference=i)
     prefix = list(prompt_tokens) + list(reference[:i])
+    if i >= min(len(reference), len(candidate)):
+        # One output is a prefix of the other. With the same token budget the shorter one ended with an
+        # end-of-generation token there (stop strings aside): compare that choice with the other's token.
+        eog = sorted(engine.target.eog_tokens)
+        if not eog:
+            return MatchReport(identical=False, first_difference=i)
+        row = np.asarray(engine.kv.sync_to(prefix, logits_last=True))
+        stop = float(row[eog].max())
+        margin = stop - float(row[candidate[i]]) if i < len(candidate) else float(row[reference[i]]) - stop
+        return MatchReport(identical=False, first_difference=i, margin=margin, tie_flip=margin < tolerance)
     row = np.asarray(engine.kv.sync_to(prefix, logits_last=True))
     # how much plain decoding preferred its token over the candidate's at the split
     margin = float(row[reference[i]] - row[candidate[i]])

@@ -355,3 +355,22 @@ def test_tolerance_margin_tie_flip(tiny_target: Path) -> None:
         tight = runner.classify(engine, bp, ref, got, tolerance_margin=0.0)
         assert tight["match"] == ("tie-flip" if margin < 0 else "mismatch")
         assert runner.classify(engine, bp, ref, ref, tolerance_margin=1.0)["match"] == "identical"
+
+
+def test_tolerance_rule_weighs_an_early_stop_against_the_token(tiny_target: Path) -> None:
+    import numpy as np
+
+    from ouroboros_local.compare import compare_greedy
+    from ouroboros_local.engine import Engine, EngineConfig
+    from ouroboros_local.llama import Model
+
+    with Engine(Model(tiny_target), None, EngineConfig(n_ctx=256, n_batch=32, n_seq_max=2, threads=1)) as engine:
+        prompt = engine.tokenize("The quick brown fox")
+        ref = engine.generate(prompt, max_tokens=6).tokens
+        row = np.array(engine.kv.sync_to(prompt + ref[:3], logits_last=True))
+        stop = float(row[sorted(engine.target.eog_tokens)].max())
+        want = float(row[ref[3]]) - stop          # plain decoding's token over stopping there
+        early = compare_greedy(engine, prompt, ref, ref[:3], tolerance=abs(want) + 1)   # the method stopped
+        assert early.first_difference == 3 and early.margin == pytest.approx(want, abs=1e-3) and early.tie_flip
+        late = compare_greedy(engine, prompt, ref[:3], ref, tolerance=0.0)              # vanilla stopped
+        assert late.margin == pytest.approx(-want, abs=1e-3) and late.tie_flip == (-want < 0.0)
