@@ -234,7 +234,12 @@ def load_test(model: str, draft: str | None, extra: list[str], n_clients: int, n
         tally2 = run_load(server.base, methods, n_clients, n_requests, max_tokens, expected, tie_flip=tie_flip)
         rss2 = server.rss
         metrics = server.get("/metrics")
+        # the last response can reach its client a moment before the worker marks itself idle
+        deadline = time.monotonic() + 10
         health = json.loads(server.get("/health"))
+        while (health["busy"] or health["queue_depth"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            health = json.loads(server.get("/health"))
     finally:
         code = server.stop()
     total = n_clients * n_requests
