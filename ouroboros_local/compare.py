@@ -53,18 +53,16 @@ def compare_greedy(engine: "Engine", prompt_tokens: Sequence[int], reference: Se
     i = first_difference(reference, candidate)
     if i is None:
         return MatchReport(identical=True)
-    prefix = list(prompt_tokens) + list(reference[:i])
-    if i >= min(len(reference), len(candidate)):
-        # One output is a prefix of the other. With the same token budget the shorter one ended with an
-        # end-of-generation token there (stop strings aside): compare that choice with the other's token.
-        eog = sorted(engine.target.eog_tokens)
-        if not eog:
-            return MatchReport(identical=False, first_difference=i)
-        row = np.asarray(engine.kv.sync_to(prefix, logits_last=True))
-        stop = float(row[eog].max())
-        margin = stop - float(row[candidate[i]]) if i < len(candidate) else float(row[reference[i]]) - stop
-        return MatchReport(identical=False, first_difference=i, margin=margin, tie_flip=margin < tolerance)
-    row = np.asarray(engine.kv.sync_to(prefix, logits_last=True))
-    # how much plain decoding preferred its token over the candidate's at the split
-    margin = float(row[reference[i]] - row[candidate[i]])
+    # One output may be a prefix of the other. With the same token budget the shorter one ended with an
+    # end-of-generation token there (stop strings aside): that choice is weighed like a token.
+    stopped = i >= min(len(reference), len(candidate))
+    eog = sorted(engine.target.eog_tokens)
+    if stopped and not eog:
+        return MatchReport(identical=False, first_difference=i)
+    row = np.asarray(engine.kv.sync_to(list(prompt_tokens) + list(reference[:i]), logits_last=True))
+    stop = float(row[eog].max()) if stopped else 0.0
+    ref_logit = float(row[reference[i]]) if i < len(reference) else stop
+    cand_logit = float(row[candidate[i]]) if i < len(candidate) else stop
+    # how much plain decoding preferred its choice over the candidate's at the split
+    margin = ref_logit - cand_logit
     return MatchReport(identical=False, first_difference=i, margin=margin, tie_flip=margin < tolerance)
