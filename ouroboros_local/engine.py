@@ -311,12 +311,15 @@ class Engine:
         rng = sampling.rng()
         eog = self.target.eog_tokens
         cfg = self.config
-        setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
-                             max_branches=cfg.n_seq_max, eog_tokens=eog)
         sched = self._scheduler if cfg.adaptive and getattr(proposer, "adaptive", False) else None
+        setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
+                             max_branches=cfg.n_seq_max, eog_tokens=eog,
+                             extend_pays=self._extend_rule(sched) if sched is not None else None)
         costs_learner = self._scheduler if cfg.adaptive else None   # auto schedules by itself
         if costs_learner is not None:
             costs_learner.use_method(proposer.name)
+        if sched is not None and proposer.confidence_classes:
+            sched.labels(proposer.name)
         text_stream = TextStream(self.target)
         matcher = StopMatcher(stops)
         committed = list(prompt)
@@ -351,6 +354,8 @@ class Engine:
                     per_token = (time.perf_counter() - t_propose) / tree.n_candidates
                     old = self._draft_cost.get(proposer.name)
                     self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
+                    if sched is not None:
+                        tree = sched.trim(proposer.name, tree)
                 if tree.tokens[0] != committed[-1]:
                     raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
                 t_verify = time.perf_counter()
@@ -381,6 +386,7 @@ class Engine:
                 stats.accepted += len(result.accepted)
                 if sched is not None:
                     sched.update(proposer.name, tree.max_depth, len(result.accepted))
+                    sched.update_classes(proposer.name, tree, len(result.accepted))
                 if emitted or text_out:
                     yield StreamEvent(text=text_out, tokens=emitted)
                 if cut:
@@ -402,6 +408,10 @@ class Engine:
         stats.finalize()
         final = GenerationResult(text=matcher.text, tokens=generated, stats=stats)
         yield StreamEvent(text=text_tail, tokens=[], result=final)
+
+    def _extend_rule(self, sched: Scheduler) -> Callable[[str, Sequence[str]], bool]:
+        """``ProposeSetup.extend_pays`` for a proposer scheduled by ``sched`` (its measured draft cost)."""
+        return lambda source, classes: sched.extend_pays(source, classes, self._draft_cost.get(source, 0.0))
 
     def _verify(self, tree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
         lay = layout(tree)

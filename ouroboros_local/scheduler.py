@@ -18,6 +18,16 @@ When k = 0 wins, no drafts are made and alpha would never be re-measured, so the
 with a short draft now and then; the interval doubles after each probe after which drafting still does
 not pay (its measured cost included), which keeps the probing
 overhead on hopeless text to a few percent while letting drafting resume when the text turns repetitive.
+
+Confidence classes. One alpha per proposer averages easy and hard tokens; on a CPU, where a draft token
+must be right ~70-90% of the time to pay for its share of the verification, that average says "never
+draft" although some drafts are nearly always right (a long copy from the prompt, a token the draft
+model gives probability 0.99). Proposers therefore label each node with a class (tree.classes: the
+draft's probability bin, or the n-gram length and depth of a copy) and the scheduler learns the
+conditional acceptance per class (``ConfidenceTable``, shrunk towards the proposer's depth estimate).
+A labelled draft is then *trimmed* to the depth whose expected tokens per second is best
+(``trim``), a draft model stops writing once one more token cannot pay (``extend_pays``), and whether
+to draft at all is decided from the mix of first-token classes seen so far (``best_length``).
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .kv import KVCache
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+CALIBRATION_METHOD = 2   # bump when measure_costs changes: cached curves of the old method are re-measured
 
 
 @dataclass
@@ -82,13 +93,17 @@ def calibration_key(model_path: str | Path, settings: dict) -> str:
     path = Path(model_path)
     st = path.stat()
     payload = json.dumps({"path": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
-                          **settings}, sort_keys=True)
+                          "method": CALIBRATION_METHOD, **settings}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
-def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int = 2,
+def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int = 3,
                   prefix_len: int = 32, vocab: int | None = None) -> CostModel:
-    """Time chain decodes of each size on the engine's own context (cache is reset afterwards)."""
+    """Time chain decodes of each size on the engine's own context (cache is reset afterwards).
+
+    Each size takes the median of ``repeats`` timed decodes after a warm-up one: the scheduler needs
+    what a decode usually costs, and the minimum of a few (what this did before) made 3-4 token
+    decodes look up to 30% cheaper than they run on a busy 2-core CPU."""
     rng = np.random.default_rng(0)
     n_vocab = vocab or kv.ctx.n_vocab
     kv.reset()
@@ -96,16 +111,16 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
     sizes = [s for s in sizes if s <= kv.ctx.n_batch]
     seconds = []
     for n in sizes:
-        best = float("inf")
+        times = []
         for _ in range(repeats + 1):  # first run warms the graph for this shape
             tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
             tree.add_path(0, [int(t) for t in rng.integers(0, n_vocab, n - 1)])
             t0 = time.perf_counter()
             kv.decode_layout(layout(tree))
             kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
-            best = min(best, time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0)
             kv.ctx.seq_rm(-1, kv.n_past, -1)
-        seconds.append(best)
+        seconds.append(float(np.median(times[1:])))
     kv.reset()
     # costs never shrink with more tokens; smooth out timer noise
     seconds = list(np.maximum.accumulate(seconds))
@@ -220,6 +235,66 @@ class Acceptance:
             df[accepted] += 1.0
 
 
+@dataclass
+class ConfidenceTable:
+    """Acceptance per confidence class, and how often each class comes first in a draft.
+
+    ``alphas(classes, base)`` gives, for a chain labelled with ``classes``, each node's chance of being
+    accepted given its parent was: (successes + prior * base) / (trials + prior), so a class seen
+    rarely stays near the proposer's own depth estimate ``base``.
+    """
+
+    decay: float = 0.995
+    prior: float = 3.0
+    # A class tried less than ``explore_trials`` times (decayed) counts as right ``explore_alpha`` of the
+    # time: drafts of it are verified until it is measured (optimism in the face of uncertainty; the
+    # decay makes rarely seen classes be tried again now and then).
+    explore_trials: float = 1.5
+    explore_alpha: float = 0.9
+    successes: dict[str, float] = field(default_factory=dict)
+    trials: dict[str, float] = field(default_factory=dict)
+    first: dict[str, float] = field(default_factory=dict)   # class of depth-1 nodes (EMA counts)
+
+    def alphas(self, classes: Sequence[str], base: np.ndarray) -> np.ndarray:
+        out = np.array(base[:len(classes)], dtype=float)
+        for i, c in enumerate(classes):
+            n = self.trials.get(c, 0.0)
+            if n < self.explore_trials:
+                out[i] = max(out[i], self.explore_alpha)
+            else:
+                out[i] = (self.successes[c] + self.prior * out[i]) / (n + self.prior)
+        return out
+
+    def best_alpha(self, base: float) -> float:
+        """The most optimistic class estimate (what one more draft token could at best be worth)."""
+        best = base
+        for c, n in self.trials.items():
+            if n >= self.explore_trials:
+                best = max(best, (self.successes[c] + self.prior * base) / (n + self.prior))
+        return best
+
+    def update(self, classes: Sequence[str], accepted: int) -> None:
+        """A chain labelled ``classes`` had its first ``accepted`` nodes accepted."""
+        if not classes:
+            return
+        d = self.decay
+        for table in (self.successes, self.trials, self.first):
+            for c in table:
+                table[c] *= d
+        self.first[classes[0]] = self.first.get(classes[0], 0.0) + 1.0
+        for i, c in enumerate(classes[:accepted + 1]):
+            self.trials[c] = self.trials.get(c, 0.0) + 1.0
+            self.successes[c] = self.successes.get(c, 0.0) + (1.0 if i < accepted else 0.0)
+
+
+PROBABILITY_BINS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995)
+
+
+def probability_class(p: float) -> str:
+    """Confidence class of a draft token from the probability the draft model gave it."""
+    return "p" + str(int(np.searchsorted(PROBABILITY_BINS, p, side="right")))
+
+
 def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return float(k + 1)
@@ -247,16 +322,93 @@ class Scheduler:
         self._probe_every: dict[str, int] = {}
         self._probing: set[str] = set()
         self._last_draft_cost: dict[str, float] = {}
+        self.confidence: dict[str, ConfidenceTable] = {}
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
 
-    def throughputs(self, acc: Acceptance, limit: int, draft_cost: float) -> np.ndarray:
-        """Expected tokens per second of drafting k = 0..limit tokens."""
-        seconds = self.costs.table(limit + 1) + draft_cost * np.arange(limit + 1)
+    def round_seconds(self, limit: int) -> np.ndarray:
+        """Seconds a round verifying k = 0..limit draft tokens costs (decode + measured overhead)."""
+        seconds = self.costs.table(limit + 1)
         seconds[0] += self.overhead["plain"]
         seconds[1:] += self.overhead["drafted"]
+        return seconds
+
+    def throughputs(self, acc: Acceptance, limit: int, draft_cost: float) -> np.ndarray:
+        """Expected tokens per second of drafting k = 0..limit tokens."""
+        seconds = self.round_seconds(limit) + draft_cost * np.arange(limit + 1)
         return acc.expected_all(limit) / seconds
+
+    # ---- confidence classes ---------------------------------------------------------------------
+    def _chain_expected(self, source: str, classes: Sequence[str]) -> np.ndarray:
+        """Expected tokens of keeping 0..len(classes) nodes of a chain labelled ``classes``."""
+        acc = self.estimate(source)
+        table = self.confidence.setdefault(source, ConfidenceTable())
+        q = table.alphas(classes, acc.depth_alphas(len(classes)))
+        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
+
+    def trim(self, source: str, tree: TokenTree) -> TokenTree:
+        """Cut a labelled chain to the depth with the best expected tokens per second (its drafting
+        cost is spent already). A probe keeps a short draft so that classes keep being measured.
+
+        Sampled drafts (nodes with a draft distribution) are never trimmed: keeping node i because of
+        what was drafted after it would bias token i away from q, which rejection sampling assumes.
+        Deterministic drafts are verified by sample-and-match, where any cut is lossless."""
+        if not tree.classes or tree.extras or tree.draft_probs or not tree.is_chain():
+            return tree
+        classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
+        rates = self._chain_expected(source, classes) / self.round_seconds(len(classes))
+        k = int(np.argmax(rates))
+        if source in self._probing:
+            k = max(k, min(self.probe_length, len(classes)))
+        return tree.truncated(k)
+
+    def extend_pays(self, source: str, classes: Sequence[str], draft_cost: float) -> bool:
+        """Could one more draft token (at the best class's acceptance) beat the best cut so far?"""
+        n = len(classes)
+        if n >= self.max_length:
+            return False
+        if not n:
+            return True
+        acc = self.estimate(source)
+        table = self.confidence.setdefault(source, ConfidenceTable())
+        expected = self._chain_expected(source, classes)
+        seconds = self.round_seconds(n + 1)
+        best_now = float(np.max(expected / seconds[:n + 1]))
+        reach = float(np.prod(table.alphas(classes, acc.depth_alphas(n))))
+        q_next = table.best_alpha(acc.alpha_at(n))
+        return (expected[-1] + reach * q_next) / (seconds[n + 1] + draft_cost) > best_now
+
+    def _classes_pay(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
+        """Does starting a draft pay, over the mix of first-token classes seen so far? For each first
+        class: the best cut of a chain that starts with it (deeper nodes at the depth estimates),
+        paying at least one draft step; compared with plain decoding's rate."""
+        total = sum(table.first.values())
+        if total <= 0:
+            return True
+        acc = self.estimate(source)
+        base = acc.depth_alphas(limit)
+        seconds = self.round_seconds(limit)
+        tokens = time = 0.0
+        for cls, weight in table.first.items():
+            q = base.copy()
+            q[:1] = table.alphas([cls], base)
+            expected = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
+            cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
+            k = int(np.argmax(expected / cost))
+            tokens += weight * expected[k]
+            time += weight * cost[k]
+        return tokens / time >= (1.0 - 1e-9) / seconds[0]   # free drafts start (a bad one is trimmed)
+
+    def labels(self, source: str) -> None:
+        """``source`` labels its drafts with confidence classes: schedule it by class from now on."""
+        self.confidence.setdefault(source, ConfidenceTable())
+
+    def update_classes(self, source: str, tree: TokenTree, accepted: int) -> None:
+        """Learn from a verified labelled chain whose first ``accepted`` nodes were accepted."""
+        if tree.classes and tree.is_chain() and tree.n_candidates:
+            classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
+            self.confidence.setdefault(source, ConfidenceTable()).update(classes, accepted)
 
     def use_method(self, method: str) -> None:
         """Rounds observed from now on are the given method's (the engine calls this per generation)."""
@@ -272,7 +424,12 @@ class Scheduler:
         """The draft length with the best expected tokens per second (0 = plain decoding)."""
         limit = self.max_length if limit is None else min(limit, self.max_length)
         self._last_draft_cost[source] = draft_cost
-        best = int(np.argmax(self.throughputs(self.estimate(source), limit, draft_cost)))
+        table = self.confidence.get(source)
+        if table is not None and limit > 0:
+            # a labelling proposer drafts up to the limit and is trimmed (``trim``, ``extend_pays``)
+            best = limit if self._classes_pay(source, table, draft_cost, limit) else 0
+        else:
+            best = int(np.argmax(self.throughputs(self.estimate(source), limit, draft_cost)))
         if best > 0:
             self._idle[source] = 0
             return best
@@ -300,5 +457,10 @@ class Scheduler:
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)
             every = self._probe_every.get(source, 8)
-            pays = self.gain(source, self._last_draft_cost.get(source, 0.0)) > 1.0
+            cost = self._last_draft_cost.get(source, 0.0)
+            table = self.confidence.get(source)
+            if table is not None:
+                pays = self._classes_pay(source, table, cost, self.max_length)
+            else:
+                pays = self.gain(source, cost) > 1.0
             self._probe_every[source] = 8 if pays else min(every * 2, 256)

@@ -47,6 +47,10 @@ class TokenTree:
     draft_probs: dict[int, np.ndarray] = field(default_factory=dict)
     # Which proposer produced each node (for per-source acceptance statistics); optional.
     sources: dict[int, str] = field(default_factory=dict)
+    # Confidence class of a node (e.g. "p6": the draft gave its token probability 0.95-0.98, or
+    # "ctx3d1": a 3-gram context copy at depth 1). The scheduler learns acceptance per class and trims
+    # drafts whose expected gain no longer pays for their verification (scheduler.ConfidenceTable).
+    classes: dict[int, str] = field(default_factory=dict)
     extras: list[ExtraToken] = field(default_factory=list)
     n_extra_seqs: int = 0
 
@@ -107,6 +111,19 @@ class TokenTree:
                 break
             node = self.add(node, int(tok), source=source)
         return node
+
+    def truncated(self, max_depth: int) -> "TokenTree":
+        """A copy holding only the nodes at depth <= max_depth (ids are kept: parents come first)."""
+        if max_depth >= self.max_depth:
+            return self
+        keep = [i for i, d in enumerate(self.depths) if d <= max_depth]
+        new_id = {old: new for new, old in enumerate(keep)}
+        out = TokenTree(tokens=[self.tokens[i] for i in keep],
+                        parents=[new_id[self.parents[i]] if i else -1 for i in keep],
+                        depths=[self.depths[i] for i in keep])
+        for attr in ("draft_probs", "sources", "classes"):
+            getattr(out, attr).update({new_id[i]: v for i, v in getattr(self, attr).items() if i in new_id})
+        return out
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node`` (inclusive)."""

@@ -22,7 +22,9 @@ PROMPTS = [
 def make_engine(target, draft=None, **cfg) -> Engine:
     # one thread: tiny models gain nothing from two, and tests run beside each other on 2 cores
     config = EngineConfig(n_ctx=cfg.pop("n_ctx", 512), n_batch=cfg.pop("n_batch", 64),
-                          n_seq_max=cfg.pop("n_seq_max", 8), threads=cfg.pop("threads", 1), **cfg)
+                          n_seq_max=cfg.pop("n_seq_max", 8),
+                          calibration=cfg.pop("calibration", "off"),
+                          adaptive=cfg.pop("adaptive", False), threads=cfg.pop("threads", 1), **cfg)
     engine = Engine(Model(target), Model(draft) if draft else None, config)
     engine.check_kv = True
     return engine

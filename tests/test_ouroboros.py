@@ -221,7 +221,9 @@ def test_budget_eog_and_room_limits() -> None:
 
 def make_engine(target, draft=None, **cfg) -> Engine:
     config = EngineConfig(n_ctx=cfg.pop("n_ctx", 512), n_batch=cfg.pop("n_batch", 64),
-                          n_seq_max=cfg.pop("n_seq_max", 8), **cfg)
+                          n_seq_max=cfg.pop("n_seq_max", 8),
+                          calibration=cfg.pop("calibration", "off"),
+                          adaptive=cfg.pop("adaptive", False), **cfg)
     engine = Engine(Model(target), Model(draft) if draft else None, config)
     engine.check_kv = True
     return engine

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
 from ouroboros_local.scheduler import (Acceptance, CalibrationCache, CostModel, Scheduler,
-                                       expected_tokens)
+                                       expected_tokens, probability_class)
+from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # DESIGN.md §4
 GPU = CostModel(sizes=[1, 8, 16, 32], seconds=[1.0, 1.05, 1.1, 1.3])
@@ -137,3 +139,79 @@ def test_round_overhead_is_kept_per_method() -> None:
     assert sched.overhead["drafted"] == 0.0 and sched.best_length("x") > 0
     sched.use_method("lookahead")
     assert sched.overhead["drafted"] == pytest.approx(1.5, rel=0.01)
+
+
+# ---- confidence classes ------------------------------------------------------------------------------
+
+def labelled_chain(classes: list[str]) -> TokenTree:
+    tree = TokenTree.rooted_at(0)
+    for i, cls in enumerate(classes, 1):
+        node = tree.add(i - 1, 100 + i)
+        tree.classes[node] = cls
+    return tree
+
+
+def trained(costs: CostModel, rates: dict[str, float], rounds: int = 200) -> Scheduler:
+    """A scheduler that has seen 1-token drafts of each class accepted at the given rate."""
+    sched = Scheduler(costs, max_length=8)
+    rng = np.random.default_rng(0)
+    for _ in range(rounds):
+        for cls, rate in rates.items():
+            tree = labelled_chain([cls])
+            accepted = int(rng.random() < rate)
+            sched.update("x", 1, accepted)
+            sched.update_classes("x", tree, accepted)
+    return sched
+
+
+def test_probability_classes_are_ordered() -> None:
+    assert probability_class(0.1) == "p0"
+    assert probability_class(0.999) == "p8"
+    assert [probability_class(p) for p in (0.4, 0.85, 0.97)] == ["p1", "p4", "p6"]
+
+
+def test_trim_keeps_confident_tokens_and_cuts_doubtful_ones() -> None:
+    sched = trained(CPU, {"sure": 0.97, "doubt": 0.2})
+    assert sched.confidence["x"].alphas(["sure", "doubt"], np.full(2, 0.5))[0] > 0.9
+    tree = labelled_chain(["sure", "sure", "doubt", "sure"])
+    cut = sched.trim("x", tree)
+    assert cut.tokens == tree.tokens[:3] and cut.classes == {1: "sure", 2: "sure"}
+    assert sched.trim("x", labelled_chain(["doubt", "sure"])).n_candidates == 0
+    # the same doubtful draft pays on a GPU-like curve, where verifying more is nearly free
+    gpu = trained(GPU, {"sure": 0.97, "doubt": 0.2})
+    assert gpu.trim("x", labelled_chain(["doubt", "sure"])).n_candidates == 2
+
+
+def test_sampled_drafts_are_never_trimmed() -> None:
+    sched = trained(CPU, {"doubt": 0.1})
+    tree = labelled_chain(["doubt", "doubt"])
+    tree.draft_probs[1] = np.ones(4) / 4
+    assert sched.trim("x", tree) is tree
+
+
+def test_extend_pays_stops_after_a_doubtful_token() -> None:
+    sched = trained(CPU, {"sure": 0.97, "doubt": 0.1})
+    assert sched.extend_pays("x", ["sure"], draft_cost=0.05)
+    assert not sched.extend_pays("x", ["doubt"], draft_cost=0.05)
+    assert not sched.extend_pays("x", ["sure"] * 8, draft_cost=0.0)   # max_length reached
+
+
+def test_drafting_starts_only_when_the_class_mix_pays() -> None:
+    mostly_sure = trained(CPU, {"sure": 0.98, "doubt": 0.3})
+    assert mostly_sure.best_length("x", draft_cost=0.05) == 8
+    hopeless = trained(CPU, {"doubt": 0.3})
+    assert hopeless.best_length("x", draft_cost=0.05) == 0
+    # free drafts (prompt lookup) always start: a bad one is trimmed to nothing at no cost
+    assert hopeless.best_length("x", draft_cost=0.0) == 8
+
+
+def test_truncated_tree_keeps_ids_parents_and_labels() -> None:
+    tree = TokenTree.rooted_at(5)
+    a = tree.add(0, 6, source="s")
+    tree.add(a, 7)
+    b = tree.add(0, 8)
+    tree.classes.update({a: "x", b: "y"})
+    cut = tree.truncated(1)
+    assert cut.tokens == [5, 6, 8] and cut.parents == [-1, 0, 0]
+    assert cut.classes == {1: "x", 2: "y"} and cut.sources == {1: "s"}
+    assert tree.truncated(5) is tree

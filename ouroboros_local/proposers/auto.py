@@ -22,6 +22,7 @@ it drafts long. Every sub-proposer observes every round so its state (index, dra
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from ..tree import TokenTree
@@ -44,9 +45,14 @@ class AutoProposer(Proposer):
         self.rounds: dict[str, int] = {}
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        sched = self.scheduler
+        setup = replace(setup, extend_pays=lambda source, classes: sched.extend_pays(
+            source, classes, self._draft_cost.get(source, 0.0)))
         super().begin(prompt, setup)
         for proposer in self.candidates:
             proposer.begin(prompt, setup)
+            if proposer.confidence_classes:
+                sched.labels(proposer.name)
         self.rounds = {}
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
@@ -62,6 +68,8 @@ class AutoProposer(Proposer):
                 per_token = (time.perf_counter() - t0) / tree.n_candidates
                 old = self._draft_cost.get(proposer.name)
                 self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
+                tree = self.scheduler.trim(proposer.name, tree)
+            if tree.n_candidates:
                 self._last = proposer
                 self.rounds[proposer.name] = self.rounds.get(proposer.name, 0) + 1
                 return tree
@@ -71,6 +79,7 @@ class AutoProposer(Proposer):
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         if self._last is not None:
             self.scheduler.update(self._last.name, result.tree.max_depth, len(result.accepted))
+            self.scheduler.update_classes(self._last.name, result.tree, len(result.accepted))
         for proposer in self.candidates:
             proposer.observe(committed, result)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -39,6 +39,9 @@ class ProposeSetup:
     max_branches: int            # sequence ids available for leaf paths + extra sequences
     eog_tokens: frozenset[int] = frozenset()
     options: dict[str, Any] = field(default_factory=dict)
+    # extend_pays(proposer name, classes of the tokens drafted so far) -> may one more token pay?
+    # Set when a scheduler runs the proposer; draft-model proposers ask it before each draft step.
+    extend_pays: Callable[[str, Sequence[str]], bool] | None = None
 
 
 class Proposer(ABC):
@@ -49,6 +52,9 @@ class Proposer(ABC):
     # True when the proposer honours small budgets sensibly (a chain or trunk first), so the engine
     # may cap its budget by the cost model; proposers with fixed-size extras (lookahead) say False.
     adaptive: bool = False
+    # True when the proposer labels its nodes with confidence classes (tree.classes) and asks
+    # ``setup.extend_pays`` while drafting: the scheduler then decides per class (scheduler.py).
+    confidence_classes: bool = False
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         """Start a generation whose committed tokens are ``prompt``."""

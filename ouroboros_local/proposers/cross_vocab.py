@@ -52,8 +52,10 @@ import numpy as np
 
 from ..errors import ParameterError
 from ..kv import common_prefix
+from ..scheduler import probability_class
 from ..tree import TokenTree
 from .base import ProposeSetup, Proposer
+from .draft_model import top_probability
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine
@@ -135,6 +137,23 @@ def text_to_target(tokenize: Callable[[str], list[int]], piece: Callable[[int], 
         out.pop()
         complete = False
     return out, complete
+
+
+def target_confidences(target_tokens: Sequence[int], piece: Callable[[int], bytes], draft_spans: Sequence[int],
+                       draft_confidences: Sequence[float]) -> list[float]:
+    """Confidence of each target token of a converted draft: the least confident draft token whose
+    bytes overlap it (both token lists spell the same text from its start; ``draft_spans`` are the
+    draft tokens' byte lengths)."""
+    ends = np.cumsum(draft_spans)
+    starts = ends - np.asarray(draft_spans)
+    out = []
+    a = 0
+    for tok in target_tokens:
+        b = a + len(piece(tok))
+        hit = [c for s0, e0, c in zip(starts, ends, draft_confidences) if s0 < b and e0 > a]
+        out.append(min(hit) if hit else (draft_confidences[-1] if draft_confidences else 0.0))
+        a = b
+    return out
 
 
 class DraftView:
@@ -325,6 +344,8 @@ class CrossVocabProposer(Proposer):
     name = "speculative"
     needs_draft_model = True
     cross_vocab = True
+    adaptive = True   # a chain: the scheduler caps, stops and trims it by the cost model
+    confidence_classes = True
 
     def __init__(self, kv: "KVCache", target: "Model", draft: "Model", gamma: int = 6,
                  map_specials: bool = True, keep_unstable: bool = False):
@@ -348,6 +369,7 @@ class CrossVocabProposer(Proposer):
         self.draft_tokens = 0       # tokens the draft wrote
         self.rounds = 0
         self.empty_rounds = 0       # rounds that proposed nothing
+        self.cost_stops = 0         # drafts stopped because one more token could not pay
         self.view.retokenized_bytes = 0
         self.view.inexact_restarts = 0
 
@@ -410,6 +432,9 @@ class CrossVocabProposer(Proposer):
             return tree
         logits = self._sync()
         drafted: list[int] = []
+        confidences: list[float] = []
+        classes: list[str] = []
+        extend_pays = self.setup.extend_pays
         closing: int | None = None
         for i in range(n):
             tok = int(np.argmax(logits))
@@ -418,7 +443,14 @@ class CrossVocabProposer(Proposer):
                 closing = special      # None: a draft special without a target equivalent
                 break
             drafted.append(tok)
+            confidences.append(top_probability(logits))
+            classes.append(probability_class(confidences[-1]))
             if i == n - 1:
+                break
+            # the last target token of a draft is dropped (it could still merge with more text), so the
+            # value so far is that of all draft tokens but the newest
+            if extend_pays is not None and not extend_pays(self.name, classes[:-1]):
+                self.cost_stops += 1
                 break
             logits = self.kv.feed([tok], logits_last=True)
             self.draft_steps += 1
@@ -433,6 +465,9 @@ class CrossVocabProposer(Proposer):
         self.last_target_tokens = toks
         if toks:
             tree.add_path(0, toks, source="draft")
+            spans = [len(self.draft.piece(t)) for t in drafted]
+            for node, conf in enumerate(target_confidences(toks, self.target.piece, spans, confidences), 1):
+                tree.classes[node] = probability_class(conf)
         else:
             self.empty_rounds += 1
         return tree
@@ -445,7 +480,7 @@ class CrossVocabProposer(Proposer):
     def stats(self) -> dict[str, Any]:
         return {"cross_vocab": True, "draft_steps": self.draft_steps, "draft_fed": self.draft_fed,
                 "draft_tokens": self.draft_tokens, "cross_rounds": self.rounds,
-                "cross_empty_rounds": self.empty_rounds,
+                "cross_empty_rounds": self.empty_rounds, "cost_stops": self.cost_stops,
                 "retokenized_bytes": self.view.retokenized_bytes,
                 "inexact_restarts": self.view.inexact_restarts}
 
@@ -492,9 +527,13 @@ class CrossVocabOuroboros(CrossVocabProposer):
     text is converted to target tokens as in ``CrossVocabProposer``; then the target-vocabulary pool's
     phrases for the last converted token hang below the draft (long drafts), and ``observe`` harvests
     the target's predictions over rejected tails into that pool.
+
+    Scheduled by the cost model with one acceptance estimate (its trunk + phrase branches are no chain
+    to trim by class): on a CPU it drafts only while its measured acceptance pays for the verification.
     """
 
     name = "ouroboros"
+    confidence_classes = False
 
     def __init__(self, kv: "KVCache", target: "Model", draft: "Model", inner: Proposer,
                  pool: "PhrasePool", *, gamma: int, topk: int, harvest: str, pool_from_prompt: bool,
@@ -546,7 +585,8 @@ class CrossVocabOuroboros(CrossVocabProposer):
             return tree
         # the draft KV must be a prefix of the view (re-tokenization may have changed its tail)
         self.kv.truncate(min(common_prefix(self.kv.cached, tokens), len(tokens) - 1))
-        drafted = self.inner.draft_tokens(tokens, self.gamma)
+        # one draft token more than the budget: the last converted token is dropped
+        drafted = self.inner.draft_tokens(tokens, min(self.gamma, budget + 1))
         self.draft_steps = self.inner._stats.get("draft_forwards", 0)
         closing: int | None = None
         for i, tok in enumerate(drafted):

@@ -26,6 +26,7 @@ import numpy as np
 from ..errors import ParameterError
 from ..kv import KVCache, common_prefix
 from ..sampling import distribution, sample
+from ..scheduler import probability_class
 from ..tree import TokenTree
 from .base import ProposeSetup, Proposer
 
@@ -41,6 +42,12 @@ def logits_entropy(logits: np.ndarray) -> float:
     e = np.exp(z)
     s = float(e.sum())
     return max(0.0, math.log(s) - float(np.dot(e, z)) / s)
+
+
+def top_probability(logits: np.ndarray) -> float:
+    """Probability of the argmax token under softmax(logits) at temperature 1."""
+    x = np.asarray(logits, dtype=np.float32)
+    return 1.0 / float(np.sum(np.exp(np.maximum(x - x.max(), -80.0))))
 
 
 def probs_entropy(probs: np.ndarray) -> float:
@@ -111,6 +118,8 @@ class AdaEDL:
 class DraftModelProposer(Proposer):
     name = "speculative"
     needs_draft_model = True
+    adaptive = True   # a chain: the scheduler caps, stops and trims it by the cost model
+    confidence_classes = True
 
     def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0,
                  adaedl: AdaEDL | None = None, greedy_draft: bool = False):
@@ -134,6 +143,7 @@ class DraftModelProposer(Proposer):
         self.rounds = 0
         self.drafted = 0
         self.early_stops = 0
+        self.cost_stops = 0       # drafts the scheduler stopped (one more token could not pay)
         self._last_tree: TokenTree | None = None
         self._last_cap = 0
 
@@ -165,6 +175,8 @@ class DraftModelProposer(Proposer):
         self.draft_steps += 1
         sampling = self.setup.sampling
         ada = self.adaedl
+        extend_pays = self.setup.extend_pays
+        classes: list[str] = []
         node = 0
         for i in range(n):
             row = self._row(logits)
@@ -174,19 +186,23 @@ class DraftModelProposer(Proposer):
                     break
                 token = int(np.argmax(row))
                 q = None
-                if self.p_min > 0.0:
-                    top = float(np.max(row))
-                    conf = 1.0 / float(np.sum(np.exp(row - top)))
-                    if conf < self.p_min and i > 0:
-                        break
+                conf = top_probability(row)
+                if self.p_min > 0.0 and conf < self.p_min and i > 0:
+                    break
             else:
                 q = distribution(row, sampling)
                 if ada is not None and i > 0 and ada.should_stop(probs_entropy(q)):
                     self.early_stops += 1
                     break
                 token = sample(q, self.setup.rng)
+                conf = float(q[token])
             node = tree.add(node, token, draft_probs=q, source="draft")
+            tree.classes[node] = probability_class(conf)
+            classes.append(tree.classes[node])
             if token in self.setup.eog_tokens or i == n - 1:
+                break
+            if extend_pays is not None and not extend_pays(self.name, classes):
+                self.cost_stops += 1
                 break
             logits = self.kv.feed([token], logits_last=True)
             self.draft_steps += 1
@@ -209,7 +225,8 @@ class DraftModelProposer(Proposer):
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"draft_steps": self.draft_steps,
                                "draft_rounds": self.rounds,
-                               "mean_draft_len": round(self.drafted / self.rounds, 3) if self.rounds else 0.0}
+                               "mean_draft_len": round(self.drafted / self.rounds, 3) if self.rounds else 0.0,
+                               "cost_stops": self.cost_stops}
         if self.adaedl is not None:
             out.update({"adaedl_early_stops": self.early_stops,
                         "adaedl_stop_rate": round(self.early_stops / self.rounds, 3) if self.rounds else 0.0,

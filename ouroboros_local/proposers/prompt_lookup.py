@@ -129,6 +129,7 @@ class PromptLookupProposer(Proposer):
 
     name = "prompt-lookup"
     adaptive = True  # a chain (or shallow tree) first: the engine may cap its length by the cost model
+    confidence_classes = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 8, max_branches: int = 1,
                  pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4):
@@ -160,13 +161,21 @@ class PromptLookupProposer(Proposer):
             self.pool.add_ngrams(committed, self.pool.phrase_len + 1, start=self._fed)
             self._fed = len(committed)
 
-    def _phrases(self, committed: Sequence[int]) -> Iterator[tuple[list[int], str]]:
+    def _phrases(self, committed: Sequence[int], seen: list[tuple[list[int], str]] | None = None
+                 ) -> Iterator[tuple[list[int], str]]:
+        """Candidate phrases, best first; each one's confidence class prefix goes to ``seen``."""
         eog = self.setup.eog_tokens
-        for _, cont in self.index.continuations(self.gamma):
-            yield _cut_at_eog(cont, eog), "prompt-lookup"
+        for n, cont in self.index.continuations(self.gamma):
+            phrase = _cut_at_eog(cont, eog)
+            if seen is not None:
+                seen.append((phrase, f"ctx{min(n, 4)}"))
+            yield phrase, "prompt-lookup"
         if self.pool is not None:
             for phrase in self.pool.lookup(committed, k=max(self.max_branches, 2)):
-                yield _cut_at_eog(list(phrase[:self.gamma]), eog), "pool"
+                phrase = _cut_at_eog(list(phrase[:self.gamma]), eog)
+                if seen is not None:
+                    seen.append((phrase, "pool"))
+                yield phrase, "pool"
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
@@ -175,7 +184,10 @@ class PromptLookupProposer(Proposer):
             return tree
         self.index.sync(committed)
         max_leaves = max(1, min(self.max_branches, self.setup.max_branches))
-        fill_tree(tree, self._phrases(committed), max_nodes, max_leaves)
+        seen: list[tuple[list[int], str]] = []
+        fill_tree(tree, self._phrases(committed, seen), max_nodes, max_leaves)
+        if tree.n_candidates and tree.is_chain():
+            label_chain(tree, seen)
         if tree.n_candidates:
             self._stats["proposals"] += 1
             for src in tree.sources.values():
@@ -190,6 +202,18 @@ class PromptLookupProposer(Proposer):
     def stats(self) -> dict[str, Any]:
         # node counts per source ("*_phrases" count drafted nodes from each source)
         return {"pl_" + k: v for k, v in self._stats.items()}
+
+
+def label_chain(tree: TokenTree, phrases: Sequence[tuple[Sequence[int], str]]) -> None:
+    """Class of each chain node: the kind of the first phrase that reaches it (context copies by
+    n-gram length: a 4-gram match is right far more often than a 1-gram one) and its depth (a copy
+    that was right so far tends to stay right)."""
+    chain = tree.tokens[1:]
+    for depth in range(1, len(chain) + 1):
+        for phrase, kind in phrases:
+            if len(phrase) >= depth and list(phrase[:depth]) == chain[:depth]:
+                tree.classes[depth] = f"{kind}d{min(depth, 4)}"
+                break
 
 
 def _cut_at_eog(tokens: list[int], eog: frozenset[int]) -> list[int]:
