@@ -363,6 +363,20 @@ class Scheduler:
             k = max(k, min(self.probe_length, len(classes)))
         return tree.truncated(k)
 
+    def chain_rate(self, source: str, tree: TokenTree) -> float:
+        """Expected tokens per second of verifying ``tree`` (a labelled chain; else the depth model)."""
+        n = tree.n_candidates
+        if tree.classes and tree.is_chain():
+            expected = self._chain_expected(source, [tree.classes.get(i, "") for i in range(1, n + 1)])
+        else:
+            expected = self.estimate(source).expected_all(n)
+        return float(expected[-1] / self.round_seconds(n)[-1])
+
+    def best_rate(self, source: str, draft_cost: float, limit: int) -> float:
+        """Expected tokens per second of ``source``'s best draft length (depth model, cost included)."""
+        limit = min(limit, self.max_length)
+        return float(np.max(self.throughputs(self.estimate(source), limit, draft_cost)))
+
     def extend_pays(self, source: str, classes: Sequence[str], draft_cost: float) -> bool:
         """Could one more draft token (at the best class's acceptance) beat the best cut so far?"""
         n = len(classes)

@@ -322,3 +322,27 @@ def test_bad_options(pair_engine: Engine) -> None:
         with pytest.raises(ParameterError, match=msg):
             pair_engine.generate("x", max_tokens=2, method="ouroboros", options=opts)
     assert len(pair_engine.generate("x y", max_tokens=3, method="ouroboros").tokens) == 3
+
+
+def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_draft) -> None:
+    """With the cost model on (the default), ouroboros picks per round between phrases copied from the
+    context and its pool and the draft model; the text still equals plain decoding, and a flat cost
+    curve (a GPU-like machine) lets both kinds of draft run."""
+    from ouroboros_local.proposers.auto import AutoProposer
+    from ouroboros_local.proposers.ouroboros import create
+
+    engine = make_engine(tiny_target, tiny_draft, adaptive=True)   # calibration "off": flat costs
+    try:
+        proposer = create(engine, {})
+        assert isinstance(proposer, AutoProposer) and proposer.name == "ouroboros"
+        assert [p.name for p in proposer.candidates] == ["prompt-lookup", "ouroboros"]
+        rounds: dict[str, int] = {}
+        for prompt in PROMPTS:
+            base = engine.generate(prompt, max_tokens=40, method="vanilla")
+            res = engine.generate(prompt, max_tokens=40, method="ouroboros")
+            assert res.tokens == base.tokens, prompt
+            for key, n in res.stats.extra["auto_rounds"].items():
+                rounds[key] = rounds.get(key, 0) + n
+        assert rounds.get("prompt-lookup", 0) > 0 and rounds.get("ouroboros", 0) > 0, rounds
+    finally:
+        engine.close()

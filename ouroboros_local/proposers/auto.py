@@ -4,10 +4,12 @@ Candidates, cheapest first: prompt lookup (free drafts, copied from the prompt, 
 shared phrase pool) and, when a draft model is loaded, the draft model (through the cross-vocabulary
 proposer when its vocabulary differs from the target's). Each round:
 
-1. prompt lookup proposes up to the scheduler's best length for it; if it finds a match, that is the
-   round's tree (a free draft beats a paid one of similar acceptance);
-2. otherwise the draft model drafts the scheduler's best length for it (its measured per-token cost
-   included), if drafting pays at all;
+1. prompt lookup proposes up to the scheduler's best length for it, trimmed by its confidence classes
+   (scheduler.trim); if something is left, that is the round's tree (a free draft beats a paid one of
+   similar acceptance), unless the draft model's expected tokens per second is higher: then the
+   draft model is asked too and the better of the two drafts is verified;
+2. otherwise the draft model drafts, if drafting pays at all (its measured per-token cost included),
+   and stops as soon as one more token cannot pay (scheduler.extend_pays);
 3. otherwise the tree is the root alone: a plain decoding step.
 
 Every draft is deterministic (prompt lookup, greedy draft-model chains), so with sampling the verifier
@@ -37,7 +39,8 @@ if TYPE_CHECKING:  # pragma: no cover
 class AutoProposer(Proposer):
     name = "auto"
 
-    def __init__(self, scheduler: "Scheduler", candidates: list[Proposer]):
+    def __init__(self, scheduler: "Scheduler", candidates: list[Proposer], name: str = "auto"):
+        self.name = name
         self.scheduler = scheduler
         self.candidates = candidates
         self._last: Proposer | None = None
@@ -57,9 +60,11 @@ class AutoProposer(Proposer):
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         self._last = None
-        for proposer in self.candidates:
+        sched = self.scheduler
+        fallback: tuple[Proposer, TokenTree] | None = None   # a draft passed over for a better promise
+        for i, proposer in enumerate(self.candidates):
             cost = self._draft_cost.get(proposer.name, 0.0)
-            k = self.scheduler.best_length(proposer.name, cost, limit=budget)
+            k = sched.best_length(proposer.name, cost, limit=budget)
             if k <= 0:
                 continue
             t0 = time.perf_counter()
@@ -68,13 +73,31 @@ class AutoProposer(Proposer):
                 per_token = (time.perf_counter() - t0) / tree.n_candidates
                 old = self._draft_cost.get(proposer.name)
                 self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
-                tree = self.scheduler.trim(proposer.name, tree)
-            if tree.n_candidates:
-                self._last = proposer
-                self.rounds[proposer.name] = self.rounds.get(proposer.name, 0) + 1
-                return tree
+                tree = sched.trim(proposer.name, tree)
+            if not tree.n_candidates:
+                continue
+            if fallback is None and self._later_is_better(proposer, tree, self.candidates[i + 1:], budget):
+                fallback = (proposer, tree)
+                continue
+            if fallback is not None and (sched.chain_rate(fallback[0].name, fallback[1])
+                                         >= sched.chain_rate(proposer.name, tree)):
+                break
+            return self._use(proposer, tree)
+        if fallback is not None:
+            return self._use(*fallback)
         self.rounds["plain"] = self.rounds.get("plain", 0) + 1
         return TokenTree.rooted_at(committed[-1])
+
+    def _use(self, proposer: Proposer, tree: TokenTree) -> TokenTree:
+        self._last = proposer
+        self.rounds[proposer.name] = self.rounds.get(proposer.name, 0) + 1
+        return tree
+
+    def _later_is_better(self, proposer: Proposer, tree: TokenTree, later: list[Proposer], budget: int) -> bool:
+        """Does a later (costlier) candidate promise more tokens per second than this draft?"""
+        sched = self.scheduler
+        rate = sched.chain_rate(proposer.name, tree)
+        return any(sched.best_rate(p.name, self._draft_cost.get(p.name, 0.0), budget) > rate for p in later)
 
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         if self._last is not None:

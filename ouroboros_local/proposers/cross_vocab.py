@@ -639,7 +639,8 @@ class CrossVocabOuroboros(CrossVocabProposer):
 def create_ouroboros(engine: "Engine", options: dict[str, Any]) -> Proposer:
     """Ouroboros for a draft with another vocabulary (see ``CrossVocabOuroboros``)."""
     from ..pool import PhrasePool, harvest_strategy
-    from .ouroboros import DEFAULTS, OuroborosProposer, _int_option, shared_pool, tokenizer_fingerprint
+    from .ouroboros import (DEFAULTS, OuroborosProposer, _int_option, scheduled, shared_pool,
+                            tokenizer_fingerprint)
 
     if engine.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft)")
@@ -664,12 +665,13 @@ def create_ouroboros(engine: "Engine", options: dict[str, Any]) -> Proposer:
                               pool_from_prompt=bool(options.get("pool_from_prompt", True)),
                               overshoot=bool(options.get("overshoot", True)),
                               seed=_int_option(options, "seed"), check=engine)
-    return CrossVocabOuroboros(kv, engine.target, engine.draft, inner, pool, gamma=gamma, topk=topk,
-                               harvest=harvest,
-                               pool_from_prompt=bool(options.get("pool_from_prompt", True)),
-                               pool_file=path,
-                               fingerprint=tokenizer_fingerprint(engine) if path is not None else None,
-                               map_specials=bool(options.get("map_specials", True)))
+    drafter = CrossVocabOuroboros(kv, engine.target, engine.draft, inner, pool, gamma=gamma, topk=topk,
+                                  harvest=harvest,
+                                  pool_from_prompt=bool(options.get("pool_from_prompt", True)),
+                                  pool_file=path,
+                                  fingerprint=tokenizer_fingerprint(engine) if path is not None else None,
+                                  map_specials=bool(options.get("map_specials", True)))
+    return scheduled(engine, drafter, pool, options)
 
 
 __all__ = ["CrossVocabOuroboros", "CrossVocabProposer", "DraftView", "create", "create_ouroboros",

@@ -550,12 +550,32 @@ def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
     fingerprint = tokenizer_fingerprint(engine) if path is not None else None
     if engine.draft is None:
         return _fallback(engine, options, pool, path, fingerprint)
-    return OuroborosProposer(
+    return scheduled(engine, OuroborosProposer(
         engine.draft_kv(), pool, engine.target.n_vocab, gamma=gamma, window=window, level=level,
         guess_set=guess, topk=topk, harvest=harvest,
         pool_from_prompt=bool(options.get("pool_from_prompt", True)),
         overshoot=bool(options.get("overshoot", True)), seed=_int_option(options, "seed"),
-        pool_file=path, fingerprint=fingerprint, check=engine)
+        pool_file=path, fingerprint=fingerprint, check=engine), pool, options)
+
+
+def scheduled(engine: "Engine", drafter: Proposer, pool: PhrasePool, options: dict[str, Any]) -> Proposer:
+    """Ouroboros under the cost model (the default; ``EngineConfig.adaptive``).
+
+    Each round the scheduler picks, as method ``auto`` does, between free drafts and the draft model:
+    first phrases copied from the context and from the Ouroboros pool (which holds the prompt's
+    n-grams, the phrases harvested from verification and the history of earlier requests), trimmed by
+    their confidence classes; else the draft model's phrase-level draft plus pool branches when its
+    measured acceptance pays for its drafting and verification cost; else a plain step. On a GPU the
+    draft model pays nearly always; on a small CPU mostly the free phrases do, and Ouroboros never falls
+    far below plain decoding. With ``adaptive`` off, the fixed hyperparameters run every round.
+    """
+    if not engine.config.adaptive:
+        return drafter
+    from .auto import AutoProposer
+    from .prompt_lookup import PromptLookupProposer
+
+    phrases = PromptLookupProposer(gamma=max(_int_option(options, "gamma"), 8), pool=pool, feed_pool=False)
+    return AutoProposer(engine.scheduler(), [phrases, drafter], name="ouroboros")
 
 
 def _fallback(engine: "Engine", options: dict[str, Any], pool: PhrasePool, path: str | None,
