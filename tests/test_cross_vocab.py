@@ -14,8 +14,8 @@ import pytest
 from ouroboros_local.engine import Engine
 from ouroboros_local.errors import IncompatiblePairError
 from ouroboros_local.llama import Model
-from ouroboros_local.proposers.cross_vocab import (DraftView, is_chunk_start, text_to_target,
-                                                   valid_utf8_prefix, vocabulary_difference)
+from ouroboros_local.proposers.cross_vocab import (DraftView, is_chunk_start, target_confidences,
+                                                   text_to_target, valid_utf8_prefix, vocabulary_difference)
 from ouroboros_local.sampling import SamplingParams
 
 from test_engine import PROMPTS, make_engine
@@ -188,3 +188,11 @@ def test_smollm2_drafts_for_qwen() -> None:
             assert res.stats.extra["cross_vocab"] is True
             assert res.stats.accepted > 0, method        # the small model does predict the big one
             assert np.isfinite(res.stats.tokens_per_second)
+
+
+def test_target_tokens_take_the_least_confident_overlapping_draft_token() -> None:
+    # draft tokens "def", " f", "(x" with confidences; target tokens "de", "f f", "(", "x"
+    pieces = {1: b"de", 2: b"f f", 3: b"(", 4: b"x"}
+    conf = target_confidences([1, 2, 3, 4], pieces.__getitem__, [3, 2, 2], [0.99, 0.6, 0.9])
+    assert conf == [0.99, 0.6, 0.9, 0.9]
+    assert target_confidences([], pieces.__getitem__, [3], [0.5]) == []

@@ -196,3 +196,17 @@ def test_engine_greedy_equality(engine, options: dict) -> None:
         assert res.tokens == base.tokens
         assert res.stats.target_passes + res.stats.accepted == base.stats.target_passes
         assert res.stats.extra["pl_proposals"] >= 0
+
+
+def test_chain_nodes_are_labelled_by_match_length_and_depth() -> None:
+    # "1 2 3 4 5 ... 1 2 3" -> a 3-gram match copies "4 5 6"; nodes carry ctx3 and their depth
+    prop = PromptLookupProposer(max_ngram=3, gamma=3)
+    prompt = [1, 2, 3, 4, 5, 6, 9, 9, 1, 2, 3]
+    prop.begin(prompt, make_setup())
+    tree = prop.propose(prompt, budget=3)
+    assert tree.tokens == [3, 4, 5, 6]
+    assert tree.classes == {1: "ctx3d1", 2: "ctx3d2", 3: "ctx3d3"}
+    # only a 1-gram match: "7" was followed by "8" once
+    prop.begin([7, 8, 5, 7], make_setup())
+    tree = prop.propose([7, 8, 5, 7], budget=2)
+    assert tree.tokens[:2] == [7, 8] and tree.classes[1] == "ctx1d1"
