@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .kv import KVCache
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+PROBE_BUDGET = 0.02      # share of the time that probes of a draft that does not pay may cost
 CALIBRATION_METHOD = 2   # bump when measure_costs changes: cached curves of the old method are re-measured
 
 
@@ -249,7 +250,7 @@ class ConfidenceTable:
     # A class tried less than ``explore_trials`` times (decayed) counts as right ``explore_alpha`` of the
     # time: drafts of it are verified until it is measured (optimism in the face of uncertainty; the
     # decay makes rarely seen classes be tried again now and then).
-    explore_trials: float = 1.5
+    explore_trials: float = 0.5
     explore_alpha: float = 0.9
     successes: dict[str, float] = field(default_factory=dict)
     trials: dict[str, float] = field(default_factory=dict)
@@ -447,10 +448,14 @@ class Scheduler:
         if best > 0:
             self._idle[source] = 0
             return best
-        # nothing pays: probe now and then, less often after each failed probe
+        # nothing pays: probe now and then, less often after each failed probe, and never more often
+        # than keeps probes (their drafting, including a draft model's catch-up on the text it skipped,
+        # and their extra verification) within PROBE_BUDGET of the time
         idle = self._idle.get(source, 0) + 1
         self._idle[source] = idle
-        every = self._probe_every.get(source, 8)
+        probe_seconds = (draft_cost * self.probe_length
+                         + self.costs.cost(self.probe_length + 1) - self.costs.cost(1))
+        every = max(self._probe_every.get(source, 8), int(probe_seconds / (PROBE_BUDGET * self.costs.cost(1))))
         if idle >= every and limit > 0:
             self._idle[source] = 0
             self._probing.add(source)

@@ -59,13 +59,24 @@ def test_acceptance_estimate_tracks_observations() -> None:
     assert acc.alpha < 0.2
 
 
+CHEAP = CostModel(sizes=[1, 2, 4, 8], seconds=[1.0, 1.01, 1.02, 1.04])   # probes cost ~1% of a step
+
+
 def test_probing_backs_off_after_failed_probes() -> None:
-    sched = scheduler_with(CPU, 0.05)
+    sched = scheduler_with(CHEAP, 0.01)
     lengths = [sched.best_length("x") for _ in range(8)]
     assert lengths[-1] == sched.probe_length and sum(lengths[:-1]) == 0
     sched.update("x", drafted=2, accepted=0)
     lengths = [sched.best_length("x") for _ in range(16)]
     assert lengths[-1] > 0 and sum(lengths[:-1]) == 0  # the interval doubled to 16
+
+
+def test_costly_probes_stay_within_their_time_budget() -> None:
+    # on the CPU curve a 2-token probe verifies 1.35 steps more than a plain step, and the draft
+    # model's catch-up costs 0.5 step per token: one probe per (1.35 + 1.0) / 0.02 = 117 rounds
+    sched = scheduler_with(CPU, 0.01)
+    lengths = [sched.best_length("x", draft_cost=0.5) for _ in range(117)]
+    assert lengths[-1] == sched.probe_length and sum(lengths[:-1]) == 0
 
 
 def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path, monkeypatch) -> None:
@@ -90,7 +101,10 @@ def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path, monkeypa
         assert engine.cost_model().key != first.key
 
 
-def test_probe_that_accepts_but_does_not_pay_still_backs_off() -> None:
+def test_probe_that_accepts_but_does_not_pay_still_backs_off(monkeypatch) -> None:
+    import ouroboros_local.scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "PROBE_BUDGET", 1.0)   # the doubling alone decides here
     sched = scheduler_with(CPU, 0.05)
     cost = CPU.cost(1)  # an expensive draft: one draft token costs a whole target step
     lengths = [sched.best_length("x", cost) for _ in range(8)]
