@@ -390,7 +390,7 @@ class Scheduler:
         expected = self._chain_expected(source, classes)
         seconds = self.round_seconds(n + 1)
         best_now = float(np.max(expected / seconds[:n + 1]))
-        reach = float(np.prod(table.alphas(classes, acc.depth_alphas(n))))
+        reach = float(expected[n] - expected[n - 1])   # chance that all n drafted tokens are accepted
         q_next = table.best_alpha(acc.alpha_at(n))
         return (expected[-1] + reach * q_next) / (seconds[n + 1] + draft_cost) > best_now
 
