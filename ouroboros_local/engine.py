@@ -169,7 +169,6 @@ class Engine:
         self.shared: dict[str, Any] = {}    # state proposers keep across requests (phrase pool, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
-        self._draft_cost: dict[str, float] = {}   # seconds per drafted token, per proposer (EMA)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -314,7 +313,7 @@ class Engine:
         sched = self._scheduler if cfg.adaptive and getattr(proposer, "adaptive", False) else None
         setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
                              max_branches=cfg.n_seq_max, eog_tokens=eog,
-                             extend_pays=self._extend_rule(sched) if sched is not None else None)
+                             extend_pays=sched.extend_rule() if sched is not None else None)
         costs_learner = self._scheduler if cfg.adaptive else None   # auto schedules by itself
         if costs_learner is not None:
             costs_learner.use_method(proposer.name)
@@ -346,15 +345,12 @@ class Engine:
                     break
                 budget = max(0, min(setup.max_tree_nodes, max_tokens - len(generated) - 1, room - 1))
                 if sched is not None:
-                    budget = sched.best_length(proposer.name, self._draft_cost.get(proposer.name, 0.0),
-                                               limit=budget)
+                    budget = sched.best_length(proposer.name, sched.draft_cost(proposer.name), limit=budget)
                 t_propose = time.perf_counter()
                 tree = proposer.propose(committed, budget)
-                if tree.n_candidates:
-                    per_token = (time.perf_counter() - t_propose) / tree.n_candidates
-                    old = self._draft_cost.get(proposer.name)
-                    self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
-                    if sched is not None:
+                if sched is not None:
+                    sched.note_draft(proposer.name, time.perf_counter() - t_propose, tree.n_candidates)
+                    if tree.n_candidates:
                         tree = sched.trim(proposer.name, tree)
                 if tree.tokens[0] != committed[-1]:
                     raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
@@ -408,10 +404,6 @@ class Engine:
         stats.finalize()
         final = GenerationResult(text=matcher.text, tokens=generated, stats=stats)
         yield StreamEvent(text=text_tail, tokens=[], result=final)
-
-    def _extend_rule(self, sched: Scheduler) -> Callable[[str, Sequence[str]], bool]:
-        """``ProposeSetup.extend_pays`` for a proposer scheduled by ``sched`` (its measured draft cost)."""
-        return lambda source, classes: sched.extend_pays(source, classes, self._draft_cost.get(source, 0.0))
 
     def _verify(self, tree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
         lay = layout(tree)

@@ -38,7 +38,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
@@ -48,7 +48,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .kv import KVCache
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
-PROBE_BUDGET = 0.02      # share of the time that probes of a draft that does not pay may cost
+PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does not pay may cost
 CALIBRATION_METHOD = 2   # bump when measure_costs changes: cached curves of the old method are re-measured
 
 
@@ -248,22 +248,24 @@ class ConfidenceTable:
     decay: float = 0.995
     prior: float = 3.0
     # A class tried less than ``explore_trials`` times (decayed) counts as right ``explore_alpha`` of the
+    # time where exploring it costs only verification (``explore``: a free or an already made draft;
+    # a paid draft is not started on optimism: probes, within their budget, measure it)
     # time: drafts of it are verified until it is measured (optimism in the face of uncertainty; the
     # decay makes rarely seen classes be tried again now and then).
     explore_trials: float = 0.5
     explore_alpha: float = 0.9
     successes: dict[str, float] = field(default_factory=dict)
     trials: dict[str, float] = field(default_factory=dict)
-    first: dict[str, float] = field(default_factory=dict)   # class of depth-1 nodes (EMA counts)
+    first: dict[str, float] = field(default_factory=dict)   # class of each draft's first node (EMA counts)
 
-    def alphas(self, classes: Sequence[str], base: np.ndarray) -> np.ndarray:
+    def alphas(self, classes: Sequence[str], base: np.ndarray, explore: bool = True) -> np.ndarray:
         out = np.array(base[:len(classes)], dtype=float)
         for i, c in enumerate(classes):
             n = self.trials.get(c, 0.0)
-            if n < self.explore_trials:
+            if explore and n < self.explore_trials:
                 out[i] = max(out[i], self.explore_alpha)
             else:
-                out[i] = (self.successes[c] + self.prior * out[i]) / (n + self.prior)
+                out[i] = (self.successes.get(c, 0.0) + self.prior * out[i]) / (n + self.prior)
         return out
 
     def best_alpha(self, base: float) -> float:
@@ -274,15 +276,22 @@ class ConfidenceTable:
                 best = max(best, (self.successes[c] + self.prior * base) / (n + self.prior))
         return best
 
+    def note_first(self, cls: str) -> None:
+        """A draft started with a token of class ``cls``. Counted for every draft made, including the
+        ones trimmed to nothing: counting only verified drafts would leave out exactly the hopeless
+        ones, and the mix would promise more than drafting delivers."""
+        for c in self.first:
+            self.first[c] *= self.decay
+        self.first[cls] = self.first.get(cls, 0.0) + 1.0
+
     def update(self, classes: Sequence[str], accepted: int) -> None:
         """A chain labelled ``classes`` had its first ``accepted`` nodes accepted."""
         if not classes:
             return
         d = self.decay
-        for table in (self.successes, self.trials, self.first):
+        for table in (self.successes, self.trials):
             for c in table:
                 table[c] *= d
-        self.first[classes[0]] = self.first.get(classes[0], 0.0) + 1.0
         for i, c in enumerate(classes[:accepted + 1]):
             self.trials[c] = self.trials.get(c, 0.0) + 1.0
             self.successes[c] = self.successes.get(c, 0.0) + (1.0 if i < accepted else 0.0)
@@ -324,9 +333,40 @@ class Scheduler:
         self._probing: set[str] = set()
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
+        # Seconds per drafted token, per proposer (EMA over the engine's life: a new generation does not
+        # forget what drafting costs here), and what probes of each proposer have cost so far against
+        # the seconds of all rounds observed: probes stay within PROBE_BUDGET of the time, whatever
+        # they turn out to cost (a draft model that skipped text must first catch up on all of it).
+        self._draft_costs: dict[str, float] = {}
+        self._probe_spent: dict[str, float] = {}
+        self._elapsed = 0.0
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
+
+    # ---- drafting costs -------------------------------------------------------------------------
+    def draft_cost(self, source: str) -> float:
+        """Measured seconds per token ``source`` drafts (0 until it has drafted)."""
+        return self._draft_costs.get(source, 0.0)
+
+    def note_draft(self, source: str, seconds: float, n_tokens: int) -> None:
+        """``source`` spent ``seconds`` proposing ``n_tokens`` draft tokens this round.
+
+        A single slow round (a draft model catching up on text it skipped) moves the per-token figure
+        by at most 3x, so one catch-up does not brand a draft model hopeless; its time still counts in
+        full against the probe budget when it was a probe."""
+        self._elapsed += seconds
+        if source in self._probing:
+            self._probe_spent[source] = self._probe_spent.get(source, 0.0) + seconds
+        if n_tokens <= 0:
+            return
+        per_token = seconds / n_tokens
+        old = self._draft_costs.get(source)
+        self._draft_costs[source] = per_token if old is None else old + 0.2 * (min(per_token, 3 * old) - old)
+
+    def extend_rule(self) -> "Callable[[str, Sequence[str]], bool]":
+        """``ProposeSetup.extend_pays`` for proposers this scheduler runs (their measured draft cost)."""
+        return lambda source, classes: self.extend_pays(source, classes, self.draft_cost(source))
 
     def round_seconds(self, limit: int) -> np.ndarray:
         """Seconds a round verifying k = 0..limit draft tokens costs (decode + measured overhead)."""
@@ -341,11 +381,11 @@ class Scheduler:
         return acc.expected_all(limit) / seconds
 
     # ---- confidence classes ---------------------------------------------------------------------
-    def _chain_expected(self, source: str, classes: Sequence[str]) -> np.ndarray:
+    def _chain_expected(self, source: str, classes: Sequence[str], explore: bool = True) -> np.ndarray:
         """Expected tokens of keeping 0..len(classes) nodes of a chain labelled ``classes``."""
         acc = self.estimate(source)
         table = self.confidence.setdefault(source, ConfidenceTable())
-        q = table.alphas(classes, acc.depth_alphas(len(classes)))
+        q = table.alphas(classes, acc.depth_alphas(len(classes)), explore)
         return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
 
     def trim(self, source: str, tree: TokenTree) -> TokenTree:
@@ -355,6 +395,9 @@ class Scheduler:
         Sampled drafts (nodes with a draft distribution) are never trimmed: keeping node i because of
         what was drafted after it would bias token i away from q, which rejection sampling assumes.
         Deterministic drafts are verified by sample-and-match, where any cut is lossless."""
+        first = tree.classes.get(1) if tree.n_candidates else None
+        if first is not None:
+            self.confidence.setdefault(source, ConfidenceTable()).note_first(first)
         if not tree.classes or tree.extras or tree.draft_probs or not tree.is_chain():
             return tree
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
@@ -387,7 +430,7 @@ class Scheduler:
             return True
         acc = self.estimate(source)
         table = self.confidence.setdefault(source, ConfidenceTable())
-        expected = self._chain_expected(source, classes)
+        expected = self._chain_expected(source, classes, explore=draft_cost <= 0)
         seconds = self.round_seconds(n + 1)
         best_now = float(np.max(expected / seconds[:n + 1]))
         reach = float(expected[n] - expected[n - 1])   # chance that all n drafted tokens are accepted
@@ -399,21 +442,21 @@ class Scheduler:
         class: the best cut of a chain that starts with it (deeper nodes at the depth estimates),
         paying at least one draft step; compared with plain decoding's rate."""
         total = sum(table.first.values())
-        if total <= 0:
-            return True
         acc = self.estimate(source)
+        if total <= 0:   # nothing drafted yet: the prior decides (a GPU drafts at once, a CPU probes)
+            return bool(np.argmax(self.throughputs(acc, limit, draft_cost)) > 0)
         base = acc.depth_alphas(limit)
         seconds = self.round_seconds(limit)
         tokens = time = 0.0
         for cls, weight in table.first.items():
             q = base.copy()
-            q[:1] = table.alphas([cls], base)
+            q[:1] = table.alphas([cls], base, explore=draft_cost <= 0)
             expected = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
             cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
             k = int(np.argmax(expected / cost))
             tokens += weight * expected[k]
             time += weight * cost[k]
-        return tokens / time >= (1.0 - 1e-9) / seconds[0]   # free drafts start (a bad one is trimmed)
+        return tokens / time >= (1.0 - 1e-9) / seconds[0]
 
     def labels(self, source: str) -> None:
         """``source`` labels its drafts with confidence classes: schedule it by class from now on."""
@@ -431,6 +474,7 @@ class Scheduler:
 
     def observe_round(self, n_tokens: int, seconds: float, weight: float = 0.1) -> None:
         """Learn what a verification round of ``n_tokens`` (root included) cost beyond c(n)."""
+        self._elapsed += seconds
         kind = "drafted" if n_tokens > 1 else "plain"
         residual = max(0.0, seconds - self.costs.cost(n_tokens))
         self.overhead[kind] += weight * (residual - self.overhead[kind])
@@ -453,10 +497,9 @@ class Scheduler:
         # and their extra verification) within PROBE_BUDGET of the time
         idle = self._idle.get(source, 0) + 1
         self._idle[source] = idle
-        probe_seconds = (draft_cost * self.probe_length
-                         + self.costs.cost(self.probe_length + 1) - self.costs.cost(1))
-        every = max(self._probe_every.get(source, 8), int(probe_seconds / (PROBE_BUDGET * self.costs.cost(1))))
-        if idle >= every and limit > 0:
+        every = self._probe_every.get(source, 8)
+        allowance = PROBE_BUDGET * self._elapsed + self.costs.cost(self.probe_length + 1)
+        if idle >= every and limit > 0 and self._probe_spent.get(source, 0.0) <= allowance:
             self._idle[source] = 0
             self._probing.add(source)
             return min(self.probe_length, limit)
@@ -472,6 +515,9 @@ class Scheduler:
             return
         self.estimate(source).update(drafted, accepted)
         if source in self._probing:
+            # its extra verification counts against the probe budget (its drafting did in note_draft)
+            extra = self.costs.cost(drafted + 1) - self.costs.cost(1)
+            self._probe_spent[source] = self._probe_spent.get(source, 0.0) + extra
             # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)

@@ -72,11 +72,33 @@ def test_probing_backs_off_after_failed_probes() -> None:
 
 
 def test_costly_probes_stay_within_their_time_budget() -> None:
-    # on the CPU curve a 2-token probe verifies 1.35 steps more than a plain step, and the draft
-    # model's catch-up costs 0.5 step per token: one probe per (1.35 + 1.0) / 0.02 = 117 rounds
+    # a draft model that must catch up on all the text it skipped: each probe costs 20 plain steps of
+    # drafting plus its extra verification; probes go on, but within PROBE_BUDGET of the time
+    import ouroboros_local.scheduler as scheduler_module
+
     sched = scheduler_with(CPU, 0.01)
-    lengths = [sched.best_length("x", draft_cost=0.5) for _ in range(117)]
-    assert lengths[-1] == sched.probe_length and sum(lengths[:-1]) == 0
+    probes = spent = elapsed = 0.0
+    for _ in range(20000):
+        k = sched.best_length("x", draft_cost=sched.draft_cost("x"))
+        sched.note_draft("x", 20.0 if k else 0.0, k)
+        sched.update("x", drafted=k, accepted=0)
+        sched.observe_round(k + 1, CPU.cost(k + 1))
+        probes += k > 0
+        spent += (20.0 + CPU.cost(k + 1) - CPU.cost(1)) if k else 0.0
+        elapsed += CPU.cost(k + 1) + (20.0 if k else 0.0)
+    assert probes >= 10                                  # it keeps checking whether drafting pays now
+    assert spent <= scheduler_module.PROBE_BUDGET * elapsed + 21.35 + CPU.cost(3)
+
+
+def test_draft_cost_is_learned_and_damped_against_one_slow_round() -> None:
+    sched = Scheduler(CPU)
+    assert sched.draft_cost("d") == 0.0
+    sched.note_draft("d", 0.2, 2)
+    assert sched.draft_cost("d") == pytest.approx(0.1)
+    sched.note_draft("d", 30.0, 2)                       # a catch-up on 300 skipped tokens
+    assert sched.draft_cost("d") == pytest.approx(0.1 + 0.2 * (0.3 - 0.1))
+    sched.note_draft("d", 0.0, 0)                        # nothing drafted: the figure stays
+    assert sched.draft_cost("d") == pytest.approx(0.14)
 
 
 def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path, monkeypatch) -> None:
@@ -172,6 +194,7 @@ def trained(costs: CostModel, rates: dict[str, float], rounds: int = 200) -> Sch
     for _ in range(rounds):
         for cls, rate in rates.items():
             tree = labelled_chain([cls])
+            sched.trim("x", tree)             # every draft is offered for trimming: its first class counts
             accepted = int(rng.random() < rate)
             sched.update("x", 1, accepted)
             sched.update_classes("x", tree, accepted)
@@ -217,6 +240,24 @@ def test_drafting_starts_only_when_the_class_mix_pays() -> None:
     assert hopeless.best_length("x", draft_cost=0.05) == 0
     # free drafts (prompt lookup) always start: a bad one is trimmed to nothing at no cost
     assert hopeless.best_length("x", draft_cost=0.0) == 8
+
+
+def test_the_class_mix_counts_drafts_that_were_trimmed_away() -> None:
+    # a draft model whose drafts mostly start doubtful: verified drafts are the few sure ones (the rest
+    # are trimmed), yet the mix must say that drafting rarely pays
+    sched = trained(CPU, {"sure": 0.98, "doubt": 0.1})
+    assert sched.best_length("x", draft_cost=0.05) == 8
+    for _ in range(400):
+        assert sched.trim("x", labelled_chain(["doubt", "doubt"])).n_candidates == 0
+    assert sched.best_length("x", draft_cost=0.05) == 0
+
+
+def test_without_any_draft_yet_the_prior_decides() -> None:
+    cpu, gpu = Scheduler(CPU), Scheduler(GPU)
+    for sched in (cpu, gpu):
+        sched.labels("x")
+    assert gpu.best_length("x", draft_cost=0.01) == 16   # verification nearly free: draft at once
+    assert [cpu.best_length("x", draft_cost=0.01) for _ in range(8)] == [0] * 7 + [cpu.probe_length]
 
 
 def test_truncated_tree_keeps_ids_parents_and_labels() -> None:

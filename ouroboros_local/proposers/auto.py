@@ -44,13 +44,11 @@ class AutoProposer(Proposer):
         self.scheduler = scheduler
         self.candidates = candidates
         self._last: Proposer | None = None
-        self._draft_cost: dict[str, float] = {}
         self.rounds: dict[str, int] = {}
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         sched = self.scheduler
-        setup = replace(setup, extend_pays=lambda source, classes: sched.extend_pays(
-            source, classes, self._draft_cost.get(source, 0.0)))
+        setup = replace(setup, extend_pays=sched.extend_rule())
         super().begin(prompt, setup)
         for proposer in self.candidates:
             proposer.begin(prompt, setup)
@@ -63,16 +61,13 @@ class AutoProposer(Proposer):
         sched = self.scheduler
         fallback: tuple[Proposer, TokenTree] | None = None   # a draft passed over for a better promise
         for i, proposer in enumerate(self.candidates):
-            cost = self._draft_cost.get(proposer.name, 0.0)
-            k = sched.best_length(proposer.name, cost, limit=budget)
+            k = sched.best_length(proposer.name, sched.draft_cost(proposer.name), limit=budget)
             if k <= 0:
                 continue
             t0 = time.perf_counter()
             tree = proposer.propose(committed, k)
+            sched.note_draft(proposer.name, time.perf_counter() - t0, tree.n_candidates)
             if tree.n_candidates:
-                per_token = (time.perf_counter() - t0) / tree.n_candidates
-                old = self._draft_cost.get(proposer.name)
-                self._draft_cost[proposer.name] = per_token if old is None else 0.8 * old + 0.2 * per_token
                 tree = sched.trim(proposer.name, tree)
             if not tree.n_candidates:
                 continue
@@ -97,7 +92,7 @@ class AutoProposer(Proposer):
         """Does a later (costlier) candidate promise more tokens per second than this draft?"""
         sched = self.scheduler
         rate = sched.chain_rate(proposer.name, tree)
-        return any(sched.best_rate(p.name, self._draft_cost.get(p.name, 0.0), budget) > rate for p in later)
+        return any(sched.best_rate(p.name, sched.draft_cost(p.name), budget) > rate for p in later)
 
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         if self._last is not None:
