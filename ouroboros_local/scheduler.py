@@ -16,8 +16,11 @@ model), with a weak prior and exponential forgetting so it tracks the text as it
 
 When k = 0 wins, no drafts are made and alpha would never be re-measured, so the scheduler still probes
 with a short draft now and then; the interval doubles after each probe after which drafting still does
-not pay (its measured cost included), which keeps the probing
-overhead on hopeless text to a few percent while letting drafting resume when the text turns repetitive.
+not pay (its measured cost included), and the measured cost of all probes (their drafting, a draft
+model's catch-up on the text it skipped, their extra verification) is held within PROBE_BUDGET of the
+time, so hopeless text loses at most ~1% while drafting can resume when the text turns repetitive.
+Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
+probes first.
 
 Confidence classes. One alpha per proposer averages easy and hard tokens; on a CPU, where a draft token
 must be right ~70-90% of the time to pay for its share of the verification, that average says "never
@@ -248,10 +251,10 @@ class ConfidenceTable:
     decay: float = 0.995
     prior: float = 3.0
     # A class tried less than ``explore_trials`` times (decayed) counts as right ``explore_alpha`` of the
-    # time where exploring it costs only verification (``explore``: a free or an already made draft;
-    # a paid draft is not started on optimism: probes, within their budget, measure it)
     # time: drafts of it are verified until it is measured (optimism in the face of uncertainty; the
-    # decay makes rarely seen classes be tried again now and then).
+    # decay makes rarely seen classes be tried again now and then). Only where exploring costs nothing
+    # but verification (``explore``: a free draft, or one already made); a paid draft is not started
+    # on optimism: probes, within their budget, measure it.
     explore_trials: float = 0.5
     explore_alpha: float = 0.9
     successes: dict[str, float] = field(default_factory=dict)
