@@ -349,7 +349,8 @@ class Engine:
                 t_propose = time.perf_counter()
                 tree = proposer.propose(committed, budget)
                 if sched is not None:
-                    sched.note_draft(proposer.name, time.perf_counter() - t_propose, tree.n_candidates)
+                    sched.note_draft(proposer.name, time.perf_counter() - t_propose, tree.n_candidates,
+                                     catch_up=proposer.catch_up_seconds)
                     if tree.n_candidates:
                         tree = sched.trim(proposer.name, tree)
                 if tree.tokens[0] != committed[-1]:

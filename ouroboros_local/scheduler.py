@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does not pay may cost
+REFRESH_ROUNDS = 16     # rounds a "does drafting pay" answer is kept while nothing it reads changed
 CALIBRATION_METHOD = 2   # bump when measure_costs changes: cached curves of the old method are re-measured
 
 
@@ -327,6 +328,7 @@ class Scheduler:
         # differ in what a round costs (ouroboros harvests phrases, lookahead decodes a window), so
         # each generation's method keeps its own figures (see ``use_method``).
         self._overheads: dict[str, dict[str, float]] = {}
+        self._changes = 0
         self.use_method("")
         self.max_length = max_length
         self.probe_length = probe_length
@@ -340,9 +342,17 @@ class Scheduler:
         # forget what drafting costs here), and what probes of each proposer have cost so far against
         # the seconds of all rounds observed: probes stay within PROBE_BUDGET of the time, whatever
         # they turn out to cost (a draft model that skipped text must first catch up on all of it).
+        # Both are kept per method (``use_method``): in a process that runs several methods (a benchmark),
+        # the time of the others must not pay for one method's probes.
         self._draft_costs: dict[str, float] = {}
-        self._probe_spent: dict[str, float] = {}
-        self._elapsed = 0.0
+        self._probe_spent: dict[tuple[str, str], float] = {}
+        self._elapsed: dict[str, float] = {}
+        # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
+        # reads changes (``_changes``: acceptance, classes, draft costs, the method) or REFRESH_ROUNDS
+        # rounds pass (the round overheads drift slowly). Recomputing costs ~0.2 ms, ~0.5% of a CPU step.
+        self._changes = 0
+        self._rounds = 0
+        self._pays_memo: dict[str, tuple[tuple, int, bool]] = {}
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
@@ -352,18 +362,21 @@ class Scheduler:
         """Measured seconds per token ``source`` drafts (0 until it has drafted)."""
         return self._draft_costs.get(source, 0.0)
 
-    def note_draft(self, source: str, seconds: float, n_tokens: int) -> None:
-        """``source`` spent ``seconds`` proposing ``n_tokens`` draft tokens this round.
+    def note_draft(self, source: str, seconds: float, n_tokens: int, catch_up: float = 0.0) -> None:
+        """``source`` spent ``seconds`` proposing ``n_tokens`` draft tokens this round, ``catch_up`` of
+        them decoding text of rounds it did not draft (``Proposer.catch_up_seconds``).
 
-        A single slow round (a draft model catching up on text it skipped) moves the per-token figure
-        by at most 3x, so one catch-up does not brand a draft model hopeless; its time still counts in
-        full against the probe budget when it was a probe."""
-        self._elapsed += seconds
+        The catch-up is left out of the per-token figure (it is not what one more draft token costs) but
+        counts in full against the probe budget when the round was a probe. A single slow round moves
+        the per-token figure by at most 3x, so one hiccup does not brand a draft model hopeless."""
+        self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds
         if source in self._probing:
-            self._probe_spent[source] = self._probe_spent.get(source, 0.0) + seconds
+            key = (self._method, source)
+            self._probe_spent[key] = self._probe_spent.get(key, 0.0) + seconds
         if n_tokens <= 0:
             return
-        per_token = seconds / n_tokens
+        self._changes += 1
+        per_token = max(seconds - catch_up, 0.0) / n_tokens
         old = self._draft_costs.get(source)
         self._draft_costs[source] = per_token if old is None else old + 0.2 * (min(per_token, 3 * old) - old)
 
@@ -401,6 +414,7 @@ class Scheduler:
         first = tree.classes.get(1) if tree.n_candidates else None
         if first is not None:
             self.confidence.setdefault(source, ConfidenceTable()).note_first(first)
+            self._changes += 1
         if not tree.classes or tree.extras or tree.draft_probs or not tree.is_chain():
             return tree
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
@@ -461,6 +475,16 @@ class Scheduler:
             time += weight * cost[k]
         return tokens / time >= (1.0 - 1e-9) / seconds[0]
 
+    def _drafting_pays(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
+        """``_classes_pay``, kept while its inputs stand (see ``_pays_memo``)."""
+        key = (limit, draft_cost, self._changes)
+        memo = self._pays_memo.get(source)
+        if memo is not None and memo[0] == key and self._rounds - memo[1] < REFRESH_ROUNDS:
+            return memo[2]
+        pays = self._classes_pay(source, table, draft_cost, limit)
+        self._pays_memo[source] = (key, self._rounds, pays)
+        return pays
+
     def labels(self, source: str) -> None:
         """``source`` labels its drafts with confidence classes: schedule it by class from now on."""
         self.confidence.setdefault(source, ConfidenceTable())
@@ -470,14 +494,18 @@ class Scheduler:
         if tree.classes and tree.is_chain() and tree.n_candidates:
             classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
             self.confidence.setdefault(source, ConfidenceTable()).update(classes, accepted)
+            self._changes += 1
 
     def use_method(self, method: str) -> None:
         """Rounds observed from now on are the given method's (the engine calls this per generation)."""
+        self._method = method
         self.overhead = self._overheads.setdefault(method, {"plain": 0.0, "drafted": 0.0})
+        self._changes += 1
 
     def observe_round(self, n_tokens: int, seconds: float, weight: float = 0.1) -> None:
         """Learn what a verification round of ``n_tokens`` (root included) cost beyond c(n)."""
-        self._elapsed += seconds
+        self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds
+        self._rounds += 1
         kind = "drafted" if n_tokens > 1 else "plain"
         residual = max(0.0, seconds - self.costs.cost(n_tokens))
         self.overhead[kind] += weight * (residual - self.overhead[kind])
@@ -489,7 +517,7 @@ class Scheduler:
         table = self.confidence.get(source)
         if table is not None and limit > 0:
             # a labelling proposer drafts up to the limit and is trimmed (``trim``, ``extend_pays``)
-            best = limit if self._classes_pay(source, table, draft_cost, limit) else 0
+            best = limit if self._drafting_pays(source, table, draft_cost, limit) else 0
         else:
             best = int(np.argmax(self.throughputs(self.estimate(source), limit, draft_cost)))
         if best > 0:
@@ -501,8 +529,9 @@ class Scheduler:
         idle = self._idle.get(source, 0) + 1
         self._idle[source] = idle
         every = self._probe_every.get(source, 8)
-        allowance = PROBE_BUDGET * self._elapsed + self.costs.cost(self.probe_length + 1)
-        if idle >= every and limit > 0 and self._probe_spent.get(source, 0.0) <= allowance:
+        elapsed = self._elapsed.get(self._method, 0.0)
+        allowance = PROBE_BUDGET * elapsed + self.costs.cost(self.probe_length + 1)
+        if idle >= every and limit > 0 and self._probe_spent.get((self._method, source), 0.0) <= allowance:
             self._idle[source] = 0
             self._probing.add(source)
             return min(self.probe_length, limit)
@@ -517,10 +546,12 @@ class Scheduler:
         if drafted <= 0:
             return
         self.estimate(source).update(drafted, accepted)
+        self._changes += 1
         if source in self._probing:
             # its extra verification counts against the probe budget (its drafting did in note_draft)
             extra = self.costs.cost(drafted + 1) - self.costs.cost(1)
-            self._probe_spent[source] = self._probe_spent.get(source, 0.0) + extra
+            key = (self._method, source)
+            self._probe_spent[key] = self._probe_spent.get(key, 0.0) + extra
             # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)

@@ -105,11 +105,11 @@ class FakeKV:
 
     def sync_to(self, tokens, logits_last=False):
         self.cached = list(tokens)
-        return self._next()
+        return self._next() if logits_last else None
 
     def feed(self, tokens, logits_last=False):
         self.cached.extend(tokens)
-        return self._next()
+        return self._next() if logits_last else None
 
     def truncate(self, n):
         del self.cached[n:]

@@ -90,6 +90,48 @@ def test_costly_probes_stay_within_their_time_budget() -> None:
     assert spent <= scheduler_module.PROBE_BUDGET * elapsed + 21.35 + CPU.cost(3)
 
 
+def test_probe_budget_is_each_methods_own() -> None:
+    # a benchmark runs many methods on one engine: their time must not pay for one method's probes
+    sched = scheduler_with(CPU, 0.01)
+    sched.use_method("vanilla")
+    for _ in range(10000):
+        sched.observe_round(1, CPU.cost(1))          # 10000 steps of another method
+    sched.use_method("auto")
+    probes = 0
+    for _ in range(2000):
+        k = sched.best_length("x", draft_cost=sched.draft_cost("x"))
+        sched.note_draft("x", 20.0 if k else 0.0, k)
+        sched.update("x", drafted=k, accepted=0)
+        sched.observe_round(k + 1, CPU.cost(k + 1))
+        probes += k > 0
+    # auto's own ~2000 steps allow ~20 s of probes (one, plus the allowance for a first one); the
+    # other method's 10000 would have allowed five times more
+    assert 1 <= probes <= 2
+
+
+def test_catch_up_is_left_out_of_the_per_token_cost() -> None:
+    sched = Scheduler(CPU)
+    sched.use_method("auto")
+    sched._probing.add("d")
+    sched.note_draft("d", 30.2, 2, catch_up=30.0)     # 300 skipped tokens, then 2 drafted
+    assert sched.draft_cost("d") == pytest.approx(0.1)
+    assert sched._probe_spent[("auto", "d")] == pytest.approx(30.2)   # a probe pays for all of it
+
+
+def test_catch_up_clock_tells_skipped_rounds() -> None:
+    from ouroboros_local.proposers.base import CatchUp
+
+    clock = CatchUp()
+    assert clock.asked()              # a new prompt: all of it is skipped text
+    clock.observed()
+    assert not clock.asked()          # drafted the round before: steady
+    clock.observed()
+    clock.observed()                  # a round served without it
+    assert clock.asked()
+    clock.start()                     # next generation
+    assert clock.asked()
+
+
 def test_draft_cost_is_learned_and_damped_against_one_slow_round() -> None:
     sched = Scheduler(CPU)
     assert sched.draft_cost("d") == 0.0
@@ -250,6 +292,27 @@ def test_the_class_mix_counts_drafts_that_were_trimmed_away() -> None:
     for _ in range(400):
         assert sched.trim("x", labelled_chain(["doubt", "doubt"])).n_candidates == 0
     assert sched.best_length("x", draft_cost=0.05) == 0
+
+
+def test_the_drafting_decision_is_recomputed_only_when_its_inputs_change(monkeypatch) -> None:
+    import ouroboros_local.scheduler as scheduler_module
+
+    sched = trained(CPU, {"sure": 0.98, "doubt": 0.1})
+    calls = []
+    real = Scheduler._classes_pay
+    monkeypatch.setattr(Scheduler, "_classes_pay", lambda self, *a: calls.append(1) or real(self, *a))
+    for _ in range(scheduler_module.REFRESH_ROUNDS):            # plain rounds: nothing it reads changed
+        assert sched.best_length("x", draft_cost=0.05) == 8
+        sched.observe_round(1, CPU.cost(1))
+    assert len(calls) == 1
+    sched.best_length("x", draft_cost=0.05)
+    sched.best_length("x", draft_cost=0.05)
+    assert len(calls) == 2                                      # the overheads may have drifted
+    sched.trim("x", labelled_chain(["doubt", "doubt"]))         # a draft changes the class mix
+    sched.best_length("x", draft_cost=0.05)
+    assert len(calls) == 3
+    sched.best_length("x", draft_cost=0.06)                     # another cost, another question
+    assert len(calls) == 4
 
 
 def test_without_any_draft_yet_the_prior_decides() -> None:

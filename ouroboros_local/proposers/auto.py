@@ -66,7 +66,8 @@ class AutoProposer(Proposer):
                 continue
             t0 = time.perf_counter()
             tree = proposer.propose(committed, k)
-            sched.note_draft(proposer.name, time.perf_counter() - t0, tree.n_candidates)
+            sched.note_draft(proposer.name, time.perf_counter() - t0, tree.n_candidates,
+                             catch_up=proposer.catch_up_seconds)
             if tree.n_candidates:
                 tree = sched.trim(proposer.name, tree)
             if not tree.n_candidates:
@@ -123,5 +124,7 @@ def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
 
         module = draft_model if engine.pair_compatible is not False else cross_vocab
         # greedy drafts: seeded sampling then reproduces plain seeded decoding, whatever the scheduler chose
-        candidates.append(module.create(engine, {**options, "greedy_draft": True}))
+        drafter = module.create(engine, {**options, "greedy_draft": True})
+        drafter.prefill_in_begin = False   # a draft model that is never asked costs nothing
+        candidates.append(drafter)
     return AutoProposer(engine.scheduler(), candidates)

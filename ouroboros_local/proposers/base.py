@@ -55,6 +55,12 @@ class Proposer(ABC):
     # True when the proposer labels its nodes with confidence classes (tree.classes) and asks
     # ``setup.extend_pays`` while drafting: the scheduler then decides per class (scheduler.py).
     confidence_classes: bool = False
+    # Draft-model proposers: whether ``begin`` feeds the prompt to the draft model (counted as prefill)
+    # or the draft catches up when first asked to draft (``auto``, which may never ask it).
+    prefill_in_begin: bool = True
+    # Seconds of the last propose() a draft model spent catching up on text of rounds it did not draft
+    # (see ``CatchUp``): a scheduler keeps them out of the proposer's per-token drafting cost.
+    catch_up_seconds: float = 0.0
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         """Start a generation whose committed tokens are ``prompt``."""
@@ -76,6 +82,31 @@ class Proposer(ABC):
 
     def close(self) -> None:
         """Free native resources (draft contexts)."""
+
+
+class CatchUp:
+    """Did a draft model draft in the round just before this one?
+
+    If not (a new prompt, or rounds that another proposer or plain decoding served), the text it must
+    decode before drafting is a catch-up on those rounds: timed apart, so that one catch-up does not
+    make every later draft token look expensive, while it still counts in full against a probe budget.
+    """
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> None:
+        self.rounds = 0          # rounds observed in this generation
+        self._asked_at = -2
+
+    def observed(self) -> None:
+        self.rounds += 1
+
+    def asked(self) -> bool:
+        """The proposer drafts now; True when it must first catch up on skipped rounds."""
+        skipped = self._asked_at != self.rounds - 1
+        self._asked_at = self.rounds
+        return skipped
 
 
 class NoDraft(Proposer):

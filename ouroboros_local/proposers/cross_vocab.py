@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import codecs
 import os
+import time
 from bisect import bisect_right
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -54,7 +55,7 @@ from ..errors import ParameterError
 from ..kv import common_prefix
 from ..scheduler import probability_class
 from ..tree import TokenTree
-from .base import ProposeSetup, Proposer
+from .base import CatchUp, ProposeSetup, Proposer
 from .draft_model import top_probability
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -358,6 +359,7 @@ class CrossVocabProposer(Proposer):
         self.keep_unstable = keep_unstable
         self.view = DraftView(target, draft, map_specials=map_specials)
         self._kv_equal = 0     # kv.cached[:_kv_equal] == view.tokens[:_kv_equal] (known)
+        self._catch_up = CatchUp()
         self.last_draft_tokens: list[int] = []
         self.last_draft_text = b""
         self.last_target_tokens: list[int] = []
@@ -414,8 +416,9 @@ class CrossVocabProposer(Proposer):
         self.view.reset()
         self.view.extend(prompt)
         self._kv_equal = 0
+        self._catch_up.start()
         n = len(self.view.tokens)
-        if 1 < n < self.kv.ctx.n_ctx:
+        if self.prefill_in_begin and 1 < n < self.kv.ctx.n_ctx:
             self._sync(n - 1, logits=False)   # draft prefill, counted as prefill by the engine
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
@@ -424,12 +427,17 @@ class CrossVocabProposer(Proposer):
             view.extend(committed[view.n_target:])
         tree = TokenTree.rooted_at(committed[-1])
         self.rounds += 1
+        self.catch_up_seconds = 0.0
         self.last_draft_tokens, self.last_draft_text, self.last_target_tokens = [], b"", []
         n_view = len(view.tokens)
         n = min(self.gamma, self.kv.ctx.n_ctx - n_view - 1)
         if budget <= 0 or n <= 0 or n_view == 0 or view.pending:
             self.empty_rounds += 1
             return tree
+        if self._catch_up.asked():
+            t0 = time.perf_counter()
+            self._sync(len(view.tokens) - 1, logits=False)   # the text of the rounds it skipped
+            self.catch_up_seconds = time.perf_counter() - t0
         logits = self._sync()
         drafted: list[int] = []
         confidences: list[float] = []
@@ -475,7 +483,7 @@ class CrossVocabProposer(Proposer):
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         # Nothing to do eagerly: the next propose() extends the view with the new committed tokens and
         # re-decodes only the draft tokens that changed.
-        pass
+        self._catch_up.observed()
 
     def stats(self) -> dict[str, Any]:
         return {"cross_vocab": True, "draft_steps": self.draft_steps, "draft_fed": self.draft_fed,

@@ -18,6 +18,7 @@ output is unchanged (greedy) or keeps the target's distribution (sampling).
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -28,7 +29,7 @@ from ..kv import KVCache, common_prefix
 from ..sampling import distribution, sample
 from ..scheduler import probability_class
 from ..tree import TokenTree
-from .base import ProposeSetup, Proposer
+from .base import CatchUp, ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine
@@ -136,6 +137,7 @@ class DraftModelProposer(Proposer):
         # Greedy drafts even when sampling: verified by sample-and-match, every emitted token uses
         # exactly one uniform, so a seeded run equals plain seeded decoding whatever the draft lengths.
         self.greedy_draft = greedy_draft
+        self._catch_up = CatchUp()
         self._reset_counters()
 
     def _reset_counters(self) -> None:
@@ -150,6 +152,7 @@ class DraftModelProposer(Proposer):
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
         self._reset_counters()
+        self._catch_up.start()
         # a fresh copy per generation: lambda adapts within a generation, never across requests
         # (keeps seeded sampling runs reproducible)
         if self.adaedl_init is not None:
@@ -168,9 +171,14 @@ class DraftModelProposer(Proposer):
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
         self._last_tree = None
+        self.catch_up_seconds = 0.0
         n = min(self.gamma, budget)
         if n <= 0:
             return tree
+        if self._catch_up.asked():
+            t0 = time.perf_counter()
+            self.kv.sync_to(committed[:-1])   # the text of the rounds it skipped
+            self.catch_up_seconds = time.perf_counter() - t0
         logits = self.kv.sync_to(committed, logits_last=True)
         self.draft_steps += 1
         sampling = self.setup.sampling
@@ -216,6 +224,7 @@ class DraftModelProposer(Proposer):
         # Drop the draft's cells past what the target accepted; the next propose() decodes the
         # missing tokens (a corrected token, the bonus) in one batch.
         self.kv.truncate(common_prefix(self.kv.cached, committed))
+        self._catch_up.observed()
         # learn only from rounds whose tree this proposer made (method "auto" lets every
         # candidate observe every round)
         if self.adaedl is not None and self._last_tree is not None and result.tree is self._last_tree:
