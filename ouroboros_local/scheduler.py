@@ -18,7 +18,8 @@ When k = 0 wins, no drafts are made and alpha would never be re-measured, so the
 with a short draft now and then; the interval doubles after each probe after which drafting still does
 not pay (its measured cost included), and the measured cost of all probes (their drafting, a draft
 model's catch-up on the text it skipped, their extra verification) is held within PROBE_BUDGET of the
-time, so hopeless text loses at most ~1% while drafting can resume when the text turns repetitive.
+time (each method's own, where one engine runs several), so hopeless text loses at most ~1% while
+drafting can resume when the text turns repetitive.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -328,7 +329,12 @@ class Scheduler:
         # differ in what a round costs (ouroboros harvests phrases, lookahead decodes a window), so
         # each generation's method keeps its own figures (see ``use_method``).
         self._overheads: dict[str, dict[str, float]] = {}
+        # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
+        # reads changes (``_changes``: acceptance, classes, draft costs, the method) or REFRESH_ROUNDS
+        # rounds pass (the round overheads drift slowly). Recomputing costs ~0.2 ms, ~0.5% of a CPU step.
         self._changes = 0
+        self._rounds = 0
+        self._pays_memo: dict[str, tuple[tuple, int, bool]] = {}
         self.use_method("")
         self.max_length = max_length
         self.probe_length = probe_length
@@ -347,12 +353,6 @@ class Scheduler:
         self._draft_costs: dict[str, float] = {}
         self._probe_spent: dict[tuple[str, str], float] = {}
         self._elapsed: dict[str, float] = {}
-        # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
-        # reads changes (``_changes``: acceptance, classes, draft costs, the method) or REFRESH_ROUNDS
-        # rounds pass (the round overheads drift slowly). Recomputing costs ~0.2 ms, ~0.5% of a CPU step.
-        self._changes = 0
-        self._rounds = 0
-        self._pays_memo: dict[str, tuple[tuple, int, bool]] = {}
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())

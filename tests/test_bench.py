@@ -7,6 +7,7 @@ import stat
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ouroboros_local.bench import peers, prompts, report, runner
@@ -88,6 +89,9 @@ def test_load_sets(tmp_path: Path) -> None:
 def test_option_parsing() -> None:
     assert runner.parse_sweep("gamma=1,2,4", ["vanilla", "speculative", "ouroboros"]) == \
         (["speculative", "ouroboros"], "gamma", [1, 2, 4])
+    assert runner.parse_sweep("speculative,prompt-lookup:adaptive=true,false",
+                              ["vanilla", "speculative", "prompt-lookup", "auto"]) == \
+        (["speculative", "prompt-lookup"], "adaptive", [True, False])
     assert runner.parse_sweep("lookahead:guess-set=4,8", ["vanilla", "lookahead"]) == \
         (["lookahead"], "guess_set", [4, 8])
     with pytest.raises(ParameterError):
@@ -208,6 +212,17 @@ def _fake(tokens_fn, fail: Exception | None = None):
     return fn
 
 
+def test_speedup_interval_is_paired_over_prompts() -> None:
+    exact = [(10, 1.0 * (i + 1), 10, 2.0 * (i + 1)) for i in range(8)]      # 2x on every prompt
+    assert report.bootstrap_speedup(exact) == pytest.approx([2.0, 2.0])
+    rng = np.random.default_rng(1)
+    noisy = [(10, t * rng.uniform(0.9, 1.1), 10, t) for t in rng.uniform(0.5, 5.0, 40)]
+    lo, hi = report.bootstrap_speedup(noisy)
+    point = sum(p[0] for p in noisy) / sum(p[1] for p in noisy) / (sum(p[2] for p in noisy) / sum(p[3] for p in noisy))
+    assert lo < point < hi and 0.9 < lo and hi < 1.1 and hi - lo < 0.08
+    assert report.bootstrap_speedup(exact[:2]) is None                          # too few prompts
+
+
 def test_run_benchmark_with_injected_methods() -> None:
     bps = [prompts.BuiltPrompt(set_name="s", id=str(i), task="raw", text="x", tokens=[1, 2, i], chat=False,
                                max_tokens=4) for i in range(3)]
@@ -321,6 +336,11 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     md = (out / "results.md").read_text()
     assert "| vanilla |" in md and "MISMATCH" in md and "## Outputs that differ from vanilla" in md
     assert "| vanilla |" in capsys.readouterr().out
+    # a results.json re-rendered by a newer report module: same summary, same table
+    (out / "results.md").unlink()
+    assert report.main([str(out / "results.json")]) == 0
+    assert json.loads((out / "results.json").read_text())["summary"] == data["summary"]
+    assert (out / "results.md").read_text() == md
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -346,3 +346,33 @@ def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_
         assert rounds.get("prompt-lookup", 0) > 0 and rounds.get("ouroboros", 0) > 0, rounds
     finally:
         engine.close()
+
+
+def test_method_option_adaptive_false_runs_the_fixed_hyperparameters(tiny_target, tiny_draft) -> None:
+    """adaptive=false (a method option) turns the scheduler off for one generation: ouroboros is then
+    the bare drafter, every method drafts its fixed gamma, and the text still equals plain decoding."""
+    from ouroboros_local.errors import MethodOptionError
+    from ouroboros_local.proposers import create_proposer
+    from ouroboros_local.proposers.auto import AutoProposer
+    from ouroboros_local.scheduler import CostModel, Scheduler
+
+    engine = make_engine(tiny_target, tiny_draft, adaptive=True)
+    try:
+        # a steep CPU-like curve: the scheduler would draft little or nothing on random tiny models
+        engine._scheduler = Scheduler(CostModel(sizes=[1, 2, 4, 8], seconds=[1.0, 1.9, 3.1, 7.8]))
+        assert not isinstance(create_proposer("ouroboros", engine, {"adaptive": False}), AutoProposer)
+        assert create_proposer("prompt-lookup", engine, {"adaptive": False}).adaptive is False
+        prompt = PROMPTS[0]
+        base = engine.generate(prompt, max_tokens=24, method="vanilla")
+        fixed = engine.generate(prompt, max_tokens=24, method="speculative",
+                                options={"adaptive": False, "gamma": 3})
+        scheduled = engine.generate(prompt, max_tokens=24, method="speculative", options={"gamma": 3})
+        assert fixed.tokens == base.tokens == scheduled.tokens
+        assert fixed.stats.drafted >= 3 * (fixed.stats.target_passes - 1)   # gamma every round (the last: what is left)
+        assert scheduled.stats.drafted < fixed.stats.drafted
+        with pytest.raises(MethodOptionError, match="no fixed-parameter mode"):
+            engine.generate(prompt, max_tokens=4, method="auto", options={"adaptive": False})
+        with pytest.raises(MethodOptionError, match="true or false"):
+            engine.generate(prompt, max_tokens=4, method="speculative", options={"adaptive": "no"})
+    finally:
+        engine.close()

@@ -2,7 +2,7 @@
 
     ouroboros-local bench -m TARGET [-d DRAFT] --prompts FILE[,FILE...] [--task T]
         [--methods vanilla,prompt-lookup,...|all] [--peers llama-cpp-python-pld,llama.cpp]
-        [--llama-cpp-bin DIR] [--limit N] [-n N] [--out DIR] [--sweep [METHOD:]NAME=v1,v2,...]
+        [--llama-cpp-bin DIR] [--limit N] [-n N] [--out DIR] [--sweep [METHOD[,METHOD...]:]NAME=v1,v2,...]
 
 Writes DIR/results.json, DIR/results.md and DIR/speedup.png (DIR/sweep.png with --sweep).
 See docs/benchmarks.md.
@@ -60,9 +60,10 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g.add_argument("--method-options", default=None, metavar="JSON",
                    help='per-method options, e.g. \'{"ouroboros": {"gamma": 4}, '
                         '"llama-cpp-python-pld": {"num_pred_tokens": 2}}\' (or @FILE)')
-    g.add_argument("--sweep", default=None, metavar="[METHOD:]NAME=V1,V2,...",
+    g.add_argument("--sweep", default=None, metavar="[METHOD[,METHOD...]:]NAME=V1,V2,...",
                    help="run METHOD (default: every non-vanilla method) once per value of one option; "
-                        "plots sweep.png")
+                        "plots sweep.png (e.g. speculative,prompt-lookup:adaptive=true,false: scheduled "
+                        "and fixed-parameter runs side by side)")
     g.add_argument("--tolerance-margin", type=float, nargs="?", const=TOLERANCE, default=None, metavar="LOGITS",
                    help="classify a difference as a tie-flip (not a failure) when plain decoding preferred its "
                         "token over the method's by less than LOGITS at the first difference (re-decodes the "

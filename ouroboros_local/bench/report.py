@@ -26,7 +26,10 @@ SUMMARY_KEYS = ("label", "kind", "method", "prompts", "errors", "tokens", "timed
                 "prefill_seconds", "decode_seconds", "tokens_per_second", "prefill_tokens_per_second",
                 "speedup", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes", "drafted",
                 "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
-                "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs")
+                "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs", "speedup_ci")
+
+CI_LEVEL = 0.90          # speedup_ci: a paired bootstrap interval over the set's prompts
+CI_RESAMPLES = 2000
 
 ALL_SETS = "all"
 
@@ -49,6 +52,31 @@ def _per_prompt_tps(rec: Mapping[str, Any]) -> float | None:
     return timed / dec if timed and dec > 0 else None
 
 
+def bootstrap_speedup(pairs: Sequence[tuple[float, float, float, float]], level: float = CI_LEVEL,
+                      resamples: int = CI_RESAMPLES, seed: int = 0) -> list[float] | None:
+    """Interval for sum(tokens) / sum(seconds) of a method over that of the reference.
+
+    ``pairs`` holds (tokens, seconds, reference tokens, reference seconds) per prompt. Prompts are
+    resampled with replacement, each with both of its runs (paired: a prompt that is slow to decode is
+    slow for every method), so the interval shows how much the speed-up owes to which prompts were
+    drawn and to the machine's noise on each."""
+    if len(pairs) < 3:
+        return None
+    import numpy as np
+
+    a = np.asarray(pairs, dtype=float)
+    idx = np.random.default_rng(seed).integers(0, len(a), size=(resamples, len(a)))
+    picked = a[idx]                                   # resamples x prompts x 4
+    sums = picked.sum(axis=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratios = (sums[:, 0] / sums[:, 1]) / (sums[:, 2] / sums[:, 3])
+    ratios = ratios[np.isfinite(ratios)]
+    if not len(ratios):
+        return None
+    tail = (1.0 - level) / 2.0
+    return [float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))]
+
+
 def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping[str, Any]],
               model_bytes: int | None, reference: str = "vanilla") -> dict[str, dict[str, dict[str, Any]]]:
     """summary[set][label] = aggregated numbers (see SUMMARY_KEYS); an "all" set when there are several."""
@@ -66,6 +94,8 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
         by_label: dict[str, dict[str, Any]] = OrderedDict()
         ref_tps: dict[tuple[str, str], float | None] = {
             (r["set"], r["id"]): _per_prompt_tps(r) for r in recs if r["label"] == reference and not r.get("error")}
+        ref_runs = {(r["set"], r["id"]): (r.get("timed_tokens") or 0, r.get("decode_seconds") or 0.0)
+                    for r in recs if r["label"] == reference and not r.get("error")}
         for label in labels:
             rs = [r for r in recs if r["label"] == label]
             ok = [r for r in rs if not r.get("error")]
@@ -92,6 +122,10 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
                 if a and b:
                     ratios.append(a / b)
             s["speedup_geomean"] = _geomean(ratios)
+            pairs = [(r.get("timed_tokens") or 0, r.get("decode_seconds") or 0.0, *ref_runs[(r["set"], r["id"])])
+                     for r in ok if (r["set"], r["id"]) in ref_runs and (r.get("decode_seconds") or 0) > 0
+                     and ref_runs[(r["set"], r["id"])][1] > 0]
+            s["speedup_ci"] = bootstrap_speedup(pairs) if label != reference else None
             compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
             s["compared"] = len(compared)
             s["identical"] = sum(r.get("match") in ("identical", "reference") for r in compared)
@@ -330,7 +364,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  f"gpu layers {st.get('gpu_layers')}, created {payload.get('created')}")
     lines.append("")
     lines.append("tok/s: decode tokens per second (prefill apart); speedup: over vanilla (sum of tokens / "
-                 "sum of decode seconds), geomean: per-prompt geometric mean; acc/pass: accepted draft "
+                 f"sum of decode seconds), {CI_LEVEL:.0%} CI: paired bootstrap interval of the speedup over "
+                 "the prompts; geomean: per-prompt geometric mean; acc/pass: accepted draft "
                  "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
                  "target passes per second; identical: outputs equal to vanilla's.")
     lines.append("")
@@ -341,9 +376,9 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
             title += f" ({set_info.get('task')}, {set_info.get('prompts')} prompts, " \
                      f"max {set_info.get('max_tokens')} new tokens)"
         lines += [title, "",
-                  "| method | tok/s | speedup | geomean | acc/pass | passes/100 tok | identical | "
-                  "prefill tok/s | GB/s |",
-                  "|---|---:|---:|---:|---:|---:|---|---:|---:|"]
+                  f"| method | tok/s | speedup | {CI_LEVEL:.0%} CI | geomean | acc/pass | passes/100 tok | "
+                  "identical | prefill tok/s | GB/s |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         for s in by_label.values():
             speed = _f(s.get("speedup"), "{:.2f}x")
             if s.get("kind") == "peer" and s.get("baseline") not in (None, "vanilla", s["label"]):
@@ -351,7 +386,9 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
             name = s["label"] + (" (peer)" if s.get("kind") == "peer" else "")
             if s.get("errors"):
                 name += f" [{s['errors']} errors]"
-            lines.append(f"| {name} | {_f(s.get('tokens_per_second'), '{:.1f}')} | {speed} | "
+            ci = s.get("speedup_ci")
+            ci_cell = f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "–"
+            lines.append(f"| {name} | {_f(s.get('tokens_per_second'), '{:.1f}')} | {speed} | {ci_cell} | "
                          f"{_f(s.get('speedup_geomean'), '{:.2f}x')} | {_f(s.get('accepted_per_pass'))} | "
                          f"{_f(s.get('passes_per_100_tokens'), '{:.1f}')} | {identical_cell(s)} | "
                          f"{_f(s.get('prefill_tokens_per_second'), '{:.1f}')} | "
@@ -466,3 +503,34 @@ def plot_sweep(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Ma
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+# ---- re-rendering -------------------------------------------------------------------------------
+def rerender(results: str | Path) -> Path:
+    """Recompute a results.json's summary from its records (for columns added since it was written)
+    and rewrite it and the results.md beside it; returns the Markdown file's path."""
+    path = Path(results)
+    payload = json.loads(path.read_text(encoding="utf-8"))
+    target = (payload.get("models") or {}).get("target") or {}
+    payload["summary"] = summarize(payload["records"], payload["methods"], target.get("size_bytes"))
+    write_json(path, payload)
+    md = path.with_name("results.md")
+    md.write_text(render_markdown(payload), encoding="utf-8")
+    return md
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import sys
+
+    files = list(sys.argv[1:] if argv is None else argv)
+    if not files:
+        print("usage: python3 -m ouroboros_local.bench.report RESULTS.json [...]  "
+              "(recompute the summary and rewrite results.md)", file=sys.stderr)
+        return 2
+    for f in files:
+        print(f"wrote {rerender(f)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -348,8 +348,8 @@ def parse_value(text: str) -> Any:
 
 
 def parse_sweep(spec: str, methods: Iterable[str]) -> tuple[list[str], str, list[Any]]:
-    """`[METHOD:]NAME=v1,v2,...` -> (methods swept, option name, values). Without METHOD every
-    non-vanilla method is swept."""
+    """`[METHOD[,METHOD...]:]NAME=v1,v2,...` -> (methods swept, option name, values). Without METHOD
+    every non-vanilla method is swept."""
     if "=" not in spec:
         raise ParameterError(f"--sweep takes [METHOD:]NAME=v1,v2,... (got {spec!r})")
     key, _, values = spec.partition("=")
@@ -360,9 +360,10 @@ def parse_sweep(spec: str, methods: Iterable[str]) -> tuple[list[str], str, list
         raise ParameterError(f"--sweep takes [METHOD:]NAME=v1,v2,... (got {spec!r})")
     methods = list(methods)
     if method:
-        if method not in methods:
-            raise ParameterError(f"--sweep method {method!r} is not in --methods")
-        swept = [method]
+        swept = [m.strip() for m in method.split(",") if m.strip()]
+        for m in swept:
+            if m not in methods:
+                raise ParameterError(f"--sweep method {m!r} is not in --methods")
     else:
         swept = [m for m in methods if m != REFERENCE]
     if not swept:

@@ -56,9 +56,19 @@ def create_proposer(method: str, engine: "Engine", options: dict[str, Any]) -> P
             raise IncompatiblePairError(
                 f"pearl needs a draft with the target's vocabulary ({engine.pair_reason}); "
                 "--method speculative or ouroboros bridge different vocabularies through text")
+    adaptive = options.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise ParameterError(f"option 'adaptive' must be true or false (got {adaptive!r})")
+    if not adaptive and method == "auto":
+        raise ParameterError("auto is the scheduler itself: it has no fixed-parameter mode (adaptive=false)")
     module, _, attr = target.partition(":")
     factory: Callable[["Engine", dict[str, Any]], Proposer] = getattr(import_module(module), attr)
-    return factory(engine, options)
+    proposer = factory(engine, options)
+    if not adaptive:
+        # this generation runs the method's fixed hyperparameters every round, as
+        # EngineConfig(adaptive=False) does for every method (e.g. to benchmark against the scheduler)
+        proposer.adaptive = False
+    return proposer
 
 
 __all__ = ["NoDraft", "ProposeSetup", "Proposer", "create_proposer", "method_names"]

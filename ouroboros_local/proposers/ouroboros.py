@@ -567,9 +567,10 @@ def scheduled(engine: "Engine", drafter: Proposer, pool: PhrasePool, options: di
     their confidence classes; else the draft model's phrase-level draft plus pool branches when its
     measured acceptance pays for its drafting and verification cost; else a plain step. On a GPU the
     draft model pays nearly always; on a small CPU mostly the free phrases do, and Ouroboros never falls
-    far below plain decoding. With ``adaptive`` off, the fixed hyperparameters run every round.
+    far below plain decoding. With ``adaptive`` off (engine-wide, or the method option), the fixed
+    hyperparameters run every round.
     """
-    if not engine.config.adaptive:
+    if not engine.config.adaptive or options.get("adaptive", True) is False:
         return drafter
     from .auto import AutoProposer
     from .prompt_lookup import PromptLookupProposer
