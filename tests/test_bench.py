@@ -223,6 +223,21 @@ def test_speedup_interval_is_paired_over_prompts() -> None:
     assert report.bootstrap_speedup(exact[:2]) is None                          # too few prompts
 
 
+def test_runs_are_pooled_per_set_and_sweep_labels_match_plain_ones(capsys) -> None:
+    def rec(set_name, pid, label, seconds):
+        return {"set": set_name, "id": pid, "label": label, "timed_tokens": 10, "decode_seconds": seconds}
+
+    first = {"records": [rec("a", "1", "vanilla", 1.0), rec("a", "1", "auto", 0.5),
+                         rec("b", "1", "vanilla", 1.0), rec("b", "1", "auto", 2.0)]}
+    second = {"records": [rec("a", "1", "vanilla", 1.0), rec("a", "1", "auto", 1.0),
+                          rec("a", "1", "prompt-lookup[adaptive=True]", 1.0)]}
+    pooled = report.pooled_speedups([first, second], "auto")
+    assert pooled["a"]["pairs"] == 2 and pooled["a"]["speedup"] == pytest.approx(20 / 1.5 / 10)
+    assert pooled["b"]["speedup"] == pytest.approx(0.5) and pooled["all"]["pairs"] == 3
+    assert report.pooled_speedups([second], "prompt-lookup")["a"]["speedup"] == pytest.approx(1.0)
+    assert report.pooled_speedups([second], "auto", "prompt-lookup")["a"]["pairs"] == 1
+
+
 def test_run_benchmark_with_injected_methods() -> None:
     bps = [prompts.BuiltPrompt(set_name="s", id=str(i), task="raw", text="x", tokens=[1, 2, i], chat=False,
                                max_tokens=4) for i in range(3)]

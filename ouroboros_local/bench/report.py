@@ -519,16 +519,62 @@ def rerender(results: str | Path) -> Path:
     return md
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    import sys
+def _same_method(label: str) -> str:
+    # adaptive=true is every method's default: a sweep's "X[adaptive=True]" row is a plain "X" row
+    return label.replace("[adaptive=True]", "")
 
-    files = list(sys.argv[1:] if argv is None else argv)
-    if not files:
-        print("usage: python3 -m ouroboros_local.bench.report RESULTS.json [...]  "
-              "(recompute the summary and rewrite results.md)", file=sys.stderr)
-        return 2
-    for f in files:
-        print(f"wrote {rerender(f)}")
+
+def pooled_speedups(payloads: Sequence[Mapping[str, Any]], label: str, reference: str = "vanilla"
+                    ) -> dict[str, dict[str, Any]]:
+    """Speed-up of ``label`` over ``reference`` per set (and "all"), pooling the prompts of several runs;
+    each (run, prompt) is one pair of the bootstrap interval."""
+    pairs: dict[str, list[tuple[float, float, float, float]]] = OrderedDict()
+    for run in payloads:
+        by = {(r["set"], r["id"], _same_method(r["label"])): r for r in run["records"] if not r.get("error")}
+        for (set_name, pid, lab), r in by.items():
+            ref = by.get((set_name, pid, _same_method(reference)))
+            if lab != _same_method(label) or ref is None:
+                continue
+            pair = (r.get("timed_tokens") or 0, r.get("decode_seconds") or 0.0,
+                    ref.get("timed_tokens") or 0, ref.get("decode_seconds") or 0.0)
+            if pair[1] > 0 and pair[3] > 0:
+                pairs.setdefault(set_name, []).append(pair)
+    if len(pairs) > 1:
+        pairs[ALL_SETS] = [p for ps in list(pairs.values()) for p in ps]
+    out: dict[str, dict[str, Any]] = OrderedDict()
+    for set_name, ps in pairs.items():
+        a = [sum(p[i] for p in ps) for i in range(4)]
+        out[set_name] = {"pairs": len(ps), "speedup": _ratio(a[0], a[1]) / _ratio(a[2], a[3])
+                         if a[1] and a[3] and a[2] else None, "speedup_ci": bootstrap_speedup(ps)}
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python3 -m ouroboros_local.bench.report",
+                                description="Re-render results.json files (recompute their summary and "
+                                            "results.md), or pool several runs with --pool.")
+    p.add_argument("files", nargs="+", metavar="RESULTS.json")
+    p.add_argument("--pool", metavar="METHOD", default=None,
+                   help="print METHOD's speed-up per set over all the files' prompts (paired bootstrap)")
+    p.add_argument("--against", metavar="METHOD", default="vanilla", help="reference of --pool")
+    args = p.parse_args(argv)
+    if args.pool is None:
+        for f in args.files:
+            print(f"wrote {rerender(f)}")
+        return 0
+    payloads = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.files]
+    pooled = pooled_speedups(payloads, args.pool, args.against)
+    if not pooled:
+        print(f"no prompt has both {args.pool} and {args.against}")
+        return 1
+    print(f"| set | runs of a prompt | {args.pool} / {args.against} | {CI_LEVEL:.0%} CI |")
+    print("|---|---:|---:|---:|")
+    for set_name, row in pooled.items():
+        ci = row["speedup_ci"]
+        print(f"| {set_name} | {row['pairs']} | {_f(row['speedup'], '{:.3f}x')} | "
+              f"{f'{ci[0]:.3f}-{ci[1]:.3f}' if ci else '–'} |")
     return 0
 
 
