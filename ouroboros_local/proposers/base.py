@@ -56,7 +56,8 @@ class Proposer(ABC):
     # ``setup.extend_pays`` while drafting: the scheduler then decides per class (scheduler.py).
     confidence_classes: bool = False
     # Draft-model proposers: whether ``begin`` feeds the prompt to the draft model (counted as prefill)
-    # or the draft catches up when first asked to draft (``auto``, which may never ask it).
+    # or the draft catches up when first asked to draft (``auto``, which may never ask it). Only the
+    # cross-vocabulary proposer prefills in ``begin``; the same-vocabulary one always catches up lazily.
     prefill_in_begin: bool = True
     # Seconds of the last propose() a draft model spent catching up on text of rounds it did not draft
     # (see ``CatchUp``): a scheduler keeps them out of the proposer's per-token drafting cost.
