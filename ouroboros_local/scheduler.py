@@ -369,16 +369,22 @@ class Scheduler:
         The catch-up is left out of the per-token figure (it is not what one more draft token costs) but
         counts in full against the probe budget when the round was a probe. A single slow round moves
         the per-token figure by at most 3x, so one hiccup does not brand a draft model hopeless."""
-        self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds
+        self._add_elapsed(seconds)
         if source in self._probing:
-            key = (self._method, source)
-            self._probe_spent[key] = self._probe_spent.get(key, 0.0) + seconds
+            self._charge_probe(source, seconds)
         if n_tokens <= 0:
             return
         self._changes += 1
         per_token = max(seconds - catch_up, 0.0) / n_tokens
         old = self._draft_costs.get(source)
         self._draft_costs[source] = per_token if old is None else old + 0.2 * (min(per_token, 3 * old) - old)
+
+    def _add_elapsed(self, seconds: float) -> None:
+        self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds
+
+    def _charge_probe(self, source: str, seconds: float) -> None:
+        key = (self._method, source)
+        self._probe_spent[key] = self._probe_spent.get(key, 0.0) + seconds
 
     def extend_rule(self) -> "Callable[[str, Sequence[str]], bool]":
         """``ProposeSetup.extend_pays`` for proposers this scheduler runs (their measured draft cost)."""
@@ -504,7 +510,7 @@ class Scheduler:
 
     def observe_round(self, n_tokens: int, seconds: float, weight: float = 0.1) -> None:
         """Learn what a verification round of ``n_tokens`` (root included) cost beyond c(n)."""
-        self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds
+        self._add_elapsed(seconds)
         self._rounds += 1
         kind = "drafted" if n_tokens > 1 else "plain"
         residual = max(0.0, seconds - self.costs.cost(n_tokens))
@@ -549,9 +555,7 @@ class Scheduler:
         self._changes += 1
         if source in self._probing:
             # its extra verification counts against the probe budget (its drafting did in note_draft)
-            extra = self.costs.cost(drafted + 1) - self.costs.cost(1)
-            key = (self._method, source)
-            self._probe_spent[key] = self._probe_spent.get(key, 0.0) + extra
+            self._charge_probe(source, self.costs.cost(drafted + 1) - self.costs.cost(1))
             # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)

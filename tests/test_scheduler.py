@@ -71,6 +71,15 @@ def test_probing_backs_off_after_failed_probes() -> None:
     assert lengths[-1] > 0 and sum(lengths[:-1]) == 0  # the interval doubled to 16
 
 
+def costly_failing_round(sched: Scheduler) -> int:
+    """One round of a draft model whose every draft costs 20 plain steps and is rejected; its length."""
+    k = sched.best_length("x", draft_cost=sched.draft_cost("x"))
+    sched.note_draft("x", 20.0 if k else 0.0, k)
+    sched.update("x", drafted=k, accepted=0)
+    sched.observe_round(k + 1, CPU.cost(k + 1))
+    return k
+
+
 def test_costly_probes_stay_within_their_time_budget() -> None:
     # a draft model that must catch up on all the text it skipped: each probe costs 20 plain steps of
     # drafting plus its extra verification; probes go on, but within PROBE_BUDGET of the time
@@ -79,10 +88,7 @@ def test_costly_probes_stay_within_their_time_budget() -> None:
     sched = scheduler_with(CPU, 0.01)
     probes = spent = elapsed = 0.0
     for _ in range(20000):
-        k = sched.best_length("x", draft_cost=sched.draft_cost("x"))
-        sched.note_draft("x", 20.0 if k else 0.0, k)
-        sched.update("x", drafted=k, accepted=0)
-        sched.observe_round(k + 1, CPU.cost(k + 1))
+        k = costly_failing_round(sched)
         probes += k > 0
         spent += (20.0 + CPU.cost(k + 1) - CPU.cost(1)) if k else 0.0
         elapsed += CPU.cost(k + 1) + (20.0 if k else 0.0)
@@ -99,11 +105,7 @@ def test_probe_budget_is_each_methods_own() -> None:
     sched.use_method("auto")
     probes = 0
     for _ in range(2000):
-        k = sched.best_length("x", draft_cost=sched.draft_cost("x"))
-        sched.note_draft("x", 20.0 if k else 0.0, k)
-        sched.update("x", drafted=k, accepted=0)
-        sched.observe_round(k + 1, CPU.cost(k + 1))
-        probes += k > 0
+        probes += costly_failing_round(sched) > 0
     # auto's own ~2000 steps allow ~20 s of probes (one, plus the allowance for a first one); the
     # other method's 10000 would have allowed five times more
     assert 1 <= probes <= 2

@@ -52,6 +52,13 @@ def _per_prompt_tps(rec: Mapping[str, Any]) -> float | None:
     return timed / dec if timed and dec > 0 else None
 
 
+def _speed_pair(rec: Mapping[str, Any], ref: Mapping[str, Any]) -> tuple[float, float, float, float] | None:
+    """(tokens, seconds, reference tokens, reference seconds) of one prompt; None without timings."""
+    pair = (rec.get("timed_tokens") or 0, rec.get("decode_seconds") or 0.0,
+            ref.get("timed_tokens") or 0, ref.get("decode_seconds") or 0.0)
+    return pair if pair[1] > 0 and pair[3] > 0 else None
+
+
 def bootstrap_speedup(pairs: Sequence[tuple[float, float, float, float]], level: float = CI_LEVEL,
                       resamples: int = CI_RESAMPLES, seed: int = 0) -> list[float] | None:
     """Interval for sum(tokens) / sum(seconds) of a method over that of the reference.
@@ -94,8 +101,7 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
         by_label: dict[str, dict[str, Any]] = OrderedDict()
         ref_tps: dict[tuple[str, str], float | None] = {
             (r["set"], r["id"]): _per_prompt_tps(r) for r in recs if r["label"] == reference and not r.get("error")}
-        ref_runs = {(r["set"], r["id"]): (r.get("timed_tokens") or 0, r.get("decode_seconds") or 0.0)
-                    for r in recs if r["label"] == reference and not r.get("error")}
+        ref_runs = {(r["set"], r["id"]): r for r in recs if r["label"] == reference and not r.get("error")}
         for label in labels:
             rs = [r for r in recs if r["label"] == label]
             ok = [r for r in rs if not r.get("error")]
@@ -122,10 +128,8 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
                 if a and b:
                     ratios.append(a / b)
             s["speedup_geomean"] = _geomean(ratios)
-            pairs = [(r.get("timed_tokens") or 0, r.get("decode_seconds") or 0.0, *ref_runs[(r["set"], r["id"])])
-                     for r in ok if (r["set"], r["id"]) in ref_runs and (r.get("decode_seconds") or 0) > 0
-                     and ref_runs[(r["set"], r["id"])][1] > 0]
-            s["speedup_ci"] = bootstrap_speedup(pairs) if label != reference else None
+            pairs = [_speed_pair(r, ref_runs[(r["set"], r["id"])]) for r in ok if (r["set"], r["id"]) in ref_runs]
+            s["speedup_ci"] = bootstrap_speedup([p for p in pairs if p]) if label != reference else None
             compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
             s["compared"] = len(compared)
             s["identical"] = sum(r.get("match") in ("identical", "reference") for r in compared)
@@ -535,9 +539,8 @@ def pooled_speedups(payloads: Sequence[Mapping[str, Any]], label: str, reference
             ref = by.get((set_name, pid, _same_method(reference)))
             if lab != _same_method(label) or ref is None:
                 continue
-            pair = (r.get("timed_tokens") or 0, r.get("decode_seconds") or 0.0,
-                    ref.get("timed_tokens") or 0, ref.get("decode_seconds") or 0.0)
-            if pair[1] > 0 and pair[3] > 0:
+            pair = _speed_pair(r, ref)
+            if pair:
                 pairs.setdefault(set_name, []).append(pair)
     if len(pairs) > 1:
         pairs[ALL_SETS] = [p for ps in list(pairs.values()) for p in ps]

@@ -16,6 +16,7 @@ draft context and keep it in step with ``committed`` themselves.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -108,6 +109,14 @@ class CatchUp:
         skipped = self._asked_at != self.rounds - 1
         self._asked_at = self.rounds
         return skipped
+
+    def before_draft(self, catch_up: Callable[[], object]) -> float:
+        """The proposer drafts now: run ``catch_up`` if it skipped rounds; its seconds (0 if not)."""
+        if not self.asked():
+            return 0.0
+        t0 = time.perf_counter()
+        catch_up()
+        return time.perf_counter() - t0
 
 
 class NoDraft(Proposer):

@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import codecs
 import os
-import time
 from bisect import bisect_right
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -434,10 +433,9 @@ class CrossVocabProposer(Proposer):
         if budget <= 0 or n <= 0 or n_view == 0 or view.pending:
             self.empty_rounds += 1
             return tree
-        if self._catch_up.asked():
-            t0 = time.perf_counter()
-            self._sync(len(view.tokens) - 1, logits=False)   # the text of the rounds it skipped
-            self.catch_up_seconds = time.perf_counter() - t0
+        # the text of the rounds it skipped
+        self.catch_up_seconds = self._catch_up.before_draft(
+            lambda: self._sync(len(view.tokens) - 1, logits=False))
         logits = self._sync()
         drafted: list[int] = []
         confidences: list[float] = []

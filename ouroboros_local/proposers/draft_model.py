@@ -18,7 +18,6 @@ output is unchanged (greedy) or keeps the target's distribution (sampling).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -175,10 +174,8 @@ class DraftModelProposer(Proposer):
         n = min(self.gamma, budget)
         if n <= 0:
             return tree
-        if self._catch_up.asked():
-            t0 = time.perf_counter()
-            self.kv.sync_to(committed[:-1])   # the text of the rounds it skipped
-            self.catch_up_seconds = time.perf_counter() - t0
+        # the text of the rounds it skipped
+        self.catch_up_seconds = self._catch_up.before_draft(lambda: self.kv.sync_to(committed[:-1]))
         logits = self.kv.sync_to(committed, logits_last=True)
         self.draft_steps += 1
         sampling = self.setup.sampling
