@@ -17,15 +17,18 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     costs = engine.cost_model(refresh=args.refresh)
     t_cal = time.perf_counter() - t1
     if args.json:
-        print(json.dumps({**costs.to_dict(), "load_seconds": t_load, "calibration_seconds": t_cal}))
+        print(json.dumps({**costs.to_dict(), "origin": costs.origin, "load_seconds": t_load,
+                          "calibration_seconds": t_cal}))
     else:
         print(f"target {engine.target.path.name}: {engine.target_ctx.n_threads} threads, "
               f"gpu layers {engine.config.gpu_layers}, flash-attn {engine.config.flash_attn}")
         print("tokens per decode   seconds   x one token")
         for n, s in zip(costs.sizes, costs.seconds):
             print(f"{n:>17}   {s:7.4f}   {s / costs.seconds[0]:6.2f}")
-        print(f"model load {t_load:.2f}s, calibration {t_cal:.2f}s "
-              f"({'cached' if t_cal < 0.05 else 'measured'}; key {costs.key[:12]})")
+        print(f"model load {t_load:.2f}s, calibration {t_cal:.2f}s ({costs.origin}; key {costs.key[:12]})")
+        if costs.busy_cores is not None:
+            print(f"other processes kept {costs.busy_cores:.1f} cores busy while it was measured"
+                  + ("; provisional: measured again on a quiet machine" if costs.provisional else ""))
     engine.close()
     return 0
 

@@ -37,13 +37,30 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ParameterError(f"message {i} needs a string 'role'")
+        role = ROLE_ALIASES.get(m["role"], m["role"])
+        if role not in ROLES:
+            raise ParameterError(f"message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
         content = m.get("content", "")
-        if isinstance(content, list):  # OpenAI content parts: keep the text parts
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        if content is None:
+            content = ""
+        if isinstance(content, list):  # OpenAI content parts: text only (no images, audio or files)
+            content = "".join(_text_part(i, part) for part in content)
         if not isinstance(content, str):
             raise ParameterError(f"message {i} needs string 'content'")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": role, "content": content})
     return out
+
+
+ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the system role
+
+
+def _text_part(i: int, part: Any) -> str:
+    if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        raise ParameterError(f"message {i}: content part {kind!r} is not supported (this server takes "
+                             "text parts only)")
+    return part["text"]
 
 
 def render_chat(model: "Model", messages: Any, add_generation_prompt: bool = True,

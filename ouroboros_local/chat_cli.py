@@ -132,7 +132,8 @@ class ChatSession:
 
 def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, out: TextIO | None = None,
              err: TextIO | None = None) -> int:
-    """The read-answer loop. Returns 0 on /quit, EOF or Ctrl-C at the prompt."""
+    """The read-answer loop. Returns 0 on /quit, EOF or two Ctrl-C in a row at the prompt (one Ctrl-C
+    pressed a moment too late to stop an answer must not end the conversation)."""
     out = out or sys.stdout
     err = err or sys.stderr
     main_thread = threading.current_thread() is threading.main_thread()
@@ -141,6 +142,7 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, out: T
         out.write(text)
         out.flush()
 
+    interrupted = False
     while True:
         try:
             line = read(PROMPT)
@@ -149,7 +151,12 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, out: T
             return 0
         except KeyboardInterrupt:
             write("\n")
-            return 0
+            if interrupted:
+                return 0
+            interrupted = True
+            print("(Ctrl-C again, Ctrl-D or /quit to leave)", file=err, flush=True)
+            continue
+        interrupted = False
         text = line.strip()
         if not text:
             continue
@@ -198,6 +205,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     engine = cli._engine_from_args(args)
     try:
         method = args.method or default_method(engine.draft is not None)
+        cli.warn_without_chat_template(engine)
         session = ChatSession(engine, method=method, sampling=sampling, options=options, system=args.system,
                               max_tokens=args.max_tokens, stop=args.stop or ())
         if sys.stdin.isatty():

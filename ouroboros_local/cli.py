@@ -4,19 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import OuroborosError, ParameterError
+from .options import ALL as ALL_OPTIONS
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_METHOD = "auto"
 
-# Method hyperparameters exposed as flags: flag dest -> option name passed to the proposer.
-METHOD_FLAGS = {"gamma": "gamma", "window": "window", "level": "level", "guess_set": "guess_set",
-                "topk": "topk", "pool": "pool", "p_min": "p_min", "max_ngram": "max_ngram",
-                "adaedl": "adaedl", "adaedl_lambda": "adaedl_lambda", "pearl_mode": "mode"}
+# Method hyperparameters exposed as flags, generated from their one definition (options.py).
+FLAGGED_OPTIONS = tuple(o for o in ALL_OPTIONS if o.flag)
 
 
 def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -> None:
@@ -25,12 +25,13 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                    required=target_required,
                    help="target: a GGUF path, hf://OWNER/REPO/FILE.gguf or a catalogue name "
                         f"(default: {DEFAULT_TARGET})")
-    g.add_argument("-d", "--draft", default=None, help="draft model (same forms as -m)")
+    g.add_argument("-d", "--draft", default=None,
+                   help="draft model (same forms as -m), or auto: the target's same-family draft from the catalogue")
     g.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
     g.add_argument("-b", "--batch-size", type=int, default=256,
                    help="largest decode in tokens: tree size and prefill chunk (default 256)")
     g.add_argument("--seqs", type=int, default=16, help="sequence ids per context (default 16)")
-    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    g.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: the idle cores)")
     g.add_argument("--gpu-layers", default="auto",
                    help="target layers on the GPU: all, N, 0 or auto (default auto: all when llama.cpp "
                         "has a GPU backend, else 0)")
@@ -60,20 +61,15 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--method", default=DEFAULT_METHOD,
                    help="auto | vanilla | speculative | ouroboros | lookahead | prompt-lookup | pearl "
                         f"(default {DEFAULT_METHOD})")
-    g.add_argument("--gamma", type=int, default=None, help="draft tokens per round")
-    g.add_argument("--window", type=int, default=None, help="lookahead window columns (W)")
-    g.add_argument("--level", type=int, default=None, help="lookahead n-gram size (N)")
-    g.add_argument("--guess-set", type=int, default=None, help="pool phrases verified per round (G)")
-    g.add_argument("--topk", type=int, default=None, help="pool phrases hung after a draft")
-    g.add_argument("--max-ngram", type=int, default=None, help="prompt-lookup: longest n-gram matched")
-    g.add_argument("--p-min", type=float, default=None, help="stop drafting below this draft confidence")
-    g.add_argument("--pool", default=None, help="phrase pool file, loaded and saved (history reuse)")
-    g.add_argument("--adaedl", action="store_true", default=None,
-                   help="speculative: stop drafting early when the draft's entropy is high (AdaEDL)")
-    g.add_argument("--adaedl-lambda", type=float, default=None, help="AdaEDL's initial threshold (0..1)")
-    g.add_argument("--pearl-mode", choices=["auto", "parallel", "sequential"], default=None,
-                   help="pearl: draft and target at the same time, one after the other, or measure both "
-                        "and keep the faster (default auto)")
+    for option in FLAGGED_OPTIONS:
+        kwargs: dict[str, Any] = {"dest": f"opt_{option.name}", "default": None, "help": option.help}
+        if option.kind == "bool":
+            kwargs["action"] = "store_true"
+        elif option.kind == "choice":
+            kwargs["choices"] = option.choices
+        elif option.kind in ("int", "float"):
+            kwargs["type"] = int if option.kind == "int" else float
+        g.add_argument(option.flag_name, **kwargs)
 
 
 def _gpu_layers(value: str) -> int:
@@ -93,8 +89,9 @@ def _gpu_layers(value: str) -> int:
 
 
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {opt: getattr(args, dest) for dest, opt in METHOD_FLAGS.items()
-            if getattr(args, dest, None) is not None}
+    """The method options given as flags (a method refuses those it does not have)."""
+    return {o.name: getattr(args, f"opt_{o.name}") for o in FLAGGED_OPTIONS
+            if getattr(args, f"opt_{o.name}", None) is not None}
 
 
 def _engine_from_args(args: argparse.Namespace):
@@ -109,7 +106,31 @@ def _engine_from_args(args: argparse.Namespace):
                           draft_gpu_layers=_gpu_layers(args.draft_gpu_layers), main_gpu=args.main_gpu,
                           type_k=args.cache_type_k, type_v=args.cache_type_v,
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v)
-    return Engine.load(args.model, args.draft, config=config, progress=True)
+    engine = Engine.load(args.model, args.draft, config=config, progress=True)
+    if engine.target_ctx.n_ctx != args.ctx_size:
+        say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")
+    return engine
+
+
+def _show_progress(quiet: bool = False) -> None:
+    """The library's progress lines (model load, calibration) go to stderr, as ``say`` does."""
+    logger = logging.getLogger("ouroboros_local")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.WARNING if quiet else logging.INFO)
+
+
+def say(message: str) -> None:
+    """A progress or note line for the person at the terminal (stderr, so stdout stays the answer)."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def warn_without_chat_template(engine: Any) -> None:
+    if engine.target.chat_template() is None:
+        say("note: this model has no chat template; the prompt is wrapped in ChatML (<|im_start|>...), "
+            "which a base model may answer with template tokens: drop --chat for plain completion")
 
 
 def _sampling_from_args(args: argparse.Namespace):
@@ -141,6 +162,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ParameterError("-n/--max-tokens must be >= 0")
     engine = _engine_from_args(args)
     options = _method_options(args)
+    if args.chat:
+        warn_without_chat_template(engine)
     kwargs = dict(max_tokens=args.max_tokens, sampling=sampling, stop=args.stop or (), chat=args.chat)
     out = sys.stdout
     result = None
@@ -154,13 +177,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.write("\n")
     stats = result.stats
     if args.compare and args.method != "vanilla":
+        say("running plain decoding to compare ...")
         base = engine.generate(prompt, method="vanilla", **kwargs)
-        same = base.tokens == result.tokens
         speedup = stats.tokens_per_second / base.stats.tokens_per_second if base.stats.tokens_per_second else 0
         print(f"[{args.method}] {stats.tokens_per_second:.1f} tok/s vs [vanilla] "
               f"{base.stats.tokens_per_second:.1f} tok/s: {speedup:.2f}x, "
               f"{stats.tokens_per_pass:.2f} tokens per target pass, "
-              f"{'identical' if same else 'DIFFERENT'} output", file=sys.stderr)
+              f"{_same_output(engine, prompt, args, base, result)}", file=sys.stderr)
     elif not args.json:
         print(f"[{stats.method}] {stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
               f"{stats.target_passes} target passes, {stats.tokens_per_pass:.2f} tokens/pass, "
@@ -176,6 +199,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _same_output(engine: Any, prompt: str, args: argparse.Namespace, base: Any, result: Any) -> str:
+    """How the two outputs compare, in words (greedy: under the tie rule, README "Exactness")."""
+    if base.tokens == result.tokens:
+        return "identical output"
+    if args.temperature > 0:
+        return "different text (sampling: each run draws from the same distribution)"
+    from .compare import compare_greedy
+
+    report = compare_greedy(engine, engine.prompt_tokens(prompt, chat=args.chat), base.tokens, result.tokens)
+    if report.tie_flip:
+        return (f"same output up to token {report.first_difference}, where the model rated two tokens equally "
+                f"(within {max(report.margin or 0.0, 0.0):.2f} logits: floating-point noise of batched kernels, "
+                "allowed by the tie rule)")
+    return f"DIFFERENT output from token {report.first_difference} (margin {report.margin}): please report this"
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from . import models
 
@@ -189,8 +228,11 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
     parser = argparse.ArgumentParser(prog="ouroboros-local",
                                      description="Lossless speculative decoding for local GGUF models")
+    parser.add_argument("--version", action="version", version=f"ouroboros-local {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
@@ -227,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    _show_progress(quiet=getattr(args, "json", False))
     try:
         return int(args.func(args) or 0)
     except OuroborosError as exc:

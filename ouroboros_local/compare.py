@@ -1,4 +1,4 @@
-"""The greedy tolerance rule (DESIGN.md §3/§5) for comparing a method's output with plain decoding.
+"""The greedy tolerance rule (docs/design.md#exactness) for comparing a method's output with plain decoding.
 
 Logits depend slightly on batch shape and KV layout, and quantised matmuls amplify that, so a greedy
 near-tie can flip between a batched verification and a one-token step. Outputs count as matching when

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import time
+
+OMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def _meminfo_bytes(field: str) -> int | None:
@@ -18,11 +21,31 @@ def _meminfo_bytes(field: str) -> int | None:
     return None
 
 
+def load_lines() -> list[str]:
+    """What the CPU's load is now and the thread count it makes the default."""
+    from .cpu_load import busy_cores_now, idle_threads, usable_cores
+
+    cores, busy = usable_cores(), busy_cores_now(reuse=0.0)
+    try:
+        average = "; load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except (AttributeError, OSError):  # pragma: no cover
+        average = ""
+    threads = idle_threads(cores, busy)
+    now = "unknown" if busy is None else f"other processes keep {busy:.1f} of {cores} usable cores busy now"
+    why = ("every usable core" if threads == cores
+           else "the idle cores (a thread on a busy core stalls the rest)")
+    waits = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in OMP_SETTINGS)
+    return [f"load: {now}{average}",
+            f"threads: {threads} by default, {why}; os.cpu_count() = {os.cpu_count()}; -t N overrides",
+            f"OpenMP waiting: {waits} (PASSIVE: no stalls beside another llama.cpp process, but a "
+            "small model runs ~35% slower on a quiet 2-core CPU)"]
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     import llama_cpp
 
     from . import __version__, models
-    from .llama import default_threads, devices, supports_gpu_offload, system_info
+    from .llama import Model, devices, supports_gpu_offload, system_info
 
     print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
           f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
@@ -34,11 +57,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         memory = (f", {dev.memory_free / 2**30:.1f} of {dev.memory_total / 2**30:.1f} GiB free"
                   if dev.memory_total else "")
         print(f"device {i}: {dev.name} ({dev.kind}: {dev.description}{memory})")
-    print(f"threads: {default_threads()} usable cores (os.cpu_count() = {os.cpu_count()})")
+    for line in load_lines():
+        print(line)
     available = _meminfo_bytes("MemAvailable")
     if available:
         print(f"memory available: {available / 2**30:.1f} GiB")
     total = 0
+    args.draft = models.resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft
+    suggested = None if args.draft else models.default_draft_for(args.model)
     for label, spec in (("target", args.model), ("draft", args.draft)):
         if not spec:
             continue
@@ -47,6 +73,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         total += info.file_size
         print(f"{label}: {path} ({info.arch}, vocab {info.n_vocab}, {info.file_size / 2**20:.0f} MiB, "
               f"trained context {info.context_length})")
+        if label == "draft":
+            started = time.perf_counter()
+            Model(path, n_gpu_layers=0).close()
+            print(f"draft cost: about {info.file_size * 1.1 / 2**30:.1f} GiB more memory, "
+                  f"{time.perf_counter() - started:.1f} s more to load (now); auto leaves it idle where "
+                  "drafting does not pay on this machine")
+    if suggested:
+        print(f"draft: none given; this target's same-family draft is {suggested} (-d auto): "
+              "measure with `bench` before adopting it (docs/benchmarks.md)")
     if args.draft:
         report = models.check_pair(models.resolve_model(args.model), models.resolve_model(args.draft))
         print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible

@@ -4,12 +4,13 @@
     result = engine.generate("def fib(n):", max_tokens=64, method="prompt-lookup")
     for event in engine.stream("Hello", max_tokens=32): print(event.text, end="")
 
-Every method runs the same loop (DESIGN.md §1): propose a token tree, verify it in ONE target decode,
-emit the accepted tokens, let the proposer learn. Only the proposer differs.
+Every method runs the same loop (docs/design.md#the-loop): propose a token tree, verify it in ONE target
+decode, emit the accepted tokens, let the proposer learn. Only the proposer differs.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,15 +19,21 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
+from .calibration import cached_or_measured
 from .errors import ContextOverflowError, MethodOptionError, ParameterError
+from .history import save_history
 from .kv import KVCache
 from .llama import Context, ContextParams, Model, TextStream
+from .llama.binding import decode_seconds as llama_decode_clock
 from .proposers import create_proposer, method_names
 from .proposers.base import ProposeSetup, Proposer
 from .sampling import SamplingParams
 from .scheduler import CalibrationCache, CostModel, Scheduler, calibration_key, measure_costs
 from .tree import layout
 from .verify import VerifyResult, verify
+
+
+log = logging.getLogger("ouroboros_local")
 
 
 @dataclass
@@ -36,7 +43,7 @@ class EngineConfig:
     n_seq_max: int = 16           # sequence ids per context (branches + lookahead window)
     threads: int | None = None
     threads_batch: int | None = None
-    flash_attn: str = "off"       # off gives bit-reproducible greedy output on CPU (DESIGN.md §3)
+    flash_attn: str = "off"       # off gives bit-reproducible greedy output on CPU (docs/design.md#exactness)
     gpu_layers: int = 0
     draft_gpu_layers: int = 0
     main_gpu: int = 0
@@ -62,7 +69,7 @@ class GenerationStats:
     drafted: int = 0
     accepted: int = 0
     accepted_per_pass: float = 0.0    # accepted draft tokens per target pass (bonus excluded)
-    tokens_per_pass: float = 0.0      # emitted tokens per target pass (bonus included)
+    tokens_per_pass: float = 0.0      # tokens the target produced per pass: accepted_per_pass + 1 (the bonus)
     finish_reason: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -70,7 +77,9 @@ class GenerationStats:
         self.tokens_per_second = self.tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
         if self.target_passes:
             self.accepted_per_pass = self.accepted / self.target_passes
-            self.tokens_per_pass = self.tokens / self.target_passes
+            # not tokens / passes: a pass that ends the answer (end of generation, a stop string, the
+            # token budget) emits less than it produced, and "0.88 tokens per pass" reads as a bug
+            self.tokens_per_pass = self.accepted_per_pass + 1.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -181,6 +190,8 @@ class Engine:
                 raise ParameterError(f"unknown engine option {key!r}")
             setattr(config, key, value)
         target_path, draft_path, compatible, reason = resolve_and_check(target, draft, progress=progress)
+        log.info("loading %s (%.0f MiB)%s ...", target_path.name, target_path.stat().st_size / 2**20,
+                 f" and draft {draft_path.name} ({draft_path.stat().st_size / 2**20:.0f} MiB)" if draft_path else "")
         target_model = Model(target_path, n_gpu_layers=config.gpu_layers, main_gpu=config.main_gpu)
         draft_model = (Model(draft_path, n_gpu_layers=config.draft_gpu_layers, main_gpu=config.main_gpu)
                        if draft_path else None)
@@ -213,17 +224,8 @@ class Engine:
         if self.config.calibration == "off":
             return CostModel.flat()
         key = calibration_key(self.target.path, self.calibration_settings())
-        cache = CalibrationCache()
-        model = None if refresh else cache.get(key)
-        if model is None:
-            with self._lock:
-                model = measure_costs(self.kv)
-            model.key = key
-            try:
-                cache.put(model)
-            except OSError:
-                pass  # a read-only cache directory only costs a re-measurement next time
-        return model
+        with self._lock:   # a cached curve is checked with a few decodes, a stale one re-measured
+            return cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
 
     def scheduler(self) -> Scheduler:
         if self._scheduler is None:
@@ -302,7 +304,18 @@ class Engine:
         if self.config.adaptive and getattr(proposer, "adaptive", False):
             self.scheduler()  # calibrate (or load the cached curve) before taking the lock
         with self._lock:
-            yield from self._run(tokens, proposer, max_tokens, sampling, list(stop), is_cancelled)
+            run = self._run(tokens, proposer, max_tokens, sampling, list(stop), is_cancelled)
+            saved = False
+            try:
+                for event in run:
+                    if event.result is not None:   # saved before the caller hears that the answer is done
+                        save_history(self)         # (the history pool file, when one was named)
+                        saved = True
+                    yield event
+            finally:
+                run.close()
+                if not saved:
+                    save_history(self)
 
     def _run(self, prompt: list[int], proposer: Proposer, max_tokens: int, sampling: SamplingParams,
              stops: list[str], is_cancelled: Callable[[], bool]) -> Iterator[StreamEvent]:
@@ -333,6 +346,7 @@ class Engine:
             raise
         proposer.begin(committed, setup)
         t1 = time.perf_counter()
+        llama_at_t1 = llama_decode_clock()   # this thread's seconds inside llama_decode
         stats.prefill_seconds = t1 - t0
         try:
             while len(generated) < max_tokens:
@@ -390,6 +404,7 @@ class Engine:
                     break
                 t_observe = time.perf_counter()   # the consumer's time at the yield above is not ours
                 proposer.observe(committed, result)
+                result.release()   # its logits rows are overwritten by the next decode
                 if costs_learner is not None:
                     round_seconds += time.perf_counter() - t_observe
                     costs_learner.observe_round(len(tree.tokens) + len(tree.extras), round_seconds)  # batch size
@@ -400,6 +415,7 @@ class Engine:
         text_tail = matcher.push(tail) if tail and not matcher.stopped else ""
         text_tail += matcher.flush() if not matcher.stopped else ""
         stats.decode_seconds = time.perf_counter() - t1
+        _add_python_time(stats, llama_decode_clock() - llama_at_t1)
         stats.tokens = len(generated)
         stats.finish_reason = finish
         stats.finalize()
@@ -429,6 +445,16 @@ class Engine:
                             accepted_by_source=by_source)
 
 
+def _add_python_time(stats: GenerationStats, llama_seconds: float) -> None:
+    """Split the decode phase into time inside llama_decode (target and draft models, this thread)
+    and the rest: the runtime's own Python per round, what a fast GPU step would expose."""
+    python_seconds = max(0.0, stats.decode_seconds - llama_seconds)
+    rounds = stats.target_passes
+    stats.extra.update({"llama_decode_seconds": round(llama_seconds, 6),
+                        "python_seconds": round(python_seconds, 6),
+                        "python_ms_per_round": round(1e3 * python_seconds / rounds, 4) if rounds else None})
+
+
 def resolve_and_check(target: str | Path, draft: str | Path | None, progress: bool = True
                       ) -> tuple[Path, Path | None, bool | None, str | None]:
     """Resolve model specs to validated GGUF files and compare the pair's vocabularies.
@@ -440,6 +466,7 @@ def resolve_and_check(target: str | Path, draft: str | Path | None, progress: bo
 
     target_path = models.resolve_model(str(target), progress=progress)
     models.validate_gguf(target_path)
+    draft = models.resolve_draft_spec(str(target), None if draft is None else str(draft))   # -d auto
     if draft is None:
         return target_path, None, None, None
     draft_path = models.resolve_model(str(draft), progress=progress)

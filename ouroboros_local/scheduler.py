@@ -1,10 +1,10 @@
 """Hardware-aware draft lengths: a measured verify-cost curve times an online acceptance estimate.
 
-The model (DESIGN.md §4). Verifying a chain of k draft tokens costs one target decode of k + 1 tokens,
-``c(k + 1)``, measured on this machine (on a 2-core CPU c(8) is ~5.5 c(1); on a GPU it is nearly flat),
-plus the proposer's own drafting cost ``d(k)`` (k draft-model steps; zero for prompt lookup). If each
-draft token is right with probability alpha given the ones before it were (a geometric acceptance
-model), one round yields on average
+The model (docs/design.md#cost-model). Verifying a chain of k draft tokens costs one target decode of
+k + 1 tokens, ``c(k + 1)``, measured on this machine (on a 2-core CPU c(8) is ~5.5 c(1); on a GPU it is
+nearly flat), plus the proposer's own drafting cost ``d(k)`` (k draft-model steps; zero for prompt
+lookup). If each draft token is right with probability alpha given the ones before it were (a geometric
+acceptance model), one round yields on average
 
     E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)
 
@@ -36,146 +36,18 @@ to draft at all is decided from the mix of first-token classes seen so far (``be
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import numpy as np
 
-from .tree import TokenTree, layout
+# the cost curve's measurement and cache live in calibration.py; re-exported for existing imports
+from .calibration import (CALIBRATION_METHOD, CALIBRATION_SIZES, CalibrationCache,  # noqa: F401
+                          CostModel, calibration_key, measure_costs, measure_draft_step)
+from .tree import TokenTree
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .kv import KVCache
-
-CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
 PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does not pay may cost
 REFRESH_ROUNDS = 16     # rounds a "does drafting pay" answer is kept while nothing it reads changed
-CALIBRATION_METHOD = 2   # bump when measure_costs changes: cached curves of the old method are re-measured
-
-
-@dataclass
-class CostModel:
-    """Seconds for one target decode of n tokens (n = root + draft tokens)."""
-
-    sizes: list[int]
-    seconds: list[float]
-    draft_step: float = 0.0          # seconds per draft-model token (0 when there is no draft model)
-    measured_at: float = field(default_factory=time.time)
-    key: str = ""
-
-    def cost(self, n_tokens: int) -> float:
-        xs, ys = self.sizes, self.seconds
-        if n_tokens <= xs[-1]:
-            return float(np.interp(n_tokens, xs, ys))
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
-        return ys[-1] + slope * (n_tokens - xs[-1])
-
-    def ratio(self, n_tokens: int) -> float:
-        return self.cost(n_tokens) / self.cost(1)
-
-    def table(self, n_max: int) -> np.ndarray:
-        """cost(1), ..., cost(n_max) as a fresh array; the curve is tabulated once (the scheduler asks
-        every round, and per-size interpolation in Python costs more than a GPU decode step)."""
-        cached = self.__dict__.get("_table")   # not a dataclass field: never saved with the curve
-        if cached is None or len(cached) < n_max:
-            cached = np.array([self.cost(n) for n in range(1, max(n_max, 64) + 1)])
-            self.__dict__["_table"] = cached
-        return cached[:n_max].copy()
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def flat(cls) -> "CostModel":
-        """An uncalibrated stand-in: verification as cheap as one step (the GPU-like optimum)."""
-        return cls(sizes=[1, 64], seconds=[1.0, 1.0])
-
-
-def calibration_key(model_path: str | Path, settings: dict) -> str:
-    path = Path(model_path)
-    st = path.stat()
-    payload = json.dumps({"path": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
-                          "method": CALIBRATION_METHOD, **settings}, sort_keys=True)
-    return hashlib.sha256(payload.encode()).hexdigest()[:32]
-
-
-def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int = 3,
-                  prefix_len: int = 32, vocab: int | None = None) -> CostModel:
-    """Time chain decodes of each size on the engine's own context (cache is reset afterwards).
-
-    Each size takes the median of ``repeats`` timed decodes after a warm-up one: the scheduler needs
-    what a decode usually costs, and the minimum of a few (what this did before) made 3-4 token
-    decodes look up to 30% cheaper than they run on a busy 2-core CPU."""
-    rng = np.random.default_rng(0)
-    n_vocab = vocab or kv.ctx.n_vocab
-    kv.reset()
-    kv.feed([int(t) for t in rng.integers(0, n_vocab, prefix_len)])
-    sizes = [s for s in sizes if s <= kv.ctx.n_batch]
-    seconds = []
-    for n in sizes:
-        times = []
-        for _ in range(repeats + 1):  # first run warms the graph for this shape
-            tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
-            tree.add_path(0, [int(t) for t in rng.integers(0, n_vocab, n - 1)])
-            t0 = time.perf_counter()
-            kv.decode_layout(layout(tree))
-            kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
-            times.append(time.perf_counter() - t0)
-            kv.ctx.seq_rm(-1, kv.n_past, -1)
-        seconds.append(float(np.median(times[1:])))
-    kv.reset()
-    # costs never shrink with more tokens; smooth out timer noise
-    seconds = list(np.maximum.accumulate(seconds))
-    return CostModel(sizes=list(sizes), seconds=seconds)
-
-
-def measure_draft_step(kv: "KVCache", repeats: int = 4, prefix_len: int = 32) -> float:
-    rng = np.random.default_rng(1)
-    kv.reset()
-    kv.feed([int(t) for t in rng.integers(0, kv.ctx.n_vocab, prefix_len)])
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        kv.feed([int(rng.integers(kv.ctx.n_vocab))], logits_last=True)
-        best = min(best, time.perf_counter() - t0)
-    kv.reset()
-    return best
-
-
-class CalibrationCache:
-    """Cost models on disk, keyed by model file + device/offload + threads + batch settings."""
-
-    def __init__(self, path: Path | None = None):
-        base = Path(os.environ.get("OUROBOROS_CACHE", Path.home() / ".cache" / "ouroboros-local"))
-        override = os.environ.get("OUROBOROS_CALIBRATION_FILE")
-        self.path = path or (Path(override) if override else base / "calibration.json")
-
-    def _read(self) -> dict:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-
-    def get(self, key: str) -> CostModel | None:
-        raw = self._read().get(key)
-        if not raw:
-            return None
-        try:
-            return CostModel(**raw)
-        except TypeError:
-            return None
-
-    def put(self, model: CostModel) -> None:
-        data = self._read()
-        data[model.key] = model.to_dict()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.path)
 
 
 @dataclass

@@ -6,9 +6,9 @@ order. A node at depth d sits at position ``P + d`` where P is the root's positi
 
 Sequence ids: each root-to-leaf path gets its own sequence id, and a node carries the ids of every leaf
 below it. llama.cpp decides what a multi-sequence token attends to through *one* of its ids, and which
-one is unspecified (DESIGN.md §3). With one id per leaf path, the cells any of a node's ids hold below the
-node's position are exactly the node's ancestors (plus the shared committed prefix), so every id gives
-the same view. ``check_layout`` asserts this invariant.
+one is unspecified (docs/design.md#llamacpp-facts). With one id per leaf path, the cells any of a node's
+ids hold below the node's position are exactly the node's ancestors (plus the shared committed prefix),
+so every id gives the same view. ``check_layout`` asserts this invariant.
 
 *Extras* are tokens a proposer rides along in the same target decode without them being candidates
 (lookahead's Jacobi window). They use their own sequence ids, numbered after the leaf paths; the root
@@ -18,9 +18,12 @@ carries those ids too so that the extras see the committed prefix and the root.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .sampling import Sparse
 
 
 @dataclass
@@ -44,7 +47,7 @@ class TokenTree:
     depths: list[int]
     # Draft distribution a node's token was sampled from (stochastic drafts). Nodes without one are
     # deterministic proposals and are verified by sample-and-match.
-    draft_probs: dict[int, np.ndarray] = field(default_factory=dict)
+    draft_probs: dict[int, "np.ndarray | Sparse"] = field(default_factory=dict)
     # Which proposer produced each node (for per-source acceptance statistics); optional.
     sources: dict[int, str] = field(default_factory=dict)
     # Confidence class of a node (e.g. "p6": the draft gave its token probability 0.95-0.98, or
@@ -75,7 +78,7 @@ class TokenTree:
     def children(self, node: int) -> list[int]:
         return [i for i in range(node + 1, len(self.tokens)) if self.parents[i] == node]
 
-    def add(self, parent: int, token: int, draft_probs: np.ndarray | None = None,
+    def add(self, parent: int, token: int, draft_probs: "np.ndarray | Sparse | None" = None,
             source: str | None = None) -> int:
         """Add a child (or return the existing deterministic child with the same token)."""
         if not 0 <= parent < len(self.tokens):

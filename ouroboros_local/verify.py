@@ -14,11 +14,59 @@ distributed exactly as the target's processed distribution given the accepted pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
-from .sampling import SamplingParams, distribution, residual, sample
+from .sampling import SamplingParams, Sparse, prob_of, residual, support
 from .tree import TokenTree
+
+
+class Predictions:
+    """The target's argmax at every tree node (row i predicts the child of node i), read lazily.
+
+    The walk needs only the rows along the accepted path (plus the bonus row); the rest is computed
+    when a consumer asks (a phrase pool harvesting rejected branches). ``rows`` may be a view of
+    llama.cpp's logits buffer: ``release`` (the engine calls it once the round is observed) forgets
+    it, after which a row never read raises instead of reading the next decode's logits.
+    """
+
+    def __init__(self, rows: np.ndarray):
+        self._rows: np.ndarray | None = rows
+        self._known = [-1] * len(rows)      # -1: not read yet
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def __getitem__(self, node: int) -> int:
+        known = self._known[node]
+        if known < 0:
+            if self._rows is None:
+                raise RuntimeError("the target's logits of this round are gone: read predictions in observe()")
+            known = self._known[node] = int(self._rows[node].argmax())
+        return known
+
+    def tolist(self) -> list[int]:
+        todo = [i for i, known in enumerate(self._known) if known < 0]
+        if todo:
+            if self._rows is None:
+                raise RuntimeError("the target's logits of this round are gone: read predictions in observe()")
+            for i, token in zip(todo, self._rows[todo].argmax(axis=1).tolist()):
+                self._known[i] = token
+        return list(self._known)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.tolist())
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.array(self.tolist(), dtype=dtype)
+
+    def computed_rows(self) -> int:
+        """How many rows were read so far (tests, diagnostics)."""
+        return sum(known >= 0 for known in self._known)
+
+    def release(self) -> None:
+        self._rows = None
 
 
 @dataclass
@@ -27,7 +75,7 @@ class VerifyResult:
     path: list[int]               # accepted node indices, root first
     accepted: list[int]           # accepted candidate tokens (path without the root)
     bonus: int                    # the target's own token after the accepted path
-    predictions: np.ndarray       # target argmax at every tree node (row i predicts the child of node i)
+    predictions: Predictions | np.ndarray  # target argmax at every tree node (row i predicts the child of node i)
     extra_logits: np.ndarray | None = None
     winner_seq: int = 0
     accepted_by_source: dict[str, int] = field(default_factory=dict)
@@ -36,15 +84,35 @@ class VerifyResult:
     def tokens(self) -> list[int]:
         return self.accepted + [self.bonus]
 
+    def release(self) -> None:
+        """The round is over: its logits rows may be overwritten (see ``Predictions.release``)."""
+        if isinstance(self.predictions, Predictions):
+            self.predictions.release()
 
-def verify_greedy(tree: TokenTree, rows: np.ndarray) -> tuple[list[int], int, np.ndarray]:
-    """Returns (path, bonus, predictions) for greedy decoding."""
-    predictions = rows.argmax(axis=1)
+
+def _children_index(tree: TokenTree) -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    parents = tree.parents
+    for i in range(1, len(parents)):
+        kids.setdefault(parents[i], []).append(i)
+    return kids
+
+
+def _first_child(tree: TokenTree) -> dict[tuple[int, int], int]:
+    """(parent, token) -> the lowest-numbered child with that token (``tree.child_with_token``)."""
+    tokens, parents = tree.tokens, tree.parents
+    return {(parents[i], tokens[i]): i for i in range(len(tokens) - 1, 0, -1)}
+
+
+def verify_greedy(tree: TokenTree, rows: np.ndarray) -> tuple[list[int], int, Predictions]:
+    """Returns (path, bonus, predictions) for greedy decoding; reads only the rows along the path."""
+    predictions = Predictions(rows)
+    first_child = _first_child(tree)
     path = [0]
     node = 0
     while True:
-        token = int(predictions[node])
-        child = tree.child_with_token(node, token)
+        token = predictions[node]
+        child = first_child.get((node, token))
         if child is None:
             return path, token, predictions
         path.append(child)
@@ -52,21 +120,25 @@ def verify_greedy(tree: TokenTree, rows: np.ndarray) -> tuple[list[int], int, np
 
 
 def verify_sampling(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
-                    rng: np.random.Generator) -> tuple[list[int], int, np.ndarray]:
+                    rng: np.random.Generator) -> tuple[list[int], int, Predictions]:
     """Returns (path, bonus, predictions); lossless for stochastic and deterministic children."""
-    predictions = rows.argmax(axis=1)
+    predictions = Predictions(rows)
+    tokens = tree.tokens
+    draft_probs = tree.draft_probs
+    kids = _children_index(tree) if len(tokens) > 1 else {}
     path = [0]
     node = 0
     while True:
-        p = distribution(rows[node], params)
-        children = tree.children(node)
+        p: Sparse = support(rows[node], params)
+        children = kids.get(node, ())
         chosen = None
         for child in children:
-            q = tree.draft_probs.get(child)
+            q = draft_probs.get(child)
             if q is None:
                 continue
-            x = tree.tokens[child]
-            if q[x] > 0 and rng.random() * q[x] < p[x]:  # accept with min(1, p/q)
+            x = tokens[child]
+            qx = prob_of(q, x)
+            if qx > 0 and rng.random() * qx < p.prob(x):  # accept with min(1, p/q)
                 chosen = child
                 break
             p_next = residual(p, q)
@@ -74,9 +146,8 @@ def verify_sampling(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
                 continue
             p = p_next
         if chosen is None:
-            x = sample(p, rng)
-            deterministic = [c for c in children
-                             if c not in tree.draft_probs and tree.tokens[c] == x]
+            x = p.sample(rng)
+            deterministic = [c for c in children if c not in draft_probs and tokens[c] == x]
             if not deterministic:
                 return path, x, predictions
             chosen = deterministic[0]
@@ -85,7 +156,7 @@ def verify_sampling(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
 
 
 def verify(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
-           rng: np.random.Generator) -> tuple[list[int], int, np.ndarray]:
+           rng: np.random.Generator) -> tuple[list[int], int, Predictions]:
     if params.greedy:
         return verify_greedy(tree, rows)
     return verify_sampling(tree, rows, params, rng)

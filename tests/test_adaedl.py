@@ -9,6 +9,7 @@ import pytest
 from scipy import stats as sps
 
 from ouroboros_local.errors import ParameterError
+from ouroboros_local.proposers import check_options
 from ouroboros_local.proposers.base import ProposeSetup
 from ouroboros_local.proposers.draft_model import (AdaEDL, DraftModelProposer, adaedl_from_options,
                                                    logits_entropy, probs_entropy)
@@ -82,12 +83,13 @@ def test_lambda_update_follows_algorithm_1() -> None:
 def test_options_and_validation() -> None:
     assert adaedl_from_options({}) is None
     assert adaedl_from_options({"adaedl": False}) is None
-    ada = adaedl_from_options({"adaedl": "true", "adaedl_lambda": 0.4, "adaedl_gamma_e": 0.3})
+    ada = adaedl_from_options(check_options("speculative", {"adaedl": "true", "adaedl_lambda": 0.4,
+                                                            "adaedl_gamma_e": 0.3}))
     assert ada.lam == 0.4 and ada.gamma_e == 0.3 and ada.beta1 == 0.5 and ada.eps == 0.01
     for key, bad in (("adaedl_lambda", 1.5), ("adaedl_gamma_e", 0.0), ("adaedl_alpha", -0.1),
                      ("adaedl_beta2", "x")):
         with pytest.raises(ParameterError, match=key):
-            adaedl_from_options({"adaedl": True, key: bad})
+            adaedl_from_options(check_options("speculative", {"adaedl": True, key: bad}))
 
 
 class FakeKV:
@@ -103,7 +105,7 @@ class FakeKV:
         self.i += 1
         return row
 
-    def sync_to(self, tokens, logits_last=False):
+    def sync_to(self, tokens, logits_last=False, agreed=0):
         self.cached = list(tokens)
         return self._next() if logits_last else None
 

@@ -286,7 +286,7 @@ def test_cli_parses() -> None:
          "--method-options", '{"speculative": {"gamma": 3}}', "--tolerance-margin", "0.01", "--gamma", "5"])
     assert (args.model, args.draft, args.task, args.limit, args.max_tokens, args.chat) == \
         ("t.gguf", "d.gguf", "humaneval", 3, 16, False)
-    assert args.methods == "vanilla,speculative" and args.sweep == "gamma=2,4" and args.gamma == 5
+    assert args.methods == "vanilla,speculative" and args.sweep == "gamma=2,4" and args.opt_gamma == 5
     assert args.tolerance_margin == 0.01 and args.llama_cpp_bin == "/opt/llama"
     assert args.func.__module__ == "ouroboros_local.bench.cli"
 

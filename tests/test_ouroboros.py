@@ -328,12 +328,12 @@ def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_
     """With the cost model on (the default), ouroboros picks per round between phrases copied from the
     context and its pool and the draft model; the text still equals plain decoding, and a flat cost
     curve (a GPU-like machine) lets both kinds of draft run."""
+    from ouroboros_local.proposers import create_proposer
     from ouroboros_local.proposers.auto import AutoProposer
-    from ouroboros_local.proposers.ouroboros import create
 
     engine = make_engine(tiny_target, tiny_draft, adaptive=True)   # calibration "off": flat costs
     try:
-        proposer = create(engine, {})
+        proposer = create_proposer("ouroboros", engine, {})
         assert isinstance(proposer, AutoProposer) and proposer.name == "ouroboros"
         assert [p.name for p in proposer.candidates] == ["prompt-lookup", "ouroboros"]
         rounds: dict[str, int] = {}

@@ -17,7 +17,7 @@ from llama_cpp import llama_cpp as lc
 from scipy import stats as sps
 
 from ouroboros_local.errors import ParameterError
-from ouroboros_local.llama.binding import default_threads
+from ouroboros_local.llama.binding import usable_cores
 from ouroboros_local.proposers import _METHODS
 from ouroboros_local.proposers import pearl as pearl_mod
 from ouroboros_local.sampling import SamplingParams
@@ -27,7 +27,7 @@ from test_engine import PROMPTS, make_engine, target_pair_distribution
 # Until the lead registers the method in proposers/__init__.py (no-op once it is there).
 _METHODS.setdefault("pearl", "ouroboros_local.proposers.pearl:create")
 
-TWO_CORES = default_threads() >= 2
+TWO_CORES = usable_cores() >= 2
 needs_two_cores = pytest.mark.skipif(not TWO_CORES, reason="PEARL's parallel mode needs 2 cores")
 # the engines in these tests use 1 thread per context; PEARL runs them 1 + 1 at once
 PAR = {"mode": "parallel", "threads_target": 1, "threads_draft": 1}
@@ -270,7 +270,7 @@ def test_background_error_surfaces_and_engine_recovers(engine, monkeypatch) -> N
 def test_bad_options_and_missing_draft(engine, tiny_target) -> None:
     for opts, match in (({"gamma": 1}, "gamma"), ({"mode": "fast"}, "mode"),
                         ({"seq_gamma": 0}, "seq_gamma"), ({"probe_rounds": 0}, "probe_rounds"),
-                        ({"threads_target": default_threads(), "threads_draft": 1}, "threads")):
+                        ({"threads_target": usable_cores(), "threads_draft": 1}, "threads")):
         with pytest.raises(ParameterError, match=match):
             engine.generate("x", max_tokens=2, method="pearl", options=opts)
     with make_engine(tiny_target) as eng:
@@ -313,7 +313,7 @@ def test_auto_gamma_stays_in_range(engine) -> None:
 
 @needs_two_cores
 def test_stress_many_rounds(tiny_target, tiny_draft) -> None:
-    # many concurrent rounds on two contexts (the note asks for a ctypes stress test)
+    # many concurrent rounds on two contexts: a stress test of two threads in ctypes at once
     with make_engine(tiny_target, tiny_draft, n_ctx=1024) as eng:
         for prompt in PROMPTS:
             base = eng.generate(prompt, max_tokens=300)

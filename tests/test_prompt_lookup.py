@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 
 from ouroboros_local.errors import ParameterError
+from ouroboros_local.proposers import check_options
+from ouroboros_local.history import SHARED_POOL
 from ouroboros_local.pool import PhrasePool
 from ouroboros_local.proposers.prompt_lookup import NgramIndex, PromptLookupProposer, create, would_add_leaf
 from ouroboros_local.testing.sim import FakeTarget, make_setup, simulate
@@ -125,12 +127,14 @@ def test_parameters_and_factory() -> None:
     with pytest.raises(ParameterError):
         PromptLookupProposer(gamma=0)
     engine = SimpleNamespace(shared={})
-    prop = create(engine, {"gamma": 5, "max_branches": 2, "pool": True})
+    prop = create(engine, check_options("prompt-lookup", {"gamma": 5, "max_branches": 2, "pool": "h.pool"}))
     assert isinstance(prop, PromptLookupProposer) and prop.gamma == 5 and prop.max_branches == 2
-    assert prop.pool is engine.shared["phrase_pool"]
-    assert create(engine, {}).pool is None
+    assert prop.pool is engine.shared[SHARED_POOL]          # a pool file makes the history pool a source
+    assert create(engine, check_options("prompt-lookup", {})).pool is None
     with pytest.raises(ParameterError):
-        create(engine, {"pool": "yes"})
+        check_options("prompt-lookup", {"pool": True})
+    with pytest.raises(ParameterError, match="min_ngram"):
+        create(engine, check_options("prompt-lookup", {"min_ngram": 4, "max_ngram": 2}))
 
 
 # ---- end to end on a fake target ----------------------------------------------------------------------
@@ -188,8 +192,10 @@ def engine(tiny_target):
     eng.close()
 
 
-@pytest.mark.parametrize("options", [{}, {"max_branches": 3, "gamma": 4}, {"pool": True, "min_ngram": 2}])
-def test_engine_greedy_equality(engine, options: dict) -> None:
+@pytest.mark.parametrize("options", [{}, {"max_branches": 3, "gamma": 4}, {"pool": "FILE", "min_ngram": 2}])
+def test_engine_greedy_equality(engine, options: dict, tmp_path) -> None:
+    if options.get("pool") == "FILE":   # the history pool, persisted after each answer
+        options = {**options, "pool": str(tmp_path / "history.pool")}
     for prompt in E2E_PROMPTS:
         base = engine.generate(prompt, max_tokens=40)
         res = engine.generate(prompt, max_tokens=40, method="prompt-lookup", options=dict(options))

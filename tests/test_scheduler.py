@@ -13,7 +13,7 @@ from ouroboros_local.scheduler import (Acceptance, CalibrationCache, CostModel, 
                                        expected_tokens, probability_class)
 from ouroboros_local.tree import TokenTree
 
-CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # DESIGN.md §4
+CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model
 GPU = CostModel(sizes=[1, 8, 16, 32], seconds=[1.0, 1.05, 1.1, 1.3])
 
 

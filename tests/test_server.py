@@ -357,6 +357,30 @@ BAD_REQUESTS = [
      {"prompt": "x", "method": "speculative", "method_options": {"gamma": "many"}}, 400, "method_options"),
     ("method_options out of range", "/v1/completions",
      {"prompt": "x", "method": "speculative", "method_options": {"gamma": 0}}, 400, "method_options"),
+    # issue 15: requests that once killed the server (O(W^2) allocations before the check) or wrote files
+    ("lookahead window 100000", "/v1/completions",
+     {"prompt": "x", "max_tokens": 3, "method": "lookahead", "method_options": {"window": 100000}}, 400,
+     "method_options"),
+    ("lookahead window 20000", "/v1/completions",
+     {"prompt": "x", "method": "lookahead", "method_options": {"window": 20000}}, 400, "method_options"),
+    ("ouroboros window 100000", "/v1/completions",
+     {"prompt": "x", "method": "ouroboros", "method_options": {"window": 100000}}, 400, "method_options"),
+    ("prompt-lookup max_ngram 1e9", "/v1/completions",
+     {"prompt": "x", "method": "prompt-lookup", "method_options": {"max_ngram": 1000000000}}, 400,
+     "method_options"),
+    ("unknown method option", "/v1/completions",
+     {"prompt": "x", "method": "prompt-lookup", "method_options": {"windoww": 4}}, 400, "method_options"),
+    ("pool path from a request", "/v1/completions",
+     {"prompt": "x", "method": "ouroboros", "method_options": {"pool": "/tmp/evil.pool"}}, 400,
+     "method_options"),
+    ("option of the wrong type", "/v1/completions",
+     {"prompt": "x", "method": "lookahead", "method_options": {"level": [3]}}, 400, "method_options"),
+    ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+     "messages"),
+    ("image part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                 {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
+     "messages"),
     ("n = 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("penalty", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
@@ -376,6 +400,45 @@ def test_bad_request_then_normal_request(live, engine, name, path, body, status,
     ok_status, _, ok_body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6})
     assert ok_status == 200, ok_body
     assert json.loads(ok_body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
+
+
+def test_json_only_cross_origin_style_request_is_refused(live, engine, tmp_path):
+    """A web page may POST text/plain to 127.0.0.1 without a preflight: such a body is never read."""
+    target = tmp_path / "written-by-a-web-page.pool"
+    body = json.dumps({"prompt": "x", "max_tokens": 2, "method": "ouroboros",
+                       "method_options": {"pool": str(target)}}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", ""):
+        req = urllib.request.Request(live.base + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": content_type, "Origin": "http://evil.example"})
+        if not content_type:
+            req.remove_header("Content-type")
+        try:
+            urllib.request.urlopen(req, timeout=30)
+            raise AssertionError("accepted")
+        except urllib.error.HTTPError as exc:
+            assert exc.code == 415, content_type
+            assert json.loads(exc.read())["error"]["code"] == "unsupported_media_type"
+    assert not target.exists()
+    ok_status, _, ok_body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4},
+                                 headers={"Content-Type": "application/json; charset=utf-8"})
+    assert ok_status == 200, ok_body
+
+
+def test_server_history_pool_is_set_at_start(engine, tmp_path):
+    """The history pool file is the server's (serve --pool): requests share it and cannot move it."""
+    path = tmp_path / "history.pool"
+    app = create_app(engine, ServerConfig(model_id="tiny", method="ouroboros", method_options={"pool": str(path)}))
+    server = LiveServer(app)
+    try:
+        status, _, body = http(server.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6})
+        assert status == 200, body
+        assert path.exists() and path.stat().st_size > 0
+        status, _, body = http(server.base, "/v1/completions",
+                               {"prompt": PROMPT, "max_tokens": 6, "method": "speculative"})
+        assert status == 200, body   # the server's pool option goes only to methods that have one
+    finally:
+        server.stop()
+        engine.shared.clear()
 
 
 def test_bad_requests_through_the_openai_client(client):

@@ -26,7 +26,8 @@ SUMMARY_KEYS = ("label", "kind", "method", "prompts", "errors", "tokens", "timed
                 "prefill_seconds", "decode_seconds", "tokens_per_second", "prefill_tokens_per_second",
                 "speedup", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes", "drafted",
                 "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
-                "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs", "speedup_ci")
+                "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs", "speedup_ci",
+                "python_ms_per_round")
 
 CI_LEVEL = 0.90          # speedup_ci: a paired bootstrap interval over the set's prompts
 CI_RESAMPLES = 2000
@@ -84,6 +85,15 @@ def bootstrap_speedup(pairs: Sequence[tuple[float, float, float, float]], level:
     return [float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1.0 - tail))]
 
 
+def python_ms_per_round(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Milliseconds per target pass spent outside llama_decode (our methods' extra.python_seconds:
+    the runtime's own overhead, which a fast GPU step exposes); None for peers."""
+    timed = [r for r in records if (r.get("extra") or {}).get("python_seconds") is not None
+             and r.get("target_passes")]
+    rounds = sum(r["target_passes"] for r in timed)
+    return 1e3 * sum(r["extra"]["python_seconds"] for r in timed) / rounds if rounds else None
+
+
 def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping[str, Any]],
               model_bytes: int | None, reference: str = "vanilla") -> dict[str, dict[str, dict[str, Any]]]:
     """summary[set][label] = aggregated numbers (see SUMMARY_KEYS); an "all" set when there are several."""
@@ -128,6 +138,7 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
                 if a and b:
                     ratios.append(a / b)
             s["speedup_geomean"] = _geomean(ratios)
+            s["python_ms_per_round"] = python_ms_per_round(ok)
             pairs = [_speed_pair(r, ref_runs[(r["set"], r["id"])]) for r in ok if (r["set"], r["id"]) in ref_runs]
             s["speedup_ci"] = bootstrap_speedup([p for p in pairs if p]) if label != reference else None
             compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
@@ -371,7 +382,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  f"sum of decode seconds), {CI_LEVEL:.0%} CI: paired bootstrap interval of the speedup over "
                  "the prompts; geomean: per-prompt geometric mean; acc/pass: accepted draft "
                  "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
-                 "target passes per second; identical: outputs equal to vanilla's.")
+                 "target passes per second; identical: outputs equal to vanilla's; py ms/round: time per "
+                 "target pass outside llama.cpp's decode calls (our Python).")
     lines.append("")
     for set_name, by_label in (payload.get("summary") or {}).items():
         set_info = next((s for s in payload.get("sets", []) if s.get("name") == set_name), {})
@@ -381,8 +393,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                      f"max {set_info.get('max_tokens')} new tokens)"
         lines += [title, "",
                   f"| method | tok/s | speedup | {CI_LEVEL:.0%} CI | geomean | acc/pass | passes/100 tok | "
-                  "identical | prefill tok/s | GB/s |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+                  "identical | prefill tok/s | GB/s | py ms/round |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
         for s in by_label.values():
             speed = _f(s.get("speedup"), "{:.2f}x")
             if s.get("kind") == "peer" and s.get("baseline") not in (None, "vanilla", s["label"]):
@@ -396,7 +408,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                          f"{_f(s.get('speedup_geomean'), '{:.2f}x')} | {_f(s.get('accepted_per_pass'))} | "
                          f"{_f(s.get('passes_per_100_tokens'), '{:.1f}')} | {identical_cell(s)} | "
                          f"{_f(s.get('prefill_tokens_per_second'), '{:.1f}')} | "
-                         f"{_f(s.get('bandwidth_gbs'), '{:.1f}')} |")
+                         f"{_f(s.get('bandwidth_gbs'), '{:.1f}')} | "
+                         f"{_f(s.get('python_ms_per_round'), '{:.3f}')} |")
         lines.append("")
     mism = payload.get("mismatches") or []
     if mism:

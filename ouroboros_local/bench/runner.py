@@ -8,7 +8,7 @@ For each prompt every contender runs once, in an order rotated by one position p
 drifts of the machine (thermal, background load) spread over all methods. Outputs are compared with the
 reference (vanilla) token by token; a difference is recorded at its first position and, with a tolerance
 margin, classified as a tie-flip when plain decoding preferred its token over the method's by less than
-that many logits there (ouroboros_local.compare, DESIGN.md §3).
+that many logits there (ouroboros_local.compare, docs/design.md#exactness).
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def classify(engine: "Engine | None", prompt: BuiltPrompt, ref: Outcome, got: Ou
         info["got_token"] = got.tokens[pos] if pos < len(got.tokens) else None
         info["match"] = "mismatch"
         if tolerance_margin is not None and engine is not None:
-            from ..compare import compare_greedy  # the project's tolerance rule (DESIGN.md §3/§5)
+            from ..compare import compare_greedy  # the project's tolerance rule (docs/design.md#exactness)
 
             try:
                 cold_start(engine)   # the reference row from a clean prefill, whatever ran before

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import codecs
 import ctypes
+import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from ..cpu_load import busy_cores_now, idle_threads, usable_cores  # noqa: F401 (re-exported)
 from ..errors import ContextOverflowError, ModelError, OuroborosError
 
 try:
@@ -56,10 +59,18 @@ def last_log_error() -> str:
 
 
 def default_threads() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - macOS / Windows
-        return max(1, os.cpu_count() or 1)
+    """The usable cores that other processes leave idle now (sampled for ~0.15 s), at least 1.
+
+    Not simply every core: llama.cpp's threads wait for each other at every graph node, so one thread
+    sharing a core with a busy process stalls them all (SmolLM2-135M next to another decode loop: 0.3
+    tok/s with 2 threads, 55 with 1). ``usable_cores()`` is the affinity count without the load."""
+    cores, busy = usable_cores(), busy_cores_now()
+    threads = idle_threads(cores, busy)
+    if threads < cores:
+        logging.getLogger("ouroboros_local").info(
+            "other processes keep %.1f of %d cores busy: using %d thread(s) (-t N overrides)",
+            busy, cores, threads)
+    return threads
 
 
 def supports_gpu_offload() -> bool:
@@ -298,49 +309,109 @@ _FLASH = {"off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": lc.LLAMA_FLASH_ATTN_TY
 
 
 class Batch:
-    """A reusable llama_batch with explicit positions, sequence ids and logits flags."""
+    """A reusable llama_batch with explicit positions, sequence ids and logits flags.
+
+    Filled through numpy views of its arrays (one vectorized assignment per field, not a ctypes
+    store per token). The per-token sequence-id arrays llama_batch_init allocates are pointed into
+    one (capacity x max_seqs) matrix; the original pointers are put back before llama_batch_free.
+    """
 
     def __init__(self, capacity: int, max_seqs_per_token: int):
         self.capacity = capacity
         self.max_seqs = max_seqs_per_token
-        self._b = lc.llama_batch_init(capacity, 0, max_seqs_per_token)
+        b = self._b = lc.llama_batch_init(capacity, 0, max_seqs_per_token)
+        self._token = np.ctypeslib.as_array(b.token, shape=(capacity,))
+        self._pos = np.ctypeslib.as_array(b.pos, shape=(capacity,))
+        self._n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))
+        self._logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
+        self._seq = np.zeros((capacity, max_seqs_per_token), dtype=np.int32)
+        seq_ptr = ctypes.POINTER(lc.llama_seq_id)
+        self._own_seq_ptrs = [ctypes.cast(b.seq_id[i], ctypes.c_void_p).value for i in range(capacity)]
+        base, row_bytes = self._seq.ctypes.data, self._seq.strides[0]
+        for i in range(capacity):
+            b.seq_id[i] = ctypes.cast(base + i * row_bytes, seq_ptr)
+        self._n = 0
         self.n_outputs = 0
 
     @property
     def n_tokens(self) -> int:
-        return int(self._b.n_tokens)
+        return self._n
 
     def clear(self) -> None:
         self._b.n_tokens = 0
+        self._n = 0
         self.n_outputs = 0
+
+    def _reserve(self, n: int) -> int:
+        i = self._n
+        if i + n > self.capacity:
+            raise OuroborosError(f"batch overflow: capacity {self.capacity}")
+        self._n = i + n
+        self._b.n_tokens = i + n
+        return i
+
+    def _check_seqs(self, seq_ids: Sequence[int]) -> None:
+        if not 0 < len(seq_ids) <= self.max_seqs:
+            raise OuroborosError(f"a token needs 1..{self.max_seqs} sequence ids")
 
     def add(self, token: int, pos: int, seq_ids: Sequence[int], logits: bool) -> int:
         """Append a token; returns its batch index."""
-        i = self._b.n_tokens
-        if i >= self.capacity:
-            raise OuroborosError(f"batch overflow: capacity {self.capacity}")
-        if not 0 < len(seq_ids) <= self.max_seqs:
-            raise OuroborosError(f"a token needs 1..{self.max_seqs} sequence ids")
-        b = self._b
-        b.token[i] = token
-        b.pos[i] = pos
-        b.n_seq_id[i] = len(seq_ids)
-        row = b.seq_id[i]
-        for j, s in enumerate(seq_ids):
-            row[j] = s
-        b.logits[i] = 1 if logits else 0
-        b.n_tokens = i + 1
+        self._check_seqs(seq_ids)
+        i = self._reserve(1)
+        self._token[i] = token
+        self._pos[i] = pos
+        self._n_seq[i] = len(seq_ids)
+        self._seq[i, :len(seq_ids)] = seq_ids
+        self._logits[i] = 1 if logits else 0
         if logits:
             self.n_outputs += 1
         return i
 
     def add_sequence(self, tokens: Sequence[int], start_pos: int, seq_ids: Sequence[int],
                      logits_last: bool) -> None:
-        for k, tok in enumerate(tokens):
-            self.add(tok, start_pos + k, seq_ids, logits_last and k == len(tokens) - 1)
+        """Append consecutive tokens of the same sequences (a prefill chunk, a draft chain)."""
+        n = len(tokens)
+        if n == 0:
+            return
+        self._check_seqs(seq_ids)
+        i = self._reserve(n)
+        self._token[i:i + n] = tokens
+        self._pos[i:i + n] = np.arange(start_pos, start_pos + n, dtype=np.int32)
+        self._n_seq[i:i + n] = len(seq_ids)
+        self._seq[i:i + n, :len(seq_ids)] = seq_ids
+        self._logits[i:i + n] = 0
+        if logits_last:
+            self._logits[i + n - 1] = 1
+            self.n_outputs += 1
+
+    def add_tokens(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[Sequence[int]],
+                   logits: Sequence[bool]) -> None:
+        """Append tokens with their own positions, sequence ids and logits flags (a tree layout)."""
+        n = len(tokens)
+        if n == 0:
+            return
+        lengths = [len(s) for s in seq_ids]
+        if min(lengths) < 1 or max(lengths) > self.max_seqs:
+            raise OuroborosError(f"a token needs 1..{self.max_seqs} sequence ids")
+        i = self._reserve(n)
+        self._token[i:i + n] = tokens
+        self._pos[i:i + n] = positions
+        self._n_seq[i:i + n] = lengths
+        if max(lengths) == 1:
+            self._seq[i:i + n, 0] = [s[0] for s in seq_ids]
+        else:
+            seq = self._seq
+            for k, ids in enumerate(seq_ids):
+                seq[i + k, :len(ids)] = ids
+        flags = self._logits[i:i + n]
+        flags[:] = logits
+        self.n_outputs += int(np.count_nonzero(flags))
 
     def free(self) -> None:
         if self._b is not None:
+            seq_ptr = ctypes.POINTER(lc.llama_seq_id)
+            for i, addr in enumerate(self._own_seq_ptrs):   # llama_batch_free frees these
+                self._b.seq_id[i] = ctypes.cast(addr, seq_ptr)
             lc.llama_batch_free(self._b)
             self._b = None
 
@@ -349,6 +420,14 @@ class Batch:
             self.free()
         except Exception:
             pass
+
+
+_decode_clock = threading.local()
+
+
+def decode_seconds() -> float:
+    """Seconds this thread has spent inside llama_decode (every context), since the process began."""
+    return getattr(_decode_clock, "seconds", 0.0)
 
 
 class Context:
@@ -389,6 +468,9 @@ class Context:
         self.n_vocab = model.n_vocab
         self.n_threads = threads
         self._lock = threading.Lock()
+        self.decode_seconds = 0.0          # wall time inside llama_decode on this context
+        self._logits_addr: int | None = None
+        self._logits_view = np.empty((0, self.n_vocab), dtype=np.float32)
 
     @property
     def ptr(self):
@@ -401,7 +483,11 @@ class Context:
 
     def decode(self, batch: Batch) -> None:
         """Decode a batch; raises with llama.cpp's reason on failure."""
+        t0 = time.perf_counter()
         rc = lc.llama_decode(self.ptr, batch._b)
+        elapsed = time.perf_counter() - t0
+        self.decode_seconds += elapsed
+        _decode_clock.seconds = getattr(_decode_clock, "seconds", 0.0) + elapsed
         if rc == 0:
             return
         if rc == 1:
@@ -415,7 +501,13 @@ class Context:
         ptr = lc.llama_get_logits(self.ptr)
         if not ptr:
             raise OuroborosError("no logits available")
-        return np.ctypeslib.as_array(ptr, shape=(n_rows, self.n_vocab))
+        addr = ctypes.cast(ptr, ctypes.c_void_p).value
+        if addr != self._logits_addr or n_rows > len(self._logits_view):
+            # one view per buffer address (building a view costs more than a small decode's Python)
+            rows = max(n_rows, self.n_batch)
+            self._logits_view = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
+            self._logits_addr = addr
+        return self._logits_view[:n_rows]
 
     # ---- memory (KV cache) ----------------------------------------------------------------------
     def seq_rm(self, seq: int, p0: int, p1: int = -1) -> None:

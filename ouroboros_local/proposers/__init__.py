@@ -5,13 +5,17 @@ from __future__ import annotations
 from importlib import import_module
 from typing import TYPE_CHECKING, Any, Callable
 
-from ..errors import IncompatiblePairError, ParameterError
+from ..errors import IncompatiblePairError, MethodOptionError, ParameterError
+from ..options import Option
+from ..options import parse as parse_options
 from .base import NoDraft, ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine
 
-# method name -> "module:factory"; factories take (engine, options) and return a fresh Proposer.
+# method name -> "module:factory"; factories take (engine, options) and return a fresh Proposer. The
+# module's OPTIONS (a tuple of options.Option) declares what the method accepts; options are checked
+# and completed with their defaults before the factory sees them.
 _METHODS: dict[str, str] = {
     "vanilla": "ouroboros_local.proposers:_vanilla",
     "speculative": "ouroboros_local.proposers.draft_model:create",
@@ -20,6 +24,7 @@ _METHODS: dict[str, str] = {
     "ouroboros": "ouroboros_local.proposers.ouroboros:create",
     "pearl": "ouroboros_local.proposers.pearl:create",
     "auto": "ouroboros_local.proposers.auto:create",
+    "suffix": "ouroboros_local.proposers.suffix:create",
 }
 # A draft whose vocabulary differs from the target's runs these instead (text-level bridging).
 _CROSS_VOCAB_METHODS: dict[str, str] = {
@@ -28,8 +33,41 @@ _CROSS_VOCAB_METHODS: dict[str, str] = {
 }
 
 
+OPTIONS: tuple[Option, ...] = ()   # vanilla's
+
+
 def _vanilla(engine: "Engine", options: dict[str, Any]) -> Proposer:
     return NoDraft()
+
+
+def _factory(method: str) -> tuple[Callable[["Engine", dict[str, Any]], Proposer], tuple[Option, ...]]:
+    module_name, _, attr = _METHODS[method].partition(":")
+    module = import_module(module_name)
+    return getattr(module, attr), tuple(getattr(module, "OPTIONS", ()))
+
+
+def method_options(method: str) -> tuple[Option, ...]:
+    """The options ``method`` accepts."""
+    if method not in _METHODS:
+        raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+    return _factory(method)[1]
+
+
+def applicable_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The subset of ``options`` that ``method`` declares (settings shared by several methods, such as
+    the server's or the benchmark's flags, go only where they apply)."""
+    if method not in _METHODS:
+        return dict(options)
+    names = {alias for o in method_options(method) for alias in (o.name, *o.aliases)}
+    return {k: v for k, v in options.items() if k in names}
+
+
+def check_options(method: str, options: dict[str, Any] | None, *, per_request: bool = False) -> dict[str, Any]:
+    """``options`` checked against the method's declaration, defaults filled in (MethodOptionError)."""
+    raw = dict(options or {})
+    if method == "auto" and raw.get("adaptive") is False:
+        raise MethodOptionError("auto is the scheduler itself: it has no fixed-parameter mode (adaptive=false)")
+    return parse_options(method, method_options(method), raw, per_request=per_request)
 
 
 def method_names() -> list[str]:
@@ -56,19 +94,16 @@ def create_proposer(method: str, engine: "Engine", options: dict[str, Any]) -> P
             raise IncompatiblePairError(
                 f"pearl needs a draft with the target's vocabulary ({engine.pair_reason}); "
                 "--method speculative or ouroboros bridge different vocabularies through text")
-    adaptive = options.get("adaptive", True)
-    if not isinstance(adaptive, bool):
-        raise ParameterError(f"option 'adaptive' must be true or false (got {adaptive!r})")
-    if not adaptive and method == "auto":
-        raise ParameterError("auto is the scheduler itself: it has no fixed-parameter mode (adaptive=false)")
+    checked = check_options(method, options)
     module, _, attr = target.partition(":")
     factory: Callable[["Engine", dict[str, Any]], Proposer] = getattr(import_module(module), attr)
-    proposer = factory(engine, options)
-    if not adaptive:
+    proposer = factory(engine, checked)
+    if checked.get("adaptive") is False:
         # this generation runs the method's fixed hyperparameters every round, as
         # EngineConfig(adaptive=False) does for every method (e.g. to benchmark against the scheduler)
         proposer.adaptive = False
     return proposer
 
 
-__all__ = ["NoDraft", "ProposeSetup", "Proposer", "create_proposer", "method_names"]
+__all__ = ["NoDraft", "ProposeSetup", "Proposer", "applicable_options", "check_options", "create_proposer", "method_names",
+           "method_options"]

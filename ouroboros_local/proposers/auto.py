@@ -1,8 +1,10 @@
 """Method ``auto``: pick, round by round, the proposer with the best expected speed on this machine.
 
 Candidates, cheapest first: prompt lookup (free drafts, copied from the prompt, the output and the
-shared phrase pool) and, when a draft model is loaded, the draft model (through the cross-vocabulary
-proposer when its vocabulary differs from the target's). Each round:
+shared phrase pool), the suffix tries (free drafts from this request and from earlier answers, method
+``suffix``) and, when a draft model is loaded, the draft model (through the cross-vocabulary proposer
+when its vocabulary differs from the target's). A later candidate is asked when its measured acceptance
+promises more than the draft in hand. Each round:
 
 1. prompt lookup proposes up to the scheduler's best length for it, trimmed by its confidence classes
    (scheduler.trim); if something is left, that is the round's tree (a free draft beats a paid one of
@@ -27,7 +29,9 @@ import time
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .. import options as opt
 from ..tree import TokenTree
+from . import check_options, cross_vocab, draft_model, prompt_lookup, suffix
 from .base import ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -115,13 +119,18 @@ class AutoProposer(Proposer):
         return out
 
 
+# auto runs prompt lookup and, with a draft model, speculative: it takes their options
+OPTIONS: tuple[opt.Option, ...] = tuple(o for o in opt.merge(prompt_lookup.OPTIONS, draft_model.OPTIONS)
+                                        if o.name not in ("adaptive", "greedy_draft"))
+
+
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
-    from . import prompt_lookup
-
-    candidates: list[Proposer] = [prompt_lookup.create(engine, dict(options))]
+    """``options``: checked against ``OPTIONS``."""
+    # free drafts first: the context's n-grams, then the suffix tries (this request and earlier answers,
+    # asked when their measured acceptance promises more than the prompt-lookup draft in hand)
+    history = suffix.create(engine, check_options("suffix", {"pool": options["pool"]}))
+    candidates: list[Proposer] = [prompt_lookup.create(engine, options), history]
     if engine.draft is not None:
-        from . import cross_vocab, draft_model
-
         module = draft_model if engine.pair_compatible is not False else cross_vocab
         # greedy drafts: seeded sampling then reproduces plain seeded decoding, whatever the scheduler chose
         drafter = module.create(engine, {**options, "greedy_draft": True})

@@ -449,7 +449,7 @@ class CrossVocabProposer(Proposer):
                 closing = special      # None: a draft special without a target equivalent
                 break
             drafted.append(tok)
-            confidences.append(top_probability(logits))
+            confidences.append(top_probability(logits, tok))
             classes.append(probability_class(confidences[-1]))
             if i == n - 1:
                 break
@@ -508,20 +508,13 @@ def vocabulary_difference(target: "Model", draft: "Model", max_size_difference: 
     return None
 
 
-def _gamma(options: dict[str, Any], default: int) -> int:
-    gamma = options.get("gamma")
-    try:
-        return default if gamma is None else int(gamma)
-    except (TypeError, ValueError):
-        raise ParameterError(f"gamma must be an integer (got {gamma!r})") from None
-
-
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    """``speculative`` for a draft of another vocabulary (``options`` checked against its OPTIONS)."""
     if engine.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft)")
-    return CrossVocabProposer(engine.draft_kv(), engine.target, engine.draft, gamma=_gamma(options, 6),
-                              map_specials=bool(options.get("map_specials", True)),
-                              keep_unstable=bool(options.get("keep_unstable", False)))
+    return CrossVocabProposer(engine.draft_kv(), engine.target, engine.draft, gamma=options.get("gamma") or 6,
+                              map_specials=options.get("map_specials", True),
+                              keep_unstable=options.get("keep_unstable", False))
 
 
 class CrossVocabOuroboros(CrossVocabProposer):
@@ -543,15 +536,13 @@ class CrossVocabOuroboros(CrossVocabProposer):
 
     def __init__(self, kv: "KVCache", target: "Model", draft: "Model", inner: Proposer,
                  pool: "PhrasePool", *, gamma: int, topk: int, harvest: str, pool_from_prompt: bool,
-                 pool_file: str | None = None, fingerprint: str | None = None, map_specials: bool = True):
+                 map_specials: bool = True):
         super().__init__(kv, target, draft, gamma=gamma, map_specials=map_specials)
         self.inner = inner
         self.pool = pool
         self.topk = topk
         self.harvest = harvest
         self.pool_from_prompt = pool_from_prompt
-        self.pool_file = pool_file
-        self.fingerprint = fingerprint
         self._fed = 0
         self.suffix_nodes = 0
         self.suffix_accepted = 0
@@ -589,10 +580,13 @@ class CrossVocabOuroboros(CrossVocabProposer):
         if budget <= 0 or len(tokens) < 2 or view.pending or len(tokens) + 1 >= self.kv.ctx.n_ctx:
             self.empty_rounds += 1
             return tree
-        # the draft KV must be a prefix of the view (re-tokenization may have changed its tail)
-        self.kv.truncate(min(common_prefix(self.kv.cached, tokens), len(tokens) - 1))
+        # the draft KV must be a prefix of the view (re-tokenization may have changed its tail);
+        # watermark: it held the view's first _kv_equal tokens, of which view.dirty are unchanged
+        agreed = min(self._kv_equal, view.dirty)
+        self.kv.truncate(min(common_prefix(self.kv.cached, tokens, agreed), len(tokens) - 1))
         # one draft token more than the budget: the last converted token is dropped
         drafted = self.inner.draft_tokens(tokens, min(self.gamma, budget + 1))
+        self._kv_equal, view.dirty = len(tokens), len(tokens)   # drafting appends after them only
         self.draft_steps = self.inner._stats.get("draft_forwards", 0)
         closing: int | None = None
         for i, tok in enumerate(drafted):
@@ -629,8 +623,6 @@ class CrossVocabOuroboros(CrossVocabProposer):
 
     def end(self) -> None:
         self.inner.end()
-        if self.pool_file is not None and self.fingerprint is not None:
-            self.pool.save(self.pool_file, self.fingerprint)
 
     def stats(self) -> dict[str, Any]:
         out = super().stats()
@@ -644,23 +636,15 @@ class CrossVocabOuroboros(CrossVocabProposer):
 
 def create_ouroboros(engine: "Engine", options: dict[str, Any]) -> Proposer:
     """Ouroboros for a draft with another vocabulary (see ``CrossVocabOuroboros``)."""
-    from ..pool import PhrasePool, harvest_strategy
-    from .ouroboros import (DEFAULTS, OuroborosProposer, _int_option, scheduled, shared_pool,
-                            tokenizer_fingerprint)
+    from ..history import shared_pool
+    from ..pool import PhrasePool
+    from .ouroboros import OuroborosProposer, scheduled
 
     if engine.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft)")
-    gamma, window, level, guess, topk = (_int_option(options, k)
-                                         for k in ("gamma", "window", "level", "guess_set", "topk"))
-    harvest = harvest_strategy(options.get("harvest") or DEFAULTS["harvest"])
-    if level < 3:
-        raise ParameterError(f"ouroboros level N must be >= 3 (got {level}): phrases hold N-1 tokens")
-    path = options.get("pool")
-    if path is not None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise ParameterError("ouroboros option 'pool' must be a file path")
-        path = str(Path(path).expanduser().resolve())
-    pool = shared_pool(engine, level - 1, max(guess, topk, 1), path)      # target vocabulary
+    gamma, window, level, guess, topk = (options[k] for k in ("gamma", "window", "level", "guess_set", "topk"))
+    harvest = options["harvest"]
+    pool = shared_pool(engine, level - 1, max(guess, topk, 1), options["pool"])      # target vocabulary
     # the draft's own window/phrase pool (draft vocabulary), kept across requests like the target's
     draft_pool = engine.shared.setdefault(
         f"ouroboros_draft_pool:N={level}:G={guess}",
@@ -668,15 +652,11 @@ def create_ouroboros(engine: "Engine", options: dict[str, Any]) -> Proposer:
     kv = engine.draft_kv()
     inner = OuroborosProposer(kv, draft_pool, engine.draft.n_vocab, gamma=gamma, window=window,
                               level=level, guess_set=guess, topk=0, harvest="none",
-                              pool_from_prompt=bool(options.get("pool_from_prompt", True)),
-                              overshoot=bool(options.get("overshoot", True)),
-                              seed=_int_option(options, "seed"), check=engine)
+                              pool_from_prompt=options["pool_from_prompt"], overshoot=options["overshoot"],
+                              seed=options["seed"], check=engine)
     drafter = CrossVocabOuroboros(kv, engine.target, engine.draft, inner, pool, gamma=gamma, topk=topk,
-                                  harvest=harvest,
-                                  pool_from_prompt=bool(options.get("pool_from_prompt", True)),
-                                  pool_file=path,
-                                  fingerprint=tokenizer_fingerprint(engine) if path is not None else None,
-                                  map_specials=bool(options.get("map_specials", True)))
+                                  harvest=harvest, pool_from_prompt=options["pool_from_prompt"],
+                                  map_specials=options["map_specials"])
     return scheduled(engine, drafter, pool, options)
 
 

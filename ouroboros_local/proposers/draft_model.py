@@ -6,7 +6,7 @@ The draft's KV cache is kept in step with the committed text by prefix reuse: on
 not seen (the target's bonus, a corrected token) are decoded again.
 
 Early draft stopping (optional, ``options["adaedl"] = True``): AdaEDL (Agrawal, Jeon & Lee,
-arXiv 2410.18351; research note pearl_related.md §3). Before appending draft token i >= 1 the proposer
+arXiv 2410.18351; docs/design.md#adaedl). Before appending draft token i >= 1 the proposer
 computes the entropy H (nats) of the draft distribution at that position and stops if
 ``1 - sqrt(gamma_e * H) < lambda``; ``gamma`` becomes the hard cap L_max. ``lambda`` adapts after every
 round from an EMA of the acceptance rate (see ``AdaEDL.update``). For a greedy draft H is taken from the
@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .. import options as opt
 from ..errors import ParameterError
 from ..kv import KVCache, common_prefix
-from ..sampling import distribution, sample
+from ..sampling import Sparse, support
 from ..scheduler import probability_class
 from ..tree import TokenTree
 from .base import CatchUp, ProposeSetup, Proposer
@@ -35,32 +36,45 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..verify import VerifyResult
 
 
+def _shifted(logits: np.ndarray, top: float) -> np.ndarray:
+    """max(logits - top, -80) as a new float32 array (exp(-80) ~ 1e-35 keeps 0 * -inf and
+    denormals out, and changes no float32 sum)."""
+    z = np.subtract(logits, np.float32(top), dtype=np.float32)
+    return np.maximum(z, np.float32(-80.0), out=z)
+
+
 def logits_entropy(logits: np.ndarray) -> float:
     """Entropy (nats) of softmax(logits) at temperature 1; -inf entries are allowed."""
-    x = np.asarray(logits, dtype=np.float32)
-    z = np.maximum(x - x.max(), -80.0)   # exp(-80) ~ 1e-35: keeps 0 * -inf out, costs nothing
+    z = _shifted(logits, float(np.max(logits)))
     e = np.exp(z)
     s = float(e.sum())
     return max(0.0, math.log(s) - float(np.dot(e, z)) / s)
 
 
-def top_probability(logits: np.ndarray) -> float:
-    """Probability of the argmax token under softmax(logits) at temperature 1."""
-    x = np.asarray(logits, dtype=np.float32)
-    return 1.0 / float(np.sum(np.exp(np.maximum(x - x.max(), -80.0))))
+def top_probability(logits: np.ndarray, token: int | None = None) -> float:
+    """Probability of the argmax token (pass it as ``token`` when known: saves the max pass) under
+    softmax(logits) at temperature 1.
+
+    Exact needs exp over the whole vocabulary: done in place on one float32 array (subtract, exp,
+    sum). No clamp: a logit 80 below the top adds under 2e-35 to a sum >= 1, nothing in float32."""
+    top = float(logits[token]) if token is not None else float(np.max(logits))
+    z = np.subtract(logits, np.float32(top), dtype=np.float32)
+    return 1.0 / float(np.exp(z, out=z).sum())
 
 
-def probs_entropy(probs: np.ndarray) -> float:
-    """Entropy (nats) of a dense probability vector (zeros allowed)."""
+def probs_entropy(probs: np.ndarray | Sparse) -> float:
+    """Entropy (nats) of a dense probability vector (zeros allowed) or a ``Sparse`` one."""
+    if isinstance(probs, Sparse):
+        return probs.entropy()
     p = probs[probs > 0]
     return max(0.0, float(-np.dot(p, np.log(p))))
 
 
 @dataclass
 class AdaEDL:
-    """Entropy-based early draft stopping with an adaptive threshold (research note §3, Algorithm 1).
+    """Entropy-based early draft stopping with an adaptive threshold (AdaEDL's Algorithm 1).
 
-    Defaults follow the paper as reconstructed in the note; ``lam`` (the initial lambda) is not fixed
+    Defaults follow the paper (docs/design.md#adaedl); ``lam`` (the initial lambda) is not fixed
     by the paper (it sweeps 0.3-0.9): 0.7 stops when H > 0.45 nats.
     """
 
@@ -147,6 +161,9 @@ class DraftModelProposer(Proposer):
         self.cost_stops = 0       # drafts the scheduler stopped (one more token could not pay)
         self._last_tree: TokenTree | None = None
         self._last_cap = 0
+        # watermark: the draft KV holds committed[:_agreed] (committed only grows within a generation),
+        # so syncing compares the new tokens only
+        self._agreed = 0
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
@@ -158,14 +175,10 @@ class DraftModelProposer(Proposer):
             self.adaedl = AdaEDL(**{**self.adaedl_init.__dict__, "ar": None})
 
     def _row(self, logits: np.ndarray) -> np.ndarray:
-        # Tokens the target does not have can never be accepted: keep q on the target's vocabulary.
+        # Tokens the target does not have can never be accepted: keep q on the target's vocabulary
+        # (a view; a shorter draft vocabulary needs no padding, its missing ids have probability 0).
         n = self.n_target_vocab
-        if len(logits) == n:
-            return logits
-        out = np.full(n, -np.inf, dtype=np.float32)
-        m = min(n, len(logits))
-        out[:m] = logits[:m]
-        return out
+        return logits[:n] if len(logits) > n else logits
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
@@ -175,8 +188,10 @@ class DraftModelProposer(Proposer):
         if n <= 0:
             return tree
         # the text of the rounds it skipped
-        self.catch_up_seconds = self._catch_up.before_draft(lambda: self.kv.sync_to(committed[:-1]))
-        logits = self.kv.sync_to(committed, logits_last=True)
+        self.catch_up_seconds = self._catch_up.before_draft(
+            lambda: self.kv.sync_to(committed[:-1], agreed=self._agreed))
+        logits = self.kv.sync_to(committed, logits_last=True, agreed=self._agreed)
+        self._agreed = len(committed)
         self.draft_steps += 1
         sampling = self.setup.sampling
         ada = self.adaedl
@@ -191,16 +206,16 @@ class DraftModelProposer(Proposer):
                     break
                 token = int(np.argmax(row))
                 q = None
-                conf = top_probability(row)
+                conf = top_probability(row, token)
                 if self.p_min > 0.0 and conf < self.p_min and i > 0:
                     break
             else:
-                q = distribution(row, sampling)
-                if ada is not None and i > 0 and ada.should_stop(probs_entropy(q)):
+                q = support(row, sampling)
+                if ada is not None and i > 0 and ada.should_stop(q.entropy()):
                     self.early_stops += 1
                     break
-                token = sample(q, self.setup.rng)
-                conf = float(q[token])
+                token = q.sample(self.setup.rng)
+                conf = q.prob(token)
             node = tree.add(node, token, draft_probs=q, source="draft")
             tree.classes[node] = probability_class(conf)
             classes.append(tree.classes[node])
@@ -220,7 +235,8 @@ class DraftModelProposer(Proposer):
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         # Drop the draft's cells past what the target accepted; the next propose() decodes the
         # missing tokens (a corrected token, the bonus) in one batch.
-        self.kv.truncate(common_prefix(self.kv.cached, committed))
+        self._agreed = common_prefix(self.kv.cached, committed, self._agreed)
+        self.kv.truncate(self._agreed)
         self._catch_up.observed()
         # learn only from rounds whose tree this proposer made (method "auto" lets every
         # candidate observe every round)
@@ -244,36 +260,22 @@ class DraftModelProposer(Proposer):
 ADAEDL_OPTIONS = {"adaedl_gamma_e": "gamma_e", "adaedl_lambda": "lam", "adaedl_alpha": "alpha",
                   "adaedl_beta1": "beta1", "adaedl_beta2": "beta2", "adaedl_eps": "eps"}
 ADAEDL_DEFAULT_CAP = 8   # gamma (= L_max) when AdaEDL is on and no gamma is given
-
-
-def _truthy(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() in ("1", "true", "yes", "on")
-    return bool(value)
+# speculative's options; map_specials/keep_unstable matter only for a draft of another vocabulary
+OPTIONS: tuple[opt.Option, ...] = (opt.GAMMA, opt.P_MIN, opt.ADAEDL, opt.ADAEDL_LAMBDA, *opt.ADAEDL_TUNING,
+                                   opt.GREEDY_DRAFT, opt.MAP_SPECIALS, opt.KEEP_UNSTABLE, opt.ADAPTIVE)
 
 
 def adaedl_from_options(options: dict[str, Any]) -> AdaEDL | None:
     """``AdaEDL`` built from ``adaedl`` (bool) and ``adaedl_*`` options, or None when off."""
-    if not _truthy(options.get("adaedl", False)):
+    if not options.get("adaedl"):
         return None
-    kwargs: dict[str, float] = {}
-    for key, attr in ADAEDL_OPTIONS.items():
-        if options.get(key) is not None:
-            try:
-                kwargs[attr] = float(options[key])
-            except (TypeError, ValueError):
-                raise ParameterError(f"{key} must be a number (got {options[key]!r})") from None
-    return AdaEDL(**kwargs)
+    return AdaEDL(**{attr: float(options[key]) for key, attr in ADAEDL_OPTIONS.items()
+                     if options.get(key) is not None})
 
 
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+    """``options``: checked against ``OPTIONS``."""
     adaedl = adaedl_from_options(options)
-    default_gamma = ADAEDL_DEFAULT_CAP if adaedl is not None else 4
-    try:
-        raw = options.get("gamma")
-        gamma = default_gamma if raw is None else int(raw)
-    except (TypeError, ValueError):
-        raise ParameterError(f"gamma must be an integer (got {options.get('gamma')!r})") from None
-    return DraftModelProposer(engine.draft_kv(), engine.target.n_vocab, gamma=gamma,
-                              p_min=float(options.get("p_min", 0.0)), adaedl=adaedl,
-                              greedy_draft=_truthy(options.get("greedy_draft", False)))
+    gamma = options["gamma"] or (ADAEDL_DEFAULT_CAP if adaedl is not None else 4)
+    return DraftModelProposer(engine.draft_kv(), engine.target.n_vocab, gamma=gamma, p_min=options["p_min"],
+                              adaedl=adaedl, greedy_draft=options["greedy_draft"])

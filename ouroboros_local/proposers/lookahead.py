@@ -1,6 +1,6 @@
 """Lookahead decoding (LADE), target only: a Jacobi window rides along in the target's verify batch.
 
-Geometry (research note §2.2, §3.3), with ``u`` = the root (last committed token) at offset 0:
+Geometry (docs/design.md#lookahead-geometry), with ``u`` = the root (last committed token) at offset 0:
 
 * level 0 holds W-1 guesses ``a0[1..W-1]`` at offsets 1..W-1 (column 0 of level 0 is ``u`` itself);
 * level l = 1..N-2 holds W guesses ``al[0..W-1]``, column i at offset l+i;
@@ -28,7 +28,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .. import options as opt
 from ..errors import ParameterError
+from ..history import shared_pool
 from ..pool import PhrasePool, harvest_strategy, harvest_verification
 from ..tree import ExtraToken, TokenTree
 from .base import Proposer, ProposeSetup
@@ -160,17 +162,20 @@ class LookaheadProposer(Proposer):
         return {"la_" + k: v for k, v in self._stats.items()}
 
 
+OPTIONS: tuple[opt.Option, ...] = (opt.WINDOW, opt.LEVEL, opt.GUESS_SET, opt.POOL, opt.WARM_START,
+                                   opt.POOL_FROM_PROMPT, opt.HARVEST.with_default("none"), opt.SEED)
+
+
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
-    W = int(options.get("window", 4))
-    N = int(options.get("ngram", 3))
-    G = int(options.get("guess", 4))
-    pool = options.get("pool")
-    if pool is not None and not isinstance(pool, PhrasePool):
-        raise ParameterError("lookahead option 'pool' must be a PhrasePool")
-    if pool is None and options.get("warm_start", True):
-        # Warm start: one pool per engine and geometry survives across requests (Ouroboros §1.9).
+    """``options``: checked against ``OPTIONS`` (``level`` is N, ``guess_set`` is G)."""
+    W, N, G = options["window"], options["level"], options["guess_set"]
+    if options["pool"] is not None:   # the engine's history pool, persisted to that file
+        pool: PhrasePool | None = shared_pool(engine, N - 1, max(G, 1), options["pool"])
+    elif options["warm_start"]:
+        # Warm start: one pool per engine and geometry survives across requests (docs/design.md#warm-start).
         pool = engine.shared.setdefault(f"lookahead_pool:N={N}:G={G}",
                                         PhrasePool(key_len=1, max_per_key=max(G, 1), phrase_len=N - 1))
-    return LookaheadProposer(window=W, ngram=N, guess=G, pool=pool,
-                             pool_from_prompt=bool(options.get("pool_from_prompt", True)),
-                             harvest=options.get("harvest", "none"), seed=int(options.get("seed", 0)))
+    else:
+        pool = None
+    return LookaheadProposer(window=W, ngram=N, guess=G, pool=pool, pool_from_prompt=options["pool_from_prompt"],
+                             harvest=options["harvest"], seed=options["seed"])

@@ -1,4 +1,4 @@
-"""Ouroboros: draft-model speculative decoding that drafts phrase by phrase (research note §1).
+"""Ouroboros: draft-model speculative decoding that drafts phrase by phrase (docs/design.md#ouroboros).
 
 One round (``propose``):
 
@@ -8,9 +8,9 @@ One round (``propose``):
    below ``u``; shared prefixes merge). The draft then walks the tree greedily from ``u``: every node
    whose token is the draft's own argmax after its parent is accepted, so one forward commits 1 + h
    tokens (h phrase/window tokens, plus the draft's token after the last of them: the full-match bonus
-   that the reference code drops, §1.12). The window yields W new phrases per forward and shifts by one
+   that the reference code drops). The window yields W new phrases per forward and shifts by one
    column (LADE's ALWAYS_FWD_ONE); it lives across rounds. Drafting stops at ``gamma`` tokens or an EOG
-   token; a forward's overshoot beyond gamma is kept (§1.12).
+   token; a forward's overshoot beyond gamma is kept (both: docs/design.md#full-match-bonus-and-overshoot).
 2. **Long drafts.** The ``topk`` most recent pool phrases for the last draft token hang below the draft
    as branches; the target verifies trunk + branches in one decode (engine).
 3. **Phrases from verification.** ``observe`` feeds the target's argmax over rejected tails and tried
@@ -32,14 +32,13 @@ sequence id per leaf (``tree.layout``): each column end and each phrase end.
 
 from __future__ import annotations
 
-import hashlib
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from ..errors import ParameterError, PoolError
+from .. import options as opt
+from ..errors import ParameterError
+from ..history import SHARED_POOL, SHARED_POOL_FILE, shared_pool, tokenizer_fingerprint
 from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_strategy, harvest_verification
 from ..tree import TokenTree, check_layout, layout
@@ -50,11 +49,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..kv import KVCache
     from ..verify import VerifyResult
 
-SHARED_POOL = "ouroboros_pool"
-SHARED_POOL_FILE = "ouroboros_pool_file"
-DEFAULTS: dict[str, Any] = {"gamma": 4, "window": 4, "level": 3, "guess_set": 4, "topk": 2,
-                            "harvest": "predicted-tail", "pool": None, "pool_from_prompt": True,
-                            "overshoot": True, "seed": 0}
+OPTIONS: tuple[opt.Option, ...] = (
+    opt.GAMMA.with_default(4), opt.WINDOW, opt.LEVEL, opt.GUESS_SET, opt.TOPK, opt.HARVEST,
+    opt.POOL, opt.POOL_FROM_PROMPT, opt.OVERSHOOT, opt.SEED, opt.MAP_SPECIALS, opt.ADAPTIVE)
+DEFAULTS: dict[str, Any] = {o.name: o.default for o in OPTIONS}
 
 
 class JacobiWindow:
@@ -174,8 +172,7 @@ class OuroborosProposer(Proposer):
     def __init__(self, kv: "KVCache", pool: PhrasePool, n_target_vocab: int, *, gamma: int = 4,
                  window: int = 4, level: int = 3, guess_set: int = 4, topk: int = 2,
                  harvest: str | None = "predicted-tail", pool_from_prompt: bool = True,
-                 overshoot: bool = True, seed: int = 0, pool_file: str | None = None,
-                 fingerprint: str | None = None, check: bool | Any = False):
+                 overshoot: bool = True, seed: int = 0, check: bool | Any = False):
         for name, value, low in (("gamma", gamma, 1), ("guess_set", guess_set, 0), ("topk", topk, 0)):
             if value < low:
                 raise ParameterError(f"ouroboros {name} must be >= {low} (got {value})")
@@ -190,8 +187,6 @@ class OuroborosProposer(Proposer):
         self.pool_from_prompt = pool_from_prompt
         self.overshoot = overshoot
         self.seed = seed
-        self.pool_file = pool_file
-        self.fingerprint = fingerprint
         self._check = check            # an object with a truthy ``check_kv`` (the engine), or a bool
         ctx = kv.ctx
         if self.window.W > ctx.n_seq_max:
@@ -383,10 +378,6 @@ class OuroborosProposer(Proposer):
                 self.pool, result.tree, result.predictions, result.path, self.harvest, context=ctx)
         self._feed(committed)
 
-    def end(self) -> None:
-        if self.pool_file is not None and self.fingerprint is not None:
-            self.pool.save(self.pool_file, self.fingerprint)
-
     def stats(self) -> dict[str, Any]:
         out = {"ouro_" + k: v for k, v in self._stats.items()}
         out["ouro_pool_size"] = len(self.pool)
@@ -399,13 +390,13 @@ class _Fallback(Proposer):
 
     name = "ouroboros"
 
-    def __init__(self, inner: Proposer, kind: str, pool: PhrasePool | None, pool_file: str | None,
-                 fingerprint: str | None):
+    def __init__(self, inner: Proposer, kind: str, pool: PhrasePool | None):
         self.inner = inner
+        # the scheduler reads these flags from the proposer the engine runs
+        self.adaptive = inner.adaptive
+        self.confidence_classes = inner.confidence_classes
         self.kind = kind
         self.pool = pool
-        self.pool_file = pool_file
-        self.fingerprint = fingerprint
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
@@ -418,11 +409,7 @@ class _Fallback(Proposer):
         self.inner.observe(committed, result)
 
     def end(self) -> None:
-        try:
-            self.inner.end()
-        finally:
-            if self.pool is not None and self.pool_file is not None and self.fingerprint is not None:
-                self.pool.save(self.pool_file, self.fingerprint)
+        self.inner.end()
 
     def stats(self) -> dict[str, Any]:
         out = dict(self.inner.stats())
@@ -478,84 +465,17 @@ def _cut_at_eog(tokens: Sequence[int], eog: frozenset[int]) -> list[int]:
     return out
 
 
-def tokenizer_fingerprint(engine: "Engine") -> str:
-    """The target tokenizer's fingerprint (cached per engine)."""
-    fp = engine.shared.get("tokenizer_fingerprint")
-    if fp is None:
-        try:
-            from ..models import tokenizer_fingerprint as from_gguf
-
-            fp = from_gguf(engine.target.path)
-        except Exception:  # noqa: BLE001 - no metadata reader: hash the token texts instead
-            h = hashlib.sha256(b"ouroboros-token-texts\0")
-            model = engine.target
-            for t in range(model.n_vocab):
-                h.update(model.token_text(t).encode("utf-8", "surrogatepass") + b"\0")
-            fp = h.hexdigest()
-        engine.shared["tokenizer_fingerprint"] = fp
-    return fp
-
-
-def shared_pool(engine: "Engine", phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
-    """The engine's history pool: reused across requests; loaded from ``path`` when that file exists.
-
-    A pool of another geometry (phrase length, phrases per key) is re-shaped into a new one, so the
-    history is kept and the settings of this request hold.
-    """
-    pool = engine.shared.get(SHARED_POOL)
-    current = engine.shared.get(SHARED_POOL_FILE)
-    if path is not None and path != current and os.path.exists(path):
-        pool = PhrasePool.load(path, tokenizer_fingerprint(engine))   # PoolError for another tokenizer
-    if pool is not None and (pool.phrase_len != phrase_len or pool.max_per_key != max_per_key
-                             or pool.key_len != 1):
-        fresh = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len,
-                           max_tokens=pool.max_tokens)
-        for key, phrases in pool.items():
-            for phrase in phrases:
-                fresh.add(key, phrase)
-        pool = fresh
-    if pool is None:
-        pool = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len)
-    engine.shared[SHARED_POOL] = pool
-    if path is not None:
-        engine.shared[SHARED_POOL_FILE] = path
-    return pool
-
-
-def _int_option(options: dict[str, Any], name: str) -> int:
-    value = options.get(name)
-    if value is None:
-        value = DEFAULTS[name]
-    try:
-        if isinstance(value, bool) or int(value) != float(value):
-            raise ValueError
-        return int(value)
-    except (TypeError, ValueError):
-        raise ParameterError(f"ouroboros option {name!r} must be an integer (got {value!r})") from None
-
-
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
-    # Options of other methods (the CLI's shared flags) are ignored, as every method does.
-    gamma, window, level, guess, topk = (_int_option(options, k)
-                                         for k in ("gamma", "window", "level", "guess_set", "topk"))
-    harvest = harvest_strategy(options.get("harvest") or DEFAULTS["harvest"])
-    path = options.get("pool")
-    if path is not None:
-        if not isinstance(path, (str, os.PathLike)):
-            raise ParameterError("ouroboros option 'pool' must be a file path")
-        path = str(Path(path).expanduser().resolve())
-    if level < 3:
-        raise ParameterError(f"ouroboros level N must be >= 3 (got {level}): phrases hold N-1 tokens")
-    pool = shared_pool(engine, level - 1, max(guess, topk, 1), path)
-    fingerprint = tokenizer_fingerprint(engine) if path is not None else None
+    """``options``: checked by ``proposers.create_proposer`` against ``OPTIONS`` (defaults filled in)."""
+    level, guess, topk = options["level"], options["guess_set"], options["topk"]
+    pool = shared_pool(engine, level - 1, max(guess, topk, 1), options["pool"])
     if engine.draft is None:
-        return _fallback(engine, options, pool, path, fingerprint)
+        return _fallback(engine, options, pool)
     return scheduled(engine, OuroborosProposer(
-        engine.draft_kv(), pool, engine.target.n_vocab, gamma=gamma, window=window, level=level,
-        guess_set=guess, topk=topk, harvest=harvest,
-        pool_from_prompt=bool(options.get("pool_from_prompt", True)),
-        overshoot=bool(options.get("overshoot", True)), seed=_int_option(options, "seed"),
-        pool_file=path, fingerprint=fingerprint, check=engine), pool, options)
+        engine.draft_kv(), pool, engine.target.n_vocab, gamma=options["gamma"], window=options["window"],
+        level=level, guess_set=guess, topk=topk, harvest=options["harvest"],
+        pool_from_prompt=options["pool_from_prompt"], overshoot=options["overshoot"], seed=options["seed"],
+        check=engine), pool, options)
 
 
 def scheduled(engine: "Engine", drafter: Proposer, pool: PhrasePool, options: dict[str, Any]) -> Proposer:
@@ -570,34 +490,30 @@ def scheduled(engine: "Engine", drafter: Proposer, pool: PhrasePool, options: di
     far below plain decoding. With ``adaptive`` off (engine-wide, or the method option), the fixed
     hyperparameters run every round.
     """
-    if not engine.config.adaptive or options.get("adaptive", True) is False:
+    if not engine.config.adaptive or not options["adaptive"]:
         return drafter
     from .auto import AutoProposer
     from .prompt_lookup import PromptLookupProposer
 
-    phrases = PromptLookupProposer(gamma=max(_int_option(options, "gamma"), 8), pool=pool, feed_pool=False)
+    phrases = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=False)
     return AutoProposer(engine.scheduler(), [phrases, drafter], name="ouroboros")
 
 
-def _fallback(engine: "Engine", options: dict[str, Any], pool: PhrasePool, path: str | None,
-              fingerprint: str | None) -> Proposer:
-    try:
-        from .lookahead import create as lookahead_create
-    except ImportError:
-        lookahead_create = None
-    if lookahead_create is not None:
-        inner = lookahead_create(engine, {
-            "window": max(_int_option(options, "window"), 1), "ngram": _int_option(options, "level"),
-            "guess": _int_option(options, "guess_set"), "pool": pool,
-            "harvest": options.get("harvest") or DEFAULTS["harvest"],
-            "pool_from_prompt": bool(options.get("pool_from_prompt", True)),
-            "seed": _int_option(options, "seed")})
-        return _Fallback(inner, "lookahead", pool, path, fingerprint)
-    from .prompt_lookup import create as prompt_lookup_create
+def _fallback(engine: "Engine", options: dict[str, Any], pool: PhrasePool) -> Proposer:
+    """Without a draft model: phrases from the context and the pool, scheduled like prompt lookup
+    (the lookahead window runs only with fixed hyperparameters: on a CPU it costs more than it saves)."""
+    if not engine.config.adaptive or not options["adaptive"]:
+        from .lookahead import LookaheadProposer
 
-    inner = prompt_lookup_create(engine, {"pool": pool, "gamma": max(_int_option(options, "gamma"), 1)})
-    return _Fallback(inner, "prompt-lookup", pool, path, fingerprint)
+        inner: Proposer = LookaheadProposer(
+            window=options["window"], ngram=options["level"], guess=options["guess_set"], pool=pool,
+            pool_from_prompt=options["pool_from_prompt"], harvest=options["harvest"], seed=options["seed"])
+        return _Fallback(inner, "lookahead", pool)
+    from .prompt_lookup import PromptLookupProposer
+
+    inner = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True)
+    return _Fallback(inner, "prompt-lookup", pool)
 
 
-__all__ = ["DEFAULTS", "JacobiWindow", "OuroborosProposer", "create", "hang_pool_phrases", "shared_pool",
-           "tokenizer_fingerprint"]
+__all__ = ["DEFAULTS", "OPTIONS", "JacobiWindow", "OuroborosProposer", "SHARED_POOL", "SHARED_POOL_FILE",
+           "create", "hang_pool_phrases", "shared_pool", "tokenizer_fingerprint"]

@@ -1,4 +1,4 @@
-"""PEARL: draft and target run at the same time (Liu et al., arXiv 2408.11850; research note §2).
+"""PEARL: draft and target run at the same time (Liu et al., arXiv 2408.11850; docs/design.md#pearl).
 
 The draft model works on its own context in a background thread (``llama_decode`` releases the GIL),
 so its decodes overlap with the target's verification in the engine's thread. Both PEARL phases fit
@@ -34,7 +34,7 @@ models split the cores 1+1 on 2 cores, else 3/4 to the target.
 
 **Fallback.** PEARL only pays where draft and target do not fight over the same resource (target on a
 GPU, draft on the CPU, or two devices). On a CPU-only box it usually loses to sequential speculative
-decoding (§7 of the note). With ``mode="auto"`` (default) the proposer alternates blocks of
+decoding (measured: docs/design.md#pearl). With ``mode="auto"`` (default) the proposer alternates blocks of
 ``probe_rounds`` rounds of PEARL and of sequential speculative decoding (greedy draft chain of
 ``seq_gamma`` tokens, every core to whichever model runs) until each mode has two blocks, then keeps
 the faster (measured tokens/s). The measurements live in ``engine.shared`` per model pair and thread
@@ -51,9 +51,10 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
+from .. import options as opt
 from ..errors import ParameterError
 from ..kv import KVCache, common_prefix
-from ..llama.binding import default_threads, supports_gpu_offload
+from ..llama.binding import supports_gpu_offload, usable_cores
 from ..tree import TokenTree
 from .base import ProposeSetup, Proposer
 
@@ -66,8 +67,7 @@ PARALLEL = "parallel"
 SEQUENTIAL = "sequential"
 SHARED_KEY = "pearl_ab"
 GAMMA_MIN, GAMMA_MAX = 2, 12
-DEFAULTS: dict[str, Any] = {"mode": "auto", "gamma": "auto", "seq_gamma": 4, "probe_rounds": 8,
-                            "threads_target": None, "threads_draft": None}
+OPTIONS: tuple[opt.Option, ...] = (opt.PEARL_MODE, opt.PEARL_GAMMA, *opt.PEARL_TUNING)
 
 
 def on_gpu(model: "Model") -> bool:
@@ -171,6 +171,8 @@ class PearlProposer(Proposer):
         self._tree: TokenTree | None = None
         self._t_propose = 0.0
         self._t_proposed = 0.0
+        self._agreed = 0     # the draft KV holds committed[:_agreed] (see _truncate_to_chain)
+        self._seq_committed = 0   # committed tokens at the start of the sequence _draft syncs to
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
@@ -250,13 +252,16 @@ class PearlProposer(Proposer):
 
     # ---- drafting (runs in the worker thread for PEARL, inline for sequential rounds) -------------
     def _draft(self, seq: list[int], n: int) -> tuple[list[int], int, float]:
-        """Greedy-draft up to n tokens after ``seq``; returns (tokens, decodes, seconds)."""
+        """Greedy-draft up to n tokens after ``seq`` (which starts with the committed text, of
+        ``_seq_committed`` tokens); returns (tokens, decodes, seconds)."""
         t0 = time.perf_counter()
         kv = self.kv
         out: list[int] = []
         if n <= 0 or len(seq) >= kv.ctx.n_ctx:
             return out, 0, 0.0
-        logits = kv.sync_to(seq, logits_last=True)
+        n_committed = self._seq_committed
+        logits = kv.sync_to(seq, logits_last=True, agreed=min(self._agreed, n_committed))
+        self._agreed = n_committed
         steps = 1
         nv = self.n_vocab
         eog = self.eog
@@ -308,6 +313,7 @@ class PearlProposer(Proposer):
             n_bg = 0 if ends else min(self.gamma, budget - len(cands))
             if n_bg > 0:
                 base = committed + cands
+                self._seq_committed = len(committed)
                 self._future = self._submit(lambda: self._draft(base, n_bg))
             if cands:
                 self.post_rounds += 1
@@ -318,6 +324,7 @@ class PearlProposer(Proposer):
                 self._join()
             n_more = 0 if ends else min(self.seq_gamma, budget) - len(cands)
             if n_more > 0:
+                self._seq_committed = len(committed)
                 more, steps, _ = self._draft(committed + cands, n_more)
                 self.draft_steps += steps
                 cands = cands + more
@@ -336,7 +343,7 @@ class PearlProposer(Proposer):
         cont, steps, secs = self._join()
         if tree is None or result.tree is not tree:  # not our round (a wrapper proposed it)
             self.chain = list(committed)
-            self.kv.truncate(common_prefix(self.kv.cached, self.chain))
+            self._truncate_to_chain(len(committed))
             self._tree = None
             return
         self.draft_steps += steps
@@ -347,7 +354,7 @@ class PearlProposer(Proposer):
             self.chain = list(committed)
             if cont:
                 self.dropped += 1
-        self.kv.truncate(common_prefix(self.kv.cached, self.chain))
+        self._truncate_to_chain(len(committed))
         self._tree = None
         now = time.perf_counter()
         ab = self.ab
@@ -356,7 +363,7 @@ class PearlProposer(Proposer):
         ab.rounds[mode] += 1
         self.rounds[mode] += 1
         if mode == PARALLEL and steps and tree.n_candidates:
-            # window ~ t_target / t_draft (note §2.4): both sides then take the same wall time
+            # window ~ t_target / t_draft (docs/design.md#pearl): both sides then take the same wall time
             ab.t_target = _ema(ab.t_target, t_observe - self._t_proposed)
             ab.t_draft = _ema(ab.t_draft, secs / steps)
             if self.gamma_option == "auto" and ab.t_draft > 0:
@@ -364,6 +371,13 @@ class PearlProposer(Proposer):
                 ab.gamma = min(max(ratio, GAMMA_MIN), GAMMA_MAX)
                 self.gamma = int(round(ab.gamma))
         self._schedule()
+
+    def _truncate_to_chain(self, n_committed: int) -> None:
+        """Drop the draft's cells past its agreement with the chain. Watermark: the draft KV holds
+        committed[:_agreed] (committed only grows, and the chain starts with it)."""
+        keep = common_prefix(self.kv.cached, self.chain, self._agreed)
+        self.kv.truncate(keep)
+        self._agreed = min(keep, n_committed)
 
     def _schedule(self) -> None:
         """Alternate PEARL / sequential blocks until both are measured, then keep the faster."""
@@ -423,31 +437,18 @@ class PearlProposer(Proposer):
         return out
 
 
-def _int_or_none(options: dict[str, Any], name: str) -> int | None:
-    value = options.get(name)
-    if value is None:
-        return None
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ParameterError(f"{name} must be an integer (got {value!r})") from None
-
-
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
-    opts = {**DEFAULTS, **{k: v for k, v in options.items() if k in DEFAULTS and v is not None}}
+    """``options``: checked against ``OPTIONS``."""
+    opts = options
     kv = engine.draft_kv()
     target_ctx = engine.target_ctx
-    gamma = opts["gamma"]
-    if gamma != "auto":
-        gamma = _int_or_none(opts, "gamma")
-    seq_gamma = _int_or_none(opts, "seq_gamma")
-    probe_rounds = _int_or_none(opts, "probe_rounds")
+    gamma, seq_gamma, probe_rounds = opts["gamma"], opts["seq_gamma"], opts["probe_rounds"]
 
     # Thread budget. Automatic split: the cores this process may use, capped by the engine's own
     # thread setting (a user who configured 4 threads on a 16-core box keeps 12 free). Explicit
     # threads_target / threads_draft: checked against the cores this process may use.
-    avail = default_threads()
-    nt, nd = _int_or_none(opts, "threads_target"), _int_or_none(opts, "threads_draft")
+    avail = usable_cores()
+    nt, nd = opts["threads_target"], opts["threads_draft"]
     reason = ""
     if nt is not None or nd is not None:
         if nt is None:

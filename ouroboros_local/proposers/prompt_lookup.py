@@ -4,7 +4,8 @@ Matches the last n committed tokens (n from ``max_ngram`` down to ``min_ngram``)
 positions of the prompt and the output, most recent occurrence first, as llama.cpp's ngram-simple and
 ``lookup`` do. An n-gram -> positions index is updated incrementally as tokens are committed, so a step
 costs O(max_ngram) dictionary lookups instead of a scan of the context. A shared ``PhrasePool`` (phrases
-from earlier requests, §2.6 "dynamic cache") is consulted after the context.
+from earlier requests, like llama.cpp's "dynamic cache": docs/design.md#prompt-lookup) is consulted after
+the context.
 
 Nodes are deterministic, so sampling verification uses sample-and-match (the verifier handles that).
 """
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
-from ..errors import ParameterError
+from .. import options as opt
+from ..errors import MethodOptionError, ParameterError
+from ..history import shared_pool
 from ..pool import PhrasePool
 from ..tree import TokenTree
 from .base import Proposer, ProposeSetup
@@ -224,14 +227,21 @@ def _cut_at_eog(tokens: list[int], eog: frozenset[int]) -> list[int]:
     return tokens
 
 
+OPTIONS: tuple[opt.Option, ...] = (opt.MAX_NGRAM, opt.MIN_NGRAM, opt.GAMMA, opt.MAX_BRANCHES,
+                                   opt.POOL, opt.FEED_POOL, opt.ADAPTIVE)
+DEFAULT_GAMMA = 8
+POOL_PHRASE_LEN = 4   # phrases kept per key in the history pool when prompt lookup reads it
+POOL_PER_KEY = 8
+
+
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
-    pool = options.get("pool")
-    if pool is True:   # the engine's shared history pool
-        pool = engine.shared.setdefault("phrase_pool", PhrasePool())
-    if pool is not None and not isinstance(pool, PhrasePool):
-        raise ParameterError("prompt-lookup option 'pool' must be a PhrasePool or True")
-    return PromptLookupProposer(max_ngram=int(options.get("max_ngram", 3)),
-                                min_ngram=int(options.get("min_ngram", 1)),
-                                gamma=int(options.get("gamma", 8)),
-                                max_branches=int(options.get("max_branches", 1)),
-                                pool=pool, feed_pool=bool(options.get("feed_pool", True)))
+    """``options``: checked against ``OPTIONS``. A pool file makes the engine's history pool a source."""
+    pool = None
+    if options["pool"] is not None:
+        pool = shared_pool(engine, POOL_PHRASE_LEN, POOL_PER_KEY, options["pool"])
+    if options["min_ngram"] > options["max_ngram"]:
+        raise MethodOptionError(f"option 'min_ngram' ({options['min_ngram']}) must not exceed 'max_ngram' "
+                                f"({options['max_ngram']})")
+    return PromptLookupProposer(max_ngram=options["max_ngram"], min_ngram=options["min_ngram"],
+                                gamma=options["gamma"] or DEFAULT_GAMMA, max_branches=options["max_branches"],
+                                pool=pool, feed_pool=options["feed_pool"])

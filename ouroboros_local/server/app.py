@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from .. import __version__
 from ..chat import validate_messages
 from ..errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError
-from ..proposers import method_names
+from ..proposers import applicable_options, check_options, method_names
 from ..sampling import SamplingParams
 from . import default_method
 from .metrics import CONTENT_TYPE, Metrics
@@ -317,6 +317,9 @@ def _stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def _method(body: dict[str, Any], default: str, server_options: dict[str, Any]) -> tuple[str, dict[str, Any], bool]:
+    """The method and its options: the server's (those the method has) under the request's, all checked
+    here, before anything is queued or allocated. A request cannot name a file (the history pool is the
+    server's, set when it starts)."""
     method = body.get("method")
     if method is None:
         method = default
@@ -330,12 +333,13 @@ def _method(body: dict[str, Any], default: str, server_options: dict[str, Any]) 
         options = {}
     if not isinstance(options, dict):
         raise _bad("method_options", "method_options must be an object", "invalid_type")
-    for key, value in options.items():
-        if value is not None and (not isinstance(value, (int, float, str, bool))
-                                  or (isinstance(value, float) and not math.isfinite(value))):
-            raise _bad("method_options", f"method_options.{key} must be a finite number, a string or a boolean",
-                       "invalid_type")
-    return method, {**server_options, **options}, bool(options)
+    try:
+        check_options(method, options, per_request=True)
+        merged = {**applicable_options(method, server_options), **options}
+        check_options(method, merged)
+    except ParameterError as exc:
+        raise _bad("method_options", f"invalid method_options: {exc}") from None
+    return method, merged, bool(options)
 
 
 # ---- the application ----------------------------------------------------------------------------
@@ -488,6 +492,11 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
 
     # ---- helpers using the app's state ----------------------------------------------------------
     async def read_json(request: Request) -> dict[str, Any]:
+        # JSON only: a web page may POST text/plain to 127.0.0.1 without a CORS preflight, JSON it may not
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise ApiError(415, f"send the request body as JSON with 'Content-Type: application/json' "
+                                f"(got {media_type or 'no content type'!r})", code="unsupported_media_type")
         limit = config.max_body_bytes
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > limit:

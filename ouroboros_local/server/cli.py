@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -62,9 +63,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from .app import ServerConfig, create_app
     except ImportError as exc:
         raise OuroborosError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
-                             "pip install 'ouroboros-local[server]'") from None
+                             "pip install fastapi uvicorn (or, in a checkout: pip install -e '.[server]')") from None
     from .. import cli
-    from ..proposers import method_names
+    from ..options import ALL as ALL_OPTIONS
+    from ..options import parse as parse_options
+    from ..proposers import applicable_options, check_options, method_names
     from . import default_method
 
     if not 0 <= args.port <= 65535:
@@ -78,10 +81,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
     sampling = cli._sampling_from_args(args)
     options = cli._method_options(args)
+    sock = _listen(args.host, args.port)   # before loading: a taken port fails in a second, not minutes
 
     engine = cli._engine_from_args(args)
     try:
         method = args.method or default_method(engine.draft is not None)
+        parse_options("serve", ALL_OPTIONS, options)            # types and bounds of every flag
+        check_options(method, applicable_options(method, options))
         model_id = args.model_name or Path(str(engine.target.path)).name
         aliases = tuple({str(args.model), Path(str(engine.target.path)).stem} - {model_id})
         config = ServerConfig(model_id=model_id, aliases=aliases, method=method, method_options=options,
@@ -92,11 +98,34 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port "
                   "can use the model", file=sys.stderr)
         shown = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"serving {model_id} on http://{shown}:{args.port}/v1 (method {method}, "
+        port = sock.getsockname()[1]
+        print(f"serving {model_id} on http://{shown}:{port}/v1 (method {method}, "
               f"context {engine.target_ctx.n_ctx}, queue {args.max_queue}"
-              f"{', API key required' if api_key else ''}); Ctrl-C stops", file=sys.stderr, flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                    timeout_graceful_shutdown=5, access_log=args.log_level in ("info", "debug", "trace"))
+              f"{', API key required' if api_key else ''}"
+              f"{', history pool ' + options['pool'] if options.get('pool') else ''}); Ctrl-C stops",
+              file=sys.stderr, flush=True)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                               access_log=args.log_level in ("info", "debug", "trace")))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it already served by shutting down
+            pass
     finally:
+        sock.close()
         engine.close()
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to (host, port), or a one-line error (address in use, no such address)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise ParameterError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock

@@ -3,8 +3,8 @@
 ``FakeTarget`` is a deterministic next-token function of the visible context. ``decode_layout`` gives every
 token of a ``BatchLayout`` the context llama.cpp would show it (the committed prefix plus the batch cells
 whose sequence set contains the token's sequence id, at positions up to its own), and asserts that all
-of a token's sequence ids give the same context (DESIGN.md §3). ``simulate`` runs propose -> greedy
-verify -> observe exactly like the engine's loop.
+of a token's sequence ids give the same context (docs/design.md#token-trees). ``simulate`` runs
+propose -> greedy verify -> observe exactly like the engine's loop.
 """
 
 from __future__ import annotations

@@ -1,0 +1,240 @@
+"""The measured verify-cost curve: measuring it, caching it on disk, and checking a cached one.
+
+A curve is cached per model file and settings (``calibration_key``). A cached curve can still be wrong:
+measured while another process held the CPU (one such curve said 3.6 s per token where a quiet machine
+takes 0.068 s, and ``auto`` then ran below plain decoding on every later start). So
+
+* each measurement records how many cores other processes kept busy meanwhile (``cpu_load``); a curve
+  measured while they competed with our threads is *provisional*: it is used under the same load, and
+  measured again at the first start on a quiet machine;
+* each start checks a cached curve cheaply: a few single-token decodes (well under a second) against the
+  curve's single-step time; off by more than ``CHECK_TOLERANCE`` times, the curve is measured again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import numpy as np
+
+from .cpu_load import LoadMeter, contended, usable_cores
+from .tree import TokenTree, layout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .kv import KVCache
+
+CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
+CALIBRATION_METHOD = 3   # bump when measure_costs changes: cached curves of the old method are re-measured
+CHECK_TOLERANCE = 3.0    # a cached curve whose single step is off by more than this factor is re-measured
+CHECK_NOISE_SECONDS = 2e-5   # differences below this are scheduling jitter, whatever the ratio
+CHECK_DECODES = 4        # timed single-token decodes of the start-up check (after one warm-up)
+CHECK_PREFIX = 8         # tokens in the context during the check
+
+
+@dataclass
+class CostModel:
+    """Seconds for one target decode of n tokens (n = root + draft tokens)."""
+
+    sizes: list[int]
+    seconds: list[float]
+    draft_step: float = 0.0          # seconds per draft-model token (0 when there is no draft model)
+    measured_at: float = field(default_factory=time.time)
+    key: str = ""
+    busy_cores: float | None = None  # cores other processes kept busy while it was measured
+    provisional: bool = False        # measured while others competed for our cores: re-measure when quiet
+
+    def cost(self, n_tokens: int) -> float:
+        xs, ys = self.sizes, self.seconds
+        if n_tokens <= xs[-1]:
+            return float(np.interp(n_tokens, xs, ys))
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
+        return ys[-1] + slope * (n_tokens - xs[-1])
+
+    def ratio(self, n_tokens: int) -> float:
+        return self.cost(n_tokens) / self.cost(1)
+
+    def table(self, n_max: int) -> np.ndarray:
+        """cost(1), ..., cost(n_max) as a fresh array; the curve is tabulated once (the scheduler asks
+        every round, and per-size interpolation in Python costs more than a GPU decode step)."""
+        cached = self.__dict__.get("_table")   # not a dataclass field: never saved with the curve
+        if cached is None or len(cached) < n_max:
+            cached = np.array([self.cost(n) for n in range(1, max(n_max, 64) + 1)])
+            self.__dict__["_table"] = cached
+        return cached[:n_max].copy()
+
+    @property
+    def origin(self) -> str:
+        """How this process got the curve: measured, cached, or re-measured (and why)."""
+        return self.__dict__.get("_origin", "")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def flat(cls) -> "CostModel":
+        """An uncalibrated stand-in: verification as cheap as one step (the GPU-like optimum)."""
+        return cls(sizes=[1, 64], seconds=[1.0, 1.0])
+
+
+def calibration_key(model_path: str | Path, settings: dict) -> str:
+    path = Path(model_path)
+    st = path.stat()
+    payload = json.dumps({"path": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+                          "method": CALIBRATION_METHOD, **settings}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+def _random_prefix(kv: "KVCache", rng: np.random.Generator, n_vocab: int, prefix_len: int) -> None:
+    kv.reset()
+    kv.feed([int(t) for t in rng.integers(0, n_vocab, prefix_len)])
+
+
+def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repeats: int = 3,
+                  prefix_len: int = 32, vocab: int | None = None) -> CostModel:
+    """Time chain decodes of each size on the engine's own context (cache is reset afterwards).
+
+    Each size takes the median of ``repeats`` timed decodes after a warm-up one: the scheduler needs
+    what a decode usually costs, and the minimum of a few (what this did before) made 3-4 token
+    decodes look up to 30% cheaper than they run on a busy 2-core CPU. Other processes' CPU use is
+    measured alongside; a curve measured while they competed for our cores is marked provisional."""
+    rng = np.random.default_rng(0)
+    n_vocab = vocab or kv.ctx.n_vocab
+    sizes = [s for s in sizes if s <= kv.ctx.n_batch]
+    seconds = []
+    with LoadMeter() as meter:
+        _random_prefix(kv, rng, n_vocab, prefix_len)
+        for n in sizes:
+            times = []
+            for _ in range(repeats + 1):  # first run warms the graph for this shape
+                tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
+                tree.add_path(0, [int(t) for t in rng.integers(0, n_vocab, n - 1)])
+                t0 = time.perf_counter()
+                kv.decode_layout(layout(tree))
+                kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
+                times.append(time.perf_counter() - t0)
+                kv.ctx.seq_rm(-1, kv.n_past, -1)
+            seconds.append(float(np.median(times[1:])))
+    kv.reset()
+    # costs never shrink with more tokens; smooth out timer noise
+    seconds = list(np.maximum.accumulate(seconds))
+    return CostModel(sizes=list(sizes), seconds=seconds, busy_cores=meter.busy_cores,
+                     provisional=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads))
+
+
+def measure_draft_step(kv: "KVCache", repeats: int = 4, prefix_len: int = 32) -> float:
+    rng = np.random.default_rng(1)
+    _random_prefix(kv, rng, kv.ctx.n_vocab, prefix_len)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        kv.feed([int(rng.integers(kv.ctx.n_vocab))], logits_last=True)
+        best = min(best, time.perf_counter() - t0)
+    kv.reset()
+    return best
+
+
+@dataclass(frozen=True)
+class StepCheck:
+    """The start-up check: the median single-token decode now, and others' busy cores meanwhile."""
+
+    seconds: float
+    busy_cores: float | None
+    contended: bool
+
+
+def check_step(kv: "KVCache", decodes: int = CHECK_DECODES, prefix_len: int = CHECK_PREFIX) -> StepCheck:
+    """Time a few single-token decodes the way ``measure_costs`` times its size-1 point."""
+    rng = np.random.default_rng(2)
+    n_vocab = kv.ctx.n_vocab
+    times = []
+    with LoadMeter() as meter:
+        _random_prefix(kv, rng, n_vocab, prefix_len)
+        for _ in range(decodes + 1):
+            tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
+            t0 = time.perf_counter()
+            kv.decode_layout(layout(tree))
+            kv.ctx.logits(1).argmax(axis=1)
+            times.append(time.perf_counter() - t0)
+            kv.ctx.seq_rm(-1, kv.n_past, -1)
+    kv.reset()
+    return StepCheck(seconds=float(np.median(times[1:])), busy_cores=meter.busy_cores,
+                     contended=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads))
+
+
+def stale_reason(cached: CostModel, check: StepCheck) -> str | None:
+    """Why a cached curve must be measured again given the check, or None to keep it."""
+    if cached.provisional and not check.contended:
+        return "it was measured while other processes were busy, and the machine is quiet now"
+    step = cached.seconds[0]
+    if abs(check.seconds - step) <= CHECK_NOISE_SECONDS:
+        return None
+    ratio = check.seconds / step if step > 0 else float("inf")
+    if ratio > CHECK_TOLERANCE or ratio < 1.0 / CHECK_TOLERANCE:
+        return f"one decode takes {check.seconds:.4g}s now against {step:.4g}s in the cached curve"
+    return None
+
+
+class CalibrationCache:
+    """Cost models on disk, keyed by model file + device/offload + threads + batch settings."""
+
+    def __init__(self, path: Path | None = None):
+        base = Path(os.environ.get("OUROBOROS_CACHE", Path.home() / ".cache" / "ouroboros-local"))
+        override = os.environ.get("OUROBOROS_CALIBRATION_FILE")
+        self.path = path or (Path(override) if override else base / "calibration.json")
+
+    def _read(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> CostModel | None:
+        raw = self._read().get(key)
+        if not raw:
+            return None
+        try:
+            model = CostModel(**raw)
+        except TypeError:
+            return None
+        return model if model.seconds and model.seconds[0] > 0 else None
+
+    def put(self, model: CostModel) -> None:
+        data = self._read()
+        data[model.key] = model.to_dict()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.path)
+
+
+def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh: bool = False,
+                       measure: Callable[["KVCache"], CostModel] = measure_costs,
+                       check: Callable[["KVCache"], StepCheck] = check_step) -> CostModel:
+    """The cached curve for ``key`` if the start-up check agrees with it, else a fresh measurement
+    (stored in the cache; a provisional one too, so a busy machine does not re-measure every start)."""
+    cached = None if refresh else cache.get(key)
+    origin = "measured: --refresh asked for it" if refresh else "measured: none cached yet"
+    if cached is not None:
+        reason = stale_reason(cached, check(kv))
+        if reason is None:
+            cached.__dict__["_origin"] = "cached, checked"
+            return cached
+        origin = f"re-measured: {reason}"
+    logging.getLogger("ouroboros_local").info(
+        "measuring this machine's verify cost (%s; a few seconds, then cached) ...", origin.split(": ", 1)[1])
+    model = measure(kv)
+    model.key = key
+    model.__dict__["_origin"] = origin
+    try:
+        cache.put(model)
+    except OSError:
+        pass  # a read-only cache directory only costs a re-measurement next time
+    return model

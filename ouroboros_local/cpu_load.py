@@ -1,0 +1,174 @@
+"""How many of this process's cores other processes keep busy right now (no llama.cpp import).
+
+llama.cpp's threads wait for each other at every graph node; when another process holds one of the cores
+they run on, each wait can last a scheduler time slice, and decoding collapses (SmolLM2-135M: 0.3 tok/s
+with 2 threads next to another decode loop, 55 tok/s with 1). So the default thread count leaves out the
+cores that are busy now, and a cost curve measured while other processes were busy is not trusted.
+
+The measure: the busy share of the usable CPUs in /proc/stat over a short window (steal time counts as
+busy: on a VM it is another guest's work), minus the CPU time this process used itself (os.times counts
+all of its threads), in cores. Where /proc/stat is missing, the 1-minute load average stands in.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+SAMPLE_SECONDS = 0.15       # long enough for ~15 clock ticks per CPU, short enough for every start
+MIN_TICKS = 8               # fewer clock ticks (all CPUs together) say too little about the load
+REUSE_SECONDS = 2.0         # a target and a draft context created together share one sample
+
+_BUSY_FIELDS = (0, 1, 2, 5, 6, 7)   # user nice system irq softirq steal (guest is inside user)
+_IDLE_FIELDS = (3, 4)               # idle iowait
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - macOS / Windows
+        return max(1, os.cpu_count() or 1)
+
+
+def _usable_cpu_ids() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        return None
+
+
+@dataclass(frozen=True)
+class CpuTimes:
+    """Cumulative CPU time of the usable CPUs (clock ticks) and of this process (seconds)."""
+
+    busy: int
+    total: int
+    own_seconds: float
+    n_cpus: int
+
+
+def read_proc_stat(path: str = "/proc/stat") -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def parse_cpu_times(stat_text: str, cpu_ids: set[int] | None, own_seconds: float) -> CpuTimes | None:
+    """Sum the per-CPU lines of ``cpu_ids`` (all CPUs when None or when none of them is listed)."""
+    per_cpu: dict[int, list[int]] = {}
+    total_line: list[int] | None = None
+    for line in stat_text.splitlines():
+        if not line.startswith("cpu"):
+            continue
+        name, *fields = line.split()
+        values = [int(v) for v in fields[:8]] + [0] * max(0, 8 - len(fields))
+        if name == "cpu":
+            total_line = values
+        elif name[3:].isdigit():
+            per_cpu[int(name[3:])] = values
+    chosen = [per_cpu[i] for i in sorted(cpu_ids or ()) if i in per_cpu]
+    if not chosen:
+        if total_line is None:
+            return None
+        chosen, n_cpus = [total_line], max(1, len(per_cpu))
+    else:
+        n_cpus = len(chosen)
+    busy = sum(v[i] for v in chosen for i in _BUSY_FIELDS)
+    idle = sum(v[i] for v in chosen for i in _IDLE_FIELDS)
+    return CpuTimes(busy=busy, total=busy + idle, own_seconds=own_seconds, n_cpus=n_cpus)
+
+
+def _own_cpu_seconds() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def _clock_ticks() -> int:
+    try:
+        return int(os.sysconf("SC_CLK_TCK"))
+    except (AttributeError, ValueError, OSError):  # pragma: no cover
+        return 100
+
+
+def read_cpu_times(read_stat: Callable[[], str | None] = read_proc_stat) -> CpuTimes | None:
+    text = read_stat()
+    if text is None:
+        return None
+    return parse_cpu_times(text, _usable_cpu_ids(), _own_cpu_seconds())
+
+
+def others_busy_cores(before: CpuTimes, after: CpuTimes, clock_ticks: int | None = None) -> float | None:
+    """Cores kept busy by other processes between two readings (None when too few clock ticks passed)."""
+    total = after.total - before.total
+    if total < MIN_TICKS:
+        return None
+    own_ticks = (after.own_seconds - before.own_seconds) * (clock_ticks or _clock_ticks())
+    others = max(0.0, (after.busy - before.busy) - own_ticks)
+    return min(float(after.n_cpus), others / total * after.n_cpus)
+
+
+class LoadMeter:
+    """Others' busy cores over a stretch of work: ``with LoadMeter() as meter: ...; meter.busy_cores``."""
+
+    def __init__(self, read_stat: Callable[[], str | None] = read_proc_stat):
+        self.read_stat = read_stat
+        self.busy_cores: float | None = None
+        self.readable = False       # False where /proc/stat cannot be read
+        self._before: CpuTimes | None = None
+
+    def __enter__(self) -> "LoadMeter":
+        self._before = read_cpu_times(self.read_stat)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = read_cpu_times(self.read_stat)
+        if self._before is not None and after is not None:
+            self.readable = True
+            self.busy_cores = others_busy_cores(self._before, after)
+
+
+def _load_average_busy() -> float | None:
+    try:
+        return max(0.0, os.getloadavg()[0])
+    except (AttributeError, OSError):  # pragma: no cover
+        return None
+
+
+_last_sample: tuple[float, float | None] | None = None
+
+
+def busy_cores_now(seconds: float = SAMPLE_SECONDS, reuse: float = REUSE_SECONDS,
+                   read_stat: Callable[[], str | None] = read_proc_stat,
+                   sleep: Callable[[float], None] = time.sleep) -> float | None:
+    """Cores other processes keep busy, sampled over ``seconds`` (a sample younger than ``reuse``
+    seconds is reused); the 1-minute load average where /proc/stat is missing; None if neither."""
+    global _last_sample
+    now = time.monotonic()
+    if _last_sample is not None and now - _last_sample[0] < reuse:
+        return _last_sample[1]
+    meter = LoadMeter(read_stat)
+    with meter:
+        sleep(seconds)
+    busy = meter.busy_cores if meter.readable else _load_average_busy()
+    _last_sample = (time.monotonic(), busy)
+    return busy
+
+
+def idle_threads(cores: int, busy: float | None) -> int:
+    """Threads for the cores left idle by ``busy`` other cores' worth of work, at least 1.
+
+    A core counts as taken once others use more than half of it: a thread sharing a core with a busy
+    process makes every other thread wait for it at each graph node."""
+    if busy is None:
+        return cores
+    return max(1, min(cores, cores - int(busy + 0.5)))
+
+
+def contended(busy: float | None, cores: int, threads: int) -> bool:
+    """Whether ``threads`` of ours had to share cores with others' ``busy`` cores of work."""
+    return busy is not None and busy > cores - threads + 0.5

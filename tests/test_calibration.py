@@ -1,0 +1,131 @@
+"""A cached cost curve is checked at start and measured again when it is off or was measured under load."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ouroboros_local import calibration
+from ouroboros_local.calibration import (CalibrationCache, CostModel, StepCheck, cached_or_measured,
+                                         check_step, measure_costs, stale_reason)
+from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.llama import Model
+
+
+@pytest.fixture
+def engine(tiny_target, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(tmp_path / "cal.json"))
+    with Engine(Model(tiny_target), None, EngineConfig(n_ctx=256, n_batch=32, n_seq_max=4, threads=1)) as eng:
+        yield eng
+
+
+def fake_meter(busy: float | None):
+    class FakeMeter:
+        busy_cores = busy
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    return FakeMeter
+
+
+def planted(engine: Engine, factor: float) -> CostModel:
+    """Store the engine's true curve scaled by ``factor`` under its key; return the true curve."""
+    true = engine.cost_model(refresh=True)
+    CalibrationCache().put(CostModel(sizes=true.sizes, seconds=[s * factor for s in true.seconds],
+                                     key=true.key, busy_cores=0.0))
+    return true
+
+
+@pytest.mark.parametrize("factor", [50.0, 1 / 50.0])
+def test_a_curve_50x_off_is_measured_again(engine, factor) -> None:
+    true = planted(engine, factor)
+    assert CalibrationCache().get(true.key).seconds[0] == pytest.approx(true.seconds[0] * factor)
+    fresh = engine.cost_model()
+    assert fresh.origin.startswith("re-measured: one decode takes")
+    assert 1 / 5 < fresh.seconds[0] / true.seconds[0] < 5
+    assert CalibrationCache().get(true.key).seconds == fresh.seconds        # the cache is repaired
+    assert engine.cost_model().origin == "cached, checked"                 # and then trusted
+
+
+def test_a_curve_that_agrees_is_kept_without_measuring(engine, monkeypatch) -> None:
+    true = planted(engine, 1.3)                        # within the tolerance: timer noise, not a wrong curve
+    import ouroboros_local.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "measure_costs", lambda *a, **k: pytest.fail("re-measured"))
+    kept = engine.cost_model()
+    assert kept.origin == "cached, checked"
+    assert kept.seconds == pytest.approx([s * 1.3 for s in true.seconds])
+
+
+def test_the_check_is_a_few_cheap_decodes(engine) -> None:
+    t0 = time.perf_counter()
+    check = check_step(engine.kv)
+    assert time.perf_counter() - t0 < 1.0
+    assert check.seconds > 0
+    assert engine.kv.n_past == 0          # the context is left empty, as measure_costs leaves it
+
+
+def test_a_curve_measured_while_others_were_busy_is_provisional(engine, monkeypatch) -> None:
+    monkeypatch.setattr(calibration, "usable_cores", lambda: 2)
+    monkeypatch.setattr(calibration, "LoadMeter", fake_meter(1.0))
+    one_thread = measure_costs(engine.kv, sizes=(1, 2), repeats=1)
+    assert one_thread.busy_cores == 1.0 and not one_thread.provisional   # our 1 thread had the other core
+    monkeypatch.setattr(calibration, "LoadMeter", fake_meter(1.8))
+    crowded = measure_costs(engine.kv, sizes=(1, 2), repeats=1)
+    assert crowded.provisional
+    monkeypatch.setattr(calibration, "LoadMeter", fake_meter(None))   # no /proc/stat: nothing known
+    assert not measure_costs(engine.kv, sizes=(1, 2), repeats=1).provisional
+
+
+def test_a_provisional_curve_is_used_while_busy_and_measured_again_when_quiet(engine, tmp_path) -> None:
+    cache = CalibrationCache(tmp_path / "own.json")
+    busy_curve = CostModel(sizes=[1, 2], seconds=[0.01, 0.02], key="k", busy_cores=1.8, provisional=True)
+    cache.put(busy_curve)
+    measured = []
+
+    def measure(kv):
+        measured.append(1)
+        return CostModel(sizes=[1, 2], seconds=[0.004, 0.007], busy_cores=0.0)
+
+    def check(busy: bool):
+        return lambda kv: StepCheck(seconds=0.011, busy_cores=1.8 if busy else 0.0, contended=busy)
+
+    still_busy = cached_or_measured(engine.kv, "k", cache, measure=measure, check=check(True))
+    assert still_busy.provisional and still_busy.origin == "cached, checked" and not measured
+    quiet = cached_or_measured(engine.kv, "k", cache, measure=measure, check=check(False))
+    assert measured and quiet.origin.startswith("re-measured: it was measured while other processes")
+    assert cache.get("k").seconds == [0.004, 0.007] and not cache.get("k").provisional
+
+
+def test_stale_reason_tolerates_noise_but_not_a_wide_margin() -> None:
+    curve = CostModel(sizes=[1, 4], seconds=[0.07, 0.2])
+    at = lambda s: StepCheck(seconds=s, busy_cores=0.0, contended=False)   # noqa: E731
+    assert stale_reason(curve, at(0.07)) is None
+    assert stale_reason(curve, at(0.18)) is None            # 2.6x: busy for a moment, not wrong
+    assert stale_reason(curve, at(0.03)) is None
+    assert "3.6s" in stale_reason(CostModel(sizes=[1, 4], seconds=[3.6, 9.0]), at(0.068))
+    assert stale_reason(curve, at(0.3)) is not None
+    assert stale_reason(curve, at(0.02)) is not None
+    tiny = CostModel(sizes=[1], seconds=[2e-6])
+    assert stale_reason(tiny, at(1.5e-5)) is None            # 7.5x, but within the scheduling jitter
+
+
+def test_old_and_broken_cache_entries(tmp_path) -> None:
+    cache = CalibrationCache(tmp_path / "cal.json")
+    cache.put(CostModel(sizes=[1], seconds=[0.05], key="ok"))
+    import json
+
+    data = json.loads(cache.path.read_text())
+    for name in ("busy_cores", "provisional"):          # written before loads were recorded
+        del data["ok"][name]
+    data["zero"] = {"sizes": [1], "seconds": [0.0]}
+    data["junk"] = {"sizes": [1], "seconds": [0.1], "colour": "red"}
+    cache.path.write_text(json.dumps(data))
+    old = cache.get("ok")
+    assert old.seconds == [0.05] and old.busy_cores is None and not old.provisional
+    assert cache.get("zero") is None and cache.get("junk") is None

@@ -1,0 +1,250 @@
+"""The per-round hot path: each fast formula equals the formula it replaced, on random logits.
+
+The reference functions below are the formulas the runtime used before (dense float64 distribution,
+argmax over every tree row, a full-vocabulary softmax for the draft's confidence, a Python walk for
+the common prefix), kept here as the definition the fast paths must reproduce.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from ouroboros_local.kv import common_prefix
+from ouroboros_local.proposers.draft_model import top_probability
+from ouroboros_local.sampling import (SamplingParams, Sparse, _near_top_support, _top_k_support, residual,
+                                      support, top_k_ids)
+from ouroboros_local.tree import TokenTree
+from ouroboros_local.verify import Predictions, verify_greedy, verify_sampling
+
+
+# ---- reference formulas (the code before the hot-path rewrite) ---------------------------------
+def reference_distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    n = logits.shape[-1]
+    row = np.asarray(logits, dtype=np.float64)
+    if params.top_k and params.top_k < n:
+        keep = np.argpartition(row, n - params.top_k)[n - params.top_k:]
+    else:
+        keep = np.arange(n)
+    kept = row[keep]
+    if params.top_p < 1.0 or params.min_p > 0.0:
+        probs = np.exp(kept - kept.max())
+        probs /= probs.sum()
+        mask = np.ones(len(keep), dtype=bool)
+        if params.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cum = np.cumsum(probs[order])
+            n_keep = int(np.searchsorted(cum, params.top_p)) + 1
+            top = np.zeros(len(keep), dtype=bool)
+            top[order[:n_keep]] = True
+            mask &= top
+        if params.min_p > 0.0:
+            mask &= probs >= params.min_p * probs.max()
+        keep, kept = keep[mask], kept[mask]
+    temp = params.temperature if params.temperature > 0 else 1.0
+    weights = np.exp((kept - kept.max()) / temp)
+    out = np.zeros(n, dtype=np.float64)
+    out[keep] = weights / weights.sum()
+    return out
+
+
+def reference_sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    cum = np.cumsum(probs)
+    return min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), len(probs) - 1)
+
+
+def reference_top_probability(logits: np.ndarray) -> float:
+    x = np.asarray(logits, dtype=np.float32)
+    return 1.0 / float(np.sum(np.exp(np.maximum(x - x.max(), -80.0))))
+
+
+def reference_common_prefix(a, b) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def llm_like_logits(rng: np.random.Generator, vocab: int, rows: int = 1, spread: float = 3.0) -> np.ndarray:
+    """float32 rows with a heavy head: a few dozen tokens well above a broad background."""
+    x = rng.standard_normal((rows, vocab)).astype(np.float32) * np.float32(spread)
+    for r in range(rows):
+        hot = rng.choice(vocab, size=30, replace=False)
+        x[r, hot] += rng.uniform(4, 14, size=30).astype(np.float32)
+    return x
+
+
+def realistic_logits(rng: np.random.Generator, vocab: int, rows: int = 1) -> np.ndarray:
+    """Shaped like a real model's rows (Qwen2.5 at vocabulary 151936: a bulk around -5 with spread
+    2.7, the top token near 20 and a few dozen within 10 of it)."""
+    x = (rng.standard_normal((rows, vocab)) * 2.7 - 5.0).astype(np.float32)
+    for r in range(rows):
+        hot = rng.choice(vocab, size=40, replace=False)
+        x[r, hot] = rng.uniform(5, 20, size=40).astype(np.float32)
+        x[r, hot[0]] = np.float32(20.0 + rng.uniform(0, 3))
+    return x
+
+
+PARAMS = [SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05),
+          SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.0),
+          SamplingParams(temperature=1.3, top_k=5, top_p=0.5, min_p=0.0),
+          SamplingParams(temperature=0.5, top_k=100, top_p=1.0, min_p=0.2),
+          SamplingParams(temperature=1.0, top_k=0, top_p=0.9, min_p=0.0),
+          SamplingParams(temperature=0.7, top_k=0, top_p=1.0, min_p=0.1),
+          SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+          SamplingParams(temperature=1.0, top_k=0, top_p=0.8, min_p=0.05)]
+
+
+# ---- sampling ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [50, 5000, 151936])
+@pytest.mark.parametrize("k", [1, 7, 40, 300])
+def test_top_k_ids_are_the_k_largest(vocab: int, k: int) -> None:
+    rng = np.random.default_rng(vocab + k)
+    x = llm_like_logits(rng, vocab)[0]
+    got = top_k_ids(x, k)
+    assert np.all(np.diff(got) > 0)
+    want = np.sort(np.argsort(-x, kind="stable")[:k])
+    assert np.array_equal(got, want)
+
+
+def test_top_k_ids_break_ties_by_lowest_id() -> None:
+    x = np.zeros(10000, dtype=np.float32)
+    x[[9000, 17, 4000]] = 5.0            # three-way tie for 2 places, then a flat background
+    assert top_k_ids(x, 2).tolist() == [17, 4000]
+    assert top_k_ids(x, 5).tolist() == [0, 1, 17, 4000, 9000]
+
+
+@pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
+@pytest.mark.parametrize("vocab", [64, 6000, 151936])
+def test_support_equals_the_dense_reference(params: SamplingParams, vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    for row in np.concatenate([llm_like_logits(rng, vocab, rows=3), realistic_logits(rng, vocab, rows=3)]):
+        want = reference_distribution(row, params)
+        got = support(row, params)
+        assert np.all(np.diff(got.ids) > 0)
+        assert np.array_equal(got.ids, np.flatnonzero(want))      # the same support, exactly
+        np.testing.assert_allclose(got.probs, want[got.ids], rtol=1e-12, atol=0)
+        np.testing.assert_allclose(got.dense(vocab), want, rtol=1e-12, atol=1e-300)
+
+
+@pytest.mark.parametrize("params", [p for p in PARAMS if p.top_k and (p.top_p < 1 or p.min_p > 0)], ids=lambda p: f"k{p.top_k}-p{p.top_p}-m{p.min_p}")
+def test_near_top_shortcut_equals_the_top_k_path_when_it_decides(params: SamplingParams) -> None:
+    rng = np.random.default_rng(7)
+    decided = 0
+    for row in realistic_logits(rng, 151936, rows=30):
+        near = _near_top_support(row, params)
+        ids, kept = _top_k_support(row, params)
+        if near is not None:
+            decided += 1
+            assert np.array_equal(near[0], ids) and np.array_equal(near[1], kept)
+    assert decided >= 20      # on realistic rows the shortcut nearly always decides
+
+
+def test_sparse_sample_draws_the_dense_token_for_the_same_uniform() -> None:
+    rng = np.random.default_rng(3)
+    params = PARAMS[0]
+    for row in llm_like_logits(rng, 151936, rows=5):
+        dense = reference_distribution(row, params)
+        sparse = support(row, params)
+        for seed in range(200):
+            assert sparse.sample(np.random.default_rng(seed)) == reference_sample(dense, np.random.default_rng(seed))
+
+
+def test_sparse_residual_equals_the_dense_residual() -> None:
+    rng = np.random.default_rng(5)
+    vocab = 6000
+    target, draft = llm_like_logits(rng, vocab, rows=2)
+    draft = (target + rng.standard_normal(vocab).astype(np.float32)).astype(np.float32)
+    params = PARAMS[0]
+    p_dense, q_dense = reference_distribution(target, params), reference_distribution(draft, params)
+    want = np.maximum(p_dense - q_dense, 0.0)
+    want /= want.sum()
+    for q in (support(draft, params), q_dense):           # a sparse or a dense draft distribution
+        got = residual(support(target, params), q)
+        assert isinstance(got, Sparse)
+        np.testing.assert_allclose(got.dense(vocab), want, rtol=1e-12, atol=1e-15)
+    p = support(target, params)
+    assert residual(p, p) is None
+
+
+def _chi_square(counts: np.ndarray, probs: np.ndarray) -> float:
+    mask = probs > 0
+    assert counts[~mask].sum() == 0, "sampled a token with zero target probability"
+    return sps.chisquare(counts[mask], probs[mask] * counts.sum()).pvalue
+
+
+def test_rejection_sampling_with_sparse_drafts_keeps_the_target_distribution() -> None:
+    """One stochastic child: the emitted first token follows p exactly (chi-square), and every draw
+    uses sparse p, sparse q and a sparse residual."""
+    rng = np.random.default_rng(11)
+    vocab = 5000
+    params = SamplingParams(temperature=1.0, top_k=12, top_p=0.97, min_p=0.0)
+    target = llm_like_logits(rng, vocab, spread=1.0)[0]
+    draft = (target + rng.standard_normal(vocab).astype(np.float32) * 1.5).astype(np.float32)
+    p = reference_distribution(target, params)
+    q = support(draft, params)
+    rows = np.stack([target, target])
+    counts = np.zeros(vocab)
+    for _ in range(6000):
+        tree = TokenTree.rooted_at(0)
+        tree.add(0, q.sample(rng), draft_probs=q)
+        path, bonus, _ = verify_sampling(tree, rows, params, rng)
+        counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
+    assert _chi_square(counts, p) > 1e-3
+
+
+# ---- greedy verification -----------------------------------------------------------------------
+def test_lazy_predictions_match_the_full_argmax_and_skip_rows_off_the_path() -> None:
+    rng = np.random.default_rng(2)
+    rows = llm_like_logits(rng, 151936, rows=8)
+    argmax = rows.argmax(axis=1)
+    tree = TokenTree.rooted_at(1)
+    node = tree.add(0, int(argmax[0]))            # accepted
+    tree.add(node, int(argmax[1]) + 1)            # rejected: the bonus is argmax[1]
+    for other in range(5):
+        tree.add(0, int(argmax[0]) + 1 + other)   # siblings the walk never enters
+    path, bonus, predictions = verify_greedy(tree, rows[:len(tree)])
+    assert path == [0, 1] and bonus == int(argmax[1])
+    assert isinstance(predictions, Predictions)
+    assert predictions.computed_rows() == 2       # only the rows along the path (+ the bonus row)
+    assert list(predictions) == argmax[:len(tree)].tolist()
+    assert predictions[5] == argmax[5] and len(predictions) == len(tree)
+
+
+def test_released_predictions_refuse_rows_they_never_read() -> None:
+    rows = np.eye(4, dtype=np.float32)
+    predictions = Predictions(rows)
+    assert predictions[1] == 1
+    predictions.release()
+    assert predictions[1] == 1                    # already known
+    with pytest.raises(RuntimeError):
+        predictions[2]
+
+
+# ---- draft confidence ---------------------------------------------------------------------------
+@pytest.mark.parametrize("vocab", [100, 49152, 151936])
+def test_top_probability_equals_the_full_softmax(vocab: int) -> None:
+    rng = np.random.default_rng(vocab)
+    for spread in (0.5, 3.0, 8.0):
+        for row in llm_like_logits(rng, vocab, rows=3, spread=spread):
+            want = reference_top_probability(row)
+            assert top_probability(row) == pytest.approx(want, rel=2e-6)
+            token = int(row.argmax())
+            assert top_probability(row, token) == pytest.approx(want, rel=2e-6)
+    padded = np.full(vocab, -np.inf, dtype=np.float32)
+    padded[:vocab // 2] = llm_like_logits(rng, vocab // 2)[0]
+    assert top_probability(padded) == pytest.approx(reference_top_probability(padded), rel=2e-6)
+
+
+# ---- KV common prefix -------------------------------------------------------------------------
+def test_common_prefix_from_a_watermark_equals_the_full_walk() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        a = rng.integers(0, 5, size=int(rng.integers(0, 30))).tolist()
+        b = a[:int(rng.integers(0, len(a) + 1))] + rng.integers(0, 5, size=int(rng.integers(0, 5))).tolist()
+        want = reference_common_prefix(a, b)
+        assert common_prefix(a, b) == want
+        for start in range(0, want + 1):           # any watermark at or below the true prefix
+            assert common_prefix(a, b, start) == want

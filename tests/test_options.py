@@ -1,0 +1,135 @@
+"""Typed method options: one parser for the API, the CLI and the server; every value is checked (type,
+bounds, known name) before a proposer allocates anything."""
+
+from __future__ import annotations
+
+import math
+import random
+import resource
+
+import pytest
+
+from ouroboros_local import options as opt
+from ouroboros_local.cli import build_parser, _method_options
+from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.errors import MethodOptionError, OuroborosError
+from ouroboros_local.llama import Model
+from ouroboros_local.proposers import (applicable_options, check_options, create_proposer, method_names,
+                                       method_options)
+
+PROMPT = "one two three four five one two three four five one two three"
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target, tiny_draft):
+    eng = Engine(Model(tiny_target), Model(tiny_draft),
+                 EngineConfig(n_ctx=256, n_batch=64, n_seq_max=8, threads=1, threads_batch=1, calibration="off"))
+    eng.check_kv = True
+    yield eng
+    eng.close()
+
+
+def test_every_method_declares_typed_options():
+    for method in method_names():
+        for option in method_options(method):
+            assert option.kind in ("int", "float", "bool", "choice", "path", "int_or_auto"), (method, option)
+            if option.kind in ("int", "float"):
+                assert option.lo is not None and option.hi is not None, f"{method}.{option.name} is unbounded"
+    assert method_options("vanilla") == ()
+
+
+def test_parse_fills_defaults_and_converts():
+    got = check_options("lookahead", {"window": 6.0, "level": 5, "guess_set": 8})
+    assert (got["window"], got["level"], got["guess_set"]) == (6, 5, 8)
+    assert isinstance(got["window"], int)
+    assert got["harvest"] == "none" and got["pool"] is None
+    assert check_options("lookahead", {"ngram": 4, "guess": 2})["level"] == 4      # old names still work
+    assert check_options("speculative", {"adaedl": "true"})["adaedl"] is True
+
+
+@pytest.mark.parametrize("method,options,words", [
+    ("lookahead", {"window": 100000}, "'window' must be between 0 and 64"),
+    ("lookahead", {"window": 2.5}, "'window' must be an integer"),
+    ("lookahead", {"window": True}, "'window' must be an integer"),
+    ("prompt-lookup", {"max_ngram": 10**9}, "'max_ngram' must be between"),
+    ("prompt-lookup", {"windoww": 3}, "prompt-lookup has no option 'windoww'"),
+    ("speculative", {"p_min": math.nan}, "'p_min' must be a finite number"),
+    ("speculative", {"gamma": "many"}, "'gamma' must be an integer"),
+    ("ouroboros", {"harvest": "everything"}, "'harvest' must be one of"),
+    ("ouroboros", {"level": 2}, "'level' must be between 3 and 16"),
+    ("ouroboros", {"pool": 5}, "'pool' must be a file path"),
+    ("vanilla", {"gamma": 4}, "vanilla has no option 'gamma'"),
+    ("auto", {"adaptive": False}, "auto is the scheduler itself"),
+])
+def test_bad_options_are_refused_with_their_name(method, options, words):
+    with pytest.raises(MethodOptionError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        check_options(method, options)
+
+
+def test_pool_cannot_be_set_per_request():
+    with pytest.raises(MethodOptionError, match="cannot be set per request"):
+        check_options("ouroboros", {"pool": "/tmp/x.pool"}, per_request=True)
+    assert check_options("ouroboros", {"pool": "/tmp/x.pool"})["pool"] == "/tmp/x.pool"
+
+
+def test_applicable_options_keeps_what_the_method_has():
+    shared = {"gamma": 4, "window": 8, "pool": "p"}
+    assert applicable_options("speculative", shared) == {"gamma": 4}
+    assert applicable_options("lookahead", shared) == {"window": 8, "pool": "p"}
+    assert applicable_options("vanilla", shared) == {}
+
+
+def test_cli_flags_come_from_the_definitions():
+    args = build_parser().parse_args(["generate", "-p", "x", "--method", "lookahead", "--level", "5",
+                                      "--guess-set", "8", "--window", "3", "--pearl-mode", "sequential"])
+    assert _method_options(args) == {"level": 5, "guess_set": 8, "window": 3, "mode": "sequential"}
+    flags = {o.flag_name for o in opt.ALL if o.flag}
+    assert {"--gamma", "--window", "--level", "--guess-set", "--topk", "--max-ngram", "--p-min", "--pool",
+            "--adaedl", "--adaedl-lambda", "--pearl-mode"} <= flags
+
+
+def test_lookahead_level_and_guess_set_change_what_it_does(engine):
+    base = engine.generate(PROMPT, max_tokens=12, method="lookahead")
+    tuned = engine.generate(PROMPT, max_tokens=12, method="lookahead", options={"level": 5, "guess_set": 8})
+    assert tuned.tokens == base.tokens                       # lossless either way
+    proposer = create_proposer("lookahead", engine, {"level": 5, "guess_set": 8})
+    assert (proposer.N, proposer.G) == (5, 8)                # the flags reach the window (they once did not)
+    assert proposer.n_extras > create_proposer("lookahead", engine, {}).n_extras
+
+
+def test_unknown_option_through_the_engine_is_one_line(engine):
+    with pytest.raises(MethodOptionError) as exc:
+        engine.generate(PROMPT, max_tokens=2, method="lookahead", options={"gamma": 3})
+    assert "\n" not in str(exc.value) and "lookahead has no option 'gamma'" in str(exc.value)
+
+
+EXTREMES = [0, 1, -1, 3, 64, 65, 10**9, -10**9, 2**70, 0.5, 1e308, -1e308, math.inf, math.nan, True, False,
+            "", "x", "auto", "none", [1], {"a": 1}, None]
+
+
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_randomized_extreme_values_stay_bounded(engine, tmp_path):
+    """Extreme and ill-typed values at every option of every method: each generation either runs or is
+    refused with a one-line error, and the process's memory stays bounded."""
+    rng = random.Random(15)
+    cases = [(m, o, v) for m in method_names() for o in method_options(m) for v in EXTREMES]
+    rng.shuffle(cases)
+    before = _max_rss_mib()
+    ran = refused = 0
+    for method, option, value in cases[:400]:
+        if option.kind == "path" and isinstance(value, str) and value:
+            value = str(tmp_path / f"{method}-{value}.pool")
+        try:
+            result = engine.generate(PROMPT, max_tokens=3, method=method, options={option.name: value})
+        except OuroborosError as exc:
+            assert "\n" not in str(exc), (method, option.name, value)
+            refused += 1
+            continue
+        assert result.stats.tokens <= 3
+        ran += 1
+    engine.shared.clear()
+    assert ran > 50 and refused > 50, (ran, refused)
+    assert _max_rss_mib() - before < 300, "an option value made the process allocate far too much"

@@ -1,0 +1,458 @@
+"""Suffix drafting: the suffix trie (counts, pointers, incremental growth, eviction, memory bound), the
+draft trees (shape, budget, branches, classes, EOG), the global trie's persistence, option checks, and
+greedy equality with plain decoding (fake target and tiny GGUF through the engine)."""
+
+from __future__ import annotations
+
+import itertools
+import random
+import tracemalloc
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ouroboros_local.errors import MethodOptionError, ParameterError, PoolError
+from ouroboros_local.proposers import check_options, method_names
+from ouroboros_local.proposers.suffix import (OPTIONS, SHARED_GLOBAL, Matcher, SuffixCache, SuffixProposer,
+                                              SuffixTrie, create, load_global, node_class, save_global,
+                                              suffix_file)
+from ouroboros_local.testing.sim import FakeTarget, make_setup, simulate
+from ouroboros_local.tree import check_layout, layout
+
+
+def occurrences(docs: list[list[int]], sub: list[int]) -> int:
+    n = len(sub)
+    return sum(1 for d in docs for i in range(len(d) - n + 1) if d[i:i + n] == sub)
+
+
+def assert_counts(trie: SuffixTrie, docs: list[list[int]], vocab: int) -> None:
+    for length in range(1, trie.depth + 1):
+        for sub in itertools.product(range(vocab), repeat=length):
+            assert trie.count(list(sub)) == occurrences(docs, list(sub)), sub
+
+
+def node_strings(trie: SuffixTrie) -> dict[int, list[int]]:
+    out = {0: []}
+    stack = [0]
+    while stack:
+        node = stack.pop()
+        for child in trie.children(node):
+            out[child] = out[node] + [trie._token[child]]
+            stack.append(child)
+    return out
+
+
+# ---- the trie ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", range(40))
+def test_counts_equal_brute_force_while_growing_and_after_evicting_the_oldest(seed: int) -> None:
+    rng = random.Random(seed)
+    depth, vocab = rng.choice([(1, 3), (2, 3), (3, 3), (4, 2), (5, 2)])
+    trie = SuffixTrie(depth)
+    docs: list[list[int]] = []
+    for _ in range(rng.randint(1, 4)):
+        doc = [rng.randrange(vocab) for _ in range(rng.randint(0, 25))]
+        trie.start_document()
+        docs.append([])
+        for tok in doc:                      # token by token: the counts hold after every append
+            trie.append(tok)
+            docs[-1].append(tok)
+            if rng.random() < 0.15:
+                trie.check()
+                assert_counts(trie, docs, vocab)
+        trie.end_document()
+    trie.check()
+    assert_counts(trie, docs, vocab)
+    for doc_id in sorted(trie.docs):
+        trie.remove_document(doc_id)
+        docs.pop(0)
+        trie.check()
+        assert_counts(trie, docs, vocab)
+    assert trie.n_nodes == 1                  # everything evicted: the root alone
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_pointers_give_the_most_recent_continuing_occurrence(seed: int) -> None:
+    rng = random.Random(100 + seed)
+    trie = SuffixTrie(4)
+    for _ in range(4):
+        trie.start_document()
+        trie.extend([rng.randrange(3) for _ in range(rng.randint(5, 30))])
+        trie.end_document()
+    if rng.random() < 0.5:
+        trie.remove_document(min(trie.docs))
+    for node, string in node_strings(trie).items():
+        if node == 0:
+            continue
+        n = len(string)
+        continuing = [(d, i + n) for d, text in trie.docs.items() for i in range(len(text) - n)
+                      if text[i:i + n] == string]
+        doc, pos = trie._doc[node], trie._pos[node]
+        if trie._count[node] == 1 and doc >= 0:   # a lazy leaf: its one occurrence
+            assert trie.docs[doc][pos - n:pos] == string
+        elif continuing:
+            assert (doc, pos) == max(continuing), string
+        else:
+            assert doc == -1 or pos >= len(trie.docs[doc])
+
+
+def test_longest_match_and_continuations_by_frequency() -> None:
+    trie = SuffixTrie(6)
+    text = [1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 5, 7, 2, 3, 4]
+    trie.extend(text)
+    # the open document's repeated suffixes: [], [4], [3 4], [2 3 4], [1 2 3 4]? no: "1 2 3 4" does not
+    # end the text (7 2 3 4 does), so the longest match is "2 3 4"
+    states = trie.active_states()
+    assert len(states) - 1 == 3
+    conts = trie.continuations(states[3], 4)
+    assert [(tok, freq, support) for tok, freq, support, _ in conts] == [(9, 1.0, 2)]
+    conts = trie.continuations(states[1], 4)   # after "4": 9 twice (the open end does not continue)
+    assert [(t, f) for t, f, _, _ in conts] == [(9, 1.0)]
+    # "2 3" occurs 4 times, all continuing: with 4 three times, with 5 once
+    two_three = trie.step(trie.step((0, -1, 0), 2), 3)
+    conts = trie.continuations(two_three, 4)
+    assert [(t, f, s) for t, f, s, _ in conts] == [(4, 0.75, 4), (5, 0.25, 4)]
+    assert trie.count([2, 3]) == 4 and trie.count([2, 3, 4]) == 3
+
+
+def test_incremental_growth_equals_a_fresh_build() -> None:
+    rng = random.Random(5)
+    text = [rng.randrange(4) for _ in range(300)]
+    grown = SuffixTrie(5)
+    for i in range(0, len(text), 7):
+        grown.extend(text[i:i + 7])
+        fresh = SuffixTrie(5)
+        fresh.extend(text[:i + 7])
+        assert [grown._depth[n] for n, _, _ in grown.active_states()] == \
+            [fresh._depth[n] for n, _, _ in fresh.active_states()]
+        assert grown.n_nodes == fresh.n_nodes
+    grown.check()
+
+
+def test_matcher_finds_the_longest_match_in_earlier_documents() -> None:
+    trie = SuffixTrie(8)
+    trie.rebuild_from([[5, 6, 7, 8, 9], [1, 6, 7, 3]])
+    m = Matcher(trie)
+    for tok in [4, 4, 6, 7]:
+        m.push(tok)
+    assert len(m.states) - 1 == 2                      # "6 7"
+    conts = trie.continuations(m.states[2], 4)
+    assert sorted((t, f) for t, f, _, _ in conts) == [(3, 0.5), (8, 0.5)]
+    m.push(8)
+    assert len(m.states) - 1 == 3                      # "6 7 8", inside the lazy leaf of document 0
+    assert [t for t, _, _, _ in trie.continuations(m.states[3], 1)] == [9]
+    m.push(2)
+    assert len(m.states) == 1
+
+
+def test_global_cache_evicts_the_oldest_and_stays_bounded() -> None:
+    cache = SuffixCache(max_requests=5, max_tokens=400, depth=8)
+    rng = random.Random(3)
+    outputs = []
+    for i in range(40):
+        out = [rng.randrange(50) for _ in range(rng.randint(20, 120))]
+        outputs.append(out)
+        cache.add(out)
+        assert cache.n_requests <= 5 and cache.n_tokens <= 400
+        assert cache.n_nodes <= cache.n_tokens * (cache.trie.depth + 1) + 1
+    cache.trie.check()
+    kept = cache.documents()
+    assert kept == outputs[-len(kept):]                  # the newest, in order
+    assert cache.trie.count(outputs[0][:6]) == occurrences(kept, outputs[0][:6])
+    # one request longer than the token cap keeps its last max_tokens tokens
+    cache.add(list(range(1000)))
+    assert cache.documents() == [list(range(600, 1000))]
+
+
+def test_memory_of_the_global_trie_is_bounded_on_repetitive_outputs() -> None:
+    """Repetitive text is the worst case (up to D + 1 nodes per token); the caps bound it all the same."""
+    motif = list(range(100, 137))
+    cache = SuffixCache(max_requests=1000, max_tokens=3000)
+    tracemalloc.start()
+    try:
+        peaks = []
+        for i in range(80):
+            cache.add((motif * 9)[i % 7:][:300] + [i])     # 301 tokens: 9 requests fit
+            peaks.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert cache.n_tokens <= 3000 and cache.n_requests == 9
+    assert cache.n_nodes <= cache.n_tokens * (cache.trie.depth + 1) + 1
+    # full after 9 requests; afterwards the memory stays flat (eviction frees what insertion takes)
+    assert max(peaks[40:]) < 1.3 * max(peaks[10:20])
+    assert max(peaks) < 20 * 2**20
+    cache.trie.check()
+
+
+# ---- draft trees ------------------------------------------------------------------------------------------
+
+def started(prop: SuffixProposer, prompt: list[int], **setup_kw) -> SuffixProposer:
+    prop.begin(list(prompt), make_setup(**setup_kw))
+    return prop
+
+
+def test_tree_follows_the_most_frequent_continuation_with_branches() -> None:
+    # "1 2" was followed by 3 4 5 twice and by 6 7 once
+    prompt = [1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5, 0, 1, 2, 6, 7, 0, 9, 1, 2]
+    prop = started(SuffixProposer(max_branches=2, spec_offset=16), prompt)
+    tree = prop.propose(prompt, budget=20)
+    check_layout(layout(tree))
+    assert tree.tokens[0] == 2
+    first = tree.children(0)
+    assert [tree.tokens[i] for i in first] == [3, 6]       # the likelier branch first
+    paths = sorted(tuple(tree.tokens[i] for i in tree.path_to(leaf)[1:]) for leaf in tree.leaves())
+    assert paths[0][:4] == (3, 4, 5, 0) and paths[1][:2] == (6, 7)
+    assert len(tree.leaves()) == 2
+    assert set(tree.sources.values()) == {"suffix"}
+    assert set(tree.classes) == set(range(1, len(tree.tokens)))
+    assert tree.classes[first[0]] == "sx m1 f1 d1"        # 2 of 3 after a 2-token match
+    assert tree.classes[first[1]] == "sx m1 f0 d1"
+    assert not tree.draft_probs
+
+
+def test_tree_respects_budget_branches_depth_and_sequences() -> None:
+    # "0 1" was followed by 8 different phrases
+    prompt = [t for k in range(2, 10) for t in (0, 1, k, k + 10, k + 20, 30 + k)] + [0, 1]
+    prop = started(SuffixProposer(max_branches=3, max_depth=5, min_match=1, spec_factor=8.0, min_prob=0.0),
+                   prompt)
+    for budget in (0, 1, 2, 5, 13, 40):
+        tree = prop.propose(prompt, budget)
+        check_layout(layout(tree))
+        assert tree.tokens[0] == prompt[-1]
+        assert tree.n_candidates <= budget
+        assert len(tree.leaves()) <= 3
+        assert tree.max_depth <= 5
+    assert prop.propose(prompt, 40).n_candidates > 5      # a wide tree where the budget allows
+    narrow = started(SuffixProposer(max_branches=8, min_match=1, min_prob=0.0), prompt, max_branches=2)
+    assert len(narrow.propose(prompt, 40).leaves()) <= 2
+    small = started(SuffixProposer(max_branches=8, min_match=1, min_prob=0.0), prompt, max_tree_nodes=3)
+    assert small.propose(prompt, 40).n_candidates <= 3
+
+
+def test_tree_size_grows_with_the_match_length() -> None:
+    block = list(range(10, 40))
+    prompt = block + [1, 2] + block[:2]
+    prop = started(SuffixProposer(spec_factor=1.0, spec_offset=1, max_depth=64), prompt)
+    short = prop.propose(prompt, budget=60)
+    assert short.n_candidates == 3                          # 2-token match: 1 * 2 + 1 nodes
+    longer = prompt + block[2:10]
+    assert prop.propose(longer, budget=60).n_candidates == 11
+
+
+def test_drafts_stop_at_end_of_generation_and_copy_periodically() -> None:
+    prompt = [1, 2, 3, 99, 5, 1, 2]
+    prop = started(SuffixProposer(spec_offset=10), prompt, eog=frozenset({99}))
+    assert prop.propose(prompt, budget=10).tokens == [2, 3, 99]
+    loop = [7, 8, 9, 7, 8, 9, 7, 8]
+    prop = started(SuffixProposer(spec_offset=10, max_depth=7), loop)
+    assert prop.propose(loop, budget=10).tokens == [8, 9, 7, 8, 9, 7, 8, 9]
+    # no match of min_match tokens: the root alone (a plain step)
+    assert started(SuffixProposer(), [1, 2, 3]).propose([1, 2, 3], budget=8).tokens == [3]
+
+
+def test_classes_are_few() -> None:
+    classes = {node_class(m, f, s, d) for m in range(1, 20) for f in (0.1, 0.5, 0.9, 1.0) for s in (1, 2, 5)
+               for d in range(1, 20)}
+    assert len(classes) == 36
+
+
+def test_the_global_trie_drafts_what_an_earlier_request_answered() -> None:
+    cache = SuffixCache()
+    answer = [40, 41, 42, 43, 44, 45, 46, 47]
+    prompt = [1, 2, 3, 9]
+    prop = SuffixProposer(cache, spec_offset=10)
+    committed = list(prompt)
+    prop.begin(committed, make_setup())                  # a request that answered ``answer``
+    committed += answer[:5]
+    prop.observe(committed, None)
+    committed += answer[5:]                              # the last round is not observed
+    prop.end()
+    assert cache.documents() == [prompt + answer]         # the prompt's tail (<= D tokens), the answer
+    prop2 = started(SuffixProposer(cache, spec_offset=10), [5, 5, 40, 41])
+    tree = prop2.propose([5, 5, 40, 41], budget=10)
+    assert tree.tokens == [41, 42, 43, 44, 45, 46, 47]
+    assert prop2.stats()["sx_global"] == 1 and prop2.stats()["sx_global_requests"] == 1
+
+
+# ---- persistence ------------------------------------------------------------------------------------------
+
+def test_persistence_round_trip_and_refusal(tmp_path: Path) -> None:
+    cache = SuffixCache(max_requests=3)
+    for i in range(5):
+        cache.add([i, i + 1, i + 2, 7, 8, 9])
+    path = tmp_path / "history.suffix"
+    save_global(cache, path, "fp-one")
+    assert [p.name for p in tmp_path.iterdir()] == ["history.suffix"]      # no temp file left
+    loaded = load_global(path, "fp-one")
+    assert loaded.documents() == cache.documents()
+    assert loaded.trie.count([7, 8, 9]) == 3
+    with pytest.raises(PoolError) as exc:
+        load_global(path, "fp-two")
+    assert "another tokenizer" in str(exc.value) and "\n" not in str(exc.value)
+    data = path.read_bytes()
+    path.write_bytes(data[:-3])
+    with pytest.raises(PoolError, match="truncated or corrupt"):
+        load_global(path, "fp-one")
+    path.write_bytes(b"garbage")
+    with pytest.raises(PoolError, match="not a suffix history"):
+        load_global(path, "fp-one")
+    assert load_global_limits(cache, tmp_path) == 2
+
+
+def load_global_limits(cache: SuffixCache, tmp_path: Path) -> int:
+    path = tmp_path / "small.suffix"
+    save_global(cache, path, "fp")
+    return load_global(path, "fp", max_requests=2).n_requests
+
+
+# ---- options ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,value", [("max_depth", 0), ("max_depth", 65), ("max_depth", 2.5),
+                                        ("max_branches", True), ("max_branches", "4"), ("min_match", 0),
+                                        ("max_requests", 100_001), ("max_tokens", 0),
+                                        ("spec_factor", float("nan")),
+                                        ("min_prob", 1.5), ("spec_offset", -1)])
+def test_bad_options_name_the_option(name: str, value: object) -> None:
+    with pytest.raises(MethodOptionError, match=repr(name)):
+        check_options("suffix", {name: value})
+
+
+def test_options_defaults_and_shared_global() -> None:
+    defaults = check_options("suffix", {})
+    assert {o.name: defaults[o.name] for o in OPTIONS} == {o.name: o.default for o in OPTIONS}
+    assert check_options("suffix", {"max_depth": 8.0})["max_depth"] == 8
+    engine = SimpleNamespace(shared={})
+    a = create(engine, check_options("suffix", {"max_depth": 8, "max_requests": 3}))
+    b = create(engine, check_options("suffix", {}))
+    assert isinstance(a, SuffixProposer) and a.max_depth == 8
+    assert a.cache is b.cache is engine.shared[SHARED_GLOBAL]
+    assert b.cache.max_requests == 256                     # the latest request's limits hold
+    with pytest.raises(ParameterError, match="'pool'"):
+        check_options("suffix", {"pool": 5})
+    assert "suffix" in method_names()
+
+
+# ---- end to end -------------------------------------------------------------------------------------------
+
+def repetitive_corpus(seed: int, vocab: int = 40, length: int = 400) -> list[int]:
+    rng = random.Random(seed)
+    motifs = [[rng.randrange(vocab) for _ in range(rng.randint(4, 9))] for _ in range(6)]
+    out: list[int] = []
+    while len(out) < length:
+        out += motifs[rng.randrange(len(motifs))]
+        if rng.random() < 0.3:
+            out.append(rng.randrange(vocab))
+    return out
+
+
+WIDE = {"min_match": 1, "min_prob": 0.0, "spec_factor": 4.0}   # short matches, wide trees
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("kw", [{}, {"max_branches": 1}, WIDE])
+def test_greedy_equality_on_a_fake_target(seed: int, kw: dict) -> None:
+    corpus = repetitive_corpus(seed)
+    target = FakeTarget(corpus, 40)
+    prompt = corpus[:60]
+    out, st = simulate(SuffixProposer(SuffixCache(), **kw), target, prompt, 80)
+    assert out == target.greedy(prompt, 80)
+    assert st.accepted / st.passes > 1.0                   # repetitive text: more than one token per pass
+    for nodes, seqs in ((1, 1), (2, 2), (5, 3)):
+        out, _ = simulate(SuffixProposer(SuffixCache(), **kw), target, prompt, 40,
+                          make_setup(max_tree_nodes=nodes, max_branches=seqs))
+        assert out == target.greedy(prompt, 40)
+
+
+E2E_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+               "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_target):
+    pytest.importorskip("llama_cpp")
+    from ouroboros_local.engine import Engine, EngineConfig
+    from ouroboros_local.llama import Model
+
+    eng = Engine(Model(tiny_target), None, EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1,
+                                                        calibration="off", adaptive=False))
+    eng.check_kv = True
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("options", [{}, {"max_branches": 1}, WIDE])
+def test_engine_greedy_equality(engine, options: dict) -> None:
+    engine.shared.pop(SHARED_GLOBAL, None)
+    for prompt in E2E_PROMPTS:
+        base = engine.generate(prompt, max_tokens=40)
+        res = engine.generate(prompt, max_tokens=40, method="suffix", options=dict(options))
+        assert res.tokens == base.tokens
+        assert res.stats.target_passes + res.stats.accepted == base.stats.target_passes
+
+
+def test_engine_second_pass_reuses_the_first_answer(engine) -> None:
+    engine.shared.pop(SHARED_GLOBAL, None)
+    prompt = "Once upon a time"
+    base = engine.generate(prompt, max_tokens=48)
+    first = engine.generate(prompt, max_tokens=48, method="suffix")
+    second = engine.generate(prompt, max_tokens=48, method="suffix")
+    assert first.tokens == second.tokens == base.tokens
+    assert engine.shared[SHARED_GLOBAL].n_requests == 2
+    # the whole answer is in the global trie: most of it comes in long accepted drafts
+    assert second.stats.accepted / second.stats.target_passes > 1.0
+    assert second.stats.extra["sx_global"] > 0
+    assert second.stats.target_passes < first.stats.target_passes
+
+
+def test_engine_seeded_sampling_and_the_scheduler_keep_vanilla_s_output(engine, tiny_target) -> None:
+    from ouroboros_local.engine import Engine, EngineConfig
+    from ouroboros_local.llama import Model
+    from ouroboros_local.sampling import SamplingParams
+
+    engine.shared.pop(SHARED_GLOBAL, None)
+    for seed in range(3):
+        sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+        base = engine.generate(E2E_PROMPTS[seed % 2], max_tokens=30, sampling=sp)
+        for _ in range(2):        # the second run drafts from the first one's answer
+            res = engine.generate(E2E_PROMPTS[seed % 2], max_tokens=30, method="suffix", sampling=sp)
+            assert res.tokens == base.tokens
+    assert engine.shared[SHARED_GLOBAL].n_requests == 6
+    # scheduled (adaptive) drafting: the cost model trims drafts by their confidence classes
+    with Engine(Model(tiny_target), None, EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1,
+                                                       calibration="off")) as scheduled:
+        prompt = E2E_PROMPTS[0]
+        base = scheduled.generate(prompt, max_tokens=40)
+        for _ in range(3):
+            res = scheduled.generate(prompt, max_tokens=40, method="suffix")
+            assert res.tokens == base.tokens
+        assert res.stats.accepted > 0
+        assert any(k.startswith("sx m") for k in scheduled.scheduler().confidence["suffix"].trials)
+
+
+def test_engine_pool_file_survives_a_restart_and_refuses_another_tokenizer(engine, tmp_path: Path) -> None:
+    from ouroboros_local.history import tokenizer_fingerprint
+
+    given = tmp_path / "history"                         # --pool FILE: the trie lives in FILE.suffix
+    path = Path(suffix_file(str(given)))
+    engine.shared.pop(SHARED_GLOBAL, None)
+    engine.shared.pop("suffix_global_file", None)
+    prompt = E2E_PROMPTS[1]
+    res = engine.generate(prompt, max_tokens=24, method="suffix", options={"pool": str(given)})
+    assert path.exists()
+    saved = load_global(path, tokenizer_fingerprint(engine))
+    doc = saved.documents()[-1]
+    assert saved.n_requests == 1
+    assert res.tokens in (doc[-len(res.tokens):], doc[-len(res.tokens) - 1:-1])   # (an end token may follow)
+    # a "restart": a fresh shared state loads the file
+    engine.shared.pop(SHARED_GLOBAL)
+    engine.shared.pop("suffix_global_file")
+    again = engine.generate(prompt, max_tokens=24, method="suffix", options={"pool": str(given)})
+    assert again.tokens == res.tokens and again.stats.extra["sx_global"] > 0
+    save_global(saved, path, "another tokenizer's fingerprint")
+    engine.shared.pop(SHARED_GLOBAL)
+    engine.shared.pop("suffix_global_file")
+    with pytest.raises(PoolError, match="another tokenizer"):
+        engine.generate(prompt, max_tokens=4, method="suffix", options={"pool": str(given)})
+    engine.shared.pop(SHARED_GLOBAL, None)
+    engine.shared.pop("suffix_global_file", None)

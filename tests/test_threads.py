@@ -1,0 +1,152 @@
+"""The default thread count leaves out the cores other processes keep busy (mocked /proc/stat)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ouroboros_local import cpu_load
+from ouroboros_local.cpu_load import (CpuTimes, busy_cores_now, contended, idle_threads, others_busy_cores,
+                                      parse_cpu_times)
+
+
+def stat_text(*cpus: tuple[int, int]) -> str:
+    """A /proc/stat with one line per CPU from (busy user ticks, idle ticks); the sum line first."""
+    def line(name: str, busy: int, idle: int) -> str:
+        # user nice system idle iowait irq softirq steal guest guest_nice
+        return f"{name} {busy} 0 0 {idle} 0 0 0 0 0 0"
+
+    total = line("cpu", sum(b for b, _ in cpus), sum(i for _, i in cpus))
+    return "\n".join([total] + [line(f"cpu{n}", b, i) for n, (b, i) in enumerate(cpus)]
+                     + ["intr 1 2 3", "ctxt 99"])
+
+
+def test_parse_sums_the_usable_cpus_and_counts_steal_as_busy() -> None:
+    text = stat_text((100, 900), (500, 500), (0, 1000))
+    times = parse_cpu_times(text, {0, 1}, own_seconds=1.5)
+    assert (times.busy, times.total, times.n_cpus, times.own_seconds) == (600, 2000, 2, 1.5)
+    everything = parse_cpu_times(text, None, 0.0)
+    assert (everything.busy, everything.total, everything.n_cpus) == (600, 3000, 3)
+    stolen = parse_cpu_times("cpu0 10 1 2 50 5 1 1 30 7 0\n", {0}, 0.0)
+    assert stolen.busy == 10 + 1 + 2 + 1 + 1 + 30        # guest (7) is already inside user
+    assert stolen.total == stolen.busy + 55
+    assert parse_cpu_times("intr 1\n", {0}, 0.0) is None
+
+
+def test_others_busy_cores_subtracts_our_own_cpu_time() -> None:
+    before = CpuTimes(busy=1000, total=4000, own_seconds=10.0, n_cpus=2)
+    # 30 ticks pass on 2 CPUs (60 ticks in all): 45 busy, 15 of them ours (0.15 s at 100 ticks/s)
+    after = CpuTimes(busy=1045, total=4060, own_seconds=10.15, n_cpus=2)
+    assert others_busy_cores(before, after, clock_ticks=100) == pytest.approx(1.0)
+    quiet = CpuTimes(busy=1015, total=4060, own_seconds=10.15, n_cpus=2)
+    assert others_busy_cores(before, quiet, clock_ticks=100) == pytest.approx(0.0)
+    assert others_busy_cores(before, before, clock_ticks=100) is None      # no tick passed
+    short = CpuTimes(busy=1003, total=4006, own_seconds=10.0, n_cpus=2)
+    assert others_busy_cores(before, short, clock_ticks=100) is None       # 6 ticks: too few to tell
+
+
+@pytest.mark.parametrize("busy, threads", [(None, 2), (0.0, 2), (0.4, 2), (0.6, 1), (1.0, 1), (1.9, 1),
+                                           (2.0, 1)])
+def test_idle_threads_on_two_cores_never_below_one(busy, threads) -> None:
+    assert idle_threads(2, busy) == threads
+
+
+def test_idle_threads_on_many_cores() -> None:
+    assert idle_threads(16, 0.2) == 16
+    assert idle_threads(16, 3.1) == 13
+    assert idle_threads(16, 40.0) == 1
+
+
+def test_contended_when_our_threads_share_cores_with_others() -> None:
+    assert not contended(None, 2, 2)
+    assert not contended(0.3, 2, 2)
+    assert contended(1.0, 2, 2)
+    assert not contended(1.0, 2, 1)        # one busy core, one thread of ours on the other
+    assert not contended(2.0, 16, 8)
+
+
+class FakeProc:
+    """/proc/stat readings that advance by a given busy share of other processes per reading."""
+
+    def __init__(self, others_busy_per_cpu: list[float], ticks: int = 15):
+        self.others = others_busy_per_cpu
+        self.ticks = ticks
+        self.busy = [0] * len(others_busy_per_cpu)
+        self.idle = [0] * len(others_busy_per_cpu)
+        self.reads = 0
+
+    def __call__(self) -> str:
+        text = stat_text(*zip(self.busy, self.idle))
+        for n, share in enumerate(self.others):   # the next reading is `ticks` later
+            self.busy[n] += round(share * self.ticks)
+            self.idle[n] += self.ticks - round(share * self.ticks)
+        self.reads += 1
+        return text
+
+
+@pytest.fixture
+def two_cpus(monkeypatch):
+    monkeypatch.setattr(cpu_load, "_usable_cpu_ids", lambda: {0, 1})
+    monkeypatch.setattr(cpu_load, "_own_cpu_seconds", lambda: 0.0)
+    monkeypatch.setattr(cpu_load, "_last_sample", None)
+
+
+def test_busy_cores_now_samples_once_and_reuses_the_sample(two_cpus) -> None:
+    proc = FakeProc([1.0, 0.0])          # a busy loop on one core
+    slept = []
+    assert busy_cores_now(read_stat=proc, sleep=slept.append) == pytest.approx(1.0)
+    assert proc.reads == 2 and slept == [cpu_load.SAMPLE_SECONDS]
+    assert busy_cores_now(read_stat=proc, sleep=slept.append) == pytest.approx(1.0)   # reused
+    assert proc.reads == 2
+    quiet = FakeProc([0.0, 0.0])
+    assert busy_cores_now(reuse=0.0, read_stat=quiet, sleep=lambda s: None) == pytest.approx(0.0)
+
+
+def test_load_average_stands_in_without_proc_stat(two_cpus, monkeypatch) -> None:
+    monkeypatch.setattr(cpu_load.os, "getloadavg", lambda: (1.2, 0.5, 0.1))
+    assert busy_cores_now(reuse=0.0, read_stat=lambda: None, sleep=lambda s: None) == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("others, threads", [([0.0, 0.0], 2), ([0.1, 0.2], 2), ([1.0, 0.0], 1),
+                                             ([0.5, 0.5], 1), ([1.0, 1.0], 1)])
+def test_default_threads_follow_the_load(two_cpus, monkeypatch, others, threads) -> None:
+    from ouroboros_local.llama import binding
+
+    proc = FakeProc(others)
+    monkeypatch.setattr(binding, "usable_cores", lambda: 2)
+    monkeypatch.setattr(binding, "busy_cores_now",
+                        lambda: busy_cores_now(reuse=0.0, read_stat=proc, sleep=lambda s: None))
+    assert binding.default_threads() == threads
+
+
+def test_a_context_without_a_thread_setting_uses_the_idle_cores(tiny_target, monkeypatch) -> None:
+    from llama_cpp import llama_cpp as lc
+
+    from ouroboros_local.llama import Context, ContextParams, Model, binding
+
+    monkeypatch.setattr(binding, "usable_cores", lambda: 2)
+    monkeypatch.setattr(binding, "busy_cores_now", lambda: 1.0)
+    model = Model(tiny_target)
+    try:
+        busy = Context(model, ContextParams(n_ctx=64, n_batch=16))
+        assert busy.n_threads == 1 == int(lc.llama_n_threads(busy.ptr))
+        busy.close()
+        monkeypatch.setattr(binding, "busy_cores_now", lambda: 0.0)
+        quiet = Context(model, ContextParams(n_ctx=64, n_batch=16))
+        assert quiet.n_threads == 2 == int(lc.llama_n_threads_batch(quiet.ptr))
+        quiet.close()
+        chosen = Context(model, ContextParams(n_ctx=64, n_batch=16, n_threads=2))   # the user's -t wins
+        assert chosen.n_threads == 2
+        chosen.close()
+    finally:
+        model.close()
+
+
+def test_doctor_reports_the_load_and_the_thread_choice(monkeypatch) -> None:
+    from ouroboros_local import doctor
+
+    monkeypatch.setattr(cpu_load, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cpu_load, "busy_cores_now", lambda reuse=0.0: 1.0)
+    lines = doctor.load_lines()
+    assert "1.0 of 2 usable cores busy" in lines[0]
+    assert lines[1].startswith("threads: 1 by default, the idle cores")
+    assert lines[2].startswith("OpenMP waiting: OMP_WAIT_POLICY=")
