@@ -45,7 +45,6 @@ class CostModel:
 
     sizes: list[int]
     seconds: list[float]
-    draft_step: float = 0.0          # seconds per draft-model token (0 when there is no draft model)
     measured_at: float = field(default_factory=time.time)
     key: str = ""
     busy_cores: float | None = None  # cores other processes kept busy while it was measured
@@ -127,18 +126,6 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
     seconds = list(np.maximum.accumulate(seconds))
     return CostModel(sizes=list(sizes), seconds=seconds, busy_cores=meter.busy_cores,
                      provisional=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads))
-
-
-def measure_draft_step(kv: "KVCache", repeats: int = 4, prefix_len: int = 32) -> float:
-    rng = np.random.default_rng(1)
-    _random_prefix(kv, rng, kv.ctx.n_vocab, prefix_len)
-    best = float("inf")
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        kv.feed([int(rng.integers(kv.ctx.n_vocab))], logits_last=True)
-        best = min(best, time.perf_counter() - t0)
-    kv.reset()
-    return best
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from .proposers import create_proposer, method_names
 from .proposers.base import ProposeSetup, Proposer
 from .sampling import SamplingParams
 from .scheduler import CalibrationCache, CostModel, Scheduler, calibration_key, measure_costs
-from .tree import layout
+from .tree import TokenTree, layout
 from .verify import VerifyResult, verify
 
 
@@ -348,6 +348,7 @@ class Engine:
         t1 = time.perf_counter()
         llama_at_t1 = llama_decode_clock()   # this thread's seconds inside llama_decode
         stats.prefill_seconds = t1 - t0
+        context_full = False
         try:
             while len(generated) < max_tokens:
                 if is_cancelled():
@@ -361,8 +362,10 @@ class Engine:
                 if sched is not None:
                     budget = sched.best_length(proposer.name, sched.draft_cost(proposer.name), limit=budget)
                 t_propose = time.perf_counter()
-                tree = proposer.propose(committed, budget)
-                if sched is not None:
+                tree = None if context_full else self._propose_in_room(proposer, committed, budget, room)
+                if tree is None:   # the end of the context: plain steps, which always fit, to the end
+                    context_full, tree = True, TokenTree.rooted_at(committed[-1])
+                elif sched is not None:
                     sched.note_draft(proposer.name, time.perf_counter() - t_propose, tree.n_candidates,
                                      catch_up=proposer.catch_up_seconds)
                     if tree.n_candidates:
@@ -421,6 +424,16 @@ class Engine:
         stats.finalize()
         final = GenerationResult(text=matcher.text, tokens=generated, stats=stats)
         yield StreamEvent(text=text_tail, tokens=[], result=final)
+
+    @staticmethod
+    def _propose_in_room(proposer: Proposer, committed: list[int], budget: int, room: int) -> TokenTree | None:
+        """The proposer's tree, or None when it no longer fits the context (a lookahead window's extra
+        tokens take cells too) or a draft model's own context is full."""
+        try:
+            tree = proposer.propose(committed, budget)
+        except ContextOverflowError:
+            return None
+        return tree if len(tree.tokens) + len(tree.extras) <= room + 1 else None
 
     def _verify(self, tree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
         lay = layout(tree)

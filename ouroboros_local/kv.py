@@ -98,8 +98,8 @@ class KVCache:
             raise ValueError(f"tree needs {lay.n_seqs} sequences, context has {self.ctx.n_seq_max}")
         if len(lay.tokens) > self.ctx.n_batch:
             raise ValueError(f"tree of {len(lay.tokens)} tokens exceeds n_batch {self.ctx.n_batch}")
-        depth = max(lay.pos_offsets)
-        if self.n_past + depth + 1 > self.ctx.n_ctx:
+        # every batch token takes a cell (branches share positions, not cells)
+        if self.n_past + len(lay.tokens) > self.ctx.n_ctx:
             raise ContextOverflowError(f"the context of {self.ctx.n_ctx} tokens is full")
         for s in range(lay.n_seqs):
             self._sync_seq(s)

@@ -1,8 +1,12 @@
 """Sampler settings and the target's processed distribution, in numpy.
 
-Plain decoding and every speculative verifier use the same ``distribution`` function, so "the target's
+Plain decoding and every speculative verifier use the same ``support`` function, so "the target's
 distribution" is one well-defined thing. The order follows llama.cpp's default chain: top-k, then top-p
 and min-p on the untempered probabilities, then temperature over the survivors.
+
+The distribution is kept on its support (``Sparse``: a few token ids and their probabilities): one pass
+over the vocabulary finds the candidates, the rest works on a few dozen tokens, and draws, draft
+probabilities and rejection residuals stay sparse. ``distribution`` gives the dense vector (tests).
 """
 
 from __future__ import annotations
@@ -52,8 +56,8 @@ class SamplingParams:
         return np.random.default_rng(self.seed)
 
 
-# Vocabularies at least this large find their top-k through column maxima (``top_k_ids``); smaller
-# ones are simply sorted.
+# Vocabularies at least this large find their top-k through column maxima (``top_k_by_value``);
+# smaller ones are simply sorted.
 _COLUMN_ROWS = 64
 _SMALL_VOCAB = 4096
 

@@ -43,7 +43,7 @@ import numpy as np
 
 # the cost curve's measurement and cache live in calibration.py; re-exported for existing imports
 from .calibration import (CALIBRATION_METHOD, CALIBRATION_SIZES, CalibrationCache,  # noqa: F401
-                          CostModel, calibration_key, measure_costs, measure_draft_step)
+                          CostModel, calibration_key, measure_costs)
 from .tree import TokenTree
 
 PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does not pay may cost
@@ -85,10 +85,6 @@ class Acceptance:
 
     def alpha_at(self, depth: int) -> float:
         return float(self.depth_alphas(depth + 1)[depth])
-
-    def expected(self, k: int) -> float:
-        """Expected tokens of a round that drafts k (the bonus token included)."""
-        return float(self.expected_all(k)[-1])
 
     def expected_all(self, k: int) -> np.ndarray:
         """Expected tokens of rounds that draft 0, 1, ..., k, in one pass."""
@@ -180,12 +176,6 @@ PROBABILITY_BINS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995)
 def probability_class(p: float) -> str:
     """Confidence class of a draft token from the probability the draft model gave it."""
     return "p" + str(int(np.searchsorted(PROBABILITY_BINS, p, side="right")))
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    if alpha >= 1.0:
-        return float(k + 1)
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 class Scheduler:

@@ -148,12 +148,18 @@ def test_speculative_without_draft_is_refused(tiny_target) -> None:
             engine.generate("x", method="speculative")
 
 
-def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft) -> None:
-    with make_engine(tiny_target, tiny_draft, n_ctx=64) as engine:
-        prompt = "a b c d e f g h"
-        res = engine.generate(prompt, max_tokens=500, method="speculative")
-        assert res.finish_reason in ("length", "stop")
-        assert len(engine.prompt_tokens(prompt)) + len(res.tokens) <= 64
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft, adaptive: bool) -> None:
+    """Every method stops cleanly at a full context, lookahead's window and a draft model's context too
+    (they once ended with "the context is full"), and the text up to there is the plain text."""
+    with make_engine(tiny_target, tiny_draft, n_ctx=256, adaptive=adaptive) as engine:
+        prompt = "one two three " * 10
+        base = engine.generate(prompt, max_tokens=1000, method="vanilla")
+        for method in method_names():
+            res = engine.generate(prompt, max_tokens=1000, method=method)
+            assert res.finish_reason in ("length", "stop"), method
+            assert len(engine.prompt_tokens(prompt)) + len(res.tokens) <= 256, method
+            assert res.tokens == base.tokens, method
 
 
 # ---- sampling losslessness on the tiny vocabulary ------------------------------------------------

@@ -129,7 +129,10 @@ def test_support_equals_the_dense_reference(params: SamplingParams, vocab: int) 
         np.testing.assert_allclose(got.dense(vocab), want, rtol=1e-12, atol=1e-300)
 
 
-@pytest.mark.parametrize("params", [p for p in PARAMS if p.top_k and (p.top_p < 1 or p.min_p > 0)], ids=lambda p: f"k{p.top_k}-p{p.top_p}-m{p.min_p}")
+CUTTING = [p for p in PARAMS if p.top_k and (p.top_p < 1 or p.min_p > 0)]
+
+
+@pytest.mark.parametrize("params", CUTTING, ids=lambda p: f"k{p.top_k}-p{p.top_p}-m{p.min_p}")
 def test_near_top_shortcut_equals_the_top_k_path_when_it_decides(params: SamplingParams) -> None:
     rng = np.random.default_rng(7)
     decided = 0
@@ -248,3 +251,27 @@ def test_common_prefix_from_a_watermark_equals_the_full_walk() -> None:
         assert common_prefix(a, b) == want
         for start in range(0, want + 1):           # any watermark at or below the true prefix
             assert common_prefix(a, b, start) == want
+
+
+# ---- measuring the round's Python time -----------------------------------------------------------
+def test_generation_stats_split_llama_decode_from_python_time(tiny_target, tiny_draft) -> None:
+    from test_engine import make_engine
+
+    with make_engine(tiny_target, tiny_draft) as engine:
+        for method in ("vanilla", "speculative"):
+            stats = engine.generate([1, 5, 9, 13], max_tokens=12, method=method).stats
+            extra = stats.extra
+            assert 0 < extra["llama_decode_seconds"] <= stats.decode_seconds
+            assert extra["python_seconds"] == pytest.approx(stats.decode_seconds - extra["llama_decode_seconds"],
+                                                            abs=2e-6)
+            assert extra["python_ms_per_round"] == pytest.approx(
+                1e3 * extra["python_seconds"] / stats.target_passes, rel=1e-3, abs=1e-4)
+
+
+def test_bench_summary_reports_python_ms_per_round() -> None:
+    from ouroboros_local.bench.report import python_ms_per_round
+
+    ours = [{"target_passes": 10, "extra": {"python_seconds": 0.002}},
+            {"target_passes": 30, "extra": {"python_seconds": 0.006}}]
+    assert python_ms_per_round(ours) == pytest.approx(0.2)
+    assert python_ms_per_round([{"target_passes": 5, "extra": {}}]) is None     # a peer: not measured

@@ -10,17 +10,19 @@ import pytest
 from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
 from ouroboros_local.scheduler import (Acceptance, CalibrationCache, CostModel, Scheduler,
-                                       expected_tokens, probability_class)
+                                       probability_class)
 from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model
 GPU = CostModel(sizes=[1, 8, 16, 32], seconds=[1.0, 1.05, 1.1, 1.3])
 
 
-def test_expected_tokens_geometric() -> None:
-    assert expected_tokens(0.0, 5) == 1.0
-    assert expected_tokens(1.0, 5) == 6.0
-    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+def test_expected_tokens_per_depth() -> None:
+    acc = Acceptance()
+    for _ in range(200):
+        acc.update(drafted=2, accepted=1)     # right at depth 0, wrong at depth 1
+    # drafting 0, 1 or 2 tokens yields 1, ~2 and ~2 tokens: the second draft token never lands
+    assert acc.expected_all(2) == pytest.approx([1.0, 2.0, 2.0], abs=0.05)
 
 
 def test_cost_interpolates_and_extrapolates() -> None:
@@ -186,7 +188,7 @@ def test_acceptance_per_depth_sees_all_or_nothing_runs() -> None:
         acc.update(drafted=8, accepted=8 if i % 2 else 0)   # a copy is right to the end, or wrong at once
     assert acc.alpha_at(0) == pytest.approx(0.5, abs=0.05)
     assert all(acc.alpha_at(d) > 0.95 for d in range(1, 8))
-    assert acc.expected(8) == pytest.approx(1 + 0.5 * 8, rel=0.05)
+    assert acc.expected_all(8)[-1] == pytest.approx(1 + 0.5 * 8, rel=0.05)
     assert acc.alpha_at(20) == acc.alpha          # never drafted that deep: the pooled estimate
 
 

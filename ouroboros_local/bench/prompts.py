@@ -16,6 +16,7 @@ without a model.
 from __future__ import annotations
 
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -146,6 +147,10 @@ def load_sets(spec: str | Sequence[str], task: str | None = None, limit: int | N
     names: set[str] = set()
     for path in paths:
         items = read_prompt_file(path)
+        if len(items) == 1 and limit is not None and limit > 1:
+            logging.getLogger("ouroboros_local").info(
+                "bench: %s holds one prompt (a .txt file is one prompt, whatever its lines; a .jsonl file "
+                "holds one per line), so --limit %d keeps it whole", path, limit)
         set_task = task or normalize_task(items[0].task)
         name = Path(path).stem
         k = 2

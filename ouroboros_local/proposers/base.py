@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -39,7 +39,6 @@ class ProposeSetup:
     max_tree_nodes: int          # candidate nodes (root excluded) one target batch may hold
     max_branches: int            # sequence ids available for leaf paths + extra sequences
     eog_tokens: frozenset[int] = frozenset()
-    options: dict[str, Any] = field(default_factory=dict)
     # extend_pays(proposer name, classes of the tokens drafted so far) -> may one more token pay?
     # Set when a scheduler runs the proposer; draft-model proposers ask it before each draft step.
     extend_pays: Callable[[str, Sequence[str]], bool] | None = None
@@ -49,7 +48,6 @@ class Proposer(ABC):
     """A drafting strategy. Subclasses set ``name``."""
 
     name: str = "base"
-    needs_draft_model: bool = False
     # True when the proposer honours small budgets sensibly (a chain or trunk first), so the engine
     # may cap its budget by the cost model; proposers with fixed-size extras (lookahead) say False.
     adaptive: bool = False

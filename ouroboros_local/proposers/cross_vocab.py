@@ -43,9 +43,7 @@ for conversion) and ``text_to_target`` are independent of the drafting strategy;
 from __future__ import annotations
 
 import codecs
-import os
 from bisect import bisect_right
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -342,7 +340,6 @@ class CrossVocabProposer(Proposer):
     """Greedy draft model with another vocabulary; its text becomes a deterministic target chain."""
 
     name = "speculative"
-    needs_draft_model = True
     cross_vocab = True
     adaptive = True   # a chain: the scheduler caps, stops and trims it by the cost model
     confidence_classes = True

@@ -131,7 +131,6 @@ class AdaEDL:
 
 class DraftModelProposer(Proposer):
     name = "speculative"
-    needs_draft_model = True
     adaptive = True   # a chain: the scheduler caps, stops and trims it by the cost model
     confidence_classes = True
 

@@ -167,7 +167,6 @@ class _Tree:
 
 class OuroborosProposer(Proposer):
     name = "ouroboros"
-    needs_draft_model = True
 
     def __init__(self, kv: "KVCache", pool: PhrasePool, n_target_vocab: int, *, gamma: int = 4,
                  window: int = 4, level: int = 3, guess_set: int = 4, topk: int = 2,

@@ -124,7 +124,6 @@ def _ema(old: float | None, new: float, w: float = 0.3) -> float:
 
 class PearlProposer(Proposer):
     name = "pearl"
-    needs_draft_model = True
 
     def __init__(self, kv: KVCache, target_ctx: "Context", n_vocab: int, *, mode: str = "auto",
                  gamma: int | str = "auto", seq_gamma: int = 4, probe_rounds: int = 8,

@@ -31,7 +31,6 @@ sample-and-match and every output equals the target's own.
 from __future__ import annotations
 
 import heapq
-import math
 import os
 import struct
 import tempfile
