@@ -409,3 +409,30 @@ def test_tolerance_rule_weighs_an_early_stop_against_the_token(tiny_target: Path
         assert early.first_difference == 3 and early.margin == pytest.approx(want, abs=1e-3) and early.tie_flip
         late = compare_greedy(engine, prompt, ref[:3], ref, tolerance=0.0)              # vanilla stopped
         assert late.margin == pytest.approx(-want, abs=1e-3) and late.tie_flip == (-want < 0.0)
+
+
+def test_each_contender_keeps_its_own_learned_state() -> None:
+    """One method's history (say, the suffix trie holding its answer to this prompt) must not reach the
+    next method run on the same prompt: each contender has its own engine.shared, kept across prompts."""
+    from types import SimpleNamespace
+
+    from ouroboros_local.bench.runner import EngineContender
+    from ouroboros_local.bench.prompts import BuiltPrompt
+
+    seen: list[dict] = []
+
+    def generate(tokens, **kwargs):
+        seen.append(dict(engine.shared))
+        engine.shared[kwargs["method"]] = engine.shared.get(kwargs["method"], 0) + 1   # "learns"
+        stats = SimpleNamespace(to_dict=lambda: {"tokens": 1})
+        return SimpleNamespace(text="x", tokens=[1], stats=stats)
+
+    engine = SimpleNamespace(shared={"outside": True}, generate=generate)
+    a = EngineContender(engine, "a", "suffix", {}, sampling=None, cold=False)
+    b = EngineContender(engine, "b", "auto", {}, sampling=None, cold=False)
+    prompt = BuiltPrompt(set_name="s", id="p", task="raw", text="t", tokens=[1, 2], chat=False, max_tokens=4)
+    for _ in range(2):
+        a.run(prompt, 4)
+        b.run(prompt, 4)
+    assert seen == [{}, {}, {"suffix": 1}, {"auto": 1}]      # warm across its own prompts, blind to others'
+    assert engine.shared == {"outside": True}                  # the engine's own state is put back

@@ -105,14 +105,21 @@ class EngineContender(Contender):
         self.sampling = sampling
         self.stop = list(stop)
         self.reset_shared = reset_shared
+        # this contender's learned state (phrase pools, suffix tries): kept across its own prompts, never
+        # seen by another method, which would otherwise draft from this method's answer to the same prompt
+        self.shared: dict[str, Any] = {}
 
     def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
         if self.reset_shared:
-            self.engine.shared.clear()
+            self.shared.clear()
         if self.cold:
             cold_start(self.engine)
-        result = self.engine.generate(prompt.tokens, max_tokens=max_tokens, method=self.method,
-                                      sampling=self.sampling, stop=self.stop, options=self.options)
+        engine_shared, self.engine.shared = self.engine.shared, self.shared
+        try:
+            result = self.engine.generate(prompt.tokens, max_tokens=max_tokens, method=self.method,
+                                          sampling=self.sampling, stop=self.stop, options=self.options)
+        finally:
+            self.engine.shared = engine_shared
         return Outcome.from_result(result)
 
 
