@@ -127,8 +127,10 @@ OPTIONS: tuple[opt.Option, ...] = tuple(o for o in opt.merge(prompt_lookup.OPTIO
 def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``."""
     # free drafts first: the context's n-grams, then the suffix tries (this request and earlier answers,
-    # asked when their measured acceptance promises more than the prompt-lookup draft in hand)
-    history = suffix.create(engine, check_options("suffix", {"pool": options["pool"]}))
+    # asked when their measured acceptance promises more than the prompt-lookup draft in hand); one
+    # branch, so the scheduler trims it by confidence class like any chain (a tree it cannot trim lost
+    # up to 12% on a fast target, SmolLM2 on 2 cores)
+    history = suffix.create(engine, check_options("suffix", {"pool": options["pool"], "max_branches": 1}))
     candidates: list[Proposer] = [prompt_lookup.create(engine, options), history]
     if engine.draft is not None:
         module = draft_model if engine.pair_compatible is not False else cross_vocab
