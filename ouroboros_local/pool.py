@@ -21,7 +21,6 @@ from __future__ import annotations
 import itertools
 import os
 import struct
-import tempfile
 import threading
 import zlib
 from collections import OrderedDict
@@ -31,6 +30,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ParameterError, PoolError
+from .filestore import check_fingerprint, write_atomic
 from .tree import TokenTree
 
 Phrase = tuple[int, ...]
@@ -40,10 +40,6 @@ _MAGIC = b"OUROPOOL"
 _VERSION = 1
 # magic, version, key_len, phrase_len, fingerprint bytes, n_keys, n_phrases, n_tokens, payload bytes, crc32
 _HEADER = struct.Struct("<8sIIIIQQQQI")
-
-
-def _short(fingerprint: str) -> str:
-    return fingerprint[:12] + ("…" if len(fingerprint) > 12 else "")
 
 
 class PhrasePool:
@@ -242,28 +238,7 @@ class PhrasePool:
         fp = fingerprint.encode("utf-8")
         header = _HEADER.pack(_MAGIC, _VERSION, kl, self.phrase_len, len(fp), len(items), n_phrases,
                               n_tok, len(payload), zlib.crc32(payload))
-        target = Path(path)
-        directory = target.parent if str(target.parent) else Path(".")
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-            with os.fdopen(fd, "wb") as f:
-                f.write(header)
-                f.write(fp)
-                f.write(payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            tmp = None
-        except OSError as e:
-            raise PoolError(f"cannot save the phrase pool to {target}: {e}") from e
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
-        _fsync_dir(directory)
+        write_atomic(path, header + fp + payload, "phrase pool")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, *, max_per_key: int | None = None,
@@ -280,17 +255,7 @@ class PhrasePool:
          crc) = _HEADER.unpack_from(data)
         if version != _VERSION:
             raise PoolError(f"{target}: unsupported phrase pool version {version} (expected {_VERSION})")
-        body = data[_HEADER.size:]
-        if len(body) < fp_len:
-            raise PoolError(f"{target} is truncated (header says more data than the file holds)")
-        try:
-            file_fp = body[:fp_len].decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise PoolError(f"{target} is corrupt (unreadable tokenizer fingerprint)") from e
-        if file_fp != fingerprint:
-            raise PoolError(f"{target} was built for another tokenizer (pool fingerprint "
-                            f"{_short(file_fp)}, model fingerprint {_short(fingerprint)})")
-        payload = body[fp_len:]
+        payload = check_fingerprint(target, data[_HEADER.size:], fp_len, fingerprint, "pool")
         expected = 4 * (n_keys * kl + n_keys + n_phrases + n_tok)
         if len(payload) != n_payload or n_payload != expected:
             raise PoolError(f"{target} is truncated or corrupt ({len(payload)} payload bytes, "
@@ -328,18 +293,6 @@ class PhrasePool:
         return pool
 
 
-def _fsync_dir(directory: Path) -> None:
-    # Make the rename itself durable; not possible on every platform, and never fatal.
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # ---- phrases from verification (docs/design.md#phrases-from-verification) ----------------------------

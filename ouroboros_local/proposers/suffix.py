@@ -33,7 +33,6 @@ from __future__ import annotations
 import heapq
 import os
 import struct
-import tempfile
 import threading
 import zlib
 from array import array
@@ -45,6 +44,7 @@ import numpy as np
 
 from .. import options as opt
 from ..errors import PoolError
+from ..filestore import check_fingerprint, write_atomic
 from ..history import persist, resolve_pool_path, tokenizer_fingerprint
 from ..tree import TokenTree
 from .base import ProposeSetup, Proposer
@@ -438,25 +438,7 @@ class SuffixCache:
         payload = lengths.tobytes() + tokens.tobytes()
         fp = fingerprint.encode("utf-8")
         header = _HEADER.pack(_MAGIC, _VERSION, len(fp), len(docs), len(tokens), zlib.crc32(payload))
-        target = Path(path)
-        directory = target.parent if str(target.parent) else Path(".")
-        tmp = None
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
-            with os.fdopen(fd, "wb") as f:
-                f.write(header + fp + payload)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            tmp = None
-        except OSError as e:
-            raise PoolError(f"cannot save the suffix history to {target}: {e}") from e
-        finally:
-            if tmp is not None:
-                try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+        write_atomic(path, header + fp + payload, "suffix history")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
@@ -472,17 +454,7 @@ class SuffixCache:
         _, version, fp_len, n_docs, n_tokens, crc = _HEADER.unpack_from(data)
         if version != _VERSION:
             raise PoolError(f"{target}: unsupported suffix history version {version} (expected {_VERSION})")
-        body = data[_HEADER.size:]
-        if len(body) < fp_len:
-            raise PoolError(f"{target} is truncated")
-        try:
-            file_fp = body[:fp_len].decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise PoolError(f"{target} is corrupt (unreadable tokenizer fingerprint)") from e
-        if file_fp != fingerprint:
-            raise PoolError(f"{target} was built for another tokenizer (history fingerprint "
-                            f"{_short(file_fp)}, model fingerprint {_short(fingerprint)})")
-        payload = body[fp_len:]
+        payload = check_fingerprint(target, data[_HEADER.size:], fp_len, fingerprint, "history")
         if len(payload) != 4 * (n_docs + n_tokens) or zlib.crc32(payload) != crc:
             raise PoolError(f"{target} is truncated or corrupt")
         arr = np.frombuffer(payload, dtype="<i4")
@@ -496,10 +468,6 @@ class SuffixCache:
             cache.add(tokens[start:start + length])
             start += length
         return cache
-
-
-def _short(fingerprint: str) -> str:
-    return fingerprint[:12] + ("…" if len(fingerprint) > 12 else "")
 
 
 def save_global(cache: SuffixCache, path: str | os.PathLike[str], fingerprint: str) -> None:

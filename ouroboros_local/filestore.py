@@ -1,0 +1,67 @@
+"""Files that hold learned state (phrase pools, suffix tries): written atomically, refused when another
+tokenizer wrote them. One place for both formats; each keeps its own header and payload."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from .errors import PoolError
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
+    """Write ``data`` to ``path`` through a temp file and os.replace: a crash or error mid-save leaves
+    any previous file intact. ``what`` names the content in the one-line error."""
+    target = Path(path)
+    directory = target.parent if str(target.parent) else Path(".")
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        tmp = None
+    except OSError as e:
+        raise PoolError(f"cannot save the {what} to {target}: {e}") from e
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+    _fsync_dir(directory)
+
+
+def check_fingerprint(target: Path, body: bytes, fp_len: int, fingerprint: str, what: str) -> bytes:
+    """The payload after the stored tokenizer fingerprint, or PoolError when it is not ``fingerprint``."""
+    if len(body) < fp_len:
+        raise PoolError(f"{target} is truncated (header says more data than the file holds)")
+    try:
+        stored = body[:fp_len].decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise PoolError(f"{target} is corrupt (unreadable tokenizer fingerprint)") from e
+    if stored != fingerprint:
+        raise PoolError(f"{target} was built for another tokenizer ({what} fingerprint {_short(stored)}, "
+                        f"model fingerprint {_short(fingerprint)})")
+    return body[fp_len:]
+
+
+def _short(fingerprint: str) -> str:
+    return fingerprint[:12] + ("…" if len(fingerprint) > 12 else "")
+
+
+def _fsync_dir(directory: Path) -> None:
+    # Make the rename itself durable; not possible on every platform, and never fatal.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
