@@ -6,29 +6,18 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from ouroboros_local.engine import Engine, EngineConfig, StopMatcher
+from ouroboros_local.engine import Engine, StopMatcher
 from ouroboros_local.errors import ContextOverflowError, ParameterError
 from ouroboros_local.llama import Context, ContextParams, Model
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams, distribution
+from ouroboros_local.testing.engines import tiny_engine as make_engine
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
     "The quick brown fox jumps over the lazy dog. The quick brown",
     "héllo wörld ✓ 日本 <|im_start|>user\nhi<|im_end|>\n",
 ]
-
-
-def make_engine(target, draft=None, **cfg) -> Engine:
-    # one thread: tiny models gain nothing from two, and tests run beside each other on 2 cores
-    config = EngineConfig(n_ctx=cfg.pop("n_ctx", 512), n_batch=cfg.pop("n_batch", 64),
-                          n_seq_max=cfg.pop("n_seq_max", 8),
-                          calibration=cfg.pop("calibration", "off"),
-                          adaptive=cfg.pop("adaptive", False), threads=cfg.pop("threads", 1), **cfg)
-    engine = Engine(Model(target), Model(draft) if draft else None, config)
-    engine.check_kv = True
-    return engine
-
 
 @pytest.fixture(scope="module")
 def pair_engine(tiny_target, tiny_draft):

@@ -8,9 +8,8 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.engine import Engine
 from ouroboros_local.errors import ParameterError, PoolError
-from ouroboros_local.llama import Model
 from ouroboros_local.pool import PhrasePool
 from ouroboros_local.proposers.ouroboros import (
     SHARED_POOL,
@@ -18,6 +17,7 @@ from ouroboros_local.proposers.ouroboros import (
     OuroborosProposer,
     shared_pool,
 )
+from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.sim import FakeTarget, make_setup, one_hot, simulate
 from ouroboros_local.tree import BatchLayout, check_layout
 
@@ -219,14 +219,7 @@ def test_budget_eog_and_room_limits() -> None:
 
 # ---- tiny llama.cpp models ---------------------------------------------------------------------------
 
-def make_engine(target, draft=None, **cfg) -> Engine:
-    config = EngineConfig(n_ctx=cfg.pop("n_ctx", 512), n_batch=cfg.pop("n_batch", 64),
-                          n_seq_max=cfg.pop("n_seq_max", 8),
-                          calibration=cfg.pop("calibration", "off"),
-                          adaptive=cfg.pop("adaptive", False), **cfg)
-    engine = Engine(Model(target), Model(draft) if draft else None, config)
-    engine.check_kv = True
-    return engine
+make_engine = tiny_engine   # fixed hyperparameters unless a test asks for the scheduler
 
 
 @pytest.fixture(scope="module")

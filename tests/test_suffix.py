@@ -371,12 +371,9 @@ E2E_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
 @pytest.fixture(scope="module")
 def engine(tiny_target):
     pytest.importorskip("llama_cpp")
-    from ouroboros_local.engine import Engine, EngineConfig
-    from ouroboros_local.llama import Model
+    from ouroboros_local.testing.engines import tiny_engine
 
-    eng = Engine(Model(tiny_target), None, EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1,
-                                                        calibration="off", adaptive=False))
-    eng.check_kv = True
+    eng = tiny_engine(tiny_target)
     yield eng
     eng.close()
 
@@ -406,9 +403,8 @@ def test_engine_second_pass_reuses_the_first_answer(engine) -> None:
 
 
 def test_engine_seeded_sampling_and_the_scheduler_keep_vanilla_s_output(engine, tiny_target) -> None:
-    from ouroboros_local.engine import Engine, EngineConfig
-    from ouroboros_local.llama import Model
     from ouroboros_local.sampling import SamplingParams
+    from ouroboros_local.testing.engines import tiny_engine
 
     engine.shared.pop(SHARED_GLOBAL, None)
     for seed in range(3):
@@ -419,8 +415,7 @@ def test_engine_seeded_sampling_and_the_scheduler_keep_vanilla_s_output(engine, 
             assert res.tokens == base.tokens
     assert engine.shared[SHARED_GLOBAL].n_requests == 6
     # scheduled (adaptive) drafting: the cost model trims drafts by their confidence classes
-    with Engine(Model(tiny_target), None, EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1,
-                                                       calibration="off")) as scheduled:
+    with tiny_engine(tiny_target, adaptive=True) as scheduled:
         prompt = E2E_PROMPTS[0]
         base = scheduled.generate(prompt, max_tokens=40)
         for _ in range(3):

@@ -509,9 +509,8 @@ def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
     """``speculative`` for a draft of another vocabulary (``options`` checked against its OPTIONS)."""
     if engine.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft)")
-    return CrossVocabProposer(engine.draft_kv(), engine.target, engine.draft, gamma=options.get("gamma") or 6,
-                              map_specials=options.get("map_specials", True),
-                              keep_unstable=options.get("keep_unstable", False))
+    return CrossVocabProposer(engine.draft_kv(), engine.target, engine.draft, gamma=options["gamma"] or 6,
+                              map_specials=options["map_specials"], keep_unstable=options["keep_unstable"])
 
 
 class CrossVocabOuroboros(CrossVocabProposer):

@@ -52,7 +52,6 @@ if TYPE_CHECKING:  # pragma: no cover
 OPTIONS: tuple[opt.Option, ...] = (
     opt.GAMMA.with_default(4), opt.WINDOW, opt.LEVEL, opt.GUESS_SET, opt.TOPK, opt.HARVEST,
     opt.POOL, opt.POOL_FROM_PROMPT, opt.OVERSHOOT, opt.SEED, opt.MAP_SPECIALS, opt.ADAPTIVE)
-DEFAULTS: dict[str, Any] = {o.name: o.default for o in OPTIONS}
 
 
 class JacobiWindow:
@@ -514,5 +513,5 @@ def _fallback(engine: "Engine", options: dict[str, Any], pool: PhrasePool) -> Pr
     return _Fallback(inner, "prompt-lookup", pool)
 
 
-__all__ = ["DEFAULTS", "OPTIONS", "JacobiWindow", "OuroborosProposer", "SHARED_POOL", "SHARED_POOL_FILE",
+__all__ = ["OPTIONS", "JacobiWindow", "OuroborosProposer", "SHARED_POOL", "SHARED_POOL_FILE",
            "create", "hang_pool_phrases", "shared_pool", "tokenizer_fingerprint"]

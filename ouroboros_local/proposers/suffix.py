@@ -486,7 +486,7 @@ def shared_cache(engine: "Engine", max_requests: int, max_tokens: int, path: str
     that file is named and exists; the limits of the latest request hold."""
     cache = engine.shared.get(SHARED_GLOBAL)
     if path is not None and path != engine.shared.get(SHARED_GLOBAL_FILE) and os.path.exists(path):
-        cache = load_global(path, _fingerprint(engine), max_requests, max_tokens)
+        cache = load_global(path, tokenizer_fingerprint(engine), max_requests, max_tokens)
     if cache is None:
         cache = SuffixCache(max_requests, max_tokens)
     cache.set_limits(max_requests, max_tokens)
@@ -495,10 +495,6 @@ def shared_cache(engine: "Engine", max_requests: int, max_tokens: int, path: str
         engine.shared[SHARED_GLOBAL_FILE] = path
         persist(engine, path, cache)
     return cache
-
-
-def _fingerprint(engine: "Engine") -> str:
-    return tokenizer_fingerprint(engine)
 
 
 # ---- drafting -----------------------------------------------------------------------------------------

@@ -1,0 +1,21 @@
+"""An engine on tiny generated models, set up the way the tests want it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..engine import Engine, EngineConfig
+from ..llama import Model
+
+
+def tiny_engine(target: str | Path, draft: str | Path | None = None, **cfg: Any) -> Engine:
+    """A small context, flat costs and fixed hyperparameters unless ``cfg`` says otherwise; one thread
+    (tiny models gain nothing from two, and tests run beside each other on 2 cores); the KV invariant
+    checked after every round."""
+    config = EngineConfig(n_ctx=cfg.pop("n_ctx", 512), n_batch=cfg.pop("n_batch", 64),
+                          n_seq_max=cfg.pop("n_seq_max", 8), calibration=cfg.pop("calibration", "off"),
+                          adaptive=cfg.pop("adaptive", False), threads=cfg.pop("threads", 1), **cfg)
+    engine = Engine(Model(target), Model(draft) if draft else None, config)
+    engine.check_kv = True
+    return engine
