@@ -12,10 +12,10 @@ import argparse
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from .errors import ContextOverflowError, OuroborosError, ParameterError
+from .server import defer_method_default
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, GenerationResult
@@ -26,27 +26,23 @@ HELP = ("commands: /reset (forget the conversation), /stats (session totals), /q
         "Ctrl-C stops an answer")
 
 
-@dataclass
 class Totals:
-    turns: int = 0
-    tokens: int = 0
-    decode_seconds: float = 0.0
-    prefill_seconds: float = 0.0
-    target_passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    cancelled: int = 0
+    """The session's statistics: answers, stopped answers, and the GenerationStats fields below summed."""
+
+    _SUMMED = ("tokens", "decode_seconds", "prefill_seconds", "target_passes", "drafted", "accepted")
+
+    def __init__(self) -> None:
+        self.turns = 0
+        self.cancelled = 0
+        self.tokens = self.target_passes = self.drafted = self.accepted = 0
+        self.decode_seconds = self.prefill_seconds = 0.0
 
     def add(self, result: "GenerationResult") -> None:
         s = result.stats
         self.turns += 1
-        self.tokens += s.tokens
-        self.decode_seconds += s.decode_seconds
-        self.prefill_seconds += s.prefill_seconds
-        self.target_passes += s.target_passes
-        self.drafted += s.drafted
-        self.accepted += s.accepted
         self.cancelled += s.finish_reason == "cancelled"
+        for name in self._SUMMED:
+            setattr(self, name, getattr(self, name) + getattr(s, name))
 
 
 class ChatSession:
@@ -231,10 +227,7 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_sampling_args(p)
     add_method_args(p)
-    for action in p._actions:
-        if action.dest == "method":
-            action.default = None
-            action.help = ("decoding method (default: auto if available, else speculative with -d, "
-                           "else prompt-lookup)")
+    defer_method_default(p, "decoding method (default: auto if available, else speculative with -d, "
+                            "else prompt-lookup)")
     p.set_defaults(func=cmd_chat)
     return p

@@ -216,14 +216,14 @@ def _same_output(engine: Any, prompt: str, args: argparse.Namespace, base: Any, 
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from . import models
+    from .catalogue import list_models, resolve_model
 
     if args.action == "list":
-        for entry in models.list_models():
+        for entry in list_models():
             print(entry)
         return 0
     for name in args.names:
-        print(models.resolve_model(name, progress=True))
+        print(resolve_model(name, progress=True))
     return 0
 
 

@@ -44,8 +44,11 @@ def load_lines() -> list[str]:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import llama_cpp
 
-    from . import __version__, models
+    from . import __version__
+    from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
+    from .gguf_file import validate_gguf
     from .llama import Model, devices, supports_gpu_offload, system_info
+    from .pairs import check_pair
 
     print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
           f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
@@ -63,13 +66,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if available:
         print(f"memory available: {available / 2**30:.1f} GiB")
     total = 0
-    args.draft = models.resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft
-    suggested = None if args.draft else models.default_draft_for(args.model)
+    args.draft = resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft
+    suggested = None if args.draft else default_draft_for(args.model)
     for label, spec in (("target", args.model), ("draft", args.draft)):
         if not spec:
             continue
-        path = models.resolve_model(spec, progress=True)
-        info = models.validate_gguf(path)
+        path = resolve_model(spec, progress=True)
+        info = validate_gguf(path)
         total += info.file_size
         print(f"{label}: {path} ({info.arch}, vocab {info.n_vocab}, {info.file_size / 2**20:.0f} MiB, "
               f"trained context {info.context_length})")
@@ -83,7 +86,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"draft: none given; this target's same-family draft is {suggested} (-d auto): "
               "measure with `bench` before adopting it (docs/benchmarks.md)")
     if args.draft:
-        report = models.check_pair(models.resolve_model(args.model), models.resolve_model(args.draft))
+        report = check_pair(resolve_model(args.model), resolve_model(args.draft))
         print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible
                           else f"different vocabularies: {report.reason}"))
     # weights plus a rough KV/compute allowance for the default context

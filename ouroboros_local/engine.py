@@ -21,16 +21,18 @@ import numpy as np
 
 from .calibration import cached_or_measured
 from .errors import ContextOverflowError, MethodOptionError, ParameterError
-from .history import save_history
+from .history import History
 from .kv import KVCache
 from .llama import Context, ContextParams, Model, TextStream
 from .llama.binding import decode_seconds as llama_decode_clock
-from .proposers import create_proposer, method_names
-from .proposers.base import ProposeSetup, Proposer
+from .pairs import check_pair
+from .proposers import create_method, method_names
+from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .sampling import SamplingParams
-from .scheduler import CalibrationCache, CostModel, Scheduler, calibration_key, measure_costs
-from .tree import TokenTree, layout
-from .verify import VerifyResult, verify
+from .calibration import CalibrationCache, CostModel, calibration_key, measure_costs
+from .scheduler import Scheduler
+from .tree import TokenTree
+from .verify import VerifyResult, verify_round
 
 
 log = logging.getLogger("ouroboros_local")
@@ -159,9 +161,7 @@ class Engine:
         self.target = target
         self.draft = draft
         if draft is not None and pair_compatible is None:
-            from .proposers.cross_vocab import vocabulary_difference
-
-            pair_reason = vocabulary_difference(target, draft)
+            pair_reason = check_pair(target.path, draft.path).reason
             pair_compatible = pair_reason is None
         # False: the draft speaks another vocabulary, so draft methods bridge through text
         self.pair_compatible = pair_compatible
@@ -175,7 +175,7 @@ class Engine:
         self._draft_ctx: Context | None = None
         self._draft_kv: KVCache | None = None
         self._lock = threading.Lock()
-        self.shared: dict[str, Any] = {}    # state proposers keep across requests (phrase pool, ...)
+        self.history = History(target)      # state kept across requests (phrase pool, suffix tries, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
 
@@ -228,9 +228,17 @@ class Engine:
             return cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
 
     def scheduler(self) -> Scheduler:
+        """The cost-model scheduler (the first call loads or measures the cost curve)."""
         if self._scheduler is None:
             self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft)
         return self._scheduler
+
+    def drafting_context(self) -> DraftingContext:
+        """What a method's factory may use (proposers never see the engine itself)."""
+        return DraftingContext(target=self.target, target_context=self.target_ctx, draft=self.draft,
+                               pair_compatible=self.pair_compatible, pair_reason=self.pair_reason,
+                               draft_kv=self.draft_kv, history=self.history, scheduler=self.scheduler,
+                               adaptive=self.config.adaptive, check_kv=self.check_kv)
 
     def close(self) -> None:
         with self._lock:
@@ -294,49 +302,47 @@ class Engine:
                 "use a larger --ctx-size or a shorter prompt")
         is_cancelled = _cancel_check(cancel)
         try:
-            proposer = create_proposer(method, self, options or {})
+            chosen = create_method(method, self.drafting_context(), options or {})
         except MethodOptionError:
             raise
         except ParameterError as exc:
             if not options:
                 raise
             raise MethodOptionError(str(exc)) from None
-        if self.config.adaptive and getattr(proposer, "adaptive", False):
-            self.scheduler()  # calibrate (or load the cached curve) before taking the lock
+        sched = self.scheduler() if chosen.scheduled else None   # calibrates before taking the lock
         with self._lock:
-            run = self._run(tokens, proposer, max_tokens, sampling, list(stop), is_cancelled)
+            run = self._run(tokens, chosen.proposer, sched, max_tokens, sampling, list(stop), is_cancelled)
             saved = False
             try:
                 for event in run:
                     if event.result is not None:   # saved before the caller hears that the answer is done
-                        save_history(self)         # (the history pool file, when one was named)
+                        self.history.save()        # (the history files, when some were named)
                         saved = True
                     yield event
             finally:
                 run.close()
                 if not saved:
-                    save_history(self)
+                    self.history.save()
 
-    def _run(self, prompt: list[int], proposer: Proposer, max_tokens: int, sampling: SamplingParams,
-             stops: list[str], is_cancelled: Callable[[], bool]) -> Iterator[StreamEvent]:
+    def _run(self, prompt: list[int], proposer: Proposer, sched: Scheduler | None, max_tokens: int,
+             sampling: SamplingParams, stops: list[str], is_cancelled: Callable[[], bool]) -> Iterator[StreamEvent]:
+        """``sched``: prices the proposer's drafts (None: they run as proposed; ``auto`` and scheduled
+        Ouroboros price their candidates themselves)."""
         stats = GenerationStats(method=proposer.name, prompt_tokens=len(prompt))
         rng = sampling.rng()
         eog = self.target.eog_tokens
         cfg = self.config
-        sched = self._scheduler if cfg.adaptive and getattr(proposer, "adaptive", False) else None
         setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
                              max_branches=cfg.n_seq_max, eog_tokens=eog,
                              extend_pays=sched.extend_rule() if sched is not None else None)
-        costs_learner = self._scheduler if cfg.adaptive else None   # auto schedules by itself
+        # once a method has calibrated the cost curve, every round (any method's) refines its overheads
+        costs_learner = self._scheduler if cfg.adaptive else None
         if costs_learner is not None:
             costs_learner.use_method(proposer.name)
-        if sched is not None and proposer.confidence_classes:
-            sched.labels(proposer.name)
-        text_stream = TextStream(self.target)
-        matcher = StopMatcher(stops)
+        if sched is not None:
+            sched.enroll(proposer)
+        out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)
-        generated: list[int] = []
-        finish = "length"
 
         t0 = time.perf_counter()
         try:
@@ -350,26 +356,18 @@ class Engine:
         stats.prefill_seconds = t1 - t0
         context_full = False
         try:
-            while len(generated) < max_tokens:
+            while out.finish is None:
                 if is_cancelled():
-                    finish = "cancelled"
+                    out.finish = "cancelled"
                     break
                 room = self.target_ctx.n_ctx - self.kv.n_past - 1
                 if room <= 0:
-                    finish = "length"
+                    out.finish = "length"
                     break
-                budget = max(0, min(setup.max_tree_nodes, max_tokens - len(generated) - 1, room - 1))
-                if sched is not None:
-                    budget = sched.best_length(proposer.name, sched.draft_cost(proposer.name), limit=budget)
-                t_propose = time.perf_counter()
-                tree = None if context_full else self._propose_in_room(proposer, committed, budget, room)
+                budget = max(0, min(setup.max_tree_nodes, max_tokens - len(out.tokens) - 1, room - 1))
+                tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget, room)
                 if tree is None:   # the end of the context: plain steps, which always fit, to the end
                     context_full, tree = True, TokenTree.rooted_at(committed[-1])
-                elif sched is not None:
-                    sched.note_draft(proposer.name, time.perf_counter() - t_propose, tree.n_candidates,
-                                     catch_up=proposer.catch_up_seconds)
-                    if tree.n_candidates:
-                        tree = sched.trim(proposer.name, tree)
                 if tree.tokens[0] != committed[-1]:
                     raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
                 t_verify = time.perf_counter()
@@ -379,31 +377,14 @@ class Engine:
                 if self.check_kv:
                     self.kv.check()
                 stats.drafted += tree.n_candidates
-                new = result.tokens
-                cut = False
-                emitted: list[int] = []
-                text_out = ""
-                for tok in new:
-                    if tok in eog:
-                        finish, cut = "stop", True
-                        break
-                    emitted.append(tok)
-                    text_out += matcher.push(text_stream.push(tok))
-                    if matcher.stopped:
-                        finish, cut = "stop", True
-                        break
-                    if len(generated) + len(emitted) >= max_tokens:
-                        cut = True
-                        break
-                committed.extend(new)
-                generated.extend(emitted)
                 stats.accepted += len(result.accepted)
+                committed.extend(result.tokens)
+                event = out.take(result.tokens)
                 if sched is not None:
-                    sched.update(proposer.name, tree.max_depth, len(result.accepted))
-                    sched.update_classes(proposer.name, tree, len(result.accepted))
-                if emitted or text_out:
-                    yield StreamEvent(text=text_out, tokens=emitted)
-                if cut:
+                    sched.learn(proposer.name, tree, len(result.accepted))
+                if event is not None:
+                    yield event
+                if out.finish is not None:
                     break
                 t_observe = time.perf_counter()   # the consumer's time at the yield above is not ours
                 proposer.observe(committed, result)
@@ -414,48 +395,69 @@ class Engine:
         finally:
             proposer.end()
             stats.extra.update(proposer.stats())
-        tail = text_stream.flush()
-        text_tail = matcher.push(tail) if tail and not matcher.stopped else ""
-        text_tail += matcher.flush() if not matcher.stopped else ""
+        text_tail = out.flush()
         stats.decode_seconds = time.perf_counter() - t1
         _add_python_time(stats, llama_decode_clock() - llama_at_t1)
-        stats.tokens = len(generated)
-        stats.finish_reason = finish
+        stats.tokens = len(out.tokens)
+        stats.finish_reason = out.finish or "length"
         stats.finalize()
-        final = GenerationResult(text=matcher.text, tokens=generated, stats=stats)
+        final = GenerationResult(text=out.matcher.text, tokens=out.tokens, stats=stats)
         yield StreamEvent(text=text_tail, tokens=[], result=final)
 
     @staticmethod
-    def _propose_in_room(proposer: Proposer, committed: list[int], budget: int, room: int) -> TokenTree | None:
-        """The proposer's tree, or None when it no longer fits the context (a lookahead window's extra
-        tokens take cells too) or a draft model's own context is full."""
+    def _propose_in_room(proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
+                         room: int) -> TokenTree | None:
+        """The proposer's tree (priced by ``sched`` when given), or None when it no longer fits the context
+        (a lookahead window's extra tokens take cells too) or a draft model's own context is full."""
         try:
-            tree = proposer.propose(committed, budget)
+            tree = sched.draft(proposer, committed, budget) if sched else proposer.propose(committed, budget)
         except ContextOverflowError:
             return None
         return tree if len(tree.tokens) + len(tree.extras) <= room + 1 else None
 
-    def _verify(self, tree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
-        lay = layout(tree)
-        rows = self.kv.decode_layout(lay)
-        tree_rows = rows[:lay.n_tree]
-        path, bonus, predictions = verify(tree, tree_rows, sampling, rng)
-        extra_logits = None
-        if tree.extras:
-            extra_idx = [r for r in lay.extra_rows if r >= 0]
-            extra_logits = np.array(rows[extra_idx]) if extra_idx else None
-        last = path[-1]
-        winner = min(s for s in lay.seq_ids[last] if s < len(lay.leaf_seq)) if lay.n_seqs > 1 else 0
-        accepted = [tree.tokens[i] for i in path[1:]]
-        self.kv.commit_tree(tree.tokens[0], accepted, winner, lay.n_seqs)
-        by_source: dict[str, int] = {}
-        for i in path[1:]:
-            src = tree.sources.get(i)
-            if src:
-                by_source[src] = by_source.get(src, 0) + 1
-        return VerifyResult(tree=tree, path=path, accepted=accepted, bonus=int(bonus),
-                            predictions=predictions, extra_logits=extra_logits, winner_seq=winner,
-                            accepted_by_source=by_source)
+    def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
+        result, lay = verify_round(tree, self.kv.decode_layout, sampling, rng)
+        self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
+        return result
+
+
+class _Output:
+    """The answer as it is emitted: end-of-generation tokens, stop strings and the token budget end it,
+    and text is released only where it cannot begin a stop string."""
+
+    def __init__(self, target: Model, stops: Sequence[str], eog: frozenset[int], max_tokens: int):
+        self.text_stream = TextStream(target)
+        self.matcher = StopMatcher(stops)
+        self.eog = eog
+        self.max_tokens = max_tokens
+        self.tokens: list[int] = []
+        self.finish: str | None = None if max_tokens > 0 else "length"
+
+    def take(self, new: Sequence[int]) -> StreamEvent | None:
+        """Emit a round's tokens up to whatever ends the answer; the event to stream, if any."""
+        emitted: list[int] = []
+        text = ""
+        for tok in new:
+            if tok in self.eog:
+                self.finish = "stop"
+                break
+            emitted.append(tok)
+            text += self.matcher.push(self.text_stream.push(tok))
+            if self.matcher.stopped:
+                self.finish = "stop"
+                break
+            if len(self.tokens) + len(emitted) >= self.max_tokens:
+                self.finish = "length"
+                break
+        self.tokens.extend(emitted)
+        return StreamEvent(text=text, tokens=emitted) if emitted or text else None
+
+    def flush(self) -> str:
+        """The text held back at the end (an incomplete character, a partial stop string)."""
+        if self.matcher.stopped:
+            return ""
+        tail = self.text_stream.flush()
+        return (self.matcher.push(tail) if tail else "") + self.matcher.flush()
 
 
 def _add_python_time(stats: GenerationStats, llama_seconds: float) -> None:

@@ -1,5 +1,5 @@
-"""History reuse: what an engine keeps across requests (the phrase pool, the suffix trie) and the files
-it persists to.
+"""History reuse: what an engine keeps across requests (the phrase pool, the suffix trie, each method's
+own learned state) and the files it persists to.
 
 Every method with a pool (prompt-lookup, lookahead, ouroboros, auto) reads the same phrase pool, so a
 pool file written by one method warms the others. Files are chosen when the engine (or server) starts,
@@ -12,88 +12,115 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, TypeVar
 
 from .pool import PhrasePool
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine
+    from .llama import Model
+    from .suffix_trie import SuffixCache
 
-SHARED_POOL = "ouroboros_pool"
-SHARED_POOL_FILE = "ouroboros_pool_file"
-PERSISTED = "history_files"     # engine.shared[PERSISTED]: {path: object with .save(path, fingerprint)}
+T = TypeVar("T")
 
 
 class Persistable(Protocol):
     def save(self, path: str, fingerprint: str) -> None: ...
 
 
-def persist(engine: "Engine", path: str, state: Persistable) -> None:
-    """Save ``state`` to ``path`` after each generation from now on (the latest state for a path wins)."""
-    engine.shared.setdefault(PERSISTED, {})[path] = state
+class History:
+    """An engine's cross-request state. One per engine; the benchmark gives each contender its own."""
+
+    def __init__(self, target: "Model | None" = None):
+        self.target = target
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget everything learned (files named so far are no longer written)."""
+        self.phrase_pool: PhrasePool | None = None      # shared by every pool method
+        self.phrase_pool_file: str | None = None
+        self.suffix_cache: "SuffixCache | None" = None  # the suffix tries of earlier answers
+        self.suffix_file: str | None = None
+        self._method_state: dict[Hashable, Any] = {}    # keyed by method and settings (see ``kept``)
+        self._files: dict[str, Persistable] = {}
+        self._fingerprint: str | None = None
+
+    def kept(self, key: Hashable, make: Callable[[], T]) -> T:
+        """A method's own state for ``key`` (its name and settings), made on first use, then kept:
+        lookahead's private pools, the cross-vocabulary draft pool, PEARL's timing table."""
+        if key not in self._method_state:
+            self._method_state[key] = make()
+        return self._method_state[key]
+
+    def persist(self, path: str, state: Persistable) -> None:
+        """Save ``state`` to ``path`` after each generation from now on (the latest state for a path wins)."""
+        self._files[path] = state
+
+    def fingerprint(self) -> str:
+        """The target tokenizer's fingerprint (computed once)."""
+        if self._fingerprint is None:
+            self._fingerprint = _fingerprint(self.target)
+        return self._fingerprint
+
+    def reload(self, current: T | None, current_file: str | None, path: str | None,
+               load: Callable[[str, str], T]) -> T | None:
+        """``current``, or the state saved at ``path`` when that file is named for the first time and
+        exists (``load(path, fingerprint)`` refuses another tokenizer's file)."""
+        if path is not None and path != current_file and os.path.exists(path):
+            return load(path, self.fingerprint())
+        return current
+
+    def pool(self, phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
+        """The history phrase pool: reused across requests; loaded from ``path`` when that file exists.
+
+        A pool of another geometry (phrase length, phrases per key) is re-shaped into a new one, so the
+        history is kept and the settings of this request hold. Naming ``path`` makes the engine save the
+        pool there after each generation.
+        """
+        path = resolve_pool_path(path)
+        pool = self.reload(self.phrase_pool, self.phrase_pool_file, path, PhrasePool.load)
+        if pool is not None and (pool.phrase_len != phrase_len or pool.max_per_key != max_per_key
+                                 or pool.key_len != 1):
+            pool = _reshaped(pool, phrase_len, max_per_key)
+        if pool is None:
+            pool = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len)
+        self.phrase_pool = pool
+        if path is not None:
+            self.phrase_pool_file = path
+        if self.phrase_pool_file is not None:
+            self.persist(self.phrase_pool_file, pool)   # a re-shaped pool replaces the one saved there
+        return pool
+
+    def save(self) -> None:
+        """Write every persisted state to its file (each ``save`` writes atomically)."""
+        if self._files:
+            fingerprint = self.fingerprint()
+            for path, state in self._files.items():
+                state.save(path, fingerprint)
 
 
-def tokenizer_fingerprint(engine: "Engine") -> str:
-    """The target tokenizer's fingerprint (cached per engine)."""
-    fp = engine.shared.get("tokenizer_fingerprint")
-    if fp is None:
-        try:
-            from .models import tokenizer_fingerprint as from_gguf
+def _reshaped(pool: PhrasePool, phrase_len: int, max_per_key: int) -> PhrasePool:
+    fresh = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len, max_tokens=pool.max_tokens)
+    for key, phrases in pool.items():
+        for phrase in phrases:
+            fresh.add(key, phrase)
+    return fresh
 
-            fp = from_gguf(engine.target.path)
-        except Exception:  # noqa: BLE001 - no metadata reader: hash the token texts instead
-            h = hashlib.sha256(b"ouroboros-token-texts\0")
-            model = engine.target
+
+def _fingerprint(model: "Model | None") -> str:
+    try:
+        from .gguf_file import tokenizer_fingerprint as from_gguf
+
+        return from_gguf(model.path)  # type: ignore[union-attr]
+    except Exception:  # noqa: BLE001 - no metadata reader: hash the token texts instead
+        h = hashlib.sha256(b"ouroboros-token-texts\0")
+        if model is not None:
             for t in range(model.n_vocab):
                 h.update(model.token_text(t).encode("utf-8", "surrogatepass") + b"\0")
-            fp = h.hexdigest()
-        engine.shared["tokenizer_fingerprint"] = fp
-    return fp
+        return h.hexdigest()
 
 
 def resolve_pool_path(path: str | os.PathLike[str] | None) -> str | None:
     return None if path is None else str(Path(path).expanduser().resolve())
 
 
-def shared_pool(engine: "Engine", phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
-    """The engine's history pool: reused across requests; loaded from ``path`` when that file exists.
-
-    A pool of another geometry (phrase length, phrases per key) is re-shaped into a new one, so the
-    history is kept and the settings of this request hold. Naming ``path`` makes the engine save the
-    pool there after each generation.
-    """
-    path = resolve_pool_path(path)
-    pool = engine.shared.get(SHARED_POOL)
-    current = engine.shared.get(SHARED_POOL_FILE)
-    if path is not None and path != current and os.path.exists(path):
-        pool = PhrasePool.load(path, tokenizer_fingerprint(engine))   # PoolError for another tokenizer
-    if pool is not None and (pool.phrase_len != phrase_len or pool.max_per_key != max_per_key
-                             or pool.key_len != 1):
-        fresh = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len,
-                           max_tokens=pool.max_tokens)
-        for key, phrases in pool.items():
-            for phrase in phrases:
-                fresh.add(key, phrase)
-        pool = fresh
-    if pool is None:
-        pool = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len)
-    engine.shared[SHARED_POOL] = pool
-    if path is not None:
-        engine.shared[SHARED_POOL_FILE] = path
-    current = engine.shared.get(SHARED_POOL_FILE)
-    if current is not None:
-        persist(engine, current, pool)   # a re-shaped pool replaces the one saved there
-    return pool
-
-
-def save_history(engine: "Engine") -> None:
-    """Write every persisted state to its file (each ``save`` writes atomically)."""
-    files = engine.shared.get(PERSISTED)
-    if files:
-        fingerprint = tokenizer_fingerprint(engine)
-        for path, state in files.items():
-            state.save(path, fingerprint)
-
-
-__all__ = ["SHARED_POOL", "SHARED_POOL_FILE", "persist", "resolve_pool_path", "save_history", "shared_pool",
-           "tokenizer_fingerprint"]
+__all__ = ["History", "Persistable", "resolve_pool_path"]

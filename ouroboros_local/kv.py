@@ -109,12 +109,16 @@ class KVCache:
         self.ctx.decode(self.batch)
         return self.ctx.logits(self.batch.n_outputs)
 
-    def commit_tree(self, root_token: int, accepted: Sequence[int], winner_seq: int, n_seqs: int) -> None:
-        """Keep the root and the accepted path's cells; drop every other cell of this round."""
+    def commit_tree(self, root_token: int, accepted: Sequence[int], winner_seq: int, n_seqs: int,
+                    n_cells: int | None = None) -> None:
+        """Keep the root and the accepted path's cells; drop every other cell of this round.
+        ``n_cells``: how many cells the round decoded (None: unknown), so a round that kept them all
+        (a plain step, a fully accepted chain) makes no call to drop nothing."""
         p = self.n_past
         a = len(accepted)
         ctx = self.ctx
-        ctx.seq_rm(-1, p + a + 1, -1)
+        if n_cells is None or n_cells > a + 1:
+            ctx.seq_rm(-1, p + a + 1, -1)
         if n_seqs > 1:
             for s in range(n_seqs):
                 if s != winner_seq:

@@ -52,10 +52,15 @@ class TokenTree:
     sources: dict[int, str] = field(default_factory=dict)
     # Confidence class of a node (e.g. "p6": the draft gave its token probability 0.95-0.98, or
     # "ctx3d1": a 3-gram context copy at depth 1). The scheduler learns acceptance per class and trims
-    # drafts whose expected gain no longer pays for their verification (scheduler.ConfidenceTable).
+    # drafts whose expected gain no longer pays for their verification (acceptance.ConfidenceTable).
     classes: dict[int, str] = field(default_factory=dict)
     extras: list[ExtraToken] = field(default_factory=list)
     n_extra_seqs: int = 0
+    # (parent, token) -> its lowest-numbered child with that token, for nodes [0, _indexed): caught up
+    # lazily, so nodes appended to the lists directly are found too (nodes are never removed)
+    _child_index: dict[tuple[int, int], int] = field(default_factory=dict, init=False, repr=False,
+                                                     compare=False)
+    _indexed: int = field(default=0, init=False, repr=False, compare=False)
 
     @classmethod
     def rooted_at(cls, token: int) -> "TokenTree":
@@ -70,10 +75,16 @@ class TokenTree:
         return len(self.tokens) - 1
 
     def child_with_token(self, parent: int, token: int) -> int | None:
-        for i in range(parent + 1, len(self.tokens)):
-            if self.parents[i] == parent and self.tokens[i] == token:
-                return i
-        return None
+        """The lowest-numbered child of ``parent`` with ``token``, or None (O(1) amortised)."""
+        if self._indexed < len(self.tokens):
+            self._index_new_nodes()
+        return self._child_index.get((parent, token))
+
+    def _index_new_nodes(self) -> None:
+        index, parents, tokens = self._child_index, self.parents, self.tokens
+        for i in range(self._indexed, len(tokens)):
+            index.setdefault((parents[i], tokens[i]), i)
+        self._indexed = len(tokens)
 
     def children(self, node: int) -> list[int]:
         return [i for i in range(node + 1, len(self.tokens)) if self.parents[i] == node]
@@ -92,6 +103,9 @@ class TokenTree:
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         node = len(self.tokens) - 1
+        if self._indexed == node:   # the index was current: keep it so (no catch-up on the next lookup)
+            self._child_index.setdefault((parent, token), node)
+            self._indexed = node + 1
         if draft_probs is not None:
             self.draft_probs[node] = draft_probs
         if source is not None:
@@ -164,6 +178,10 @@ class BatchLayout:
 
 def layout(tree: TokenTree) -> BatchLayout:
     """Assign positions and sequence ids (one per root-to-leaf path, then one per extra sequence)."""
+    if not tree.extras and not tree.n_extra_seqs and tree.is_chain():   # most rounds: a plain step or a chain
+        n = len(tree.tokens)
+        return BatchLayout(tokens=list(tree.tokens), pos_offsets=list(range(n)), seq_ids=[(0,)] * n,
+                           logits=[True] * n, n_tree=n, n_seqs=1, leaf_seq={n - 1: 0}, extra_rows=[])
     leaves = tree.leaves()
     leaf_seq = {leaf: s for s, leaf in enumerate(leaves)}
     n_paths = len(leaves)

@@ -14,12 +14,12 @@ distributed exactly as the target's processed distribution given the accepted pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from .sampling import SamplingParams, Sparse, prob_of, residual, support
-from .tree import TokenTree
+from .tree import BatchLayout, TokenTree, layout
 
 
 class Predictions:
@@ -98,21 +98,14 @@ def _children_index(tree: TokenTree) -> dict[int, list[int]]:
     return kids
 
 
-def _first_child(tree: TokenTree) -> dict[tuple[int, int], int]:
-    """(parent, token) -> the lowest-numbered child with that token (``tree.child_with_token``)."""
-    tokens, parents = tree.tokens, tree.parents
-    return {(parents[i], tokens[i]): i for i in range(len(tokens) - 1, 0, -1)}
-
-
 def verify_greedy(tree: TokenTree, rows: np.ndarray) -> tuple[list[int], int, Predictions]:
     """Returns (path, bonus, predictions) for greedy decoding; reads only the rows along the path."""
     predictions = Predictions(rows)
-    first_child = _first_child(tree)
     path = [0]
     node = 0
     while True:
         token = predictions[node]
-        child = first_child.get((node, token))
+        child = tree.child_with_token(node, token)
         if child is None:
             return path, token, predictions
         path.append(child)
@@ -160,3 +153,25 @@ def verify(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
     if params.greedy:
         return verify_greedy(tree, rows)
     return verify_sampling(tree, rows, params, rng)
+
+
+def verify_round(tree: TokenTree, decode: Callable[[BatchLayout], np.ndarray], params: SamplingParams,
+                 rng: np.random.Generator) -> tuple[VerifyResult, BatchLayout]:
+    """One round's verification, the same for the engine and the simulator (testing/sim.py): the tree's
+    batch in ONE ``decode`` (its output rows: every tree node, then the extras that want logits), the
+    walk along the accepted path, and the sequence whose cells hold that path."""
+    lay = layout(tree)
+    rows = decode(lay)
+    path, bonus, predictions = verify(tree, rows[:lay.n_tree], params, rng)
+    extra_rows = [r for r in lay.extra_rows if r >= 0]
+    extra_logits = np.array(rows[extra_rows]) if extra_rows else None
+    winner = min(s for s in lay.seq_ids[path[-1]] if s < len(lay.leaf_seq)) if lay.n_seqs > 1 else 0
+    by_source: dict[str, int] = {}
+    for i in path[1:]:
+        source = tree.sources.get(i)
+        if source:
+            by_source[source] = by_source.get(source, 0) + 1
+    result = VerifyResult(tree=tree, path=path, accepted=[tree.tokens[i] for i in path[1:]], bonus=int(bonus),
+                          predictions=predictions, extra_logits=extra_logits, winner_seq=winner,
+                          accepted_by_source=by_source)
+    return result, lay

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from scipy import stats as sps
 
 from ouroboros_local.errors import ParameterError
 from ouroboros_local.proposers import check_options
@@ -14,10 +13,11 @@ from ouroboros_local.proposers.base import ProposeSetup
 from ouroboros_local.proposers.draft_model import (AdaEDL, DraftModelProposer, adaedl_from_options,
                                                    logits_entropy, probs_entropy)
 from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.testing.lossless import assert_first_pairs_follow_the_target
 from ouroboros_local.tree import TokenTree
 from ouroboros_local.verify import VerifyResult
 
-from test_engine import PROMPTS, make_engine, target_pair_distribution
+from test_engine import PROMPTS, make_engine
 
 
 @pytest.fixture(scope="module")
@@ -200,34 +200,11 @@ def test_sampling_is_lossless(engine, tiny_target) -> None:
     # top-k 6 caps the draft entropy at log 6 = 1.79 nats; lambda 0.5 stops above 1.25 nats
     opts = {"adaedl": True, "adaedl_lambda": 0.5, "gamma": 4}
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
-    prompt = PROMPTS[1]
-    tokens = engine.prompt_tokens(prompt)
-    p1, _ = target_pair_distribution(tiny_target, tokens, params, [])
-    firsts = [int(t) for t in np.nonzero(p1)[0]]
-    _, joint = target_pair_distribution(tiny_target, tokens, params, firsts)
-    n = 1200
-    counts: dict[tuple[int, int], int] = {}
-    stops = 0
-    for seed in range(n):
-        sp = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, seed=seed)
-        # 4 tokens so that the first round may draft 3 (the rule never stops the first token);
-        # the first two emitted tokens must follow the target's joint distribution
-        res = engine.generate(prompt, max_tokens=4, method="speculative", sampling=sp, options=opts)
-        key = tuple(res.tokens[:2])
-        assert key in joint
-        counts[key] = counts.get(key, 0) + 1
-        stops += res.stats.extra["adaedl_early_stops"]
-    assert stops > 0      # the rule was active in the test
-    keys = sorted(joint)
-    expected = np.array([joint[k] for k in keys]) * n
-    observed = np.array([counts.get(k, 0) for k in keys])
-    rare = expected < 5
-    exp = np.append(expected[~rare], expected[rare].sum())
-    obs = np.append(observed[~rare], observed[rare].sum())
-    if exp[-1] == 0:
-        exp, obs = exp[:-1], obs[:-1]
-    pvalue = sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-    assert pvalue > 1e-3, pvalue
+    # 4 tokens so that the first round may draft 3 (the rule never stops the first token);
+    # the first two emitted tokens must follow the target's joint distribution
+    results = assert_first_pairs_follow_the_target(engine, tiny_target, PROMPTS[1], params, 1200,
+                                                   max_tokens=4, method="speculative", options=opts)
+    assert sum(r.stats.extra["adaedl_early_stops"] for r in results) > 0   # the rule was active
 
 
 def test_seeded_sampling_is_reproducible(engine) -> None:

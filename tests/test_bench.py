@@ -413,21 +413,25 @@ def test_tolerance_rule_weighs_an_early_stop_against_the_token(tiny_target: Path
 
 def test_each_contender_keeps_its_own_learned_state() -> None:
     """One method's history (say, the suffix trie holding its answer to this prompt) must not reach the
-    next method run on the same prompt: each contender has its own engine.shared, kept across prompts."""
+    next method run on the same prompt: each contender has its own engine.history, kept across prompts."""
     from types import SimpleNamespace
 
-    from ouroboros_local.bench.runner import EngineContender
     from ouroboros_local.bench.prompts import BuiltPrompt
+    from ouroboros_local.bench.runner import EngineContender
+    from ouroboros_local.history import History
 
     seen: list[dict] = []
 
     def generate(tokens, **kwargs):
-        seen.append(dict(engine.shared))
-        engine.shared[kwargs["method"]] = engine.shared.get(kwargs["method"], 0) + 1   # "learns"
+        seen.append(engine.history.kept("runs", dict).copy())
+        runs = engine.history.kept("runs", dict)
+        runs[kwargs["method"]] = runs.get(kwargs["method"], 0) + 1   # "learns"
         stats = SimpleNamespace(to_dict=lambda: {"tokens": 1})
         return SimpleNamespace(text="x", tokens=[1], stats=stats)
 
-    engine = SimpleNamespace(shared={"outside": True}, generate=generate)
+    outside = History(None)
+    outside.kept("runs", lambda: {"outside": True})
+    engine = SimpleNamespace(history=outside, target=None, generate=generate)
     a = EngineContender(engine, "a", "suffix", {}, sampling=None, cold=False)
     b = EngineContender(engine, "b", "auto", {}, sampling=None, cold=False)
     prompt = BuiltPrompt(set_name="s", id="p", task="raw", text="t", tokens=[1, 2], chat=False, max_tokens=4)
@@ -435,4 +439,4 @@ def test_each_contender_keeps_its_own_learned_state() -> None:
         a.run(prompt, 4)
         b.run(prompt, 4)
     assert seen == [{}, {}, {"suffix": 1}, {"auto": 1}]      # warm across its own prompts, blind to others'
-    assert engine.shared == {"outside": True}                  # the engine's own state is put back
+    assert engine.history is outside and outside.kept("runs", dict) == {"outside": True}   # put back

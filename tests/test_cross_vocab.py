@@ -11,12 +11,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ouroboros_local import pairs
 from ouroboros_local.engine import Engine
 from ouroboros_local.errors import IncompatiblePairError
 from ouroboros_local.llama import Model
-from ouroboros_local.proposers.cross_vocab import (DraftView, is_chunk_start, target_confidences,
-                                                   text_to_target, valid_utf8_prefix, vocabulary_difference)
 from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.text_bridge import (DraftView, is_chunk_start, target_confidences, text_to_target,
+                                         valid_utf8_prefix)
 
 from test_engine import PROMPTS, make_engine
 
@@ -56,13 +57,14 @@ def test_chunk_boundaries_and_utf8_prefix() -> None:
     assert valid_utf8_prefix("𝄞".encode()[:3]) == 0
 
 
-def test_pair_is_detected_and_reported(cross_engine: Engine, models) -> None:
+def test_pair_is_detected_and_reported(cross_engine: Engine, models, monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft = models
     assert cross_engine.pair_compatible is False
     assert "differs" in (cross_engine.pair_reason or "")
-    assert vocabulary_difference(target, target) is None
-    assert vocabulary_difference(target, draft) == cross_engine.pair_reason
-    assert "size 409 vs 509" in vocabulary_difference(target, draft, max_size_difference=50)
+    assert pairs.check_pair(target.path, target.path).reason is None
+    assert pairs.check_pair(target.path, draft.path).reason == cross_engine.pair_reason
+    monkeypatch.setattr(pairs, "MAX_VOCAB_SIZE_DIFFERENCE", 50)
+    assert "size 409 vs 509" in (pairs.check_pair(target.path, draft.path).reason or "")
 
 
 def test_text_to_target_keeps_only_stable_tokens(models) -> None:
@@ -132,7 +134,7 @@ def test_auto_leaves_the_draft_model_idle_until_it_drafts(cross_engine: Engine) 
     kv = cross_engine.draft_kv()
     for method, prefilled in (("speculative", True), ("auto", False)):
         kv.reset()
-        proposer = create_proposer(method, cross_engine, {})
+        proposer = create_proposer(method, cross_engine.drafting_context(), {})
         drafter = proposer.candidates[-1] if method == "auto" else proposer
         proposer.begin(prompt, setup)
         assert (kv.n_past > 0) == prefilled, method

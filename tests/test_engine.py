@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from scipy import stats as sps
 
 from ouroboros_local.engine import Engine, StopMatcher
 from ouroboros_local.errors import ContextOverflowError, ParameterError
-from ouroboros_local.llama import Context, ContextParams, Model
 from ouroboros_local.proposers import method_names
-from ouroboros_local.sampling import SamplingParams, distribution
+from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.testing.engines import tiny_engine as make_engine
+from ouroboros_local.testing.lossless import assert_first_pairs_follow_the_target
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -153,51 +151,10 @@ def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft, adaptive:
 
 # ---- sampling losslessness on the tiny vocabulary ------------------------------------------------
 
-def target_pair_distribution(model_path, prompt_tokens, params, firsts):
-    """Exact p(t1, t2) of the target for t1 in ``firsts`` (plain one-token decodes)."""
-    model = Model(model_path)
-    ctx = Context(model, ContextParams(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
-    from ouroboros_local.kv import KVCache
-
-    kv = KVCache(ctx)
-    p1 = distribution(kv.sync_to(prompt_tokens, logits_last=True).copy(), params)
-    joint = {}
-    for t1 in firsts:
-        p2 = distribution(kv.sync_to(prompt_tokens + [t1], logits_last=True).copy(), params)
-        for t2 in np.nonzero(p2)[0]:
-            joint[(t1, int(t2))] = p1[t1] * p2[t2]
-    ctx.close()
-    model.close()
-    return p1, joint
-
-
 @pytest.mark.parametrize("method", ["speculative"] + draft_free_methods())
 def test_sampling_is_lossless(pair_engine: Engine, tiny_target, method: str) -> None:
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
-    prompt = PROMPTS[1]
-    tokens = pair_engine.prompt_tokens(prompt)
-    p1, _ = target_pair_distribution(tiny_target, tokens, params, [])
-    firsts = [int(t) for t in np.nonzero(p1)[0]]
-    _, joint = target_pair_distribution(tiny_target, tokens, params, firsts)
-    n = 600
-    counts: dict[tuple[int, int], int] = {}
-    for seed in range(n):
-        sp = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, seed=seed)
-        res = pair_engine.generate(prompt, max_tokens=2, method=method, sampling=sp)
-        key = tuple(res.tokens)
-        assert key in joint, f"{key} has zero target probability"
-        counts[key] = counts.get(key, 0) + 1
-    keys = sorted(joint)
-    expected = np.array([joint[k] for k in keys]) * n
-    observed = np.array([counts.get(k, 0) for k in keys])
-    # pool rare cells so every expected count is >= 5
-    rare = expected < 5
-    exp = np.append(expected[~rare], expected[rare].sum())
-    obs = np.append(observed[~rare], observed[rare].sum())
-    if exp[-1] == 0:
-        exp, obs = exp[:-1], obs[:-1]
-    pvalue = sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-    assert pvalue > 1e-3, (method, pvalue)
+    assert_first_pairs_follow_the_target(pair_engine, tiny_target, PROMPTS[1], params, 600, method=method)
 
 
 def test_seeded_sampling_is_reproducible(pair_engine: Engine) -> None:

@@ -276,7 +276,7 @@ def test_load_tiny_model(tiny_target, tiny_draft):
 def test_load_smollm2():
     """8 clients x 25 requests on SmolLM2-135M-Instruct (downloaded once from PyPI)."""
     from ouroboros_local.errors import ModelError
-    from ouroboros_local.models import resolve_model
+    from ouroboros_local.catalogue import resolve_model
 
     try:
         model = str(resolve_model("smollm2-135m-instruct"))

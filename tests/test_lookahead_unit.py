@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ouroboros_local.errors import ParameterError
+from ouroboros_local.history import History
 from ouroboros_local.proposers import check_options
 from ouroboros_local.pool import PhrasePool
 from ouroboros_local.proposers.lookahead import LookaheadProposer, create
@@ -36,8 +37,8 @@ def test_window_layout_is_valid_and_reads_the_column_chains(W: int, N: int, with
     prop = started(LookaheadProposer(window=W, ngram=N, guess=3, pool=pool, pool_from_prompt=False),
                    [1, 2, 3])
     # distinct window tokens so that every chain can be read back
-    prop.levels = [[100 + i for i in range(1, W)]] + [[100 * lev + 10 + i for i in range(W)]
-                                                      for lev in range(1, N - 1)]
+    prop.window.levels = [[100 + i for i in range(1, W)]] + [[100 * lev + 10 + i for i in range(W)]
+                                                             for lev in range(1, N - 1)]
     if with_branches:
         pool.add([3], (7, 8))
         pool.add([3], (7, 9))
@@ -70,7 +71,7 @@ def test_shift_and_harvest_from_hand_made_logits() -> None:
     pool = PhrasePool(max_per_key=4, phrase_len=2)
     prop = started(LookaheadProposer(window=3, ngram=3, guess=2, pool=pool, pool_from_prompt=False),
                    [1, 2, 5])
-    prop.levels = [[11, 12], [20, 21, 22]]        # level 0: columns 1, 2; level 1: columns 0..2
+    prop.window.levels = [[11, 12], [20, 21, 22]]        # level 0: columns 1, 2; level 1: columns 0..2
     tree = prop.propose([1, 2, 5], budget=10)
     assert [e.token for e in tree.extras] == [11, 12, 20, 21, 22]
     new = [30, 31, 32]
@@ -82,7 +83,7 @@ def test_shift_and_harvest_from_hand_made_logits() -> None:
     assert pool.lookup([11]) == [(21, 31)]
     assert pool.lookup([12]) == [(22, 32)]
     # shift by one: level 0 = level 1 without column 0, level 1 = new
-    assert prop.levels == [[21, 22], [30, 31, 32]]
+    assert prop.window.levels == [[21, 22], [30, 31, 32]]
     assert prop.stats()["la_window_phrases"] == 3
     # the next round: the harvested phrase keyed by the new root is a branch
     pool.add([6], (21, 31))
@@ -95,7 +96,7 @@ def test_shift_and_harvest_from_hand_made_logits() -> None:
 def test_window_harvest_with_two_token_keys() -> None:
     pool = PhrasePool(key_len=2, max_per_key=4, phrase_len=2)
     prop = started(LookaheadProposer(window=2, ngram=3, pool=pool, pool_from_prompt=False), [1, 2, 5])
-    prop.levels = [[11], [20, 21]]
+    prop.window.levels = [[11], [20, 21]]
     tree = prop.propose([1, 2, 5], budget=10)
     result = SimpleNamespace(tree=tree, path=[0], accepted=[], bonus=6, tokens=[6],
                              predictions=np.array([6]), extra_logits=one_hot([30, 31], 40))
@@ -106,20 +107,20 @@ def test_window_harvest_with_two_token_keys() -> None:
 
 def test_window_pauses_without_room_and_ignores_foreign_results() -> None:
     prop = started(LookaheadProposer(window=4, ngram=3, pool_from_prompt=False), [1, 2, 3])
-    levels = [list(lv) for lv in prop.levels]
+    levels = [list(lv) for lv in prop.window.levels]
     assert prop.propose([1, 2, 3], budget=0).extras == []
     small = prop.propose([1, 2, 3], budget=prop.window_depth - 1)
     assert small.extras == [] and small.n_extra_seqs == 0
     result = SimpleNamespace(tree=small, path=[0], accepted=[], bonus=4, tokens=[4],
                              predictions=np.array([4]), extra_logits=None)
     prop.observe([1, 2, 3, 4], result)
-    assert prop.levels == levels
+    assert prop.window.levels == levels
     # a result for another tree (e.g. the engine replaced it) does not move the window either
     prop.propose([1, 2, 3, 4], budget=20)
     other = SimpleNamespace(tree=small, path=[0], accepted=[], bonus=5, tokens=[5],
                             predictions=np.array([5]), extra_logits=one_hot([1, 2, 3, 4], 10))
     prop.observe([1, 2, 3, 4, 5], other)
-    assert prop.levels == levels
+    assert prop.window.levels == levels
 
 
 def test_limits_on_sequences_batch_and_branches() -> None:
@@ -141,7 +142,7 @@ def test_limits_on_sequences_batch_and_branches() -> None:
 
 
 def test_factory_shares_a_pool_per_engine() -> None:
-    engine = SimpleNamespace(shared={})
+    engine = SimpleNamespace(history=History(None))   # the part of a DraftingContext these factories use
     a = create(engine, check_options("lookahead", {"window": 5, "level": 4, "guess_set": 3}))
     b = create(engine, check_options("lookahead", {"window": 2, "ngram": 4, "guess": 3}))   # old names
     assert isinstance(a, LookaheadProposer) and (a.W, a.N, a.G) == (5, 4, 3)
@@ -234,7 +235,7 @@ def test_engine_greedy_equality(engine, options: dict) -> None:
 
 def test_engine_warm_start_reuses_the_pool(engine) -> None:
     prompt = E2E_PROMPTS[0]
-    engine.shared.pop("lookahead_pool:N=3:G=4", None)
+    engine.history.clear()
     first = engine.generate(prompt, max_tokens=40, method="lookahead")
     second = engine.generate(prompt, max_tokens=40, method="lookahead")
     assert first.tokens == second.tokens

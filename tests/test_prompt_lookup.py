@@ -7,11 +7,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from ouroboros_local.drafting import would_add_leaf
 from ouroboros_local.errors import ParameterError
+from ouroboros_local.history import History
 from ouroboros_local.proposers import check_options
-from ouroboros_local.history import SHARED_POOL
 from ouroboros_local.pool import PhrasePool
-from ouroboros_local.proposers.prompt_lookup import NgramIndex, PromptLookupProposer, create, would_add_leaf
+from ouroboros_local.proposers.prompt_lookup import NgramIndex, PromptLookupProposer, create
 from ouroboros_local.testing.sim import FakeTarget, make_setup, simulate
 from ouroboros_local.tree import TokenTree, check_layout, layout
 
@@ -126,10 +127,10 @@ def test_parameters_and_factory() -> None:
         PromptLookupProposer(min_ngram=3, max_ngram=2)
     with pytest.raises(ParameterError):
         PromptLookupProposer(gamma=0)
-    engine = SimpleNamespace(shared={})
+    engine = SimpleNamespace(history=History(None))   # the part of a DraftingContext these factories use
     prop = create(engine, check_options("prompt-lookup", {"gamma": 5, "max_branches": 2, "pool": "h.pool"}))
     assert isinstance(prop, PromptLookupProposer) and prop.gamma == 5 and prop.max_branches == 2
-    assert prop.pool is engine.shared[SHARED_POOL]          # a pool file makes the history pool a source
+    assert prop.pool is engine.history.phrase_pool    # a pool file makes the history pool a source
     assert create(engine, check_options("prompt-lookup", {})).pool is None
     with pytest.raises(ParameterError):
         check_options("prompt-lookup", {"pool": True})

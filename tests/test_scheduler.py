@@ -9,8 +9,9 @@ import pytest
 
 from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
-from ouroboros_local.scheduler import (Acceptance, CalibrationCache, CostModel, Scheduler,
-                                       probability_class)
+from ouroboros_local.acceptance import Acceptance, probability_class
+from ouroboros_local.calibration import CalibrationCache, CostModel
+from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model

@@ -27,7 +27,7 @@ openai = pytest.importorskip("openai")
 import uvicorn
 
 from ouroboros_local.engine import Engine, EngineConfig
-from ouroboros_local.scheduler import CostModel
+from ouroboros_local.calibration import CostModel
 from ouroboros_local.llama import Model
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.server.app import ServerConfig, create_app
@@ -438,7 +438,7 @@ def test_server_history_pool_is_set_at_start(engine, tmp_path):
         assert status == 200, body   # the server's pool option goes only to methods that have one
     finally:
         server.stop()
-        engine.shared.clear()
+        engine.history.clear()
 
 
 def test_bad_requests_through_the_openai_client(client):

@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 
 from ouroboros_local.errors import MethodOptionError, ParameterError, PoolError
+from ouroboros_local.history import History
 from ouroboros_local.proposers import check_options, method_names
-from ouroboros_local.proposers.suffix import (OPTIONS, SHARED_GLOBAL, Matcher, SuffixCache, SuffixProposer,
-                                              SuffixTrie, create, load_global, node_class, save_global,
-                                              suffix_file)
+from ouroboros_local.proposers.suffix import OPTIONS, SuffixProposer, create, node_class, suffix_file
+from ouroboros_local.suffix_trie import Matcher, SuffixCache, SuffixTrie, load_global, save_global
 from ouroboros_local.testing.sim import FakeTarget, make_setup, simulate
 from ouroboros_local.tree import check_layout, layout
 
@@ -322,11 +322,11 @@ def test_options_defaults_and_shared_global() -> None:
     defaults = check_options("suffix", {})
     assert {o.name: defaults[o.name] for o in OPTIONS} == {o.name: o.default for o in OPTIONS}
     assert check_options("suffix", {"max_depth": 8.0})["max_depth"] == 8
-    engine = SimpleNamespace(shared={})
-    a = create(engine, check_options("suffix", {"max_depth": 8, "max_requests": 3}))
-    b = create(engine, check_options("suffix", {}))
+    ctx = SimpleNamespace(history=History(None))
+    a = create(ctx, check_options("suffix", {"max_depth": 8, "max_requests": 3}))
+    b = create(ctx, check_options("suffix", {}))
     assert isinstance(a, SuffixProposer) and a.max_depth == 8
-    assert a.cache is b.cache is engine.shared[SHARED_GLOBAL]
+    assert a.cache is b.cache is ctx.history.suffix_cache
     assert b.cache.max_requests == 256                     # the latest request's limits hold
     with pytest.raises(ParameterError, match="'pool'"):
         check_options("suffix", {"pool": 5})
@@ -380,7 +380,7 @@ def engine(tiny_target):
 
 @pytest.mark.parametrize("options", [{}, {"max_branches": 1}, WIDE])
 def test_engine_greedy_equality(engine, options: dict) -> None:
-    engine.shared.pop(SHARED_GLOBAL, None)
+    engine.history.clear()
     for prompt in E2E_PROMPTS:
         base = engine.generate(prompt, max_tokens=40)
         res = engine.generate(prompt, max_tokens=40, method="suffix", options=dict(options))
@@ -389,13 +389,13 @@ def test_engine_greedy_equality(engine, options: dict) -> None:
 
 
 def test_engine_second_pass_reuses_the_first_answer(engine) -> None:
-    engine.shared.pop(SHARED_GLOBAL, None)
+    engine.history.clear()
     prompt = "Once upon a time"
     base = engine.generate(prompt, max_tokens=48)
     first = engine.generate(prompt, max_tokens=48, method="suffix")
     second = engine.generate(prompt, max_tokens=48, method="suffix")
     assert first.tokens == second.tokens == base.tokens
-    assert engine.shared[SHARED_GLOBAL].n_requests == 2
+    assert engine.history.suffix_cache.n_requests == 2
     # the whole answer is in the global trie: most of it comes in long accepted drafts
     assert second.stats.accepted / second.stats.target_passes > 1.0
     assert second.stats.extra["sx_global"] > 0
@@ -406,14 +406,14 @@ def test_engine_seeded_sampling_and_the_scheduler_keep_vanilla_s_output(engine, 
     from ouroboros_local.sampling import SamplingParams
     from ouroboros_local.testing.engines import tiny_engine
 
-    engine.shared.pop(SHARED_GLOBAL, None)
+    engine.history.clear()
     for seed in range(3):
         sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
         base = engine.generate(E2E_PROMPTS[seed % 2], max_tokens=30, sampling=sp)
         for _ in range(2):        # the second run drafts from the first one's answer
             res = engine.generate(E2E_PROMPTS[seed % 2], max_tokens=30, method="suffix", sampling=sp)
             assert res.tokens == base.tokens
-    assert engine.shared[SHARED_GLOBAL].n_requests == 6
+    assert engine.history.suffix_cache.n_requests == 6
     # scheduled (adaptive) drafting: the cost model trims drafts by their confidence classes
     with tiny_engine(tiny_target, adaptive=True) as scheduled:
         prompt = E2E_PROMPTS[0]
@@ -426,28 +426,23 @@ def test_engine_seeded_sampling_and_the_scheduler_keep_vanilla_s_output(engine, 
 
 
 def test_engine_pool_file_survives_a_restart_and_refuses_another_tokenizer(engine, tmp_path: Path) -> None:
-    from ouroboros_local.history import tokenizer_fingerprint
 
     given = tmp_path / "history"                         # --pool FILE: the trie lives in FILE.suffix
     path = Path(suffix_file(str(given)))
-    engine.shared.pop(SHARED_GLOBAL, None)
-    engine.shared.pop("suffix_global_file", None)
+    engine.history.clear()
     prompt = E2E_PROMPTS[1]
     res = engine.generate(prompt, max_tokens=24, method="suffix", options={"pool": str(given)})
     assert path.exists()
-    saved = load_global(path, tokenizer_fingerprint(engine))
+    saved = load_global(path, engine.history.fingerprint())
     doc = saved.documents()[-1]
     assert saved.n_requests == 1
     assert res.tokens in (doc[-len(res.tokens):], doc[-len(res.tokens) - 1:-1])   # (an end token may follow)
     # a "restart": a fresh shared state loads the file
-    engine.shared.pop(SHARED_GLOBAL)
-    engine.shared.pop("suffix_global_file")
+    engine.history.clear()
     again = engine.generate(prompt, max_tokens=24, method="suffix", options={"pool": str(given)})
     assert again.tokens == res.tokens and again.stats.extra["sx_global"] > 0
     save_global(saved, path, "another tokenizer's fingerprint")
-    engine.shared.pop(SHARED_GLOBAL)
-    engine.shared.pop("suffix_global_file")
+    engine.history.clear()
     with pytest.raises(PoolError, match="another tokenizer"):
         engine.generate(prompt, max_tokens=4, method="suffix", options={"pool": str(given)})
-    engine.shared.pop(SHARED_GLOBAL, None)
-    engine.shared.pop("suffix_global_file", None)
+    engine.history.clear()

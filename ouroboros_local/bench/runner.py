@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from ..errors import OuroborosError, ParameterError
+from ..history import History
 from .prompts import BuiltPrompt
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -107,19 +108,19 @@ class EngineContender(Contender):
         self.reset_shared = reset_shared
         # this contender's learned state (phrase pools, suffix tries): kept across its own prompts, never
         # seen by another method, which would otherwise draft from this method's answer to the same prompt
-        self.shared: dict[str, Any] = {}
+        self.history = History(engine.target)
 
     def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
         if self.reset_shared:
-            self.shared.clear()
+            self.history.clear()
         if self.cold:
             cold_start(self.engine)
-        engine_shared, self.engine.shared = self.engine.shared, self.shared
+        engine_history, self.engine.history = self.engine.history, self.history
         try:
             result = self.engine.generate(prompt.tokens, max_tokens=max_tokens, method=self.method,
                                           sampling=self.sampling, stop=self.stop, options=self.options)
         finally:
-            self.engine.shared = engine_shared
+            self.engine.history = engine_history
         return Outcome.from_result(result)
 
 

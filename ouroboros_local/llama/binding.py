@@ -14,7 +14,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -130,8 +130,36 @@ def devices() -> list[Device]:
     return found
 
 
-class Model:
+def _quietly(release: Callable[[], None]) -> None:
+    """Run a finalizer's release call, ignoring errors (the library may be gone at interpreter exit)."""
+    try:
+        release()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class _Native:
+    """Owns one llama.cpp object, freed by ``close`` (or, as a last resort, at garbage collection)."""
+
+    _ptr = None
+
+    @staticmethod
+    def _free(ptr) -> None:  # pragma: no cover - every subclass names its own
+        raise NotImplementedError
+
+    def close(self) -> None:
+        if self._ptr is not None:
+            self._free(self._ptr)
+            self._ptr = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        _quietly(self.close)
+
+
+class Model(_Native):
     """A loaded GGUF model: weights, vocabulary, metadata, tokenizer."""
+
+    _free = staticmethod(lambda ptr: lc.llama_model_free(ptr))
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False,
                  main_gpu: int = 0):
@@ -190,25 +218,11 @@ class Model:
         lc.llama_model_desc(self.ptr, buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
-    @property
-    def size_bytes(self) -> int:
-        return int(lc.llama_model_size(self.ptr))
-
-    @property
-    def n_params(self) -> int:
-        return int(lc.llama_model_n_params(self.ptr))
-
-    @property
-    def n_ctx_train(self) -> int:
-        return int(lc.llama_model_n_ctx_train(self.ptr))
-
-    @property
-    def n_layer(self) -> int:
-        return int(lc.llama_model_n_layer(self.ptr))
-
-    @property
-    def n_swa(self) -> int:
-        return int(lc.llama_model_n_swa(self.ptr))
+    size_bytes = property(lambda self: int(lc.llama_model_size(self.ptr)), doc="weights in bytes")
+    n_params = property(lambda self: int(lc.llama_model_n_params(self.ptr)))
+    n_ctx_train = property(lambda self: int(lc.llama_model_n_ctx_train(self.ptr)), doc="trained context")
+    n_layer = property(lambda self: int(lc.llama_model_n_layer(self.ptr)))
+    n_swa = property(lambda self: int(lc.llama_model_n_swa(self.ptr)), doc="sliding-window size (0: none)")
 
     def chat_template(self) -> str | None:
         raw = lc.llama_model_chat_template(self.ptr, None)
@@ -260,16 +274,6 @@ class Model:
     def detokenize(self, tokens: Iterable[int], special: bool = False) -> str:
         return b"".join(self.piece(t, special) for t in tokens).decode("utf-8", "replace")
 
-    def close(self) -> None:
-        if getattr(self, "_ptr", None) is not None:
-            lc.llama_model_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover - best effort
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 class TextStream:
@@ -415,11 +419,8 @@ class Batch:
             lc.llama_batch_free(self._b)
             self._b = None
 
-    def __del__(self) -> None:  # pragma: no cover
-        try:
-            self.free()
-        except Exception:
-            pass
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        _quietly(self.free)
 
 
 _decode_clock = threading.local()
@@ -430,8 +431,10 @@ def decode_seconds() -> float:
     return getattr(_decode_clock, "seconds", 0.0)
 
 
-class Context:
+class Context(_Native):
     """A llama.cpp context with a unified KV cache over ``n_seq_max`` sequences."""
+
+    _free = staticmethod(lambda ptr: lc.llama_free(ptr))
 
     def __init__(self, model: Model, params: ContextParams):
         self.model = model
@@ -529,16 +532,6 @@ class Context:
     def clear(self) -> None:
         lc.llama_memory_clear(self.mem, True)
 
-    def close(self) -> None:
-        if getattr(self, "_ptr", None) is not None:
-            lc.llama_free(self._ptr)
-            self._ptr = None
-
-    def __del__(self) -> None:  # pragma: no cover
-        try:
-            self.close()
-        except Exception:
-            pass
 
 
 def quantize(src: str | Path, dst: str | Path, ftype: int, n_threads: int | None = None) -> None:

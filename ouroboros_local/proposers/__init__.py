@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from importlib import import_module
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from ..errors import IncompatiblePairError, MethodOptionError, ParameterError
 from ..options import Option
 from ..options import parse as parse_options
-from .base import NoDraft, ProposeSetup, Proposer
+from .base import DraftingContext, NoDraft, ProposeSetup, Proposer
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
+Factory = Callable[[DraftingContext, dict[str, Any]], Proposer]
 
-# method name -> "module:factory"; factories take (engine, options) and return a fresh Proposer. The
+# method name -> "module:factory"; factories take (context, options) and return a fresh Proposer. The
 # module's OPTIONS (a tuple of options.Option) declares what the method accepts; options are checked
 # and completed with their defaults before the factory sees them.
 _METHODS: dict[str, str] = {
@@ -36,11 +36,20 @@ _CROSS_VOCAB_METHODS: dict[str, str] = {
 OPTIONS: tuple[Option, ...] = ()   # vanilla's
 
 
-def _vanilla(engine: "Engine", options: dict[str, Any]) -> Proposer:
+def register_method(name: str, factory: str) -> None:
+    """Add a method from outside the package: ``factory`` is "module:function" (the module declares its
+    ``OPTIONS``), e.g. ``register_method("bigram", "bigram_drafter:create")`` (examples/bigram_drafter.py)."""
+    module, _, attr = factory.partition(":")
+    if not attr or not hasattr(import_module(module), attr):
+        raise ParameterError(f"method {name!r}: {factory!r} names no factory function (module:function)")
+    _METHODS[name] = factory
+
+
+def _vanilla(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     return NoDraft()
 
 
-def _factory(method: str) -> tuple[Callable[["Engine", dict[str, Any]], Proposer], tuple[Option, ...]]:
+def _factory(method: str) -> tuple[Factory, tuple[Option, ...]]:
     module_name, _, attr = _METHODS[method].partition(":")
     module = import_module(module_name)
     return getattr(module, attr), tuple(getattr(module, "OPTIONS", ()))
@@ -83,27 +92,39 @@ def method_names() -> list[str]:
     return names
 
 
-def create_proposer(method: str, engine: "Engine", options: dict[str, Any]) -> Proposer:
+@dataclass(frozen=True)
+class Method:
+    """A method ready to run: its proposer, and whether the engine prices its drafts by the cost model."""
+
+    proposer: Proposer
+    scheduled: bool
+
+
+def create_method(method: str, ctx: DraftingContext, options: dict[str, Any]) -> Method:
+    """The proposer of ``method`` with ``options`` (checked, defaults filled in) for one generation."""
     target = _METHODS.get(method)
     if target is None:
         raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
-    if engine.draft is not None and engine.pair_compatible is False:
+    if ctx.draft is not None and ctx.pair_compatible is False:
         if method in _CROSS_VOCAB_METHODS:
             target = _CROSS_VOCAB_METHODS[method]
         elif method == "pearl":
             raise IncompatiblePairError(
-                f"pearl needs a draft with the target's vocabulary ({engine.pair_reason}); "
+                f"pearl needs a draft with the target's vocabulary ({ctx.pair_reason}); "
                 "--method speculative or ouroboros bridge different vocabularies through text")
     checked = check_options(method, options)
+    # adaptive=false: this generation runs the method's fixed hyperparameters every round, as
+    # EngineConfig(adaptive=False) does for every method (e.g. to benchmark against the scheduler)
+    ctx = replace(ctx, adaptive=ctx.adaptive and checked.get("adaptive") is not False)
     module, _, attr = target.partition(":")
-    factory: Callable[["Engine", dict[str, Any]], Proposer] = getattr(import_module(module), attr)
-    proposer = factory(engine, checked)
-    if checked.get("adaptive") is False:
-        # this generation runs the method's fixed hyperparameters every round, as
-        # EngineConfig(adaptive=False) does for every method (e.g. to benchmark against the scheduler)
-        proposer.adaptive = False
-    return proposer
+    factory: Factory = getattr(import_module(module), attr)
+    proposer = factory(ctx, checked)
+    return Method(proposer, scheduled=ctx.adaptive and proposer.adaptive)
 
 
-__all__ = ["NoDraft", "ProposeSetup", "Proposer", "applicable_options", "check_options", "create_proposer", "method_names",
-           "method_options"]
+def create_proposer(method: str, ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
+    return create_method(method, ctx, options).proposer
+
+
+__all__ = ["DraftingContext", "Method", "NoDraft", "ProposeSetup", "Proposer", "applicable_options", "check_options",
+           "create_method", "create_proposer", "method_names", "method_options", "register_method"]

@@ -11,7 +11,8 @@ The engine's loop (engine.py) is the same for every method::
     proposer.end()
 
 Proposers never touch the target's KV cache (the engine owns it); draft-model proposers own their
-draft context and keep it in step with ``committed`` themselves.
+draft context and keep it in step with ``committed`` themselves. A method's factory sees only a
+``DraftingContext`` (the models, the draft context, the history state, the scheduler), never the engine.
 """
 
 from __future__ import annotations
@@ -26,8 +27,28 @@ import numpy as np
 from ..tree import TokenTree
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..history import History
+    from ..kv import KVCache
+    from ..llama import Context, Model
     from ..sampling import SamplingParams
+    from ..scheduler import Scheduler
     from ..verify import VerifyResult
+
+
+@dataclass(frozen=True)
+class DraftingContext:
+    """What a method's factory may use to build its proposer (the engine makes one per generation)."""
+
+    target: "Model"                          # vocabulary, end-of-generation tokens, tokenizer
+    target_context: "Context"                # its thread settings (PEARL splits the cores)
+    draft: "Model | None"
+    pair_compatible: bool | None             # False: the draft speaks another vocabulary (text bridge)
+    pair_reason: str | None                  # why not, in words
+    draft_kv: "Callable[[], KVCache]"        # the draft model's context: made on first call, then kept
+    history: "History"                       # state kept across requests (phrase pool, suffix tries, ...)
+    scheduler: "Callable[[], Scheduler]"     # the cost model's scheduler: calibrates on first call
+    adaptive: bool = True                    # drafts are priced by the cost model (engine-wide setting)
+    check_kv: bool = False                   # tests: proposers assert their draft KV invariants
 
 
 @dataclass
@@ -54,10 +75,6 @@ class Proposer(ABC):
     # True when the proposer labels its nodes with confidence classes (tree.classes) and asks
     # ``setup.extend_pays`` while drafting: the scheduler then decides per class (scheduler.py).
     confidence_classes: bool = False
-    # Draft-model proposers: whether ``begin`` feeds the prompt to the draft model (counted as prefill)
-    # or the draft catches up when first asked to draft (``auto``, which may never ask it). Only the
-    # cross-vocabulary proposer prefills in ``begin``; the same-vocabulary one always catches up lazily.
-    prefill_in_begin: bool = True
     # Seconds of the last propose() a draft model spent catching up on text of rounds it did not draft
     # (see ``CatchUp``): a scheduler keeps them out of the proposer's per-token drafting cost.
     catch_up_seconds: float = 0.0
@@ -79,9 +96,6 @@ class Proposer(ABC):
     def stats(self) -> dict[str, Any]:
         """Method-specific numbers merged into the generation stats (optional)."""
         return {}
-
-    def close(self) -> None:
-        """Free native resources (draft contexts)."""
 
 
 class CatchUp:

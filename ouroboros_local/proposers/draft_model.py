@@ -27,12 +27,11 @@ from .. import options as opt
 from ..errors import ParameterError
 from ..kv import KVCache, common_prefix
 from ..sampling import Sparse, support
-from ..scheduler import probability_class
+from ..acceptance import probability_class
 from ..tree import TokenTree
-from .base import CatchUp, ProposeSetup, Proposer
+from .base import CatchUp, DraftingContext, ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
     from ..verify import VerifyResult
 
 
@@ -272,9 +271,9 @@ def adaedl_from_options(options: dict[str, Any]) -> AdaEDL | None:
                      if options.get(key) is not None})
 
 
-def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``."""
     adaedl = adaedl_from_options(options)
     gamma = options["gamma"] or (ADAEDL_DEFAULT_CAP if adaedl is not None else 4)
-    return DraftModelProposer(engine.draft_kv(), engine.target.n_vocab, gamma=gamma, p_min=options["p_min"],
+    return DraftModelProposer(ctx.draft_kv(), ctx.target.n_vocab, gamma=gamma, p_min=options["p_min"],
                               adaedl=adaedl, greedy_draft=options["greedy_draft"])

@@ -29,15 +29,13 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from .. import options as opt
+from ..drafting import JacobiWindow, hang_phrases
 from ..errors import ParameterError
-from ..history import shared_pool
 from ..pool import PhrasePool, harvest_strategy, harvest_verification
 from ..tree import ExtraToken, TokenTree
-from .base import Proposer, ProposeSetup
-from .prompt_lookup import fill_tree
+from .base import DraftingContext, Proposer, ProposeSetup
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
     from ..verify import VerifyResult
 
 
@@ -65,7 +63,7 @@ class LookaheadProposer(Proposer):
         self._geometry += [(lev, i, lev + i, (i,), lev == N - 2) for lev in range(1, N - 1) for i in range(W)]
         self.n_extras = len(self._geometry)          # (W-1) + W(N-2)
         self.window_depth = W - 1 + N - 2            # largest position offset of a window token
-        self.levels: list[list[int]] = []
+        self.window = JacobiWindow(window, ngram)
         self._pending: tuple[TokenTree, list[int]] | None = None
         self._fed = 0
         self._stats: dict[str, int] = {}
@@ -79,20 +77,13 @@ class LookaheadProposer(Proposer):
         if setup.max_tree_nodes < self.n_extras:
             raise ParameterError(f"lookahead window W={self.W}, N={self.N} needs {self.n_extras + 1} "
                                  f"batch tokens, the batch holds {setup.max_tree_nodes + 1}")
-        self._init_window(prompt)
+        # Random prompt tokens (LADE) rather than llama.cpp's dummy ids: plausible tokens converge faster.
+        self.window.reset(prompt, self.seed, level_by_level=True)
         self._pending = None
         self._fed = 0
         self._feed(prompt)
         self._stats = {"rounds": 0, "window_rounds": 0, "window_phrases": 0, "branch_nodes": 0,
                        "branch_accepted": 0, "verify_phrases": 0}
-
-    def _init_window(self, prompt: Sequence[int]) -> None:
-        # Random prompt tokens (LADE) rather than llama.cpp's dummy ids: plausible tokens converge faster.
-        # An own generator keeps the sampler's random stream untouched.
-        rng = np.random.default_rng(self.seed)
-        src = np.asarray(prompt, dtype=np.int64)
-        self.levels = [rng.choice(src, size=self.W - 1).tolist()]
-        self.levels += [rng.choice(src, size=self.W).tolist() for _ in range(self.N - 2)]
 
     def _feed(self, committed: Sequence[int]) -> None:
         if self.pool_from_prompt:
@@ -102,8 +93,8 @@ class LookaheadProposer(Proposer):
     # ---- one round --------------------------------------------------------------------------------
     def window_extras(self) -> list[ExtraToken]:
         """The current window as tree extras (see the module docstring for the layout)."""
-        return [ExtraToken(self.levels[lev][i - 1] if lev == 0 else self.levels[lev][i], off, seqs, want)
-                for lev, i, off, seqs, want in self._geometry]
+        cells = self.window.cells.tolist()
+        return [ExtraToken(cells[lev][i], off, seqs, want) for lev, i, off, seqs, want in self._geometry]
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
@@ -118,7 +109,8 @@ class LookaheadProposer(Proposer):
         max_leaves = min(self.G, self.setup.max_branches - (self.W if with_window else 0))
         if max_nodes > 0 and max_leaves >= 1:
             phrases = self.pool.lookup(committed, k=self.G)
-            fill_tree(tree, ((p, "lookahead") for p in phrases), max_nodes, max_leaves)
+            hang_phrases(tree, 0, ((p, "lookahead") for p in phrases), max_nodes, max_leaves,
+                         stop_after_skips=3)
             self._stats["branch_nodes"] += tree.n_candidates
         if with_window:
             tree.extras = self.window_extras()
@@ -134,29 +126,14 @@ class LookaheadProposer(Proposer):
             new = np.asarray(result.extra_logits).argmax(axis=1).tolist()
             if len(new) != self.W:
                 raise RuntimeError(f"lookahead: expected {self.W} window rows, got {len(new)}")
-            self._stats["window_phrases"] += self.harvest_window(pending[1], new)
-            self.shift(new)
+            self._stats["window_phrases"] += self.window.harvest(self.pool, pending[1], new)
+            self.window.shift(new)
         if self.harvest != "none":
             root = len(committed) - len(result.tokens) - 1
             ctx = committed[max(0, root - self.pool.key_len + 1):max(root, 0)]
             self._stats["verify_phrases"] += harvest_verification(
                 self.pool, result.tree, result.predictions, result.path, self.harvest, context=ctx)
         self._feed(committed)
-
-    def harvest_window(self, key_context: list[int], new: list[int]) -> int:
-        """One phrase per column: key = its level-0 token (``u`` for column 0), phrase = its diagonal."""
-        chain = key_context + self.levels[0]        # ... u a0[1] .. a0[W-1]
-        base = len(key_context)
-        added = 0
-        for i in range(self.W):
-            phrase = [self.levels[lev][i] for lev in range(1, self.N - 1)] + [new[i]]
-            if self.pool.add(chain[:base + i], phrase):
-                added += 1
-        return added
-
-    def shift(self, new: list[int]) -> None:
-        """Advance the Jacobi window by one position (ALWAYS_FWD_ONE)."""
-        self.levels = [self.levels[1][1:]] + self.levels[2:] + [list(new)]
 
     def stats(self) -> dict[str, Any]:
         return {"la_" + k: v for k, v in self._stats.items()}
@@ -166,15 +143,15 @@ OPTIONS: tuple[opt.Option, ...] = (opt.WINDOW, opt.LEVEL, opt.GUESS_SET, opt.POO
                                    opt.POOL_FROM_PROMPT, opt.HARVEST.with_default("none"), opt.SEED)
 
 
-def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS`` (``level`` is N, ``guess_set`` is G)."""
     W, N, G = options["window"], options["level"], options["guess_set"]
     if options["pool"] is not None:   # the engine's history pool, persisted to that file
-        pool: PhrasePool | None = shared_pool(engine, N - 1, max(G, 1), options["pool"])
+        pool: PhrasePool | None = ctx.history.pool(N - 1, max(G, 1), options["pool"])
     elif options["warm_start"]:
         # Warm start: one pool per engine and geometry survives across requests (docs/design.md#warm-start).
-        pool = engine.shared.setdefault(f"lookahead_pool:N={N}:G={G}",
-                                        PhrasePool(key_len=1, max_per_key=max(G, 1), phrase_len=N - 1))
+        pool = ctx.history.kept(("lookahead", N, G),
+                                lambda: PhrasePool(key_len=1, max_per_key=max(G, 1), phrase_len=N - 1))
     else:
         pool = None
     return LookaheadProposer(window=W, ngram=N, guess=G, pool=pool, pool_from_prompt=options["pool_from_prompt"],

@@ -16,13 +16,14 @@ One round (``propose``):
 3. **Phrases from verification.** ``observe`` feeds the target's argmax over rejected tails and tried
    branches into the pool (``pool.harvest_verification``, strategy ``harvest``), and the n-grams of the
    committed text (``pool_from_prompt``).
-4. **History.** The pool lives in ``engine.shared["ouroboros_pool"]`` across requests; option ``pool``
+4. **History.** The pool lives in the engine's ``History.phrase_pool`` across requests; option ``pool``
    names a file that is loaded at creation (refused for another tokenizer) and saved after every
    generation.
 
 Draft, window and pool are greedy and deterministic (tree nodes carry no draft distribution), so the
 verifier's sample-and-match keeps the target's distribution exactly in sampling mode, and seeded runs
-are reproducible. Without a draft model ``create`` returns the target-only lookahead proposer.
+are reproducible. Without a draft model ``create`` returns scheduled prompt lookup over the pool (the
+target-only lookahead proposer with fixed hyperparameters).
 
 Draft batch geometry, with ``u`` at depth 0 below the uncached chain: level 0 is the chain
 ``u -> a0[1] -> .. -> a0[W-1]``; column i hangs ``a1[i] -> .. -> a_{N-2}[i]`` below its level-0 node
@@ -37,15 +38,17 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from .. import options as opt
+from ..drafting import JacobiWindow, cut_at_eog, hang_phrases
 from ..errors import ParameterError
-from ..history import SHARED_POOL, SHARED_POOL_FILE, shared_pool, tokenizer_fingerprint
 from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_strategy, harvest_verification
 from ..tree import TokenTree, check_layout, layout
-from .base import ProposeSetup, Proposer
+from .base import DraftingContext, ProposeSetup, Proposer
+from .lookahead import LookaheadProposer
+from .pick import AutoProposer
+from .prompt_lookup import PromptLookupProposer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
     from ..kv import KVCache
     from ..verify import VerifyResult
 
@@ -54,124 +57,15 @@ OPTIONS: tuple[opt.Option, ...] = (
     opt.POOL, opt.POOL_FROM_PROMPT, opt.OVERSHOOT, opt.SEED, opt.MAP_SPECIALS, opt.ADAPTIVE)
 
 
-class JacobiWindow:
-    """The 2-D Jacobi window: ``cells[l, i]`` = level l, column i; ``cells[0, 0]`` is unused (it is ``u``).
-
-    Level 0 holds W-1 guesses (columns 1..W-1), levels 1..N-2 hold W each. After a forward whose last
-    level predicted ``new`` (W tokens), column i offers the phrase ``(a1[i], .., a_{N-2}[i], new[i])``
-    under the key "level-0 token of column i" and the window shifts by one position.
-    """
-
-    def __init__(self, width: int, level: int):
-        if width < 0:
-            raise ParameterError(f"ouroboros window must be >= 0 (got {width})")
-        if level < 3:
-            raise ParameterError(f"ouroboros level N must be >= 3 (got {level}): phrases hold N-1 tokens")
-        self.W = width
-        self.N = level
-        self.K = level - 1
-        self.cells = np.zeros((level - 1, width), dtype=np.int64)
-        self.age = 0          # forwards since reset
-
-    @property
-    def n_nodes(self) -> int:
-        """Window tokens in a draft batch."""
-        return max(self.W - 1, 0) + (self.N - 2) * self.W
-
-    @property
-    def depth(self) -> int:
-        """Deepest window token below ``u``."""
-        return self.W - 1 + self.N - 2 if self.W else 0
-
-    @property
-    def ready(self) -> bool:
-        """Every key and phrase token is a model output (not a random initial guess)."""
-        return self.age >= self.N - 1
-
-    def reset(self, prompt: Sequence[int], seed: int = 0) -> None:
-        """Fill every level with tokens drawn from the prompt (LADE's initialisation, no warm-up)."""
-        if self.W:
-            rng = np.random.default_rng(seed)
-            self.cells[:] = rng.choice(np.asarray(prompt, dtype=np.int64), size=self.cells.shape)
-        self.age = 0
-
-    def phrases(self, u: int, new: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(keys[W], phrases[W, K]): key = level-0 token of each column, phrase = its diagonal + new."""
-        keys = self.cells[0].copy()
-        keys[0] = u
-        return keys, np.vstack([self.cells[1:], np.asarray(new, dtype=np.int64)[None, :]]).T
-
-    def shift(self, new: np.ndarray) -> None:
-        """Advance by one position: level 0 = level 1 without column 0, level l = level l+1, last = new."""
-        c = self.cells
-        c[0, 1:] = c[1, 1:]
-        c[1:-1] = c[2:]
-        c[-1] = new
-        self.age += 1
-
-
-class _Tree:
-    """A TokenTree under construction with O(1) de-duplication of (parent, token) and a leaf count."""
-
-    __slots__ = ("tree", "kids", "n_leaves", "has_child")
-
-    def __init__(self, root: int):
-        self.tree = TokenTree.rooted_at(root)
-        self.kids: dict[tuple[int, int], int] = {}
-        self.n_leaves = 1
-        self.has_child: set[int] = set()
-
-    def add(self, parent: int, token: int, source: str | None = None) -> int:
-        node = self.kids.get((parent, token))
-        if node is not None:
-            return node
-        t = self.tree
-        node = len(t.tokens)
-        t.tokens.append(token)
-        t.parents.append(parent)
-        t.depths.append(t.depths[parent] + 1)
-        if source is not None:
-            t.sources[node] = source
-        self.kids[(parent, token)] = node
-        if parent in self.has_child:
-            self.n_leaves += 1
-        else:
-            self.has_child.add(parent)
-        return node
-
-    def add_phrase(self, parent: int, phrase: Sequence[int], source: str, max_nodes: int,
-                   max_leaves: int) -> int:
-        """Add a chain below ``parent`` unless it needs a leaf beyond ``max_leaves``; cut at max_nodes.
-
-        Returns the number of new nodes."""
-        node = parent
-        i = 0
-        for i, tok in enumerate(phrase):
-            nxt = self.kids.get((node, tok))
-            if nxt is None:
-                break
-            node = nxt
-        else:
-            return 0
-        if node in self.has_child and self.n_leaves >= max_leaves:
-            return 0
-        added = 0
-        for tok in phrase[i:]:
-            if len(self.tree.tokens) - 1 >= max_nodes:
-                break
-            node = self.add(node, tok, source)
-            added += 1
-        return added
-
-
 class OuroborosProposer(Proposer):
     name = "ouroboros"
 
     def __init__(self, kv: "KVCache", pool: PhrasePool, n_target_vocab: int, *, gamma: int = 4,
                  window: int = 4, level: int = 3, guess_set: int = 4, topk: int = 2,
                  harvest: str | None = "predicted-tail", pool_from_prompt: bool = True,
-                 overshoot: bool = True, seed: int = 0, check: bool | Any = False):
-        for name, value, low in (("gamma", gamma, 1), ("guess_set", guess_set, 0), ("topk", topk, 0)):
+                 overshoot: bool = True, seed: int = 0, check: bool = False):
+        for name, value, low in (("gamma", gamma, 1), ("guess_set", guess_set, 0), ("topk", topk, 0),
+                                 ("window", window, 0), ("level", level, 3)):
             if value < low:
                 raise ParameterError(f"ouroboros {name} must be >= {low} (got {value})")
         self.kv = kv
@@ -185,7 +79,7 @@ class OuroborosProposer(Proposer):
         self.pool_from_prompt = pool_from_prompt
         self.overshoot = overshoot
         self.seed = seed
-        self._check = check            # an object with a truthy ``check_kv`` (the engine), or a bool
+        self._check = check            # tests: assert the draft KV invariant after every round
         ctx = kv.ctx
         if self.window.W > ctx.n_seq_max:
             raise ParameterError(f"ouroboros window W={window} needs {window} sequence ids; the draft "
@@ -209,8 +103,7 @@ class OuroborosProposer(Proposer):
                        "suffix_accepted": 0, "verify_phrases": 0}
 
     def _checking(self) -> bool:
-        c = self._check
-        return bool(c if isinstance(c, bool) else getattr(c, "check_kv", False))
+        return self._check
 
     def _feed(self, committed: Sequence[int]) -> None:
         if self.pool_from_prompt:
@@ -232,8 +125,8 @@ class OuroborosProposer(Proposer):
         if d and d[-1] not in eog and self.topk:
             kl = self.pool.key_len
             ctx = d[-kl:] if len(d) >= kl else list(committed[len(committed) - (kl - len(d)):]) + d
-            self._stats["suffix_nodes"] += hang_pool_phrases(
-                tree, node, self.pool.lookup(ctx, k=self.topk), budget, self.setup.max_branches, eog)
+            phrases = ((cut_at_eog(p, eog), "pool") for p in self.pool.lookup(ctx, k=self.topk))
+            self._stats["suffix_nodes"] += hang_phrases(tree, node, phrases, budget, self.setup.max_branches)
         return tree
 
     def draft_tokens(self, committed: Sequence[int], budget: int) -> list[int]:
@@ -270,37 +163,32 @@ class OuroborosProposer(Proposer):
             kv.feed(chain[:-1])            # a long uncached run (rare): feed it in chunks first
             chain = chain[-1:]
             n_past = kv.n_past
-        u = chain[-1]
         depth_room = ctx.n_ctx - n_past - len(chain)   # offsets below u that still fit the context
         if depth_room < 1:
             return []
         use_window = win.W > 0 and win.depth < depth_room
-        b = _Tree(chain[0])
+        tree = TokenTree.rooted_at(chain[0])
         node = 0
         for tok in chain[1:]:
-            node = b.add(node, tok)
+            node = tree.add(node, tok)
         u_node = node
         last_nodes: list[int] = []
         if use_window:
             cells = win.cells.tolist()
             lvl0 = [u_node]
             for i in range(1, win.W):
-                lvl0.append(b.add(lvl0[-1], cells[0][i], "window"))
+                lvl0.append(tree.add(lvl0[-1], cells[0][i], source="window"))
             for i in range(win.W):
                 p = lvl0[i]
                 for lev in range(1, win.N - 1):
-                    p = b.add(p, cells[lev][i], "window")
+                    p = tree.add(p, cells[lev][i], source="window")
                 last_nodes.append(p)
         if self.G:
-            kl = self.pool.key_len
-            key_ctx = chain[-kl:] if len(chain) >= kl else (list(committed) + d)[-kl:]
-            max_nodes = ctx.n_batch - 1
-            max_leaves = ctx.n_seq_max
             max_len = min(self.window.K + 1, depth_room - 1)
             eog = self.setup.eog_tokens
-            for phrase in self.pool.lookup(key_ctx, k=self.G):
-                b.add_phrase(u_node, _cut_at_eog(phrase[:max_len], eog), "pool", max_nodes, max_leaves)
-        tree = b.tree
+            phrases = ((cut_at_eog(p[:max_len], eog), "pool")
+                       for p in self.pool.lookup(self._key_context(chain, committed, d), k=self.G))
+            hang_phrases(tree, u_node, phrases, ctx.n_batch - 1, ctx.n_seq_max)
         lay = layout(tree)
         if self._checking():
             check_layout(lay)
@@ -311,12 +199,11 @@ class OuroborosProposer(Proposer):
             rows = rows[:, :self.n_target_vocab]   # tokens the target lacks can never be accepted
         preds = rows.argmax(axis=1)               # preds[k] = draft argmax after node u_node + k
         # Greedy walk from u through window and phrase nodes.
-        kids = b.kids
         path: list[int] = []
         node = u_node
         while True:
             y = int(preds[node - u_node])
-            nxt = kids.get((node, y))
+            nxt = tree.child_with_token(node, y)
             if nxt is None:
                 break
             path.append(nxt)
@@ -342,21 +229,14 @@ class OuroborosProposer(Proposer):
             win.shift(new)
         return accepted + [y]
 
+    def _key_context(self, chain: list[int], committed: Sequence[int], d: list[int]) -> list[int]:
+        """The pool key's context for ``u`` = ``chain[-1]``: the last ``key_len`` tokens up to it."""
+        kl = self.pool.key_len
+        return chain[-kl:] if len(chain) >= kl else (list(committed) + d)[-kl:]
+
     def _harvest_window(self, chain: list[int], committed: Sequence[int], d: list[int],
                         new: np.ndarray) -> int:
-        keys, phrases = self.window.phrases(chain[-1], new)
-        pool = self.pool
-        kl = pool.key_len
-        added = 0
-        if kl == 1:
-            for key, phrase in zip(keys.tolist(), phrases.tolist()):
-                added += pool.add((key,), phrase)
-            return added
-        base = (list(committed) + d)[-kl:] if len(chain) < kl else chain[-kl:]
-        level0 = base + self.window.cells[0, 1:].tolist()
-        for i, phrase in enumerate(phrases.tolist()):
-            added += pool.add(level0[:len(base) + i], phrase)
-        return added
+        return self.window.harvest(self.pool, self._key_context(chain, committed, d), new)
 
     # ---- learning from the target ------------------------------------------------------------------
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
@@ -416,67 +296,21 @@ class _Fallback(Proposer):
             out["ouro_pool_size"] = len(self.pool)
         return out
 
-    def close(self) -> None:
-        self.inner.close()
 
-
-def hang_pool_phrases(tree: TokenTree, node: int, phrases: Sequence[Sequence[int]], budget: int,
-                      max_leaves: int, eog: frozenset[int]) -> int:
-    """Hang phrases below ``node`` (long-draft concatenation) within the node and leaf budgets.
-
-    Returns the number of nodes added."""
-    added = 0
-    leaves = len(tree.leaves())
-    for phrase in phrases:
-        if tree.n_candidates >= budget:
-            break
-        phrase = _cut_at_eog(phrase, eog)
-        grows = _would_add_leaf(tree, node, phrase)
-        if grows is None:
-            continue
-        if grows:
-            if leaves >= max_leaves:
-                continue
-            leaves += 1
-        before = tree.n_candidates
-        tree.add_path(node, phrase, source="pool", max_nodes=budget)
-        added += tree.n_candidates - before
-    return added
-
-
-def _would_add_leaf(tree: TokenTree, node: int, tokens: Sequence[int]) -> bool | None:
-    """Would ``add_path(node, tokens)`` open a new leaf? None if the tree already holds the path."""
-    for tok in tokens:
-        child = tree.child_with_token(node, int(tok))
-        if child is None:
-            return any(tree.parents[i] == node for i in range(node + 1, len(tree.tokens)))
-        node = child
-    return None
-
-
-def _cut_at_eog(tokens: Sequence[int], eog: frozenset[int]) -> list[int]:
-    out = []
-    for t in tokens:
-        out.append(int(t))
-        if t in eog:
-            break
-    return out
-
-
-def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
-    """``options``: checked by ``proposers.create_proposer`` against ``OPTIONS`` (defaults filled in)."""
+def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
+    """``options``: checked by ``proposers.create_method`` against ``OPTIONS`` (defaults filled in)."""
     level, guess, topk = options["level"], options["guess_set"], options["topk"]
-    pool = shared_pool(engine, level - 1, max(guess, topk, 1), options["pool"])
-    if engine.draft is None:
-        return _fallback(engine, options, pool)
-    return scheduled(engine, OuroborosProposer(
-        engine.draft_kv(), pool, engine.target.n_vocab, gamma=options["gamma"], window=options["window"],
+    pool = ctx.history.pool(level - 1, max(guess, topk, 1), options["pool"])
+    if ctx.draft is None:
+        return _fallback(ctx, options, pool)
+    return scheduled(ctx, OuroborosProposer(
+        ctx.draft_kv(), pool, ctx.target.n_vocab, gamma=options["gamma"], window=options["window"],
         level=level, guess_set=guess, topk=topk, harvest=options["harvest"],
         pool_from_prompt=options["pool_from_prompt"], overshoot=options["overshoot"], seed=options["seed"],
-        check=engine), pool, options)
+        check=ctx.check_kv), pool, options)
 
 
-def scheduled(engine: "Engine", drafter: Proposer, pool: PhrasePool, options: dict[str, Any]) -> Proposer:
+def scheduled(ctx: DraftingContext, drafter: Proposer, pool: PhrasePool, options: dict[str, Any]) -> Proposer:
     """Ouroboros under the cost model (the default; ``EngineConfig.adaptive``).
 
     Each round the scheduler picks, as method ``auto`` does, between free drafts and the draft model:
@@ -488,30 +322,22 @@ def scheduled(engine: "Engine", drafter: Proposer, pool: PhrasePool, options: di
     far below plain decoding. With ``adaptive`` off (engine-wide, or the method option), the fixed
     hyperparameters run every round.
     """
-    if not engine.config.adaptive or not options["adaptive"]:
+    if not ctx.adaptive:
         return drafter
-    from .auto import AutoProposer
-    from .prompt_lookup import PromptLookupProposer
-
     phrases = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=False)
-    return AutoProposer(engine.scheduler(), [phrases, drafter], name="ouroboros")
+    return AutoProposer(ctx.scheduler(), [phrases, drafter], name="ouroboros")
 
 
-def _fallback(engine: "Engine", options: dict[str, Any], pool: PhrasePool) -> Proposer:
+def _fallback(ctx: DraftingContext, options: dict[str, Any], pool: PhrasePool) -> Proposer:
     """Without a draft model: phrases from the context and the pool, scheduled like prompt lookup
     (the lookahead window runs only with fixed hyperparameters: on a CPU it costs more than it saves)."""
-    if not engine.config.adaptive or not options["adaptive"]:
-        from .lookahead import LookaheadProposer
-
+    if not ctx.adaptive:
         inner: Proposer = LookaheadProposer(
             window=options["window"], ngram=options["level"], guess=options["guess_set"], pool=pool,
             pool_from_prompt=options["pool_from_prompt"], harvest=options["harvest"], seed=options["seed"])
         return _Fallback(inner, "lookahead", pool)
-    from .prompt_lookup import PromptLookupProposer
-
     inner = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True)
     return _Fallback(inner, "prompt-lookup", pool)
 
 
-__all__ = ["OPTIONS", "JacobiWindow", "OuroborosProposer", "SHARED_POOL", "SHARED_POOL_FILE",
-           "create", "hang_pool_phrases", "shared_pool", "tokenizer_fingerprint"]
+__all__ = ["OPTIONS", "OuroborosProposer", "create", "scheduled"]

@@ -37,8 +37,8 @@ GPU, draft on the CPU, or two devices). On a CPU-only box it usually loses to se
 decoding (measured: docs/design.md#pearl). With ``mode="auto"`` (default) the proposer alternates blocks of
 ``probe_rounds`` rounds of PEARL and of sequential speculative decoding (greedy draft chain of
 ``seq_gamma`` tokens, every core to whichever model runs) until each mode has two blocks, then keeps
-the faster (measured tokens/s). The measurements live in ``engine.shared`` per model pair and thread
-split, so later generations reuse the decision. ``mode="parallel"`` / ``"sequential"`` force one.
+the faster (measured tokens/s). The measurements live in the engine's history (``History.kept``) per
+model pair and thread split, so later generations reuse the decision. ``mode="parallel"`` / ``"sequential"`` force one.
 With fewer than 2 cores PEARL cannot run without oversubscription and the proposer runs sequentially.
 """
 
@@ -56,16 +56,14 @@ from ..errors import ParameterError
 from ..kv import KVCache, common_prefix
 from ..llama.binding import supports_gpu_offload, usable_cores
 from ..tree import TokenTree
-from .base import ProposeSetup, Proposer
+from .base import DraftingContext, ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
     from ..llama import Context, Model
     from ..verify import VerifyResult
 
 PARALLEL = "parallel"
 SEQUENTIAL = "sequential"
-SHARED_KEY = "pearl_ab"
 GAMMA_MIN, GAMMA_MAX = 2, 12
 OPTIONS: tuple[opt.Option, ...] = (opt.PEARL_MODE, opt.PEARL_GAMMA, *opt.PEARL_TUNING)
 
@@ -436,11 +434,11 @@ class PearlProposer(Proposer):
         return out
 
 
-def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``."""
     opts = options
-    kv = engine.draft_kv()
-    target_ctx = engine.target_ctx
+    kv = ctx.draft_kv()
+    target_ctx = ctx.target_context
     gamma, seq_gamma, probe_rounds = opts["gamma"], opts["seq_gamma"], opts["probe_rounds"]
 
     # Thread budget. Automatic split: the cores this process may use, capped by the engine's own
@@ -460,18 +458,15 @@ def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
         threads: tuple[int, int] | None = (nt, nd)
     else:
         cores = min(avail, max(target_ctx.n_threads, kv.ctx.n_threads))
-        threads = thread_split(cores, on_gpu(engine.target), on_gpu(engine.draft))
+        threads = thread_split(cores, on_gpu(ctx.target), on_gpu(ctx.draft))
         if threads is None:
             reason = (f"{cores} core(s) for this engine: running both models at once would "
                       "oversubscribe them (set threads_target/threads_draft or the engine's threads)")
 
-    table = engine.shared.setdefault(SHARED_KEY, {})
-    key = (str(getattr(engine.target, "path", "")), str(getattr(engine.draft, "path", "")),
+    key = ("pearl", str(getattr(ctx.target, "path", "")), str(getattr(ctx.draft, "path", "")),
            threads, gamma, seq_gamma)
-    ab = table.get(key)
-    if ab is None:
-        ab = table[key] = _ABState()
-    n_vocab = min(engine.target.n_vocab, engine.draft.n_vocab) if engine.draft else engine.target.n_vocab
+    ab = ctx.history.kept(key, _ABState)
+    n_vocab = min(ctx.target.n_vocab, ctx.draft.n_vocab) if ctx.draft else ctx.target.n_vocab
     return PearlProposer(kv, target_ctx, n_vocab, mode=str(opts["mode"]), gamma=gamma,
                          seq_gamma=seq_gamma, probe_rounds=probe_rounds, threads=threads, ab=ab,
                          split_reason=reason)

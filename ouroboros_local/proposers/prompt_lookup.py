@@ -15,55 +15,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .. import options as opt
+from ..drafting import cut_at_eog, hang_phrases
 from ..errors import MethodOptionError, ParameterError
-from ..history import shared_pool
 from ..pool import PhrasePool
 from ..tree import TokenTree
-from .base import Proposer, ProposeSetup
+from .base import DraftingContext, Proposer, ProposeSetup
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
     from ..verify import VerifyResult
-
-
-def would_add_leaf(tree: TokenTree, tokens: Sequence[int]) -> bool | None:
-    """Would ``add_path(0, tokens)`` add a leaf? None if the tree already holds the whole path."""
-    node = 0
-    for tok in tokens:
-        child = tree.child_with_token(node, int(tok))
-        if child is None or child in tree.draft_probs:
-            # diverges here: a new leaf unless it extends a current leaf
-            return any(tree.parents[i] == node for i in range(node + 1, len(tree.tokens)))
-        node = child
-    return None
-
-
-def fill_tree(tree: TokenTree, phrases: Iterator[tuple[Sequence[int], str]], max_nodes: int,
-              max_leaves: int) -> int:
-    """Hang distinct phrases below the root until ``max_nodes`` candidates or ``max_leaves`` leaves.
-
-    Returns the number of phrases used. Shared prefixes merge (TokenTree.add_path).
-    """
-    used = 0
-    skipped = 0
-    leaves = len(tree.leaves())
-    for phrase, source in phrases:
-        if tree.n_candidates >= max_nodes:
-            break
-        grows = would_add_leaf(tree, phrase)
-        if grows is None:
-            continue
-        if grows:
-            if leaves >= max_leaves:
-                # later phrases are older or shorter matches: rarely an extension worth the scan
-                skipped += 1
-                if skipped > 2:
-                    break
-                continue
-            leaves += 1
-        tree.add_path(0, phrase, source=source, max_nodes=max_nodes)
-        used += 1
-    return used
 
 
 class NgramIndex:
@@ -169,13 +128,13 @@ class PromptLookupProposer(Proposer):
         """Candidate phrases, best first; each one's confidence class prefix goes to ``seen``."""
         eog = self.setup.eog_tokens
         for n, cont in self.index.continuations(self.gamma):
-            phrase = _cut_at_eog(cont, eog)
+            phrase = cut_at_eog(cont, eog)
             if seen is not None:
                 seen.append((phrase, f"ctx{min(n, 4)}"))
             yield phrase, "prompt-lookup"
         if self.pool is not None:
             for phrase in self.pool.lookup(committed, k=max(self.max_branches, 2)):
-                phrase = _cut_at_eog(list(phrase[:self.gamma]), eog)
+                phrase = cut_at_eog(phrase[:self.gamma], eog)
                 if seen is not None:
                     seen.append((phrase, "pool"))
                 yield phrase, "pool"
@@ -188,7 +147,7 @@ class PromptLookupProposer(Proposer):
         self.index.sync(committed)
         max_leaves = max(1, min(self.max_branches, self.setup.max_branches))
         seen: list[tuple[list[int], str]] = []
-        fill_tree(tree, self._phrases(committed, seen), max_nodes, max_leaves)
+        hang_phrases(tree, 0, self._phrases(committed, seen), max_nodes, max_leaves, stop_after_skips=3)
         if tree.n_candidates and tree.is_chain():
             label_chain(tree, seen)
         if tree.n_candidates:
@@ -219,14 +178,6 @@ def label_chain(tree: TokenTree, phrases: Sequence[tuple[Sequence[int], str]]) -
                 break
 
 
-def _cut_at_eog(tokens: list[int], eog: frozenset[int]) -> list[int]:
-    # Nothing after an end-of-generation token can ever be emitted.
-    for i, tok in enumerate(tokens):
-        if tok in eog:
-            return tokens[:i + 1]
-    return tokens
-
-
 OPTIONS: tuple[opt.Option, ...] = (opt.MAX_NGRAM, opt.MIN_NGRAM, opt.GAMMA, opt.MAX_BRANCHES,
                                    opt.POOL, opt.FEED_POOL, opt.ADAPTIVE)
 DEFAULT_GAMMA = 8
@@ -234,11 +185,11 @@ POOL_PHRASE_LEN = 4   # phrases kept per key in the history pool when prompt loo
 POOL_PER_KEY = 8
 
 
-def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``. A pool file makes the engine's history pool a source."""
     pool = None
     if options["pool"] is not None:
-        pool = shared_pool(engine, POOL_PHRASE_LEN, POOL_PER_KEY, options["pool"])
+        pool = ctx.history.pool(POOL_PHRASE_LEN, POOL_PER_KEY, options["pool"])
     if options["min_ngram"] > options["max_ngram"]:
         raise MethodOptionError(f"option 'min_ngram' ({options['min_ngram']}) must not exceed 'max_ngram' "
                                 f"({options['max_ngram']})")

@@ -4,7 +4,7 @@ Two tries answer "what followed the most recent tokens before, and how often?":
 
 * a per-request trie over the prompt and the output so far, grown as tokens are committed;
 * a global trie over the outputs of earlier requests (each after its prompt's last D tokens, so that
-  a repeated request matches from its first output token), kept per engine (``engine.shared``) so that
+  a repeated request matches from its first output token), kept per engine (``History.suffix_cache``) so that
   a server's requests share it, bounded by requests and tokens (the oldest request is evicted first),
   and optionally persisted to a file (tokenizer fingerprint in the header, atomic save).
 
@@ -15,14 +15,8 @@ product of those frequencies along the path, its size growing with the match len
 (``spec_factor * match + spec_offset`` nodes, capped by the budget). Of the two trees the one with the
 larger expected number of accepted tokens (the sum of its path frequencies) is proposed.
 
-The trie (``SuffixTrie``) keeps, for every substring of length <= ``depth`` (D, default 16), its number
-of occurrences, with one compression: a substring that occurs once is a *lazy leaf*, a node that points
-at its occurrence in the text instead of holding children; it is split when a second occurrence
-arrives. Appending a token touches only the suffixes of the text that occurred before (at most D + 1
-nodes), so the cost of a round does not grow with the context, and distinct text costs a few nodes per
-token. Why D = 16: the match length only picks a node and a confidence class (its buckets end at 8),
-drafts continue past depth D along the node's most recent occurrence, and both the per-token cost and
-the worst-case memory (repetitive text materialises up to D + 1 nodes per token) grow linearly with D.
+The tries themselves (``SuffixTrie``, ``Matcher``, the global ``SuffixCache`` and its file format) are
+in ``suffix_trie.py``.
 
 Nodes are deterministic proposals (no draft distribution), so sampling verification uses
 sample-and-match and every output equals the target's own.
@@ -31,32 +25,16 @@ sample-and-match and every output equals the target's own.
 from __future__ import annotations
 
 import heapq
-import os
-import struct
-import threading
-import zlib
-from array import array
-from collections import deque
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import options as opt
-from ..errors import PoolError
-from ..filestore import check_fingerprint, write_atomic
-from ..history import persist, resolve_pool_path, tokenizer_fingerprint
+from ..history import History, resolve_pool_path
+from ..suffix_trie import TRIE_DEPTH, Matcher, State, SuffixCache, SuffixTrie, load_global
 from ..tree import TokenTree
-from .base import ProposeSetup, Proposer
+from .base import DraftingContext, ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine
     from ..verify import VerifyResult
-
-TRIE_DEPTH = 16
-ROOT = 0
-SHARED_GLOBAL = "suffix_global"
-SHARED_GLOBAL_FILE = "suffix_global_file"
 
 OPTIONS: tuple[opt.Option, ...] = (
     opt.Option("max_depth", "int", 16, "suffix: longest draft path", 1, 64, flag=False),
@@ -71,429 +49,18 @@ OPTIONS: tuple[opt.Option, ...] = (
     opt.POOL, opt.ADAPTIVE)
 
 
-# ---- the trie -------------------------------------------------------------------------------------------
-
-State = tuple[int, int, int]   # (trie node, -1, 0) or (-1, document, index of the next token in it)
-
-
-class SuffixTrie:
-    """Occurrence counts of every substring of length <= ``depth`` of a set of documents.
-
-    Node fields live in flat arrays; edges in one dict keyed ``node << 32 | token``, children also in a
-    doubly linked sibling list (for enumeration and O(1) removal). ``count`` is the number of
-    occurrences of the node's string; ``total`` how many of them continue (the sum of the children's
-    counts); ``doc``/``pos`` where the most recent continuing occurrence continues (for a lazy leaf, its
-    only occurrence). A node with count 1 is a lazy leaf (no children), except the root.
-    """
-
-    def __init__(self, depth: int = TRIE_DEPTH):
-        if not 1 <= depth <= 1024:
-            raise ValueError(f"trie depth must be 1..1024 (got {depth})")
-        self.depth = depth
-        z = [0]
-        self._count, self._total, self._depth = array("q", z), array("q", z), array("i", z)
-        self._doc, self._pos, self._token = array("q", [-1]), array("q", z), array("q", [-1])
-        self._first, self._next, self._prev = array("q", [-1]), array("q", [-1]), array("q", [-1])
-        self._edges: dict[int, int] = {}
-        self._free: list[int] = []
-        self.docs: dict[int, list[int]] = {}
-        self._next_doc = 0
-        self._open: int | None = None
-        self._active: list[int] = []   # nodes of the open document's repeated suffixes, depth 0, 1, ...
-
-    # ---- sizes ------------------------------------------------------------------------------------
-    @property
-    def n_nodes(self) -> int:
-        """Nodes in use, the root included."""
-        return len(self._count) - len(self._free)
-
-    @property
-    def n_tokens(self) -> int:
-        return sum(len(d) for d in self.docs.values())
-
-    def count(self, tokens: Sequence[int]) -> int:
-        """Occurrences of ``tokens`` (length 1..depth) in the documents (for tests and diagnostics)."""
-        node = ROOT
-        for j, tok in enumerate(tokens):
-            if node != ROOT and self._count[node] == 1:
-                doc, pos = self._doc[node], self._pos[node]
-                text = self.docs.get(doc, [])
-                rest = [int(t) for t in tokens[j:]]
-                return 1 if text[pos:pos + len(rest)] == rest else 0
-            child = self._edges.get(node << 32 | int(tok))
-            if child is None:
-                return 0
-            node = child
-        return int(self._count[node]) if node != ROOT else self.n_tokens
-
-    def check(self) -> None:
-        """Assert the structure's invariants (tests; O(nodes)): children's counts add up to ``total``,
-        lazy leaves have no children, nothing is deeper than D, every live node is reachable once."""
-        free = set(self._free)
-        seen = 0
-        stack = [ROOT]
-        while stack:
-            node = stack.pop()
-            seen += 1
-            kids = self.children(node)
-            assert self._depth[node] <= self.depth
-            if node != ROOT and self._count[node] == 1:
-                assert not kids, f"lazy leaf {node} has children"
-            assert sum(self._count[c] for c in kids) == self._total[node], f"node {node}: total"
-            for c in kids:
-                assert c not in free and self._count[c] >= 1
-                assert self._edges[node << 32 | self._token[c]] == c
-                assert self._depth[c] == self._depth[node] + 1
-                stack.append(c)
-        assert seen == self.n_nodes == len(self._edges) + 1, (seen, self.n_nodes, len(self._edges))
-
-    # ---- nodes ------------------------------------------------------------------------------------
-    def _new(self, parent: int, token: int, doc: int, pos: int) -> int:
-        """A lazy leaf (count 1) below ``parent``, at the head of its sibling list."""
-        sibling = self._first[parent]
-        if self._free:
-            node = self._free.pop()
-            self._count[node], self._total[node], self._depth[node] = 1, 0, self._depth[parent] + 1
-            self._doc[node], self._pos[node], self._token[node] = doc, pos, token
-            self._first[node], self._next[node], self._prev[node] = -1, sibling, -1
-        else:
-            node = len(self._count)
-            self._count.append(1)
-            self._total.append(0)
-            self._depth.append(self._depth[parent] + 1)
-            self._doc.append(doc)
-            self._pos.append(pos)
-            self._token.append(token)
-            self._first.append(-1)
-            self._next.append(sibling)
-            self._prev.append(-1)
-        if sibling >= 0:
-            self._prev[sibling] = node
-        self._first[parent] = node
-        self._edges[parent << 32 | token] = node
-        return node
-
-    def _delete(self, parent: int, node: int) -> None:
-        nxt, prv = self._next[node], self._prev[node]
-        if prv >= 0:
-            self._next[prv] = nxt
-        else:
-            self._first[parent] = nxt
-        if nxt >= 0:
-            self._prev[nxt] = prv
-        del self._edges[parent << 32 | self._token[node]]
-        self._count[node] = 0
-        self._free.append(node)
-
-    def children(self, node: int) -> list[int]:
-        out = []
-        child = self._first[node]
-        while child >= 0:
-            out.append(child)
-            child = self._next[child]
-        return out
-
-    def _split(self, node: int) -> None:
-        """A lazy leaf gets a second occurrence: its first one becomes an explicit child."""
-        doc, pos = self._doc[node], self._pos[node]
-        text = self.docs.get(doc)
-        if self._depth[node] < self.depth and text is not None and pos < len(text):
-            self._new(node, text[pos], doc, pos + 1)
-            self._total[node] = 1
-        else:
-            self._total[node] = 0
-
-    # ---- documents --------------------------------------------------------------------------------
-    def start_document(self) -> int:
-        if self._open is not None:
-            self.end_document()
-        doc = self._next_doc
-        self._next_doc += 1
-        self.docs[doc] = []
-        self._open = doc
-        self._active = [ROOT]
-        return doc
-
-    def end_document(self) -> None:
-        self._open = None
-        self._active = []
-
-    @property
-    def open_document(self) -> list[int] | None:
-        return None if self._open is None else self.docs[self._open]
-
-    def extend(self, tokens: Sequence[int]) -> None:
-        for tok in tokens:
-            self.append(int(tok))
-
-    def append(self, token: int) -> None:
-        """Append one token to the open document: O(number of repeated suffixes) <= depth + 1."""
-        doc = self._open
-        if doc is None:
-            doc = self.start_document()
-        text = self.docs[doc]
-        n = len(text)
-        text.append(token)
-        count, total, depth, pos, docs = self._count, self._total, self._depth, self._pos, self._doc
-        edges, limit = self._edges, self.depth
-        active = [ROOT]
-        count[ROOT] += 1
-        for node in self._active:
-            # this occurrence of the node's string continues at n: the most recent continuing one
-            pos[node] = n
-            docs[node] = doc
-            if depth[node] >= limit:
-                continue
-            total[node] += 1
-            child = edges.get(node << 32 | token)
-            if child is None:
-                self._new(node, token, doc, n + 1)     # first occurrence: a lazy leaf
-                continue
-            if count[child] == 1:
-                self._split(child)
-            count[child] += 1
-            active.append(child)
-        self._active = active
-
-    def active_states(self) -> list[State]:
-        """The open document's repeated suffixes as match states, shortest first."""
-        return [(node, -1, 0) for node in self._active]
-
-    def remove_document(self, doc: int) -> None:
-        """Forget a closed document (the oldest: pointers into it are then the only ones left)."""
-        if doc == self._open:
-            raise ValueError("cannot remove the open document")
-        text = self.docs.get(doc)
-        if text is None:
-            return
-        for start in range(len(text)):
-            self._remove_occurrence(doc, text, start)
-        del self.docs[doc]
-        self._count[ROOT] -= len(text)
-        self._total[ROOT] -= len(text)
-
-    def _remove_occurrence(self, doc: int, text: list[int], start: int) -> None:
-        count, depth = self._count, self._depth
-        path = [ROOT]
-        node = ROOT
-        for j in range(start, min(len(text), start + self.depth)):
-            if node != ROOT and (count[node] == 1 or depth[node] >= self.depth):
-                break
-            node = self._edges[node << 32 | text[j]]
-            path.append(node)
-        for i in range(len(path) - 1, 0, -1):
-            node, parent = path[i], path[i - 1]
-            count[node] -= 1
-            if parent != ROOT:
-                self._total[parent] -= 1
-            if count[node] == 0:
-                self._delete(parent, node)
-                continue
-            if self._doc[node] == doc:
-                self._doc[node] = -1   # its most recent continuing occurrence was in the oldest document
-            if count[node] == 1:
-                # a lazy leaf again: its one occurrence continues at pos (if anywhere)
-                for child in self.children(node):
-                    self._delete(node, child)
-                self._total[node] = 0
-
-    def rebuild_from(self, documents: Sequence[Sequence[int]]) -> None:
-        for tokens in documents:
-            self.start_document()
-            self.extend(tokens)
-            self.end_document()
-
-    # ---- matching and continuations --------------------------------------------------------------
-    def step(self, state: State, token: int) -> State | None:
-        """The state after ``token`` (None if the string plus ``token`` never occurred)."""
-        node, doc, idx = state
-        if node >= 0:
-            if (node == ROOT or self._count[node] >= 2) and self._depth[node] < self.depth:
-                child = self._edges.get(node << 32 | token)
-                return None if child is None else (child, -1, 0)
-            doc, idx = self._doc[node], self._pos[node]
-        text = self.docs.get(doc)
-        if text is not None and idx < len(text) and text[idx] == token:
-            return (-1, doc, idx + 1)
-        return None
-
-    def continuations(self, state: State, k: int, tail: Callable[[], Sequence[int]] | None = None
-                      ) -> list[tuple[int, float, int, State]]:
-        """Up to ``k`` (token, frequency, support, next state) that followed ``state``, most frequent first.
-
-        ``support`` is the number of continuing occurrences the frequency was counted over. Past a lazy
-        leaf or depth D the continuation is the recorded occurrence's next token; a copy that runs into
-        the end of the open document continues with ``tail()`` (the tokens drafted after the document's
-        end), i.e. a match at distance d predicts a period-d repetition.
-        """
-        node, doc, idx = state
-        if node >= 0:
-            if (node == ROOT or self._count[node] >= 2) and self._depth[node] < self.depth:
-                tot = self._total[node]
-                if tot <= 0:
-                    return []
-                count = self._count
-                kids = heapq.nlargest(k, self.children(node), key=count.__getitem__)
-                return [(self._token[c], count[c] / tot, tot, (c, -1, 0)) for c in kids]
-            doc, idx = self._doc[node], self._pos[node]
-        text = self.docs.get(doc)
-        if text is None:
-            return []
-        if idx < len(text):
-            return [(text[idx], 1.0, 1, (-1, doc, idx + 1))]
-        if doc == self._open and tail is not None:
-            drafted = tail()
-            if idx - len(text) < len(drafted):
-                return [(int(drafted[idx - len(text)]), 1.0, 1, (-1, doc, idx + 1))]
-        return []
-
-
-class Matcher:
-    """The states of a trie that match the end of a token stream, by match length 0, 1, ..., depth."""
-
-    def __init__(self, trie: SuffixTrie):
-        self.trie = trie
-        self.states: list[State] = [(ROOT, -1, 0)]
-
-    def push(self, token: int) -> None:
-        trie = self.trie
-        out: list[State] = [(ROOT, -1, 0)]
-        for state in self.states[:trie.depth]:
-            nxt = trie.step(state, token)
-            if nxt is None:
-                break      # a longer suffix can only match where this one does
-            out.append(nxt)
-        self.states = out
-
-
-# ---- the global trie: earlier requests' outputs ---------------------------------------------------------
-
-_MAGIC = b"OUROSFX1"
-_VERSION = 1
-# magic, version, fingerprint bytes, documents, tokens, crc32 of the payload
-_HEADER = struct.Struct("<8sIIQQI")
-
-
-class SuffixCache:
-    """Earlier requests' outputs in one trie, at most ``max_requests`` of them and ``max_tokens`` tokens
-    (oldest evicted first). Thread-safe; ``version`` changes whenever the trie does."""
-
-    def __init__(self, max_requests: int = 256, max_tokens: int = 65_536, depth: int = TRIE_DEPTH):
-        self.trie = SuffixTrie(depth)
-        self.max_requests = max_requests
-        self.max_tokens = max_tokens
-        self._order: deque[int] = deque()
-        self._tokens = 0
-        self.version = 0
-        self.lock = threading.RLock()
-
-    @property
-    def n_requests(self) -> int:
-        return len(self._order)
-
-    @property
-    def n_tokens(self) -> int:
-        return self._tokens
-
-    @property
-    def n_nodes(self) -> int:
-        return self.trie.n_nodes
-
-    def documents(self) -> list[list[int]]:
-        with self.lock:
-            return [list(self.trie.docs[d]) for d in self._order]
-
-    def set_limits(self, max_requests: int, max_tokens: int) -> None:
-        with self.lock:
-            self.max_requests, self.max_tokens = max_requests, max_tokens
-            self._evict()
-
-    def add(self, tokens: Sequence[int]) -> None:
-        """Remember one request's output (its last ``max_tokens`` tokens if longer)."""
-        tokens = [int(t) for t in tokens[max(0, len(tokens) - self.max_tokens):]]
-        if not tokens:
-            return
-        with self.lock:
-            doc = self.trie.start_document()
-            self.trie.extend(tokens)
-            self.trie.end_document()
-            self._order.append(doc)
-            self._tokens += len(tokens)
-            self._evict()
-            self.version += 1
-
-    def _evict(self) -> None:
-        while self._order and (len(self._order) > self.max_requests or self._tokens > self.max_tokens):
-            doc = self._order.popleft()
-            self._tokens -= len(self.trie.docs[doc])
-            self.trie.remove_document(doc)
-            self.version += 1
-
-    # ---- persistence ------------------------------------------------------------------------------
-    def save(self, path: str | os.PathLike[str], fingerprint: str) -> None:
-        """Write the documents atomically (temp file + os.replace): an interrupted save keeps the old file."""
-        docs = self.documents()
-        lengths = np.array([len(d) for d in docs], dtype="<i4")
-        tokens = np.fromiter((t for d in docs for t in d), dtype="<i4", count=int(lengths.sum()))
-        payload = lengths.tobytes() + tokens.tobytes()
-        fp = fingerprint.encode("utf-8")
-        header = _HEADER.pack(_MAGIC, _VERSION, len(fp), len(docs), len(tokens), zlib.crc32(payload))
-        write_atomic(path, header + fp + payload, "suffix history")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
-             max_tokens: int = 65_536, depth: int = TRIE_DEPTH) -> "SuffixCache":
-        """Read a saved history; another tokenizer's file or a damaged one raises PoolError (one line)."""
-        target = Path(path)
-        try:
-            data = target.read_bytes()
-        except OSError as e:
-            raise PoolError(f"cannot read the suffix history {target}: {e}") from e
-        if len(data) < _HEADER.size or data[:len(_MAGIC)] != _MAGIC:
-            raise PoolError(f"{target} is not a suffix history file (bad header)")
-        _, version, fp_len, n_docs, n_tokens, crc = _HEADER.unpack_from(data)
-        if version != _VERSION:
-            raise PoolError(f"{target}: unsupported suffix history version {version} (expected {_VERSION})")
-        payload = check_fingerprint(target, data[_HEADER.size:], fp_len, fingerprint, "history")
-        if len(payload) != 4 * (n_docs + n_tokens) or zlib.crc32(payload) != crc:
-            raise PoolError(f"{target} is truncated or corrupt")
-        arr = np.frombuffer(payload, dtype="<i4")
-        lengths = arr[:n_docs]
-        if (lengths < 0).any() or int(lengths.sum()) != n_tokens:
-            raise PoolError(f"{target} is corrupt (inconsistent document lengths)")
-        tokens = arr[n_docs:].tolist()
-        cache = cls(max_requests=max_requests, max_tokens=max_tokens, depth=depth)
-        start = 0
-        for length in lengths.tolist():
-            cache.add(tokens[start:start + length])
-            start += length
-        return cache
-
-
-def save_global(cache: SuffixCache, path: str | os.PathLike[str], fingerprint: str) -> None:
-    """Persist the global trie's documents (see ``SuffixCache.save``)."""
-    cache.save(path, fingerprint)
-
-
-def load_global(path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
-                max_tokens: int = 65_536) -> SuffixCache:
-    """A global trie read from ``path`` (see ``SuffixCache.load``)."""
-    return SuffixCache.load(path, fingerprint, max_requests=max_requests, max_tokens=max_tokens)
-
-
-def shared_cache(engine: "Engine", max_requests: int, max_tokens: int, path: str | None) -> SuffixCache:
-    """The engine's global trie (``engine.shared["suffix_global"]``), loaded from ``path`` the first time
-    that file is named and exists; the limits of the latest request hold."""
-    cache = engine.shared.get(SHARED_GLOBAL)
-    if path is not None and path != engine.shared.get(SHARED_GLOBAL_FILE) and os.path.exists(path):
-        cache = load_global(path, tokenizer_fingerprint(engine), max_requests, max_tokens)
+def shared_cache(history: History, max_requests: int, max_tokens: int, path: str | None) -> SuffixCache:
+    """The engine's global trie (``history.suffix_cache``), loaded from ``path`` the first time that file
+    is named and exists; the limits of the latest request hold."""
+    cache = history.reload(history.suffix_cache, history.suffix_file, path,
+                           lambda p, fingerprint: load_global(p, fingerprint, max_requests, max_tokens))
     if cache is None:
         cache = SuffixCache(max_requests, max_tokens)
     cache.set_limits(max_requests, max_tokens)
-    engine.shared[SHARED_GLOBAL] = cache
+    history.suffix_cache = cache
     if path is not None:
-        engine.shared[SHARED_GLOBAL_FILE] = path
-        persist(engine, path, cache)
+        history.suffix_file = path
+        history.persist(path, cache)
     return cache
 
 
@@ -688,16 +255,15 @@ def suffix_file(pool_file: str) -> str:
     return pool_file + ".suffix"
 
 
-def create(engine: "Engine", options: dict[str, Any]) -> Proposer:
+def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``; a ``pool`` file keeps the global trie in ``FILE.suffix``
-    (the engine saves it after each answer, see history.save_history)."""
+    (the engine saves it after each answer, see History.save)."""
     path = resolve_pool_path(options["pool"])
-    cache = shared_cache(engine, options["max_requests"], options["max_tokens"],
+    cache = shared_cache(ctx.history, options["max_requests"], options["max_tokens"],
                          suffix_file(path) if path is not None else None)
     return SuffixProposer(cache, max_depth=options["max_depth"], max_branches=options["max_branches"],
                           min_match=options["min_match"], spec_factor=options["spec_factor"],
                           spec_offset=options["spec_offset"], min_prob=options["min_prob"])
 
 
-__all__ = ["OPTIONS", "Matcher", "SuffixCache", "SuffixProposer", "SuffixTrie", "create", "grow_tree",
-           "load_global", "node_class", "save_global", "shared_cache", "suffix_file"]
+__all__ = ["OPTIONS", "SuffixProposer", "create", "grow_tree", "node_class", "shared_cache", "suffix_file"]

@@ -6,6 +6,7 @@ FastAPI and uvicorn are the optional extra ``server``; importing this package do
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 
@@ -24,6 +25,15 @@ def default_method(has_draft: bool, available: list[str] | None = None) -> str:
     return "vanilla"
 
 
+def defer_method_default(parser: argparse.ArgumentParser, help: str) -> None:
+    """Make ``parser``'s --method default to None, so that default_method() picks the method once the
+    model pair is loaded; ``help`` describes that choice."""
+    for action in parser._actions:
+        if action.dest == "method":
+            action.default = None
+            action.help = help
+
+
 def create_app(*args: Any, **kwargs: Any):
     """Build the FastAPI application (see ``ouroboros_local.server.app.create_app``)."""
     from .app import create_app as _create_app
@@ -31,4 +41,4 @@ def create_app(*args: Any, **kwargs: Any):
     return _create_app(*args, **kwargs)
 
 
-__all__ = ["create_app", "default_method"]
+__all__ = ["create_app", "default_method", "defer_method_default"]

@@ -11,8 +11,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import OuroborosError, ParameterError
+from . import defer_method_default
 
 API_KEY_ENV = "OUROBOROS_API_KEY"
+# The server picks the fastest lossless method for the model pair unless --method names one.
+METHOD_HELP = ("default decoding method; requests may override it with a 'method' field "
+               "(default: auto if available, else speculative with -d, else prompt-lookup)")
 
 
 def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,
@@ -38,11 +42,7 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
                    help="uvicorn log level (default warning)")
     add_sampling_args(p)
     add_method_args(p)
-    for action in p._actions:  # the server picks the fastest lossless method for the pair by default
-        if action.dest == "method":
-            action.default = None
-            action.help = ("default decoding method; requests may override it with a 'method' field "
-                           "(default: auto if available, else speculative with -d, else prompt-lookup)")
+    defer_method_default(p, METHOD_HELP)
     p.set_defaults(func=cmd_serve)
     return p
 

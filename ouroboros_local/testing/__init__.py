@@ -1,5 +1,6 @@
 """Test helpers: tiny generated GGUF models (no downloads)."""
 
+from . import tiny_models
 from .tiny_models import (
     CHATML_TEMPLATE,
     ENDOFTEXT,
@@ -11,13 +12,4 @@ from .tiny_models import (
     write_tiny_model,
 )
 
-__all__ = [
-    "CHATML_TEMPLATE",
-    "ENDOFTEXT",
-    "IM_END",
-    "IM_START",
-    "TinyVocab",
-    "corrupt_copies",
-    "tiny_vocab",
-    "write_tiny_model",
-]
+__all__ = tiny_models.__all__

@@ -4,7 +4,7 @@
 token of a ``BatchLayout`` the context llama.cpp would show it (the committed prefix plus the batch cells
 whose sequence set contains the token's sequence id, at positions up to its own), and asserts that all
 of a token's sequence ids give the same context (docs/design.md#token-trees). ``simulate`` runs
-propose -> greedy verify -> observe exactly like the engine's loop.
+propose -> greedy verify -> observe with the engine's own round function (``verify.verify_round``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 
 from ..proposers.base import Proposer, ProposeSetup
 from ..sampling import SamplingParams
-from ..tree import BatchLayout, check_layout, layout
-from ..verify import VerifyResult, verify_greedy
+from ..tree import BatchLayout, check_layout
+from ..verify import verify_round
 
 
 class FakeTarget:
@@ -84,6 +84,12 @@ def simulate(proposer: Proposer, target: FakeTarget, prompt: Sequence[int], max_
     """Greedy generation of ``max_new`` tokens through the proposer; checks every tree it proposes."""
     setup = setup or make_setup()
     committed = list(prompt)
+
+    def decode(lay: BatchLayout) -> np.ndarray:
+        """One-hot output rows, as llama.cpp returns them: a row per batch token that wants logits."""
+        preds = target.decode_layout(committed[:-1], lay)
+        return one_hot([p for p, wanted in zip(preds, lay.logits) if wanted], target.vocab)
+
     proposer.begin(committed, setup)
     stats = SimStats()
     out: list[int] = []
@@ -92,25 +98,13 @@ def simulate(proposer: Proposer, target: FakeTarget, prompt: Sequence[int], max_
         tree = proposer.propose(committed, budget)
         assert tree.tokens[0] == committed[-1]
         assert tree.n_candidates <= budget
-        lay = layout(tree)
+        result, lay = verify_round(tree, decode, setup.sampling, setup.rng)
         check_layout(lay)
         assert lay.n_seqs <= setup.max_branches, (lay.n_seqs, setup.max_branches)
         assert len(lay.tokens) <= setup.max_tree_nodes + 1
-        preds = target.decode_layout(committed[:-1], lay)
-        path, bonus, predictions = verify_greedy(tree, one_hot(preds[:lay.n_tree], target.vocab))
-        # extras that asked for logits, in extras order (batch index = n_tree + extra index)
-        want = [lay.n_tree + k for k, r in enumerate(lay.extra_rows) if r >= 0]
-        extra = one_hot([preds[b] for b in want], target.vocab) if want else None
-        accepted = [tree.tokens[i] for i in path[1:]]
-        result = VerifyResult(tree=tree, path=path, accepted=accepted, bonus=int(bonus),
-                              predictions=predictions, extra_logits=extra)
-        for i in path[1:]:
-            src = tree.sources.get(i)
-            if src:
-                result.accepted_by_source[src] = result.accepted_by_source.get(src, 0) + 1
         stats.passes += 1
         stats.drafted += tree.n_candidates
-        stats.accepted += len(accepted)
+        stats.accepted += len(result.accepted)
         committed.extend(result.tokens)
         out.extend(result.tokens)
         proposer.observe(committed, result)

@@ -1,0 +1,141 @@
+"""What the scheduler learns from verification: acceptance per proposer (a geometric model with
+per-depth estimates) and per confidence class (``ConfidenceTable``); the policy that uses them is in
+scheduler.py, the cost curve in calibration.py (docs/design.md#cost-model)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass
+class Acceptance:
+    """Acceptance estimate with forgetting: pooled (geometric model) and per draft depth.
+
+    ``alpha_at(d)`` is the chance that the draft token at depth d + 1 is accepted given the d before it
+    were. Copy-like proposers (prompt lookup, phrase pools) are right in long runs or not at all, so their
+    conditional acceptance grows with depth, which the pooled geometric model underestimates. Each
+    depth's estimate is shrunk towards the pooled alpha with the weight of ``prior`` observations, so
+    depths seldom reached fall back to the geometric model.
+    """
+
+    successes: float = 1.0   # prior: alpha ~ 0.5 with the weight of two observations
+    failures: float = 1.0
+    decay: float = 0.98
+    prior: float = 4.0
+    depth_successes: list[float] = field(default_factory=list)
+    depth_failures: list[float] = field(default_factory=list)
+
+    @property
+    def alpha(self) -> float:
+        return self.successes / (self.successes + self.failures)
+
+    def depth_alphas(self, k: int) -> np.ndarray:
+        """alpha_at(0), ..., alpha_at(k - 1)."""
+        pooled = self.alpha
+        alphas = np.full(k, pooled)
+        known = min(k, len(self.depth_successes))
+        if known:
+            s = np.asarray(self.depth_successes[:known])
+            f = np.asarray(self.depth_failures[:known])
+            alphas[:known] = (s + self.prior * pooled) / (s + f + self.prior)
+        return alphas
+
+    def alpha_at(self, depth: int) -> float:
+        return float(self.depth_alphas(depth + 1)[depth])
+
+    def expected_all(self, k: int) -> np.ndarray:
+        """Expected tokens of rounds that draft 0, 1, ..., k, in one pass."""
+        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(self.depth_alphas(k)))))
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.successes = self.successes * self.decay + accepted
+        self.failures = self.failures * self.decay + (1.0 if accepted < drafted else 0.0)
+        grow = drafted - len(self.depth_successes)
+        if grow > 0:
+            self.depth_successes.extend([0.0] * grow)
+            self.depth_failures.extend([0.0] * grow)
+        ds, df = self.depth_successes, self.depth_failures
+        for d in range(len(ds)):
+            ds[d] *= self.decay
+            df[d] *= self.decay
+        for d in range(accepted):
+            ds[d] += 1.0
+        if accepted < drafted:
+            df[accepted] += 1.0
+
+
+@dataclass
+class ConfidenceTable:
+    """Acceptance per confidence class, and how often each class comes first in a draft.
+
+    ``alphas(classes, base)`` gives, for a chain labelled with ``classes``, each node's chance of being
+    accepted given its parent was: (successes + prior * base) / (trials + prior), so a class seen
+    rarely stays near the proposer's own depth estimate ``base``.
+    """
+
+    decay: float = 0.995
+    prior: float = 3.0
+    # A class tried less than ``explore_trials`` times (decayed) counts as right ``explore_alpha`` of the
+    # time: drafts of it are verified until it is measured (optimism in the face of uncertainty; the
+    # decay makes rarely seen classes be tried again now and then). Only where exploring costs nothing
+    # but verification (``explore``: a free draft, or one already made); a paid draft is not started
+    # on optimism: probes, within their budget, measure it.
+    explore_trials: float = 0.5
+    explore_alpha: float = 0.9
+    successes: dict[str, float] = field(default_factory=dict)
+    trials: dict[str, float] = field(default_factory=dict)
+    first: dict[str, float] = field(default_factory=dict)   # class of each draft's first node (EMA counts)
+
+    def alphas(self, classes: Sequence[str], base: np.ndarray, explore: bool = True) -> np.ndarray:
+        out = np.array(base[:len(classes)], dtype=float)
+        for i, c in enumerate(classes):
+            n = self.trials.get(c, 0.0)
+            if explore and n < self.explore_trials:
+                out[i] = max(out[i], self.explore_alpha)
+            else:
+                out[i] = (self.successes.get(c, 0.0) + self.prior * out[i]) / (n + self.prior)
+        return out
+
+    def best_alpha(self, base: float) -> float:
+        """The most optimistic class estimate (what one more draft token could at best be worth)."""
+        best = base
+        for c, n in self.trials.items():
+            if n >= self.explore_trials:
+                best = max(best, (self.successes[c] + self.prior * base) / (n + self.prior))
+        return best
+
+    def note_first(self, cls: str) -> None:
+        """A draft started with a token of class ``cls``. Counted for every draft made, including the
+        ones trimmed to nothing: counting only verified drafts would leave out exactly the hopeless
+        ones, and the mix would promise more than drafting delivers."""
+        for c in self.first:
+            self.first[c] *= self.decay
+        self.first[cls] = self.first.get(cls, 0.0) + 1.0
+
+    def update(self, classes: Sequence[str], accepted: int) -> None:
+        """A chain labelled ``classes`` had its first ``accepted`` nodes accepted."""
+        if not classes:
+            return
+        d = self.decay
+        for table in (self.successes, self.trials):
+            for c in table:
+                table[c] *= d
+        for i, c in enumerate(classes[:accepted + 1]):
+            self.trials[c] = self.trials.get(c, 0.0) + 1.0
+            self.successes[c] = self.successes.get(c, 0.0) + (1.0 if i < accepted else 0.0)
+
+
+PROBABILITY_BINS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995)
+
+
+def probability_class(p: float) -> str:
+    """Confidence class of a draft token from the probability the draft model gave it."""
+    return "p" + str(int(np.searchsorted(PROBABILITY_BINS, p, side="right")))
+
+
+__all__ = ["Acceptance", "ConfidenceTable", "PROBABILITY_BINS", "probability_class"]

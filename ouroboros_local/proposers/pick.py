@@ -1,0 +1,86 @@
+"""The per-round choice among candidate proposers, by expected tokens per second (method ``auto``, and
+Ouroboros under the cost model, are made of it): see auto.py for the policy in words."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Sequence
+
+from ..tree import TokenTree
+from .base import ProposeSetup, Proposer
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..scheduler import Scheduler
+    from ..verify import VerifyResult
+
+
+class AutoProposer(Proposer):
+    name = "auto"
+
+    def __init__(self, scheduler: "Scheduler", candidates: list[Proposer], name: str = "auto"):
+        self.name = name
+        self.scheduler = scheduler
+        self.candidates = candidates
+        self._last: Proposer | None = None
+        self.rounds: dict[str, int] = {}
+
+    def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
+        sched = self.scheduler
+        setup = replace(setup, extend_pays=sched.extend_rule())
+        super().begin(prompt, setup)
+        for proposer in self.candidates:
+            proposer.begin(prompt, setup)
+            sched.enroll(proposer)
+        self.rounds = {}
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        self._last = None
+        sched = self.scheduler
+        fallback: tuple[Proposer, TokenTree] | None = None   # a draft passed over for a better promise
+        for i, proposer in enumerate(self.candidates):
+            tree = sched.draft(proposer, committed, budget)
+            if not tree.n_candidates:
+                continue
+            if fallback is None and self._later_is_better(proposer, tree, self.candidates[i + 1:], budget):
+                fallback = (proposer, tree)
+                continue
+            if fallback is not None and (sched.chain_rate(fallback[0].name, fallback[1])
+                                         >= sched.chain_rate(proposer.name, tree)):
+                break
+            return self._use(proposer, tree)
+        if fallback is not None:
+            return self._use(*fallback)
+        self.rounds["plain"] = self.rounds.get("plain", 0) + 1
+        return TokenTree.rooted_at(committed[-1])
+
+    def _use(self, proposer: Proposer, tree: TokenTree) -> TokenTree:
+        self._last = proposer
+        self.rounds[proposer.name] = self.rounds.get(proposer.name, 0) + 1
+        return tree
+
+    def _later_is_better(self, proposer: Proposer, tree: TokenTree, later: list[Proposer], budget: int) -> bool:
+        """Does a later (costlier) candidate promise more tokens per second than this draft?"""
+        sched = self.scheduler
+        rate = sched.chain_rate(proposer.name, tree)
+        return any(sched.best_rate(p.name, sched.draft_cost(p.name), budget) > rate for p in later)
+
+    def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
+        if self._last is not None:
+            self.scheduler.learn(self._last.name, result.tree, len(result.accepted))
+        for proposer in self.candidates:
+            proposer.observe(committed, result)
+
+    def end(self) -> None:
+        for proposer in self.candidates:
+            proposer.end()
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"auto_rounds": dict(self.rounds),
+                               "auto_alpha": {p.name: round(self.scheduler.estimate(p.name).alpha, 3)
+                                              for p in self.candidates}}
+        for proposer in self.candidates:
+            out.update(proposer.stats())
+        return out
+
+
+__all__ = ["AutoProposer"]

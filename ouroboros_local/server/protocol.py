@@ -1,0 +1,438 @@
+"""The OpenAI-compatible wire protocol: request parsing and validation, and the response shapes.
+
+Pure functions over JSON values, with no application state: ``.app`` calls them. Errors use OpenAI's
+body: ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..chat import validate_messages
+from ..errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError
+from ..proposers import applicable_options, check_options, method_names
+from ..sampling import SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import GenerationResult
+
+MAX_STOPS = 16
+DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions
+
+
+# ---- errors -------------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An error answer: its HTTP status and headers, and the OpenAI body's message, type, param, code."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.headers = status, message, headers
+        self.type, self.param, self.code = type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def bad_request(param: str, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def engine_error(exc: BaseException, user_options: bool) -> ApiError:
+    """The answer to an exception the engine raised; ``user_options``: the request set method_options."""
+    if isinstance(exc, ContextOverflowError):
+        return ApiError(413, str(exc), code="context_length_exceeded")
+    if isinstance(exc, MethodOptionError) and user_options:
+        return bad_request("method_options", f"invalid method_options: {exc}")
+    if isinstance(exc, OuroborosError):
+        return ApiError(400, str(exc), code="invalid_value")
+    if isinstance(exc, (ValueError, TypeError)) and user_options:
+        return bad_request("method_options", f"invalid method_options: {exc}")
+    return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error",
+                    code="internal_error")
+
+
+# ---- the request body ---------------------------------------------------------------------------
+def require_json(content_type: str) -> None:
+    # JSON only: a web page may POST text/plain to 127.0.0.1 without a CORS preflight, JSON it may not
+    media_type = content_type.split(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(415, f"send the request body as JSON with 'Content-Type: application/json' "
+                            f"(got {media_type or 'no content type'!r})", code="unsupported_media_type")
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        raise ApiError(400, "the request body is empty: send a JSON object", code="invalid_json")
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def check_model(body: dict[str, Any], model_ids: set[str], served: str) -> None:
+    """The optional "model" field must name the served model (``served``) or one of its aliases."""
+    model = body.get("model")
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise bad_request("model", "model must be a string", "invalid_type")
+    if model not in model_ids:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")
+
+
+# ---- fields -------------------------------------------------------------------------------------
+def number_field(body: dict[str, Any], name: str, default: Any, *, integer: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad_request(name, f"{name} must be {kind} (got {json.dumps(value)[:40]})", "invalid_type")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise bad_request(name, f"{name} must be a finite number (got {value})")
+    if integer and isinstance(value, float):
+        if not value.is_integer():
+            raise bad_request(name, f"{name} must be an integer (got {value})", "invalid_type")
+        value = int(value)
+    return value
+
+
+def sampling_params(body: dict[str, Any], base: SamplingParams) -> SamplingParams:
+    """The request's sampling fields, ``base``'s where it omits them."""
+    temperature = number_field(body, "temperature", base.temperature)
+    if temperature < 0:
+        raise bad_request("temperature", f"temperature must be >= 0 (got {temperature})")
+    top_p = number_field(body, "top_p", base.top_p)
+    if not 0.0 < top_p <= 1.0:
+        raise bad_request("top_p", f"top_p must be in (0, 1] (got {top_p})")
+    top_k = number_field(body, "top_k", base.top_k, integer=True)
+    if top_k < 0:
+        raise bad_request("top_k", f"top_k must be >= 0 (0 = off) (got {top_k})")
+    min_p = number_field(body, "min_p", base.min_p)
+    if not 0.0 <= min_p < 1.0:
+        raise bad_request("min_p", f"min_p must be in [0, 1) (got {min_p})")
+    seed = _seed(body, base.seed)
+    try:
+        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                              seed=seed).validated()
+    except ParameterError as exc:  # pragma: no cover - the checks above are the same
+        raise bad_request("temperature", str(exc)) from None
+
+
+def _seed(body: dict[str, Any], default: int | None) -> int | None:
+    seed = number_field(body, "seed", default, integer=True)
+    if seed is not None and seed < 0:
+        if seed != -1:
+            raise bad_request("seed", f"seed must be >= 0, or -1 for a random seed (got {seed})")
+        seed = None
+    return seed
+
+
+def stop_strings(body: dict[str, Any]) -> list[str]:
+    value = body.get("stop")
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value] if value else []
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request("stop", "stop must be a string or a list of strings", "invalid_type")
+    if len(value) > MAX_STOPS:
+        raise bad_request("stop", f"at most {MAX_STOPS} stop strings are supported (got {len(value)})")
+    return [s for s in value if s]
+
+
+def max_tokens_field(body: dict[str, Any], chat: bool) -> int | None:
+    """max_tokens (chat also takes max_completion_tokens); None when the request gives neither."""
+    max_tokens = number_field(body, "max_tokens", None, integer=True)
+    if chat and max_tokens is None:
+        max_tokens = number_field(body, "max_completion_tokens", None, integer=True)
+    if max_tokens is not None and max_tokens < 0:
+        raise bad_request("max_tokens", f"max_tokens must be >= 0 (got {max_tokens})")
+    return max_tokens
+
+
+def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage)."""
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("stream", "stream must be a boolean", "invalid_type")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("stream_options", "stream_options must be an object", "invalid_type")
+        include_usage = options.get("include_usage") or False
+        if not isinstance(include_usage, bool):
+            raise bad_request("stream_options", "stream_options.include_usage must be a boolean",
+                              "invalid_type")
+    return stream, include_usage
+
+
+def method_and_options(body: dict[str, Any], default: str,
+                       server_options: dict[str, Any]) -> tuple[str, dict[str, Any], bool]:
+    """The method and its options: the server's (those the method has) under the request's, all checked
+    here, before anything is queued or allocated. A request cannot name a file (the history pool is the
+    server's, set when it starts). The flag says whether the request gave options of its own."""
+    method = body.get("method")
+    if method is None:
+        method = default
+    if not isinstance(method, str):
+        raise bad_request("method", "method must be a string", "invalid_type")
+    names = method_names()
+    if method not in names:
+        raise bad_request("method", f"unknown method {method!r}; choose one of {', '.join(names)}")
+    options = body.get("method_options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict):
+        raise bad_request("method_options", "method_options must be an object", "invalid_type")
+    try:
+        check_options(method, options, per_request=True)
+        merged = {**applicable_options(method, server_options), **options}
+        check_options(method, merged)
+    except ParameterError as exc:
+        raise bad_request("method_options", f"invalid method_options: {exc}") from None
+    return method, merged, bool(options)
+
+
+# ---- unsupported OpenAI features ----------------------------------------------------------------
+def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """Refuse OpenAI features that this server cannot honour rather than silently ignoring them."""
+    _refuse_choices(body)
+    _refuse_penalties(body)
+    if body.get("logit_bias"):
+        raise _refusal("logit_bias", "decoding follows the target model's distribution")
+    if body.get("logprobs") not in (None, False, 0):
+        raise _refusal("logprobs", "not implemented")
+    if body.get("top_logprobs") not in (None, 0):
+        raise _refusal("top_logprobs", "not implemented")
+    if chat:
+        _refuse_chat_features(body)
+    else:
+        for name in ("echo", "suffix"):
+            if body.get(name):
+                raise _refusal(name, "not implemented")
+
+
+def _refusal(name: str, why: str) -> ApiError:
+    return bad_request(name, f"{name} is not supported by this server ({why})", "unsupported_parameter")
+
+
+def _refuse_choices(body: dict[str, Any]) -> None:
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n != 1):
+        raise _refusal("n", "one choice per request")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != 1:
+        raise _refusal("best_of", "one choice per request")
+
+
+def _refuse_penalties(body: dict[str, Any]) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise bad_request(name, f"{name} must be a number", "invalid_type")
+        if value not in (None, 0, 0.0):
+            raise _refusal(name, "penalties would change the target distribution; decoding is lossless")
+
+
+def _refuse_chat_features(body: dict[str, Any]) -> None:
+    for name in ("tools", "functions"):
+        if body.get(name):
+            raise _refusal(name, "no tool calling")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _refusal("response_format", "only plain text output")
+
+
+# ---- a generation request -----------------------------------------------------------------------
+@dataclass
+class GenerationRequest:
+    """A checked /v1/completions or /v1/chat/completions body, before its prompt is tokenized."""
+
+    chat: bool
+    prompt: Any                 # the raw "messages" (chat) or "prompt" (completions) field
+    stream: bool
+    include_usage: bool
+    sampling: SamplingParams
+    stops: list[str]
+    method: str
+    options: dict[str, Any]
+    user_options: bool          # the request gave method_options of its own
+    max_tokens: int | None
+
+    @property
+    def param(self) -> str:
+        """The field holding the prompt, named in errors about it."""
+        return "messages" if self.chat else "prompt"
+
+
+def parse_generation(body: dict[str, Any], chat: bool, sampling: SamplingParams, method: str,
+                     server_options: dict[str, Any]) -> GenerationRequest:
+    """Check every field of a generation body; ``sampling`` and ``method`` are the server's defaults."""
+    refuse_unsupported(body, chat)
+    stream, include_usage = stream_flags(body)
+    params = sampling_params(body, sampling)
+    stops = stop_strings(body)
+    method, options, user_options = method_and_options(body, method, server_options)
+    max_tokens = max_tokens_field(body, chat)
+    param = "messages" if chat else "prompt"
+    if param not in body:
+        raise bad_request(param, f"{param} is required", "missing_required_parameter")
+    return GenerationRequest(chat, body[param], stream, include_usage, params, stops, method, options,
+                             user_options, max_tokens)
+
+
+def completion_prompt(prompt: Any, n_vocab: int) -> str | list[int]:
+    """A completions "prompt": text to tokenize, or token ids (checked against the vocabulary)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                   for t in prompt):
+        bad = [t for t in prompt if not 0 <= t < n_vocab]
+        if bad:
+            raise bad_request("prompt", f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_request("prompt", "batched prompts are not supported: send one prompt per request",
+                          "unsupported_parameter")
+    raise bad_request("prompt", "prompt must be a string, a list of token ids, or a list holding one of those",
+                      "invalid_type")
+
+
+def chat_messages(messages: Any) -> list[dict[str, Any]]:
+    """The chat "messages", checked and normalized for the chat template."""
+    try:
+        return validate_messages(messages)
+    except ParameterError as exc:
+        raise bad_request("messages", str(exc)) from None
+
+
+def completion_budget(n_prompt: int, max_tokens: int | None, n_ctx: int, default: int, param: str) -> int:
+    """The completion's token limit: the request's if the context holds it, else ``default`` capped to
+    the room left. Refuses an empty prompt and one the context cannot hold."""
+    if not n_prompt:
+        raise bad_request(param, "the prompt is empty")
+    if n_prompt + 1 > n_ctx:
+        raise ApiError(413, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: "
+                            "shorten the prompt (or start the server with a larger --ctx-size)",
+                       param=param, code="context_length_exceeded")
+    room = n_ctx - n_prompt
+    if max_tokens is None:
+        return min(default, room)
+    if max_tokens > room:
+        raise ApiError(400, f"this model's context holds {n_ctx} tokens, but {n_prompt + max_tokens} "
+                            f"were requested ({n_prompt} in the prompt, {max_tokens} for the "
+                            f"completion): reduce max_tokens to at most {room}",
+                       param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+# ---- responses ----------------------------------------------------------------------------------
+def now() -> int:
+    return int(time.time())
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event carrying ``payload`` (a JSON object, or "[DONE]")."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                               separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def finish_reason(result: "GenerationResult") -> str:
+    return "length" if result.stats.finish_reason == "length" else "stop"
+
+
+def stats_body(result: "GenerationResult") -> dict[str, Any]:
+    """The speculative-decoding statistics this server adds to OpenAI's response ("stats")."""
+    s = result.stats
+    return {"method": s.method, "tokens_per_second": round(s.tokens_per_second, 3),
+            "target_passes": s.target_passes, "drafted": s.drafted, "accepted": s.accepted,
+            "accepted_per_pass": round(s.accepted_per_pass, 4), "tokens_per_pass": round(s.tokens_per_pass, 4),
+            "prefill_seconds": round(s.prefill_seconds, 6), "decode_seconds": round(s.decode_seconds, 6),
+            "finish_reason": s.finish_reason}
+
+
+def usage_body(n_prompt: int, result: "GenerationResult") -> dict[str, int]:
+    return {"prompt_tokens": n_prompt, "completion_tokens": result.stats.tokens,
+            "total_tokens": n_prompt + result.stats.tokens}
+
+
+@dataclass
+class Reply:
+    """The response objects of one generation: the whole response, or its stream's chunks."""
+
+    chat: bool
+    model: str
+    n_prompt: int
+    id: str
+    created: int
+
+    @classmethod
+    def start(cls, chat: bool, model: str, n_prompt: int) -> "Reply":
+        return cls(chat, model, n_prompt, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24], now())
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}
+
+    def body(self, result: "GenerationResult") -> dict[str, Any]:
+        """The whole (non-streamed) response."""
+        finish = finish_reason(result)
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": result.text},
+                      "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish}
+        body = self._envelope("chat.completion" if self.chat else "text_completion", [choice])
+        body.update(usage=usage_body(self.n_prompt, result), stats=stats_body(result))
+        return body
+
+    @property
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, text: str | None, finish: str | None, first_chunk: bool = False) -> dict[str, Any]:
+        """A stream chunk: new text, or (with ``finish``) the end; chat's first chunk names the role."""
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first_chunk:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return self._envelope(self._chunk_object, [choice])
+
+    def final_chunk(self, result: "GenerationResult") -> dict[str, Any]:
+        final = self.chunk(None if self.chat else "", finish_reason(result))
+        final["stats"] = stats_body(result)
+        return final
+
+    def usage_chunk(self, result: "GenerationResult") -> dict[str, Any]:
+        """The extra last chunk that ``stream_options.include_usage`` asks for."""
+        chunk = self._envelope(self._chunk_object, [])
+        chunk["usage"] = usage_body(self.n_prompt, result)
+        return chunk

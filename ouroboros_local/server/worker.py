@@ -1,0 +1,188 @@
+"""The generation worker: a bounded FIFO of jobs that one thread runs on the engine, one at a time.
+
+llama.cpp releases the GIL while it decodes, so the event loop keeps answering meanwhile. A full queue
+refuses a job (the app answers 503). Each job owns a cancel Event: a client that disconnects (while
+queued or while streaming) sets it, the engine's loop stops at the next round and the KV cache stays
+consistent. The worker sends each job's stream events (or its error) back to the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
+
+from ..errors import OuroborosError
+from .metrics import Metrics
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine, GenerationResult
+
+log = logging.getLogger("ouroboros_local.server")
+
+
+class QueueFull(Exception):
+    """The queue holds its maximum of waiting jobs, or the server is shutting down."""
+
+
+class ClientGone(Exception):
+    """The client disconnected while its job waited or ran."""
+
+
+class Cancelled(Exception):
+    """The job was cancelled before the worker started it."""
+
+
+class Job:
+    """One generation request travelling from the event loop to the worker thread and back.
+
+    The worker puts ("event", StreamEvent) items, or one ("error", exception), on ``items``."""
+
+    def __init__(self, tokens: list[int], params: dict[str, Any], loop: asyncio.AbstractEventLoop,
+                 user_options: bool = False):
+        self.tokens = tokens
+        self.params = params
+        self.user_options = user_options
+        self.cancel = threading.Event()
+        self.loop = loop
+        self.items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        self.enqueued = time.perf_counter()
+
+    def emit(self, kind: str, payload: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.items.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            self.cancel.set()
+
+    async def next_item(self, is_disconnected: Callable[[], Awaitable[bool]],
+                        poll_seconds: float) -> tuple[str, Any]:
+        """The next item; polls for a client disconnect while waiting (queued or generating), and on
+        one cancels the job and raises ClientGone."""
+        getter = asyncio.ensure_future(self.items.get())
+        try:
+            while True:
+                done, _ = await asyncio.wait({getter}, timeout=poll_seconds)
+                if done:
+                    return getter.result()
+                if await is_disconnected():
+                    self.cancel.set()
+                    raise ClientGone()
+        finally:
+            if not getter.done():
+                getter.cancel()
+
+    async def batches(self, first: tuple[str, Any]) -> AsyncIterator[
+            tuple[str, "GenerationResult | None", BaseException | None]]:
+        """(text, result, error) per wake-up, from ``first`` on, coalescing the items queued meanwhile;
+        ends after the one with the result or the error."""
+        item = first
+        while True:
+            text, result, error = self._coalesce(item)
+            yield text, result, error
+            if result is not None or error is not None:
+                return
+            item = await self.items.get()
+
+    def _coalesce(self, item: tuple[str, Any]) -> tuple[str, "GenerationResult | None", BaseException | None]:
+        pending = [item]
+        while not self.items.empty():
+            pending.append(self.items.get_nowait())
+        texts: list[str] = []
+        result = error = None
+        for kind, payload in pending:
+            if kind == "error":
+                error = payload
+                break
+            texts.append(payload.text)
+            if payload.result is not None:
+                result = payload.result
+                break
+        return "".join(texts), result, error
+
+
+class GenerationWorker:
+    """A bounded FIFO of jobs served one at a time by a single worker thread."""
+
+    def __init__(self, engine: "Engine", metrics: Metrics, max_queue: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max(0, int(max_queue))
+        self._cond = threading.Condition()
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._closed = False
+        self.completed = 0
+        self._thread = threading.Thread(target=self._loop, name="ouroboros-generate", daemon=True)
+        self._thread.start()
+
+    @property
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    @property
+    def busy(self) -> bool:
+        with self._cond:
+            return self._running is not None
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            if self._closed:
+                raise QueueFull("the server is shutting down")
+            # An idle server always takes a request; otherwise at most max_queue may wait.
+            if len(self._waiting) >= self.max_queue and (self._running is not None or self._waiting):
+                raise QueueFull(f"the server is busy: {len(self._waiting)} requests are queued "
+                                f"(--max-queue {self.max_queue}); retry later")
+            job.enqueued = time.perf_counter()
+            self._waiting.append(job)
+            self._cond.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        with self._cond:
+            self._closed = True
+            for job in self._waiting:
+                job.cancel.set()
+            if self._running is not None:
+                self._running.cancel.set()
+            self._cond.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waiting and not self._closed:
+                    self._cond.wait()
+                if not self._waiting:
+                    return
+                job = self._waiting.popleft()
+                self._running = job
+            try:
+                self._run(job)
+            except BaseException:  # pragma: no cover - _run reports its own errors
+                log.exception("generation worker failed")
+            finally:
+                with self._cond:
+                    self._running = None
+                    self.completed += 1
+
+    def _run(self, job: Job) -> None:
+        self.metrics.observe_queue_wait(time.perf_counter() - job.enqueued)
+        if job.cancel.is_set():
+            job.emit("error", Cancelled())
+            return
+        stream = self.engine.stream(job.tokens, cancel=job.cancel, **job.params)
+        try:
+            for event in stream:
+                if event.result is not None:
+                    self.metrics.observe_generation(event.result.stats)
+                job.emit("event", event)
+        except Exception as exc:  # reported to the client; the engine keeps its KV consistent
+            if not isinstance(exc, (OuroborosError, ValueError, TypeError)):
+                log.exception("generation failed")
+            job.emit("error", exc)
+        finally:
+            stream.close()

@@ -1,0 +1,124 @@
+"""Losslessness checks for sampling: do sampled outcomes follow the target's exact distribution?
+
+One chi-square goodness-of-fit test serves every sampling test (verifiers on synthetic logits, every
+method on the tiny generated models), so they all share one threshold and one way of handling rare
+cells. Needs scipy (a ``dev`` extra): only tests import this module.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Hashable, Mapping, Sequence
+
+import numpy as np
+from scipy import stats
+
+from ..kv import KVCache
+from ..llama import Context, ContextParams, Model
+from ..sampling import SamplingParams, distribution
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..engine import Engine, GenerationResult
+
+# A sampler that is exactly lossless fails a test with probability ALPHA (the chi-square's p-value is
+# uniform then), so a suite of a few dozen such tests stays green; a real bias drives p towards 0.
+ALPHA = 1e-3
+# Cells expected fewer times than this are pooled into one: the chi-square approximation needs it.
+MIN_EXPECTED = 5.0
+
+
+def chi_square_pvalue(observed: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of ``observed`` counts drawn from ``probs`` (all > 0, normalised here), rare cells
+    pooled so that every expected count but perhaps the pooled one is >= MIN_EXPECTED."""
+    observed = np.asarray(observed, dtype=np.float64).ravel()
+    probs = np.asarray(probs, dtype=np.float64).ravel()
+    expected = probs / probs.sum() * observed.sum()
+    rare = expected < MIN_EXPECTED
+    if rare.any():
+        expected = np.append(expected[~rare], expected[rare].sum())
+        observed = np.append(observed[~rare], observed[rare].sum())
+    return float(stats.chisquare(observed, expected).pvalue)
+
+
+def _aligned(counts: Mapping[Hashable, float] | np.ndarray, probs: Mapping[Hashable, float] | np.ndarray
+             ) -> tuple[np.ndarray, np.ndarray, list[Hashable]]:
+    """Observed counts and probabilities as two flat arrays over the same outcomes, and the outcomes'
+    names (dict keys, or array indices)."""
+    if isinstance(probs, Mapping):
+        assert isinstance(counts, Mapping), "counts and probs must both be mappings or both arrays"
+        outcomes = list(probs) + [k for k in counts if k not in probs]
+        return (np.array([counts.get(k, 0) for k in outcomes], dtype=np.float64),
+                np.array([probs.get(k, 0.0) for k in outcomes], dtype=np.float64), outcomes)
+    counts, probs = np.asarray(counts, dtype=np.float64), np.asarray(probs, dtype=np.float64)
+    assert counts.shape == probs.shape, f"counts {counts.shape} and probs {probs.shape} differ in shape"
+    names = list(np.ndindex(probs.shape)) if probs.ndim > 1 else list(range(probs.size))
+    return counts.ravel(), probs.ravel(), names
+
+
+def assert_follows(counts: Mapping[Hashable, float] | np.ndarray, probs: Mapping[Hashable, float] | np.ndarray,
+                   *, what: str = "", alpha: float = ALPHA) -> float:
+    """Assert that sampled ``counts`` follow the exact distribution ``probs``; returns the p-value.
+
+    Both are mappings outcome -> count / probability, or arrays of one shape indexed by outcome. An
+    outcome of zero probability that was sampled fails at once; the rest must pass the chi-square test
+    at level ``alpha``. ``what`` names the sampler in the failure message."""
+    observed, p, outcomes = _aligned(counts, probs)
+    label = f"{what}: " if what else ""
+    impossible = [outcomes[i] for i in np.flatnonzero((p <= 0) & (observed > 0))]
+    assert not impossible, f"{label}sampled outcomes of zero target probability: {impossible[:10]}"
+    possible = p > 0
+    pvalue = chi_square_pvalue(observed[possible], p[possible])
+    if pvalue <= alpha:
+        n = observed.sum()
+        expected = p / p.sum() * n
+        z = (observed - expected) / np.sqrt(np.maximum(expected, 1e-12))
+        worst = ", ".join(f"{outcomes[i]}: {observed[i]:g} vs {expected[i]:.1f}"
+                          for i in np.argsort(-np.abs(z))[:5])
+        raise AssertionError(f"{label}{n:g} samples do not follow the target distribution "
+                             f"(chi-square p = {pvalue:.3g} <= {alpha:g}); observed vs expected: {worst}")
+    return pvalue
+
+
+# ---- sampling through an engine ------------------------------------------------------------------
+
+def target_pair_distribution(model_path: str | Path, prompt_tokens: Sequence[int],
+                             params: SamplingParams) -> dict[tuple[int, int], float]:
+    """Exact p(t1, t2) of the target after ``prompt_tokens`` (plain one-token decodes), over every
+    pair of nonzero probability."""
+    model = Model(model_path)
+    ctx = Context(model, ContextParams(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
+    try:
+        kv = KVCache(ctx)
+        prompt = list(prompt_tokens)
+        p1 = distribution(kv.sync_to(prompt, logits_last=True).copy(), params)
+        joint = {}
+        for t1 in map(int, np.nonzero(p1)[0]):
+            p2 = distribution(kv.sync_to(prompt + [t1], logits_last=True).copy(), params)
+            for t2 in map(int, np.nonzero(p2)[0]):
+                joint[(t1, t2)] = p1[t1] * p2[t2]
+        return joint
+    finally:
+        ctx.close()
+        model.close()
+
+
+def seeded_generations(engine: "Engine", prompt: str, params: SamplingParams, n: int,
+                       **generate_kwargs: Any) -> list["GenerationResult"]:
+    """``n`` generations of ``prompt`` with seeds 0 .. n-1 (``params`` otherwise)."""
+    return [engine.generate(prompt, sampling=replace(params, seed=seed), **generate_kwargs)
+            for seed in range(n)]
+
+
+def assert_first_pairs_follow_the_target(engine: "Engine", model_path: str | Path, prompt: str,
+                                         params: SamplingParams, n: int, **generate_kwargs: Any
+                                         ) -> list["GenerationResult"]:
+    """Generate ``n`` seeded answers (two tokens unless ``max_tokens`` says otherwise) and assert
+    that their first two tokens follow the target's exact joint distribution; returns the answers."""
+    joint = target_pair_distribution(model_path, engine.prompt_tokens(prompt), params)
+    generate_kwargs.setdefault("max_tokens", 2)
+    results = seeded_generations(engine, prompt, params, n, **generate_kwargs)
+    counts = Counter(tuple(r.tokens[:2]) for r in results)
+    assert_follows(counts, joint, what=str(generate_kwargs.get("method", "vanilla")))
+    return results
