@@ -4,6 +4,7 @@ tokenizer wrote them. One place for both formats; each keeps its own header and 
 from __future__ import annotations
 
 import os
+import struct
 import tempfile
 from pathlib import Path
 
@@ -33,6 +34,23 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
             except OSError:
                 pass
     _fsync_dir(directory)
+
+
+def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, header: struct.Struct,
+                 what: str) -> tuple[Path, tuple, bytes]:
+    """Read a state file: (its path, its header fields after magic and version, the bytes after the
+    header); PoolError in one line when it cannot be read, is another kind of file or another version."""
+    target = Path(path)
+    try:
+        data = target.read_bytes()
+    except OSError as e:
+        raise PoolError(f"cannot read the {what} {target}: {e}") from e
+    if len(data) < header.size or data[:len(magic)] != magic:
+        raise PoolError(f"{target} is not a {what} file (bad header)")
+    _, found, *fields = header.unpack_from(data)
+    if found != version:
+        raise PoolError(f"{target}: unsupported {what} version {found} (expected {version})")
+    return target, tuple(fields), data[header.size:]
 
 
 def check_fingerprint(target: Path, body: bytes, fp_len: int, fingerprint: str, what: str) -> bytes:

@@ -24,13 +24,12 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
-from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
 from .errors import ParameterError, PoolError
-from .filestore import check_fingerprint, write_atomic
+from .filestore import check_fingerprint, read_checked, write_atomic
 from .tree import TokenTree
 
 Phrase = tuple[int, ...]
@@ -244,18 +243,9 @@ class PhrasePool:
     def load(cls, path: str | os.PathLike[str], fingerprint: str, *, max_per_key: int | None = None,
              max_tokens: int | None = None) -> "PhrasePool":
         """Read a saved pool; refuse another tokenizer's pool or a damaged file with a PoolError."""
-        target = Path(path)
-        try:
-            data = target.read_bytes()
-        except OSError as e:
-            raise PoolError(f"cannot read the phrase pool {target}: {e}") from e
-        if len(data) < _HEADER.size or data[:len(_MAGIC)] != _MAGIC:
-            raise PoolError(f"{target} is not a phrase pool file (bad header)")
-        (_, version, kl, plen, fp_len, n_keys, n_phrases, n_tok, n_payload,
-         crc) = _HEADER.unpack_from(data)
-        if version != _VERSION:
-            raise PoolError(f"{target}: unsupported phrase pool version {version} (expected {_VERSION})")
-        payload = check_fingerprint(target, data[_HEADER.size:], fp_len, fingerprint, "pool")
+        target, fields, body = read_checked(path, _MAGIC, _VERSION, _HEADER, "phrase pool")
+        kl, plen, fp_len, n_keys, n_phrases, n_tok, n_payload, crc = fields
+        payload = check_fingerprint(target, body, fp_len, fingerprint, "pool")
         expected = 4 * (n_keys * kl + n_keys + n_phrases + n_tok)
         if len(payload) != n_payload or n_payload != expected:
             raise PoolError(f"{target} is truncated or corrupt ({len(payload)} payload bytes, "

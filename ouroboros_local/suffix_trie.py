@@ -23,13 +23,12 @@ import threading
 import zlib
 from array import array
 from collections import deque
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
 from .errors import PoolError
-from .filestore import check_fingerprint, write_atomic
+from .filestore import check_fingerprint, read_checked, write_atomic
 
 TRIE_DEPTH = 16
 ROOT = 0
@@ -408,17 +407,9 @@ class SuffixCache:
     def load(cls, path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
              max_tokens: int = 65_536, depth: int = TRIE_DEPTH) -> "SuffixCache":
         """Read a saved history; another tokenizer's file or a damaged one raises PoolError (one line)."""
-        target = Path(path)
-        try:
-            data = target.read_bytes()
-        except OSError as e:
-            raise PoolError(f"cannot read the suffix history {target}: {e}") from e
-        if len(data) < _HEADER.size or data[:len(_MAGIC)] != _MAGIC:
-            raise PoolError(f"{target} is not a suffix history file (bad header)")
-        _, version, fp_len, n_docs, n_tokens, crc = _HEADER.unpack_from(data)
-        if version != _VERSION:
-            raise PoolError(f"{target}: unsupported suffix history version {version} (expected {_VERSION})")
-        payload = check_fingerprint(target, data[_HEADER.size:], fp_len, fingerprint, "history")
+        target, (fp_len, n_docs, n_tokens, crc), body = read_checked(path, _MAGIC, _VERSION, _HEADER,
+                                                                     "suffix history")
+        payload = check_fingerprint(target, body, fp_len, fingerprint, "history")
         if len(payload) != 4 * (n_docs + n_tokens) or zlib.crc32(payload) != crc:
             raise PoolError(f"{target} is truncated or corrupt")
         arr = np.frombuffer(payload, dtype="<i4")

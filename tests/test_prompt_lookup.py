@@ -125,8 +125,8 @@ def test_pool_is_consulted_and_fed() -> None:
 def test_parameters_and_factory() -> None:
     with pytest.raises(ParameterError):
         PromptLookupProposer(min_ngram=3, max_ngram=2)
-    with pytest.raises(ParameterError):
-        PromptLookupProposer(gamma=0)
+    with pytest.raises(ParameterError, match="gamma"):
+        check_options("prompt-lookup", {"gamma": 0})
     engine = SimpleNamespace(history=History(None))   # the part of a DraftingContext these factories use
     prop = create(engine, check_options("prompt-lookup", {"gamma": 5, "max_branches": 2, "pool": "h.pool"}))
     assert isinstance(prop, PromptLookupProposer) and prop.gamma == 5 and prop.max_branches == 2

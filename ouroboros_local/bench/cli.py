@@ -143,7 +143,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..proposers import applicable_options, method_names
     from . import peers as peers_mod
     from . import prompts as prompts_mod
-    from . import report, runner
+    from . import charts, report, runner
+    from .machine import machine_info, model_info, versions
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ParameterError("-n/--max-tokens must be >= 1")
@@ -261,7 +262,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if run.interrupted:
             notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
-        machine = report.machine_info(measure_bandwidth=not args.no_bandwidth)
+        machine = machine_info(measure_bandwidth=not args.no_bandwidth)
         model_bytes = target.size_bytes
         summary = report.summarize(run.records, run.contenders, model_bytes)
         set_entries = []
@@ -291,9 +292,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "engine_config": dataclasses.asdict(engine.config),
             },
             "machine": machine,
-            "versions": report.versions(),
-            "models": {"target": report.model_info(target, force_hash=args.hash_models),
-                       "draft": report.model_info(engine.draft, force_hash=args.hash_models)},
+            "versions": versions(),
+            "models": {"target": model_info(target, force_hash=args.hash_models),
+                       "draft": model_info(engine.draft, force_hash=args.hash_models)},
             "sets": set_entries,
             "methods": run.contenders,
             "skipped": run.skipped,
@@ -310,11 +311,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
         where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
         title = f"{Path(target.path).name} on {where}"
-        if report.plot_speedup(summary, out_dir / "speedup.png", title=title):
+        if charts.plot_speedup(summary, out_dir / "speedup.png", title=title):
             log(f"bench: wrote {out_dir / 'speedup.png'}")
         else:
             log("bench: matplotlib is not installed (pip install matplotlib): no speedup.png")
-        if sweep_info and report.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
+        if sweep_info and charts.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
             log(f"bench: wrote {out_dir / 'sweep.png'}")
         print(md)
         log(f"bench: wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")

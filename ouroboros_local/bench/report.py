@@ -1,16 +1,11 @@
-"""Summaries, machine facts, results.json / results.md, and the speed-up and sweep charts."""
+"""Summaries (speed-ups, intervals, identity), results.json and results.md; machine facts are in
+machine.py, the charts in charts.py."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
-import platform
-import re
-import shutil
-import subprocess
-import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
@@ -163,143 +158,6 @@ def mismatch_list(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     return [{k: r.get(k) for k in keys} for r in records if r.get("match") in ("mismatch", "tie-flip")]
 
 
-# ---- machine / versions / models --------------------------------------------------------------
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return ""
-
-
-def cpu_model() -> str:
-    info = _read("/proc/cpuinfo")
-    m = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE) or \
-        re.search(r"^(?:Hardware|Processor|cpu model)\s*:\s*(.+)$", info, re.MULTILINE)
-    if m:
-        return m.group(1).strip()
-    if platform.system() == "Darwin":
-        try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-                                  text=True, timeout=5).stdout.strip() or platform.processor()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return platform.processor() or platform.machine()
-
-
-def physical_cores() -> int | None:
-    info = _read("/proc/cpuinfo")
-    cores = set(re.findall(r"physical id\s*:\s*(\d+)[\s\S]*?core id\s*:\s*(\d+)", info))
-    return len(cores) or None
-
-
-def memory_bytes() -> int | None:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def gpus() -> list[str]:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return []
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [ln.strip() for ln in out.splitlines() if ln.strip()]
-
-
-def measure_memory_bandwidth(mib: int = 128, repeats: int = 5) -> float | None:
-    """Best-of-N numpy copy bandwidth in GB/s (bytes read + bytes written), a rough ceiling for CPU decoding."""
-    try:
-        import numpy as np
-
-        a = np.ones(mib * (1 << 20) // 8, dtype=np.float64)
-        b = np.empty_like(a)
-        best = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            np.copyto(b, a)
-            best = min(best, time.perf_counter() - t0)
-        return 2 * a.nbytes / best / 1e9
-    except MemoryError:  # pragma: no cover
-        return None
-
-
-def machine_info(measure_bandwidth: bool = True) -> dict[str, Any]:
-    info: dict[str, Any] = {
-        "cpu": cpu_model(), "logical_cores": os.cpu_count(), "physical_cores": physical_cores(),
-        "memory_bytes": memory_bytes(), "os": platform.platform(), "machine": platform.machine(),
-        "python": platform.python_version(), "gpus": gpus(), "memory_bandwidth_gbs": None,
-        "llama_system_info": None, "gpu_offload": None, "load_average": None,
-    }
-    try:
-        info["load_average"] = list(os.getloadavg())
-    except (OSError, AttributeError):
-        pass
-    try:
-        from ..llama import binding
-
-        info["llama_system_info"] = binding.system_info()
-        info["gpu_offload"] = binding.supports_gpu_offload()
-    except Exception:  # llama.cpp not importable: still report the rest
-        pass
-    if measure_bandwidth:
-        info["memory_bandwidth_gbs"] = measure_memory_bandwidth()
-    return info
-
-
-def versions() -> dict[str, Any]:
-    from importlib import metadata
-
-    from .. import __version__
-
-    out: dict[str, Any] = {"ouroboros_local": __version__}
-    for dist in ("llama-cpp-python", "numpy", "matplotlib", "tqdm"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    root = Path(__file__).resolve().parents[2]
-    head = _read(str(root / ".git" / "HEAD")).strip()
-    if head.startswith("ref: "):
-        head = _read(str(root / ".git" / head[5:])).strip()
-    out["git_commit"] = head if re.fullmatch(r"[0-9a-f]{40}", head or "") else None
-    return out
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def model_info(model: Any, hash_limit: int = 256 << 20, force_hash: bool = False) -> dict[str, Any] | None:
-    """Path, file size, weight bytes (what one target pass reads), parameters; sha256 when cheap."""
-    if model is None:
-        return None
-    path = Path(model.path)
-    size = path.stat().st_size if path.is_file() else None
-    info: dict[str, Any] = {"path": str(path), "file": path.name, "file_bytes": size, "sha256": None}
-    for key in ("size_bytes", "n_params", "description", "arch", "n_layer"):
-        try:
-            info[key] = getattr(model, key)
-        except Exception:
-            info[key] = None
-    try:
-        info["name"] = model.meta("general.name")
-    except Exception:
-        info["name"] = None
-    if size is not None and (force_hash or size <= hash_limit):
-        info["sha256"] = sha256_file(path)
-    return info
-
-
-# ---- output files ------------------------------------------------------------------------------
 def _json_default(obj: Any) -> Any:
     try:
         import numpy as np
@@ -432,94 +290,6 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
-
-
-# ---- charts -----------------------------------------------------------------------------------
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
-def plot_speedup(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], path: str | Path,
-                 title: str = "") -> bool:
-    """Grouped bars: one group per prompt set, one bar per method; vanilla = 1.0. False without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    sets = list(summary)
-    labels: list[str] = []
-    for by_label in summary.values():
-        for lab in by_label:
-            if lab not in labels:
-                labels.append(lab)
-    n = max(len(labels), 1)
-    width = 0.8 / n
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 + len(sets) * (0.35 * n + 0.6)), 4.5))
-    cmap = plt.get_cmap("tab20" if n > 10 else "tab10")
-    for j, lab in enumerate(labels):
-        xs, ys = [], []
-        for i, s in enumerate(sets):
-            v = summary[s].get(lab, {}).get("speedup")
-            if v is not None:
-                xs.append(i - 0.4 + width * (j + 0.5))
-                ys.append(v)
-        bars = ax.bar(xs, ys, width * 0.95, label=lab, color=cmap(j % cmap.N))
-        for b, y in zip(bars, ys):
-            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
-                        fontsize=7, xytext=(0, 1), textcoords="offset points")
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(sets)))
-    ax.set_xticklabels(sets)
-    ax.set_ylabel("speed-up over vanilla (decode tok/s)")
-    if title:
-        ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, ncol=min(4, n), loc="upper left", bbox_to_anchor=(0, -0.08), frameon=False)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return True
-
-
-def plot_sweep(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Mapping[str, Any],
-               path: str | Path) -> bool:
-    """Speed-up against the swept setting, one line per (set, method)."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    points = sweep.get("labels", {})
-    methods = sorted({p["method"] for p in points.values()})
-    numeric = all(isinstance(p["value"], (int, float)) and not isinstance(p["value"], bool)
-                  for p in points.values())
-    values = list(dict.fromkeys(p["value"] for p in points.values()))
-    for set_name, by_label in summary.items():
-        for m in methods:
-            pts = [(p["value"], by_label.get(lab, {}).get("speedup")) for lab, p in points.items()
-                   if p["method"] == m]
-            pts = [(v, y) for v, y in pts if y is not None]
-            if not pts:
-                continue
-            xs = [v if numeric else values.index(v) for v, _ in pts]
-            ax.plot(xs, [y for _, y in pts], marker="o", label=f"{set_name}: {m}")
-    if numeric:
-        ax.set_xticks(sorted(values))
-    else:
-        ax.set_xticks(range(len(values)))
-        ax.set_xticklabels([str(v) for v in values])
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xlabel(sweep.get("param", "setting"))
-    ax.set_ylabel("speed-up over vanilla")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
 
 
 # ---- re-rendering -------------------------------------------------------------------------------

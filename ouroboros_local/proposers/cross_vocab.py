@@ -73,8 +73,6 @@ class CrossVocabProposer(Proposer):
 
     def __init__(self, kv: "KVCache", target: "Model", draft: "Model", gamma: int = 6,
                  map_specials: bool = True, keep_unstable: bool = False, prefill_in_begin: bool = True):
-        if gamma < 1:
-            raise ParameterError(f"gamma must be >= 1 (got {gamma})")
         # False: the draft reads the prompt when first asked to draft (auto, which may never ask it)
         self.prefill_in_begin = prefill_in_begin
         self.kv = kv

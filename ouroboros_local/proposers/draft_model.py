@@ -135,10 +135,6 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0,
                  adaedl: AdaEDL | None = None, greedy_draft: bool = False):
-        if gamma < 1:
-            raise ParameterError(f"gamma must be >= 1 (got {gamma})")
-        if not 0.0 <= p_min < 1.0:
-            raise ParameterError(f"p_min must be in [0, 1) (got {p_min})")
         self.kv = kv
         self.gamma = gamma
         self.p_min = p_min

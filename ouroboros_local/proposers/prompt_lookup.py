@@ -95,12 +95,8 @@ class PromptLookupProposer(Proposer):
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 8, max_branches: int = 1,
                  pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4):
-        if not 1 <= min_ngram <= max_ngram:
+        if not 1 <= min_ngram <= max_ngram:   # each bound alone is checked with the options (options.py)
             raise ParameterError(f"need 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram})")
-        if gamma < 1:
-            raise ParameterError(f"gamma must be >= 1 (got {gamma})")
-        if max_branches < 1:
-            raise ParameterError(f"max_branches must be >= 1 (got {max_branches})")
         self.gamma = gamma
         self.max_branches = max_branches
         self.pool = pool

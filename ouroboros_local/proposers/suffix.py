@@ -133,9 +133,8 @@ class SuffixProposer(Proposer):
         self.max_depth = max_depth
         self.max_branches = max_branches
         self.min_match = min_match
-        self.spec_factor = spec_factor
-        self.spec_offset = spec_offset
-        self.min_prob = min_prob
+        # the tree's size: at most spec_factor * match + spec_offset nodes, none below min_prob
+        self.spec_factor, self.spec_offset, self.min_prob = spec_factor, spec_offset, min_prob
         self.local = SuffixTrie(self.cache.trie.depth)
         self.matcher = Matcher(self.cache.trie)
         self._seen: list[int] = []

@@ -8,9 +8,10 @@ cells. Needs scipy (a ``dev`` extra): only tests import this module.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from scipy import stats
