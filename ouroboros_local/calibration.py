@@ -51,6 +51,9 @@ class CostModel:
     provisional: bool = False        # measured while others competed for our cores: re-measure when quiet
 
     def cost(self, n_tokens: int) -> float:
+        cached = self.__dict__.get("_table")   # the tabulated curve (see ``table``), when there is one
+        if cached is not None and 1 <= n_tokens <= len(cached):
+            return float(cached[n_tokens - 1])
         xs, ys = self.sizes, self.seconds
         if n_tokens <= xs[-1]:
             return float(np.interp(n_tokens, xs, ys))
@@ -65,6 +68,7 @@ class CostModel:
         every round, and per-size interpolation in Python costs more than a GPU decode step)."""
         cached = self.__dict__.get("_table")   # not a dataclass field: never saved with the curve
         if cached is None or len(cached) < n_max:
+            self.__dict__.pop("_table", None)
             cached = np.array([self.cost(n) for n in range(1, max(n_max, 64) + 1)])
             self.__dict__["_table"] = cached
         return cached[:n_max].copy()

@@ -78,6 +78,7 @@ class Scheduler:
         self._idle: dict[str, int] = {}
         self._probe_every: dict[str, int] = {}
         self._probing: set[str] = set()
+        self._explored: dict[str, TokenTree] = {}   # the draft a source keeps on optimism (see ``trim``)
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
         # Seconds per drafted token, per proposer (EMA over the engine's life: a new generation does not
@@ -111,8 +112,11 @@ class Scheduler:
 
     def learn(self, source: str, tree: TokenTree, accepted: int) -> None:
         """Verification accepted the first ``accepted`` tokens of ``source``'s ``tree``."""
+        explored = self._explored.pop(source, None) is tree and source not in self._probing
         self.update(source, tree.max_depth, accepted)
         self.update_classes(source, tree, accepted)
+        if explored:   # a draft kept on optimism: its extra verification comes out of the probe budget
+            self._charge_probe(source, self.costs.cost(tree.max_depth + 1) - self.costs.cost(1))
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
@@ -179,16 +183,33 @@ class Scheduler:
         Deterministic drafts are verified by sample-and-match, where any cut is lossless."""
         first = tree.classes.get(1) if tree.n_candidates else None
         if first is not None:
-            self.confidence.setdefault(source, ConfidenceTable()).note_first(first)
-            self._changes += 1
+            table = self.confidence.setdefault(source, ConfidenceTable())
+            if first not in table.first:   # a new class in the mix; its slow drift waits for a refresh
+                self._changes += 1         # (REFRESH_ROUNDS), or drafting would be re-decided every round
+            table.note_first(first)
         if not tree.classes or tree.extras or tree.draft_probs or not tree.is_chain():
             return tree
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
-        rates = self._chain_expected(source, classes) / self.round_seconds(len(classes))
+        explore = self._may_explore(source)
+        rates = self._chain_expected(source, classes, explore) / self.round_seconds(len(classes))
         k = int(np.argmax(rates))
         if source in self._probing:
             k = max(k, min(self.probe_length, len(classes)))
-        return tree.truncated(k)
+        kept = tree.truncated(k)
+        table = self.confidence[source]
+        if explore and any(table.trials.get(c, 0.0) < table.explore_trials for c in classes[:k]):
+            self._explored[source] = kept
+        return kept
+
+    def _probe_allowance(self) -> float:
+        """What probes (and drafts kept on optimism) may cost so far: PROBE_BUDGET of the time, plus one
+        probe's verification so that the first probe can run."""
+        return PROBE_BUDGET * self._elapsed.get(self._method, 0.0) + self.costs.cost(self.probe_length + 1)
+
+    def _may_explore(self, source: str) -> bool:
+        """Untried classes count as likely right (``ConfidenceTable.explore_alpha``) only while the probe
+        budget lasts: on a steep cost curve (a CPU) verifying on optimism is what exploring costs."""
+        return self._probe_spent.get((self._method, source), 0.0) <= self._probe_allowance()
 
     def chain_rate(self, source: str, tree: TokenTree) -> float:
         """Expected tokens per second of verifying ``tree`` (a labelled chain; else the depth model)."""
@@ -213,7 +234,7 @@ class Scheduler:
             return True
         acc = self.estimate(source)
         table = self.confidence.setdefault(source, ConfidenceTable())
-        expected = self._chain_expected(source, classes, explore=draft_cost <= 0)
+        expected = self._chain_expected(source, classes, explore=draft_cost <= 0 and self._may_explore(source))
         seconds = self.round_seconds(n + 1)
         best_now = float(np.max(expected / seconds[:n + 1]))
         reach = float(expected[n] - expected[n - 1])   # chance that all n drafted tokens are accepted
@@ -230,15 +251,18 @@ class Scheduler:
             return bool(np.argmax(self.throughputs(acc, limit, draft_cost)) > 0)
         base = acc.depth_alphas(limit)
         seconds = self.round_seconds(limit)
-        tokens = time = 0.0
-        for cls, weight in table.first.items():
-            q = base.copy()
-            q[:1] = table.alphas([cls], base, explore=draft_cost <= 0)
-            expected = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
-            cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
-            k = int(np.argmax(expected / cost))
-            tokens += weight * expected[k]
-            time += weight * cost[k]
+        explore = draft_cost <= 0 and self._may_explore(source)
+        # one row per first class: its own first-token estimate, then the depth estimates
+        classes = list(table.first)
+        weights = np.fromiter(table.first.values(), dtype=float, count=len(classes))
+        q = np.tile(base, (len(classes), 1))
+        q[:, 0] = table.alphas(classes, np.full(len(classes), base[0]), explore=explore)
+        expected = np.ones((len(classes), limit + 1))
+        expected[:, 1:] += np.cumsum(np.cumprod(q, axis=1), axis=1)
+        cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
+        best = np.argmax(expected / cost, axis=1)
+        tokens = float(weights @ expected[np.arange(len(classes)), best])
+        time = float(weights @ cost[best])
         return tokens / time >= (1.0 - 1e-9) / seconds[0]
 
     def _drafting_pays(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
@@ -295,9 +319,7 @@ class Scheduler:
         idle = self._idle.get(source, 0) + 1
         self._idle[source] = idle
         every = self._probe_every.get(source, 8)
-        elapsed = self._elapsed.get(self._method, 0.0)
-        allowance = PROBE_BUDGET * elapsed + self.costs.cost(self.probe_length + 1)
-        if idle >= every and limit > 0 and self._probe_spent.get((self._method, source), 0.0) <= allowance:
+        if idle >= every and limit > 0 and self._probe_spent.get((self._method, source), 0.0) <= self._probe_allowance():
             self._idle[source] = 0
             self._probing.add(source)
             return min(self.probe_length, limit)

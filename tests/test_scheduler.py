@@ -9,7 +9,7 @@ import pytest
 
 from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
-from ouroboros_local.acceptance import Acceptance, probability_class
+from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
 from ouroboros_local.calibration import CalibrationCache, CostModel
 from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.tree import TokenTree
@@ -266,6 +266,30 @@ def test_trim_keeps_confident_tokens_and_cuts_doubtful_ones() -> None:
     assert gpu.trim("x", labelled_chain(["doubt", "sure"])).n_candidates == 2
 
 
+def test_exploring_untried_classes_stays_within_the_probe_budget() -> None:
+    """A text where every draft starts with a class never seen before (say, a new n-gram kind each time)
+    and is always rejected: on a steep CPU curve the optimism about untried classes may cost only the
+    probe budget, after which such drafts are cut; on a GPU-like curve exploring stays almost free."""
+    import ouroboros_local.scheduler as scheduler_module
+
+    for costs, lowest in ((CPU, 0), (GPU, 500)):
+        sched = Scheduler(costs, max_length=8)
+        kept = 0
+        spent = elapsed = 0.0
+        for i in range(2000):
+            tree = sched.trim("x", labelled_chain([f"new{i}", f"new{i}"]))
+            if tree.n_candidates:
+                sched.learn("x", tree, 0)
+                spent += costs.cost(tree.n_candidates + 1) - costs.cost(1)
+            kept += tree.n_candidates > 0
+            seconds = costs.cost(tree.n_candidates + 1)
+            sched.observe_round(tree.n_candidates + 1, seconds)
+            elapsed += seconds
+        assert kept >= max(lowest, 1)
+        if costs is CPU:
+            assert spent <= scheduler_module.PROBE_BUDGET * elapsed + 2 * costs.cost(9), (kept, spent, elapsed)
+
+
 def test_sampled_drafts_are_never_trimmed() -> None:
     sched = trained(CPU, {"doubt": 0.1})
     tree = labelled_chain(["doubt", "doubt"])
@@ -296,6 +320,7 @@ def test_the_class_mix_counts_drafts_that_were_trimmed_away() -> None:
     assert sched.best_length("x", draft_cost=0.05) == 8
     for _ in range(400):
         assert sched.trim("x", labelled_chain(["doubt", "doubt"])).n_candidates == 0
+        sched.observe_round(1, CPU.cost(1))
     assert sched.best_length("x", draft_cost=0.05) == 0
 
 
@@ -313,7 +338,10 @@ def test_the_drafting_decision_is_recomputed_only_when_its_inputs_change(monkeyp
     sched.best_length("x", draft_cost=0.05)
     sched.best_length("x", draft_cost=0.05)
     assert len(calls) == 2                                      # the overheads may have drifted
-    sched.trim("x", labelled_chain(["doubt", "doubt"]))         # a draft changes the class mix
+    sched.trim("x", labelled_chain(["doubt", "doubt"]))         # the mix drifts: kept till a refresh
+    sched.best_length("x", draft_cost=0.05)
+    assert len(calls) == 2
+    sched.trim("x", labelled_chain(["new", "doubt"]))           # a class new to the mix
     sched.best_length("x", draft_cost=0.05)
     assert len(calls) == 3
     sched.best_length("x", draft_cost=0.06)                     # another cost, another question
@@ -338,3 +366,34 @@ def test_truncated_tree_keeps_ids_parents_and_labels() -> None:
     assert cut.tokens == [5, 6, 8] and cut.parents == [-1, 0, 0]
     assert cut.classes == {1: "x", 2: "y"} and cut.sources == {1: "s"}
     assert tree.truncated(5) is tree
+
+
+def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
+    """``_classes_pay`` (one vectorised pass over the first classes) decides as the rule reads: for each
+    first class, the best cut of a chain starting with it, weighted by how often the class comes first."""
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        costs = CPU if trial % 2 else GPU
+        sched = Scheduler(costs, max_length=8)
+        table = sched.confidence.setdefault("x", ConfidenceTable())
+        for c in range(int(rng.integers(1, 12))):
+            cls = f"c{c}"
+            table.first[cls] = float(rng.random() * 5)
+            table.trials[cls] = float(rng.random() * 4)
+            table.successes[cls] = table.trials[cls] * float(rng.random())
+        draft_cost = float(rng.choice([0.0, 0.05, 0.3]))
+        limit = int(rng.integers(1, 9))
+        acc = sched.estimate("x")
+        base = acc.depth_alphas(limit)
+        seconds = sched.round_seconds(limit)
+        tokens = time = 0.0
+        for cls, weight in table.first.items():
+            q = base.copy()
+            q[:1] = table.alphas([cls], base, explore=draft_cost <= 0)
+            expected = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
+            cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
+            k = int(np.argmax(expected / cost))
+            tokens += weight * expected[k]
+            time += weight * cost[k]
+        want = tokens / time >= (1.0 - 1e-9) / seconds[0]
+        assert sched._classes_pay("x", table, draft_cost, limit) == want, trial
