@@ -120,15 +120,19 @@ class ConfidenceTable:
 
     def update(self, classes: Sequence[str], accepted: int) -> None:
         """A chain labelled ``classes`` had its first ``accepted`` nodes accepted."""
-        if not classes:
+        self.update_tried([(c, i < accepted) for i, c in enumerate(classes[:accepted + 1])])
+
+    def update_tried(self, tried: Sequence[tuple[str, bool]]) -> None:
+        """Nodes whose parent was accepted were tried: (class, accepted) for each."""
+        if not tried:
             return
         d = self.decay
         for table in (self.successes, self.trials):
             for c in table:
                 table[c] *= d
-        for i, c in enumerate(classes[:accepted + 1]):
+        for c, ok in tried:
             self.trials[c] = self.trials.get(c, 0.0) + 1.0
-            self.successes[c] = self.successes.get(c, 0.0) + (1.0 if i < accepted else 0.0)
+            self.successes[c] = self.successes.get(c, 0.0) + (1.0 if ok else 0.0)
 
 
 PROBABILITY_BINS = (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.98, 0.995)

@@ -381,7 +381,7 @@ class Engine:
                 committed.extend(result.tokens)
                 event = out.take(result.tokens)
                 if sched is not None:
-                    sched.learn(proposer.name, tree, len(result.accepted))
+                    sched.learn(proposer.name, tree, len(result.accepted), result.path)
                 if event is not None:
                     yield event
                 if out.finish is not None:

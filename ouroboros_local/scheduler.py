@@ -110,13 +110,14 @@ class Scheduler:
         if proposer.confidence_classes:
             self.labels(proposer.name)
 
-    def learn(self, source: str, tree: TokenTree, accepted: int) -> None:
-        """Verification accepted the first ``accepted`` tokens of ``source``'s ``tree``."""
+    def learn(self, source: str, tree: TokenTree, accepted: int, path: Sequence[int] | None = None) -> None:
+        """Verification accepted ``accepted`` tokens of ``source``'s ``tree``: the nodes ``path`` after
+        the root (needed to learn the classes of a branching tree; a chain's path is its first nodes)."""
         explored = self._explored.pop(source, None) is tree and source not in self._probing
         self.update(source, tree.max_depth, accepted)
-        self.update_classes(source, tree, accepted)
+        self.update_classes(source, tree, accepted, path)
         if explored:   # a draft kept on optimism: its extra verification comes out of the probe budget
-            self._charge_probe(source, self.costs.cost(tree.max_depth + 1) - self.costs.cost(1))
+            self._charge_probe(source, self.costs.cost(tree.n_candidates + 1) - self.costs.cost(1))
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
@@ -187,8 +188,10 @@ class Scheduler:
             if first not in table.first:   # a new class in the mix; its slow drift waits for a refresh
                 self._changes += 1         # (REFRESH_ROUNDS), or drafting would be re-decided every round
             table.note_first(first)
-        if not tree.classes or tree.extras or tree.draft_probs or not tree.is_chain():
+        if not tree.classes or tree.extras or tree.draft_probs:
             return tree
+        if not tree.is_chain():
+            return self._trim_branches(source, tree)
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
         explore = self._may_explore(source)
         rates = self._chain_expected(source, classes, explore) / self.round_seconds(len(classes))
@@ -198,6 +201,39 @@ class Scheduler:
         kept = tree.truncated(k)
         table = self.confidence[source]
         if explore and any(table.trials.get(c, 0.0) < table.explore_trials for c in classes[:k]):
+            self._explored[source] = kept
+        return kept
+
+    def _trim_branches(self, source: str, tree: TokenTree) -> TokenTree:
+        """``trim`` for a branching tree: keep the nodes likeliest to be accepted, as many as pays.
+
+        A node is accepted with the chance that its parent was, times its class's acceptance (siblings
+        exclude each other, so their chances are scaled to sum to at most one). Keeping the k likeliest
+        nodes keeps their parents too (a child is never likelier than its parent) and yields 1 + the sum
+        of their chances per round; the k with the best rate for the cost of verifying them wins."""
+        n = tree.n_candidates
+        parents = tree.parents
+        explore = self._may_explore(source)
+        depth_base = self.estimate(source).depth_alphas(tree.max_depth)
+        classes = [tree.classes.get(i, "") for i in range(1, n + 1)]
+        q = self.confidence[source].alphas(classes, depth_base[np.asarray(tree.depths[1:]) - 1], explore)
+        sibling_sum: dict[int, float] = {}
+        for i in range(1, n + 1):
+            sibling_sum[parents[i]] = sibling_sum.get(parents[i], 0.0) + q[i - 1]
+        reach = [1.0] * (n + 1)
+        for i in range(1, n + 1):
+            reach[i] = reach[parents[i]] * q[i - 1] / max(1.0, sibling_sum[parents[i]])
+        order = sorted(range(1, n + 1), key=lambda i: (-reach[i], i))
+        expected = 1.0 + np.concatenate(([0.0], np.cumsum([reach[i] for i in order])))
+        k = int(np.argmax(expected / self.round_seconds(n)))
+        if source in self._probing:
+            k = max(k, min(self.probe_length, n))
+        if k == n:
+            kept = tree
+        else:
+            kept = tree.subtree(sorted([0, *order[:k]]))
+        if explore and any(self.confidence[source].trials.get(classes[i - 1], 0.0)
+                           < self.confidence[source].explore_trials for i in order[:k]):
             self._explored[source] = kept
         return kept
 
@@ -279,12 +315,22 @@ class Scheduler:
         """``source`` labels its drafts with confidence classes: schedule it by class from now on."""
         self.confidence.setdefault(source, ConfidenceTable())
 
-    def update_classes(self, source: str, tree: TokenTree, accepted: int) -> None:
-        """Learn from a verified labelled chain whose first ``accepted`` nodes were accepted."""
-        if tree.classes and tree.is_chain() and tree.n_candidates:
-            classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
-            self.confidence.setdefault(source, ConfidenceTable()).update(classes, accepted)
-            self._changes += 1
+    def update_classes(self, source: str, tree: TokenTree, accepted: int,
+                       path: Sequence[int] | None = None) -> None:
+        """Learn from a verified labelled tree: a chain whose first ``accepted`` nodes were accepted, or
+        a branching tree whose accepted nodes are ``path`` (every child of an accepted node was tried)."""
+        if not tree.classes or not tree.n_candidates:
+            return
+        table = self.confidence.setdefault(source, ConfidenceTable())
+        if tree.is_chain():
+            table.update([tree.classes.get(i, "") for i in range(1, len(tree.tokens))], accepted)
+        elif path is not None:
+            on_path = set(path)
+            table.update_tried([(tree.classes.get(i, ""), i in on_path) for i in range(1, len(tree.tokens))
+                                if tree.parents[i] in on_path])
+        else:
+            return
+        self._changes += 1
 
     def use_method(self, method: str) -> None:
         """Rounds observed from now on are the given method's (the engine calls this per generation)."""

@@ -133,7 +133,11 @@ class TokenTree:
         """A copy holding only the nodes at depth <= max_depth (ids are kept: parents come first)."""
         if max_depth >= self.max_depth:
             return self
-        keep = [i for i, d in enumerate(self.depths) if d <= max_depth]
+        return self.subtree([i for i, d in enumerate(self.depths) if d <= max_depth])
+
+    def subtree(self, keep: Sequence[int]) -> "TokenTree":
+        """A copy holding only the nodes ``keep`` (ascending, the root and every kept node's parent
+        included), renumbered in the same order; labels and draft distributions go with their nodes."""
         new_id = {old: new for new, old in enumerate(keep)}
         out = TokenTree(tokens=[self.tokens[i] for i in keep],
                         parents=[new_id[self.parents[i]] if i else -1 for i in keep],

@@ -397,3 +397,32 @@ def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
             time += weight * cost[k]
         want = tokens / time >= (1.0 - 1e-9) / seconds[0]
         assert sched._classes_pay("x", table, draft_cost, limit) == want, trial
+
+
+def branching(spec: list[tuple[int, str]]) -> TokenTree:
+    """A labelled tree from (parent, class) pairs, nodes numbered from 1 in order."""
+    tree = TokenTree.rooted_at(0)
+    for i, (parent, cls) in enumerate(spec, 1):
+        node = tree.add(parent, 100 + i)
+        tree.classes[node] = cls
+    return tree
+
+
+def test_branching_trees_keep_their_likeliest_nodes() -> None:
+    sched = trained(CPU, {"sure": 0.97, "doubt": 0.1})
+    tree = branching([(0, "doubt"), (1, "doubt"), (0, "sure"), (3, "sure"), (4, "doubt")])
+    cut = sched.trim("x", tree)
+    assert cut.tokens == [0, 103, 104] and cut.parents == [-1, 0, 1]          # the sure branch, not the rest
+    assert cut.classes == {1: "sure", 2: "sure"}
+    assert sched.trim("x", branching([(0, "doubt"), (0, "doubt")])).n_candidates == 0
+    gpu = trained(GPU, {"sure": 0.97, "doubt": 0.1})                          # verifying more is nearly cheap:
+    assert gpu.trim("x", tree).tokens == [0, 101, 103, 104, 105]              # all but the 1% node
+
+
+def test_a_branching_tree_teaches_every_class_it_tried() -> None:
+    sched = Scheduler(CPU, max_length=8)
+    tree = branching([(0, "a"), (1, "b"), (0, "c"), (3, "d")])
+    sched.learn("x", tree, 2, path=[0, 3, 4])                                 # c then d accepted
+    table = sched.confidence["x"]
+    assert table.trials == {"a": 1.0, "c": 1.0, "d": 1.0}                     # b's parent was rejected
+    assert table.successes == {"a": 0.0, "c": 1.0, "d": 1.0}

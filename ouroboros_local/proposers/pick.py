@@ -66,7 +66,7 @@ class AutoProposer(Proposer):
 
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         if self._last is not None:
-            self.scheduler.learn(self._last.name, result.tree, len(result.accepted))
+            self.scheduler.learn(self._last.name, result.tree, len(result.accepted), result.path)
         for proposer in self.candidates:
             proposer.observe(committed, result)
 
