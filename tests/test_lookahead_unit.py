@@ -13,7 +13,8 @@ from ouroboros_local.history import History
 from ouroboros_local.proposers import check_options
 from ouroboros_local.pool import PhrasePool
 from ouroboros_local.proposers.lookahead import LookaheadProposer, create
-from ouroboros_local.testing.sim import FakeTarget, make_setup, one_hot, simulate
+from ouroboros_local.testing.engines import E2E_PROMPTS
+from ouroboros_local.testing.sim import FakeTarget, assert_greedy_under_budgets, make_setup, one_hot, simulate
 from ouroboros_local.tree import check_layout, layout
 
 
@@ -194,16 +195,11 @@ def test_sampling_setup_and_tight_limits_stay_lossless() -> None:
     corpus = repetitive_corpus(9)
     target = FakeTarget(corpus, 40)
     prompt = corpus[:30]
-    for nodes, seqs in ((7, 5), (10, 6), (63, 16)):
-        out, _ = simulate(LookaheadProposer(), target, prompt, 50,
-                          make_setup(max_tree_nodes=nodes, max_branches=seqs))
-        assert out == target.greedy(prompt, 50)
+    assert_greedy_under_budgets(LookaheadProposer, target, prompt, 50, ((7, 5), (10, 6), (63, 16)))
 
 
 # ---- end to end through the engine on a tiny generated GGUF (llama.cpp) ---------------------------------
 
-E2E_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-               "The quick brown fox jumps over the lazy dog. The quick brown"]
 
 
 @pytest.fixture(scope="module")

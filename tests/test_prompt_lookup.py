@@ -13,7 +13,8 @@ from ouroboros_local.history import History
 from ouroboros_local.proposers import check_options
 from ouroboros_local.pool import PhrasePool
 from ouroboros_local.proposers.prompt_lookup import NgramIndex, PromptLookupProposer, create
-from ouroboros_local.testing.sim import FakeTarget, make_setup, simulate
+from ouroboros_local.testing.engines import E2E_PROMPTS
+from ouroboros_local.testing.sim import FakeTarget, assert_greedy_under_budgets, make_setup, simulate
 from ouroboros_local.tree import TokenTree, check_layout, layout
 
 
@@ -169,16 +170,12 @@ def test_small_batches_and_few_sequences() -> None:
     corpus = repetitive_corpus(7)
     target = FakeTarget(corpus, 40)
     prompt = corpus[:50]
-    for nodes, seqs in ((1, 1), (2, 2), (5, 3)):
-        out, _ = simulate(PromptLookupProposer(max_branches=4), target, prompt, 40,
-                          make_setup(max_tree_nodes=nodes, max_branches=seqs))
-        assert out == target.greedy(prompt, 40)
+    assert_greedy_under_budgets(lambda: PromptLookupProposer(max_branches=4), target, prompt, 40,
+                                ((1, 1), (2, 2), (5, 3)))
 
 
 # ---- end to end through the engine on a tiny generated GGUF (llama.cpp) ---------------------------------
 
-E2E_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-               "The quick brown fox jumps over the lazy dog. The quick brown"]
 
 
 @pytest.fixture(scope="module")

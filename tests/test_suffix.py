@@ -17,7 +17,8 @@ from ouroboros_local.history import History
 from ouroboros_local.proposers import check_options, method_names
 from ouroboros_local.proposers.suffix import OPTIONS, SuffixProposer, create, node_class, suffix_file
 from ouroboros_local.suffix_trie import Matcher, SuffixCache, SuffixTrie, load_global, save_global
-from ouroboros_local.testing.sim import FakeTarget, make_setup, simulate
+from ouroboros_local.testing.engines import E2E_PROMPTS
+from ouroboros_local.testing.sim import FakeTarget, assert_greedy_under_budgets, make_setup, simulate
 from ouroboros_local.tree import check_layout, layout
 
 
@@ -358,14 +359,10 @@ def test_greedy_equality_on_a_fake_target(seed: int, kw: dict) -> None:
     out, st = simulate(SuffixProposer(SuffixCache(), **kw), target, prompt, 80)
     assert out == target.greedy(prompt, 80)
     assert st.accepted / st.passes > 1.0                   # repetitive text: more than one token per pass
-    for nodes, seqs in ((1, 1), (2, 2), (5, 3)):
-        out, _ = simulate(SuffixProposer(SuffixCache(), **kw), target, prompt, 40,
-                          make_setup(max_tree_nodes=nodes, max_branches=seqs))
-        assert out == target.greedy(prompt, 40)
+    assert_greedy_under_budgets(lambda: SuffixProposer(SuffixCache(), **kw), target, prompt, 40,
+                                ((1, 1), (2, 2), (5, 3)))
 
 
-E2E_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
-               "The quick brown fox jumps over the lazy dog. The quick brown"]
 
 
 @pytest.fixture(scope="module")

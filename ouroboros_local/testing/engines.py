@@ -8,6 +8,10 @@ from typing import Any
 from ..engine import Engine, EngineConfig
 from ..llama import Model
 
+# prompts for end-to-end tests on the tiny models: one repeats itself (copies pay), one does not
+E2E_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+               "The quick brown fox jumps over the lazy dog. The quick brown"]
+
 
 def tiny_engine(target: str | Path, draft: str | Path | None = None, **cfg: Any) -> Engine:
     """A small context, flat costs and fixed hyperparameters unless ``cfg`` says otherwise; one thread

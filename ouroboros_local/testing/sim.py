@@ -10,7 +10,7 @@ propose -> greedy verify -> observe with the engine's own round function (``veri
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -110,3 +110,11 @@ def simulate(proposer: Proposer, target: FakeTarget, prompt: Sequence[int], max_
         proposer.observe(committed, result)
     proposer.end()
     return out[:max_new], stats
+
+
+def assert_greedy_under_budgets(make_proposer: Callable[[], Proposer], target: FakeTarget, prompt: Sequence[int],
+                                n: int, budgets: Sequence[tuple[int, int]]) -> None:
+    """The proposer writes the target's greedy text under each (tree nodes, sequences) budget."""
+    for nodes, seqs in budgets:
+        out, _ = simulate(make_proposer(), target, prompt, n, make_setup(max_tree_nodes=nodes, max_branches=seqs))
+        assert out == target.greedy(prompt, n), (nodes, seqs)
