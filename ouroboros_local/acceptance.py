@@ -83,9 +83,8 @@ class ConfidenceTable:
     # A class tried less than ``explore_trials`` times (decayed) counts as right ``explore_alpha`` of the
     # time: drafts of it are verified until it is measured (optimism in the face of uncertainty; the
     # decay makes rarely seen classes be tried again now and then). Only where exploring costs nothing
-    # but verification (``explore``: a free draft, or one already made), and only while the scheduler's
-    # probe budget lasts (that verification is charged to it); a paid draft is not started on optimism:
-    # probes, within their budget, measure it.
+    # but verification (``explore``: a free draft, or one already made); a paid draft is not started
+    # on optimism: probes, within their budget, measure it.
     explore_trials: float = 0.5
     explore_alpha: float = 0.9
     successes: dict[str, float] = field(default_factory=dict)

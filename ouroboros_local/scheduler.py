@@ -78,7 +78,6 @@ class Scheduler:
         self._idle: dict[str, int] = {}
         self._probe_every: dict[str, int] = {}
         self._probing: set[str] = set()
-        self._explored: dict[str, TokenTree] = {}   # the draft a source keeps on optimism (see ``trim``)
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
         # Seconds per drafted token, per proposer (EMA over the engine's life: a new generation does not
@@ -113,11 +112,8 @@ class Scheduler:
     def learn(self, source: str, tree: TokenTree, accepted: int, path: Sequence[int] | None = None) -> None:
         """Verification accepted ``accepted`` tokens of ``source``'s ``tree``: the nodes ``path`` after
         the root (needed to learn the classes of a branching tree; a chain's path is its first nodes)."""
-        explored = self._explored.pop(source, None) is tree and source not in self._probing
         self.update(source, tree.max_depth, accepted)
         self.update_classes(source, tree, accepted, path)
-        if explored:   # a draft kept on optimism: its extra verification comes out of the probe budget
-            self._charge_probe(source, self.costs.cost(tree.n_candidates + 1) - self.costs.cost(1))
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
@@ -193,16 +189,11 @@ class Scheduler:
         if not tree.is_chain():
             return self._trim_branches(source, tree)
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
-        explore = self._may_explore(source)
-        rates = self._chain_expected(source, classes, explore) / self.round_seconds(len(classes))
+        rates = self._chain_expected(source, classes) / self.round_seconds(len(classes))
         k = int(np.argmax(rates))
         if source in self._probing:
             k = max(k, min(self.probe_length, len(classes)))
-        kept = tree.truncated(k)
-        table = self.confidence[source]
-        if explore and any(table.trials.get(c, 0.0) < table.explore_trials for c in classes[:k]):
-            self._explored[source] = kept
-        return kept
+        return tree.truncated(k)
 
     def _trim_branches(self, source: str, tree: TokenTree) -> TokenTree:
         """``trim`` for a branching tree: keep the nodes likeliest to be accepted, as many as pays.
@@ -213,10 +204,9 @@ class Scheduler:
         of their chances per round; the k with the best rate for the cost of verifying them wins."""
         n = tree.n_candidates
         parents = tree.parents
-        explore = self._may_explore(source)
         depth_base = self.estimate(source).depth_alphas(tree.max_depth)
         classes = [tree.classes.get(i, "") for i in range(1, n + 1)]
-        q = self.confidence[source].alphas(classes, depth_base[np.asarray(tree.depths[1:]) - 1], explore)
+        q = self.confidence[source].alphas(classes, depth_base[np.asarray(tree.depths[1:]) - 1])
         sibling_sum: dict[int, float] = {}
         for i in range(1, n + 1):
             sibling_sum[parents[i]] = sibling_sum.get(parents[i], 0.0) + q[i - 1]
@@ -228,24 +218,12 @@ class Scheduler:
         k = int(np.argmax(expected / self.round_seconds(n)))
         if source in self._probing:
             k = max(k, min(self.probe_length, n))
-        if k == n:
-            kept = tree
-        else:
-            kept = tree.subtree(sorted([0, *order[:k]]))
-        if explore and any(self.confidence[source].trials.get(classes[i - 1], 0.0)
-                           < self.confidence[source].explore_trials for i in order[:k]):
-            self._explored[source] = kept
-        return kept
+        return tree if k == n else tree.subtree(sorted([0, *order[:k]]))
 
     def _probe_allowance(self) -> float:
-        """What probes (and drafts kept on optimism) may cost so far: PROBE_BUDGET of the time, plus one
-        probe's verification so that the first probe can run."""
+        """What probes may cost so far: PROBE_BUDGET of the time, plus one probe's verification so that
+        the first probe can run."""
         return PROBE_BUDGET * self._elapsed.get(self._method, 0.0) + self.costs.cost(self.probe_length + 1)
-
-    def _may_explore(self, source: str) -> bool:
-        """Untried classes count as likely right (``ConfidenceTable.explore_alpha``) only while the probe
-        budget lasts: on a steep cost curve (a CPU) verifying on optimism is what exploring costs."""
-        return self._probe_spent.get((self._method, source), 0.0) <= self._probe_allowance()
 
     def chain_rate(self, source: str, tree: TokenTree) -> float:
         """Expected tokens per second of verifying ``tree`` (a labelled chain; else the depth model)."""
@@ -270,7 +248,7 @@ class Scheduler:
             return True
         acc = self.estimate(source)
         table = self.confidence.setdefault(source, ConfidenceTable())
-        expected = self._chain_expected(source, classes, explore=draft_cost <= 0 and self._may_explore(source))
+        expected = self._chain_expected(source, classes, explore=draft_cost <= 0)
         seconds = self.round_seconds(n + 1)
         best_now = float(np.max(expected / seconds[:n + 1]))
         reach = float(expected[n] - expected[n - 1])   # chance that all n drafted tokens are accepted
@@ -287,7 +265,7 @@ class Scheduler:
             return bool(np.argmax(self.throughputs(acc, limit, draft_cost)) > 0)
         base = acc.depth_alphas(limit)
         seconds = self.round_seconds(limit)
-        explore = draft_cost <= 0 and self._may_explore(source)
+        explore = draft_cost <= 0
         # one row per first class: its own first-token estimate, then the depth estimates
         classes = list(table.first)
         weights = np.fromiter(table.first.values(), dtype=float, count=len(classes))
