@@ -32,7 +32,7 @@ from .sampling import SamplingParams
 from .calibration import CalibrationCache, CostModel, calibration_key, measure_costs
 from .scheduler import Scheduler
 from .tree import TokenTree
-from .verify import VerifyResult, verify_round
+from .verify import VerifyResult, is_plain_step, verify_round, verify_step
 
 
 log = logging.getLogger("ouroboros_local")
@@ -113,28 +113,37 @@ class StopMatcher:
 
     def __init__(self, stops: Sequence[str]):
         self.stops = [s for s in stops if s]
-        self.text = ""       # everything released so far
+        self._longest = max(map(len, self.stops), default=0)
+        self._released: list[str] = []   # everything released so far, joined once at the end
+        self._tail = ""                   # its last characters, where a stop string could begin
         self.pending = ""
         self.stopped = False
 
+    @property
+    def text(self) -> str:
+        return "".join(self._released)
+
+    def _release(self, out: str) -> str:
+        if out:
+            self._released.append(out)
+            if self._longest:
+                self._tail = (self._tail + out)[-self._longest:]
+        return out
+
     def push(self, piece: str) -> str:
         if not self.stops:
-            self.text += piece
-            return piece
+            return self._release(piece)
         self.pending += piece
-        window = self.text[-max(map(len, self.stops)):] + self.pending
+        window = self._tail + self.pending
         offset = len(window) - len(self.pending)
         hits = [window.find(s) for s in self.stops]
         hits = [h for h in hits if h >= 0]
         if hits:
             cut = min(hits) - offset
-            out = self.pending[:max(cut, 0)]
-            if cut < 0:  # stop began in already released text: cannot happen (we hold back)
-                out = ""
+            out = self.pending[:max(cut, 0)]   # cut < 0 cannot happen: text that may begin a stop is held
             self.pending = ""
             self.stopped = True
-            self.text += out
-            return out
+            return self._release(out)
         hold = 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(self.pending)), 0, -1):
@@ -143,13 +152,11 @@ class StopMatcher:
                     break
         out = self.pending[:len(self.pending) - hold]
         self.pending = self.pending[len(self.pending) - hold:]
-        self.text += out
-        return out
+        return self._release(out)
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""
-        self.text += out
-        return out
+        return self._release(out)
 
 
 class Engine:
@@ -416,6 +423,8 @@ class Engine:
         return tree if len(tree.tokens) + len(tree.extras) <= room + 1 else None
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
+        if is_plain_step(tree):   # no layout, no walk: what one round of plain decoding must cost
+            return verify_step(tree, self.kv.decode_step(tree.tokens[0]), sampling, rng)
         result, lay = verify_round(tree, self.kv.decode_layout, sampling, rng)
         self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         return result

@@ -104,10 +104,28 @@ class KVCache:
         for s in range(lay.n_seqs):
             self._sync_seq(s)
         base = self.n_past
-        self.batch.clear()
-        self.batch.add_tokens(lay.tokens, [base + off for off in lay.pos_offsets], lay.seq_ids, lay.logits)
+        if lay.chain:
+            self.batch.set_chain(lay.tokens, base)
+        else:
+            self.batch.clear()
+            self.batch.add_tokens(lay.tokens, [base + off for off in lay.pos_offsets], lay.seq_ids, lay.logits)
         self.ctx.decode(self.batch)
         return self.ctx.logits(self.batch.n_outputs)
+
+    def decode_step(self, token: int) -> np.ndarray:
+        """Decode ``token`` at position n_past on sequence 0 and keep it (a plain step, which never needs
+        rolling back); returns its logits (one row). The same cells as ``decode_layout`` + ``commit_tree`` of
+        a tree that is the root alone, without the layout."""
+        p = len(self.cached)
+        if p >= self.ctx.n_ctx:
+            raise ContextOverflowError(f"the context of {self.ctx.n_ctx} tokens is full")
+        if self.synced[0] < p:
+            self._sync_seq(0)
+        self.batch.set_single(token, p)
+        self.ctx.decode(self.batch)
+        self.cached.append(int(token))
+        self.synced[0] = p + 1
+        return self.ctx.logits(1)
 
     def commit_tree(self, root_token: int, accepted: Sequence[int], winner_seq: int, n_seqs: int,
                     n_cells: int | None = None) -> None:

@@ -125,8 +125,10 @@ def top_k_by_value(logits: np.ndarray, k: int) -> np.ndarray:
         t = np.partition(col_max, n_cols - k)[n_cols - k]
         cols = np.flatnonzero(col_max >= t)
         rows, at = np.nonzero(grid[:, cols] >= t)
-        cand = np.sort(np.concatenate([rows * n_cols + cols[at], np.arange(body, n)]))
-    order = np.argsort(-x[cand], kind="stable")[:k]   # stable: equal values keep ascending ids
+        cand = rows * n_cols + cols[at]
+        if body < n:
+            cand = np.concatenate([cand, np.arange(body, n)])
+    order = np.lexsort((cand, -x[cand]))[:k]   # by value, equal values by ascending id
     return cand[order]
 
 
@@ -161,55 +163,6 @@ def _top_k_support(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, n
     """(ids, float64 logits) kept by top-k, then top-p and min-p on the top-k set's probabilities."""
     ids = top_k_by_value(x, params.top_k)
     return _cut_top_k_set(ids, np.asarray(x[ids], dtype=np.float64), params)
-
-
-_NEAR = 1e-4   # ``_near_top_support`` looks at the tokens with probability >= _NEAR times the top one
-
-
-def _near_top_support(x: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray] | None:
-    """``_top_k_support`` from the few tokens near the top, or None when they cannot decide.
-
-    The near tokens (exp(x - max) >= 1e-4, in the columns whose maximum reaches that floor) are
-    usually a few dozen. If there are at least k, the top-k set is their first k: exact. If fewer,
-    the other top-k tokens lie below the floor, so the top-k sum s is between the near tokens' sum
-    S and S + (k - n) floor; min-p (above the floor) keeps a prefix of the near tokens, and top-p's
-    cut is known when both ends of s give the same one (a 1e-9 margin keeps float rounding out).
-    """
-    n = len(x)
-    k = params.top_k
-    n_cols = n // _COLUMN_ROWS
-    if n < _SMALL_VOCAB or n_cols <= 4 * k or (params.top_p >= 1.0 and params.min_p <= 0.0):
-        return None
-    body = n_cols * _COLUMN_ROWS
-    grid = x[:body].reshape(_COLUMN_ROWS, n_cols)
-    col_max = grid.max(axis=0)
-    tail = x[body:]
-    top = max(float(col_max.max()), float(tail.max()) if len(tail) else -math.inf)
-    floor = top + math.log(_NEAR) - 1e-3 * (1.0 + abs(top))   # float32 slack: a superset
-    cols = np.flatnonzero(col_max >= floor)
-    if len(cols) > max(4 * k, 256):
-        return None
-    rows, at = np.nonzero(grid[:, cols] >= floor)
-    cand = np.concatenate([rows * n_cols + cols[at], body + np.flatnonzero(tail >= floor)])
-    ids = cand[np.lexsort((cand, -x[cand]))]                   # by value, then id
-    kept = np.asarray(x[ids], dtype=np.float64)
-    if len(ids) >= k:                                          # the top-k set is among them
-        return _cut_top_k_set(ids[:k], kept[:k], params)
-    below = math.exp(floor - top)             # every other top-k token has less than this
-    e = np.exp(kept - kept[0])
-    min_p_cuts = params.min_p > below         # else min-p may keep tokens below the floor too
-    n_keep = int(np.count_nonzero(e >= params.min_p)) if min_p_cuts else len(e)
-    if params.top_p < 1.0 and n_keep > 1:
-        partial = np.cumsum(e[:n_keep])
-        total_lo = float(e.sum())
-        total_hi = total_lo + (k - len(e)) * below
-        first_hi = int(np.searchsorted(partial * ((1.0 + 1e-9) / total_lo), params.top_p))  # no earlier
-        first_lo = int(np.searchsorted(partial * ((1.0 - 1e-9) / total_hi), params.top_p))  # no later
-        if first_hi < n_keep - 1:
-            if first_hi != first_lo:
-                return None
-            return ids[:first_hi + 1], kept[:first_hi + 1]
-    return (ids[:n_keep], kept[:n_keep]) if min_p_cuts else None
 
 
 def _nucleus_and_min_p(ids: np.ndarray, kept: np.ndarray, top_p: float, min_p: float,
@@ -266,10 +219,10 @@ def support(logits: np.ndarray, params: SamplingParams) -> Sparse:
     x = np.asarray(logits)
     n = x.shape[-1]
     if params.top_k and params.top_k < n:
-        found = _near_top_support(x, params)
-        ids, kept = found if found is not None else _top_k_support(x, params)
-        by_id = np.argsort(ids)
-        ids, kept = ids[by_id], kept[by_id]
+        ids, kept = _top_k_support(x, params)
+        if len(ids) > 1:
+            by_id = np.argsort(ids)
+            ids, kept = ids[by_id], kept[by_id]
     else:
         ids, kept = _untruncated_support(x, params)
     temp = params.temperature if params.temperature > 0 else 1.0

@@ -119,15 +119,28 @@ class TokenTree:
         Stops early once the tree holds ``max_nodes`` candidate nodes. Returns the last node reached.
         """
         node = parent
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             existing = self.child_with_token(node, int(tok))
-            if existing is not None and existing not in self.draft_probs:
-                node = existing
-                continue
-            if max_nodes is not None and self.n_candidates >= max_nodes:
-                break
-            node = self.add(node, int(tok), source=source)
+            if existing is None or existing in self.draft_probs:
+                return self._append_chain(node, tokens[i:], source, max_nodes)
+            node = existing
         return node
+
+    def _append_chain(self, parent: int, tokens: Sequence[int], source: str | None, max_nodes: int | None) -> int:
+        """``tokens`` as new nodes, each the child of the one before (a new node has no children, so no
+        lookups: the bulk of a copied phrase costs a few list extends). Returns the last node."""
+        n = len(tokens) if max_nodes is None else max(0, min(len(tokens), max_nodes - self.n_candidates))
+        if n == 0:
+            return parent
+        first = len(self.tokens)
+        self.tokens.extend(map(int, tokens[:n]))
+        self.parents.append(parent)
+        self.parents.extend(range(first, first + n - 1))
+        depth = self.depths[parent] + 1
+        self.depths.extend(range(depth, depth + n))
+        if source is not None:
+            self.sources.update(dict.fromkeys(range(first, first + n), source))
+        return first + n - 1
 
     def truncated(self, max_depth: int) -> "TokenTree":
         """A copy holding only the nodes at depth <= max_depth (ids are kept: parents come first)."""
@@ -178,6 +191,7 @@ class BatchLayout:
     n_seqs: int                     # sequence ids used: 0 .. n_seqs-1
     leaf_seq: dict[int, int]        # leaf node -> its sequence id
     extra_rows: list[int]           # output-row index of each extra token that wants logits (-1 if none)
+    chain: bool = False             # a plain chain on sequence 0, every token wanting logits
 
 
 def layout(tree: TokenTree) -> BatchLayout:
@@ -185,7 +199,7 @@ def layout(tree: TokenTree) -> BatchLayout:
     if not tree.extras and not tree.n_extra_seqs and tree.is_chain():   # most rounds: a plain step or a chain
         n = len(tree.tokens)
         return BatchLayout(tokens=list(tree.tokens), pos_offsets=list(range(n)), seq_ids=[(0,)] * n,
-                           logits=[True] * n, n_tree=n, n_seqs=1, leaf_seq={n - 1: 0}, extra_rows=[])
+                           logits=[True] * n, n_tree=n, n_seqs=1, leaf_seq={n - 1: 0}, extra_rows=[], chain=True)
     leaves = tree.leaves()
     leaf_seq = {leaf: s for s, leaf in enumerate(leaves)}
     n_paths = len(leaves)

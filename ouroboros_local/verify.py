@@ -98,9 +98,16 @@ def _children_index(tree: TokenTree) -> dict[int, list[int]]:
     return kids
 
 
-def verify_greedy(tree: TokenTree, rows: np.ndarray) -> tuple[list[int], int, Predictions]:
-    """Returns (path, bonus, predictions) for greedy decoding; reads only the rows along the path."""
+def verify_greedy(tree: TokenTree, rows: np.ndarray, chain: bool = False) -> tuple[list[int], int, Predictions]:
+    """Returns (path, bonus, predictions) for greedy decoding; reads only the rows along the path.
+    ``chain``: the tree is known to be a chain (node i's one child is i + 1): no child index needed."""
     predictions = Predictions(rows)
+    if chain:
+        tokens = tree.tokens
+        node = 0
+        while node + 1 < len(tokens) and tokens[node + 1] == predictions[node]:
+            node += 1
+        return list(range(node + 1)), predictions[node], predictions
     path = [0]
     node = 0
     while True:
@@ -149,10 +156,25 @@ def verify_sampling(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
 
 
 def verify(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
-           rng: np.random.Generator) -> tuple[list[int], int, Predictions]:
+           rng: np.random.Generator, chain: bool = False) -> tuple[list[int], int, Predictions]:
     if params.greedy:
-        return verify_greedy(tree, rows)
+        return verify_greedy(tree, rows, chain)
     return verify_sampling(tree, rows, params, rng)
+
+
+def is_plain_step(tree: TokenTree) -> bool:
+    """The root alone: no candidate and nothing riding along (most rounds of plain decoding and of any
+    method whose draft did not pay), verified by ``verify_step`` without a layout."""
+    return len(tree.tokens) == 1 and not tree.extras and not tree.n_extra_seqs
+
+
+def verify_step(tree: TokenTree, rows: np.ndarray, params: SamplingParams,
+                rng: np.random.Generator) -> VerifyResult:
+    """``verify_round``'s result for a plain step whose one logits row is ``rows[0]``: the same token and
+    the same random draw, without the tree machinery."""
+    predictions = Predictions(rows)
+    bonus = predictions[0] if params.greedy else support(rows[0], params).sample(rng)
+    return VerifyResult(tree=tree, path=[0], accepted=[], bonus=bonus, predictions=predictions)
 
 
 def verify_round(tree: TokenTree, decode: Callable[[BatchLayout], np.ndarray], params: SamplingParams,
@@ -162,15 +184,16 @@ def verify_round(tree: TokenTree, decode: Callable[[BatchLayout], np.ndarray], p
     walk along the accepted path, and the sequence whose cells hold that path."""
     lay = layout(tree)
     rows = decode(lay)
-    path, bonus, predictions = verify(tree, rows[:lay.n_tree], params, rng)
-    extra_rows = [r for r in lay.extra_rows if r >= 0]
+    path, bonus, predictions = verify(tree, rows[:lay.n_tree], params, rng, lay.chain)
+    extra_rows = [r for r in lay.extra_rows if r >= 0] if lay.extra_rows else None
     extra_logits = np.array(rows[extra_rows]) if extra_rows else None
     winner = min(s for s in lay.seq_ids[path[-1]] if s < len(lay.leaf_seq)) if lay.n_seqs > 1 else 0
     by_source: dict[str, int] = {}
-    for i in path[1:]:
-        source = tree.sources.get(i)
-        if source:
-            by_source[source] = by_source.get(source, 0) + 1
+    if tree.sources:
+        for i in path[1:]:
+            source = tree.sources.get(i)
+            if source:
+                by_source[source] = by_source.get(source, 0) + 1
     result = VerifyResult(tree=tree, path=path, accepted=[tree.tokens[i] for i in path[1:]], bonus=int(bonus),
                           predictions=predictions, extra_logits=extra_logits, winner_seq=winner,
                           accepted_by_source=by_source)

@@ -1,23 +1,74 @@
 #!/usr/bin/env python3
 """Our own CPU time per round, with llama.cpp's decode taken out (issue #18).
 
-    python3 scripts/round_overhead.py [METHOD ...] [-m MODEL] [-n ROUNDS]
+    python3 scripts/round_overhead.py [METHOD ...] [-m MODEL] [-n ROUNDS] [--temperature T]
+                                      [--chain N] [--cold] [--profile K]
 
 Loads MODEL, generates a few tokens for real, then replaces the target's decode with a no-op that keeps
 the last logits, so every further round costs only what the runtime itself does around the decode:
-the proposer, the tree layout and batch fill, the walk, KV bookkeeping, streaming. Caches stay warm
-here, which a real decode does not leave them; `bench`'s "py ms/round" column is the in-run figure.
-With the logits frozen the target repeats one token, so copy-based drafts are long and always accepted.
+the proposer, the tree layout and batch fill, the walk, KV bookkeeping, streaming. With the logits
+frozen the target repeats one token, so copy-based drafts are long and always accepted.
+
+- ``--chain N`` adds two synthetic methods that draft a chain of N tokens every round: ``chain-hit``
+  (the token the frozen logits predict: all N accepted, N + 1 rows read) and ``chain-miss`` (another
+  token: rejected at once, one row read): the cost of a tree of N tokens without a proposer's own work.
+- ``--cold`` evicts the CPU caches before every round (a pass over 64 MiB, not counted), as a real
+  decode does: what a round costs in a real run, where each decode streams the model's weights through.
+- ``--temperature T`` samples (top-k 40, top-p 0.95, min-p 0.05, as the CLI's defaults).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
+import time
+from typing import Any, Sequence
+
+import numpy as np
 
 from ouroboros_local.engine import Engine
 from ouroboros_local.llama import binding
+from ouroboros_local.proposers import DraftingContext, Proposer, register_method
+from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.tree import TokenTree
 
 PROMPT = "Write a long story about a dragon who learns to code in Python. Once upon a time"
+_CHAIN = {"length": 8, "token": 0}
+
+
+class _Chain(Proposer):
+    """Drafts the same token ``_CHAIN["length"]`` times (a hit or a miss against the frozen logits)."""
+
+    def __init__(self, name: str, hit: bool):
+        self.name, self.hit = name, hit
+
+    def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
+        tree = TokenTree.rooted_at(committed[-1])
+        token = _CHAIN["token"] if self.hit else _CHAIN["token"] + 1
+        tree.add_path(0, [token] * min(budget, _CHAIN["length"]))
+        return tree
+
+
+def chain_hit(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
+    return _Chain("chain-hit", hit=True)
+
+
+def chain_miss(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
+    return _Chain("chain-miss", hit=False)
+
+
+def _stub_decode(cold: bool):
+    """A decode that keeps the last logits; ``cold``: it evicts the caches first (its time not counted)."""
+    evict = np.ones(16 * 2**20, dtype=np.float32) if cold else None
+
+    def decode(self, batch) -> None:
+        if evict is not None:
+            t0 = time.perf_counter()
+            evict.sum()
+            elapsed = time.perf_counter() - t0
+            binding._decode_clock.seconds = getattr(binding._decode_clock, "seconds", 0.0) + elapsed
+    return decode
 
 
 def main() -> None:
@@ -25,17 +76,40 @@ def main() -> None:
     ap.add_argument("methods", nargs="*", default=["vanilla", "prompt-lookup", "suffix", "auto"])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("-n", "--rounds", type=int, default=2000)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--chain", type=int, default=0, metavar="N", help="add chain-hit and chain-miss (N tokens)")
+    ap.add_argument("--cold", action="store_true", help="evict the CPU caches before every round")
+    ap.add_argument("--profile", type=int, default=0, metavar="K", help="print each method's K costliest functions")
     args = ap.parse_args()
+    methods = list(args.methods)
+    if args.chain:
+        _CHAIN["length"] = args.chain
+        register_method("chain-hit", "__main__:chain_hit")
+        register_method("chain-miss", "__main__:chain_miss")
+        methods += ["chain-hit", "chain-miss"]
+    sampling = SamplingParams(temperature=args.temperature, seed=0)
     engine = Engine.load(args.model, progress=False)
-    for method in args.methods:
-        engine.generate(PROMPT, max_tokens=8, method=method)   # real decodes: logits to freeze
+    for method in methods:
+        engine.generate(PROMPT, max_tokens=32, method=method, sampling=sampling)   # logits to freeze
+    rows = engine.target_ctx.logits(args.chain + 1)   # chain-miss, run last, decoded that many rows
+    rows[1:] = rows[0]                                # every row predicts the same token
+    _CHAIN["token"] = int(rows[0].argmax())
     real = binding.Context.decode
-    binding.Context.decode = lambda self, batch: None
+    binding.Context.decode = _stub_decode(args.cold)
     try:
-        for method in args.methods:
-            stats = engine.generate(PROMPT, max_tokens=args.rounds, method=method).stats
-            print(f"{method}: {1e6 * stats.decode_seconds / stats.target_passes:.1f} µs per round "
-                  f"({stats.target_passes} rounds, vocabulary {engine.target.n_vocab})")
+        for method in methods:
+            profiler = cProfile.Profile() if args.profile else None
+            if profiler:
+                profiler.enable()
+            stats = engine.generate(PROMPT, max_tokens=args.rounds, method=method, sampling=sampling).stats
+            if profiler:
+                profiler.disable()
+                pstats.Stats(profiler).sort_stats("tottime").print_stats(args.profile)
+            per_round = 1e3 * stats.extra["python_ms_per_round"]
+            print(f"{method}: {per_round:.1f} µs per round ({stats.target_passes} rounds, "
+                  f"{stats.tokens / stats.target_passes:.2f} tokens per round, vocabulary {engine.target.n_vocab}"
+                  f"{', temperature %g' % args.temperature if args.temperature else ''}"
+                  f"{', cold caches' if args.cold else ''})")
     finally:
         binding.Context.decode = real
 

@@ -173,3 +173,19 @@ def test_seeded_auto_equals_seeded_vanilla(pair_engine: Engine) -> None:
         for _ in range(2):
             res = pair_engine.generate(PROMPTS[seed % 3], max_tokens=30, method="auto", sampling=sp)
             assert res.tokens == base.tokens
+
+
+def test_the_tie_rule_reads_plain_decodings_own_row(pair_engine: Engine) -> None:
+    """``compare_greedy`` measures a margin on the row plain decoding chose from: replayed one token per
+    step, its argmax is the reference's next token at every position, whatever the cache held before."""
+    from ouroboros_local.compare import compare_greedy, plain_decoding_row
+
+    prompt = pair_engine.tokenize("The quick brown fox", add_special=True)
+    ref = pair_engine.generate(prompt, max_tokens=12).tokens
+    pair_engine.generate("something else entirely", max_tokens=4)   # the cache now holds other text
+    for i in (0, 5, len(ref) - 1):
+        assert int(plain_decoding_row(pair_engine, prompt, ref[:i]).argmax()) == ref[i]
+    other = list(ref)
+    other[5] = (ref[5] + 1) % pair_engine.target.n_vocab
+    report = compare_greedy(pair_engine, prompt, ref, other)
+    assert report.first_difference == 5 and report.margin is not None and report.margin > 0

@@ -12,11 +12,12 @@ import pytest
 
 from ouroboros_local.kv import common_prefix
 from ouroboros_local.proposers.draft_model import top_probability
-from ouroboros_local.sampling import (SamplingParams, Sparse, _near_top_support, _top_k_support, residual,
-                                      support, top_k_ids)
+from ouroboros_local.sampling import SamplingParams, Sparse, residual, support, top_k_ids
 from ouroboros_local.testing.lossless import assert_follows
 from ouroboros_local.tree import TokenTree
-from ouroboros_local.verify import Predictions, verify_greedy, verify_sampling
+from ouroboros_local.llama import Batch
+from ouroboros_local.verify import (Predictions, is_plain_step, verify_greedy, verify_round, verify_sampling,
+                                     verify_step)
 
 
 # ---- reference formulas (the code before the hot-path rewrite) ---------------------------------
@@ -127,22 +128,6 @@ def test_support_equals_the_dense_reference(params: SamplingParams, vocab: int) 
         assert np.array_equal(got.ids, np.flatnonzero(want))      # the same support, exactly
         np.testing.assert_allclose(got.probs, want[got.ids], rtol=1e-12, atol=0)
         np.testing.assert_allclose(got.dense(vocab), want, rtol=1e-12, atol=1e-300)
-
-
-CUTTING = [p for p in PARAMS if p.top_k and (p.top_p < 1 or p.min_p > 0)]
-
-
-@pytest.mark.parametrize("params", CUTTING, ids=lambda p: f"k{p.top_k}-p{p.top_p}-m{p.min_p}")
-def test_near_top_shortcut_equals_the_top_k_path_when_it_decides(params: SamplingParams) -> None:
-    rng = np.random.default_rng(7)
-    decided = 0
-    for row in realistic_logits(rng, 151936, rows=30):
-        near = _near_top_support(row, params)
-        ids, kept = _top_k_support(row, params)
-        if near is not None:
-            decided += 1
-            assert np.array_equal(near[0], ids) and np.array_equal(near[1], kept)
-    assert decided >= 20      # on realistic rows the shortcut nearly always decides
 
 
 def test_sparse_sample_draws_the_dense_token_for_the_same_uniform() -> None:
@@ -269,3 +254,69 @@ def test_bench_summary_reports_python_ms_per_round() -> None:
             {"target_passes": 30, "extra": {"python_seconds": 0.006}}]
     assert python_ms_per_round(ours) == pytest.approx(0.2)
     assert python_ms_per_round([{"target_passes": 5, "extra": {}}]) is None     # a peer: not measured
+
+
+# ---- the plain-step and chain fast paths ---------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_plain_step_gives_what_verify_round_gives(temperature: float) -> None:
+    """``verify_step`` (the engine's path for a root-only tree) draws the same token with the same
+    random numbers as the general round."""
+    params = SamplingParams(temperature=temperature)
+    rng = np.random.default_rng(11)
+    for row in llm_like_logits(rng, 6000, rows=20):
+        rows = row[None].astype(np.float32)
+        tree = TokenTree.rooted_at(5)
+        general, _ = verify_round(tree, lambda lay: rows, params, np.random.default_rng(3))
+        fast = verify_step(tree, rows, params, np.random.default_rng(3))
+        assert is_plain_step(tree)
+        assert (fast.path, fast.accepted, fast.bonus) == (general.path, general.accepted, general.bonus)
+
+
+def test_chain_walk_equals_the_indexed_walk() -> None:
+    rng = np.random.default_rng(12)
+    for _ in range(50):
+        rows = rng.standard_normal((6, 50)).astype(np.float32)
+        best = rows.argmax(axis=1)
+        hits = int(rng.integers(0, 6))
+        tree = TokenTree.rooted_at(1)
+        tree.add_path(0, [int(best[i]) if i < hits else int(best[i] + 1) % 50 for i in range(5)])
+        assert verify_greedy(tree, rows, chain=True)[:2] == verify_greedy(tree, rows)[:2]
+
+
+def test_add_path_equals_adding_node_by_node() -> None:
+    """The bulk append of a new phrase's tail equals adding its tokens one at a time."""
+    phrases = [[4, 5, 6, 7], [4, 5, 9], [4, 8, 8, 8, 8], [3]]
+    for max_nodes in (None, 2, 5, 9):
+        bulk, single = TokenTree.rooted_at(1), TokenTree.rooted_at(1)
+        for phrase in phrases:
+            bulk.add_path(0, phrase, source="pool", max_nodes=max_nodes)
+            node = 0
+            for tok in phrase:
+                existing = single.child_with_token(node, tok)
+                if existing is None:
+                    if max_nodes is not None and single.n_candidates >= max_nodes:
+                        break
+                    existing = single.add(node, tok, source="pool")
+                node = existing
+        assert (bulk.tokens, bulk.parents, bulk.depths, bulk.sources) == \
+               (single.tokens, single.parents, single.depths, single.sources)
+        for node in range(len(bulk)):   # the lazy child index sees the bulk-added nodes
+            for child in bulk.children(node):
+                assert bulk.child_with_token(node, bulk.tokens[child]) == child
+
+
+def test_plain_batch_metadata_is_rewritten_after_a_general_fill() -> None:
+    batch = Batch(8, 2)
+    try:
+        batch.set_chain([1, 2, 3], 10)
+        batch.clear()
+        batch.add_tokens([4, 5, 6], [0, 1, 1], [(0, 1), (1,), (0,)], [False, True, False])
+        batch.set_chain([7, 8, 9], 20)
+        assert batch._n_seq[:3].tolist() == [1, 1, 1] and batch._seq[:3, 0].tolist() == [0, 0, 0]
+        assert batch._logits[:3].tolist() == [1, 1, 1] and batch._pos[:3].tolist() == [20, 21, 22]
+        batch.clear()
+        batch.add_tokens([4], [0], [(1,)], [False])
+        batch.set_single(5, 30)
+        assert (batch._n_seq[0], batch._seq[0, 0], batch._logits[0], batch.n_tokens) == (1, 0, 1, 1)
+    finally:
+        batch.free()

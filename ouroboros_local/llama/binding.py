@@ -329,6 +329,7 @@ class Batch:
         self._n_seq = np.ctypeslib.as_array(b.n_seq_id, shape=(capacity,))
         self._logits = np.ctypeslib.as_array(b.logits, shape=(capacity,))
         self._seq = np.zeros((capacity, max_seqs_per_token), dtype=np.int32)
+        self._ramp = np.arange(capacity, dtype=np.int32)
         seq_ptr = ctypes.POINTER(lc.llama_seq_id)
         self._own_seq_ptrs = [ctypes.cast(b.seq_id[i], ctypes.c_void_p).value for i in range(capacity)]
         base, row_bytes = self._seq.ctypes.data, self._seq.strides[0]
@@ -336,6 +337,7 @@ class Batch:
             b.seq_id[i] = ctypes.cast(base + i * row_bytes, seq_ptr)
         self._n = 0
         self.n_outputs = 0
+        self._plain = 0   # leading entries known to be "sequence 0 only, logits wanted" (set_chain)
 
     @property
     def n_tokens(self) -> int:
@@ -347,6 +349,7 @@ class Batch:
         self.n_outputs = 0
 
     def _reserve(self, n: int) -> int:
+        self._plain = 0   # the general fills below may overwrite the plain metadata
         i = self._n
         if i + n > self.capacity:
             raise OuroborosError(f"batch overflow: capacity {self.capacity}")
@@ -357,6 +360,36 @@ class Batch:
     def _check_seqs(self, seq_ids: Sequence[int]) -> None:
         if not 0 < len(seq_ids) <= self.max_seqs:
             raise OuroborosError(f"a token needs 1..{self.max_seqs} sequence ids")
+
+    def set_single(self, token: int, pos: int) -> None:
+        """Make the batch one token of sequence 0 that wants logits (a plain decoding step: the
+        commonest batch, filled with five scalar stores)."""
+        self._token[0] = token
+        self._pos[0] = pos
+        if not self._plain:
+            self._set_plain(1)
+        self._n = self.n_outputs = 1
+        self._b.n_tokens = 1
+
+    def set_chain(self, tokens: Sequence[int], start_pos: int) -> None:
+        """Make the batch ``tokens`` at consecutive positions of sequence 0, each wanting logits (a
+        draft chain to verify)."""
+        n = len(tokens)
+        if n > self.capacity:
+            raise OuroborosError(f"batch overflow: capacity {self.capacity}")
+        self._token[:n] = tokens
+        np.add(self._ramp[:n], start_pos, out=self._pos[:n])
+        if n > self._plain:
+            self._set_plain(n)
+        self._n = self.n_outputs = n
+        self._b.n_tokens = n
+
+    def _set_plain(self, n: int) -> None:
+        # kept across plain batches: the next plain step or chain rewrites only tokens and positions
+        self._n_seq[:n] = 1
+        self._seq[:n, 0] = 0
+        self._logits[:n] = 1
+        self._plain = n
 
     def add(self, token: int, pos: int, seq_ids: Sequence[int], logits: bool) -> int:
         """Append a token; returns its batch index."""
