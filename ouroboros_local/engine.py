@@ -342,7 +342,7 @@ class Engine:
         setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
                              max_branches=cfg.n_seq_max, eog_tokens=eog,
                              extend_pays=sched.extend_rule() if sched is not None else None)
-        # once a method has calibrated the cost curve, every round (any method's) refines its overheads
+        # once a method has calibrated the cost curve, every round (any method's) refines what rounds cost
         costs_learner = self._scheduler if cfg.adaptive else None
         if costs_learner is not None:
             costs_learner.use_method(proposer.name)

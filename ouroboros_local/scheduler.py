@@ -52,22 +52,63 @@ PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does no
 REFRESH_ROUNDS = 16     # rounds a "does drafting pay" answer is kept while nothing it reads changed
 
 
+class RoundCosts:
+    """Measured round cost / calibrated c(n), per batch size n (EMA). A drafted size seen fewer than
+    ``MIN_ROUNDS`` times borrows from the nearest measured drafted sizes (interpolated; outside them, the
+    nearest one's factor); plain steps lend theirs only while no drafted size is measured (they may cost
+    differently in kind: a CUDA graph), so that a machine running slower or faster than when the curve
+    was measured scales every size alike. With nothing measured the calibration stands (factor 1)."""
+
+    WEIGHT = 0.1
+    MIN_ROUNDS = 3
+
+    def __init__(self) -> None:
+        self._ema: dict[int, float] = {}
+        self._seen: dict[int, int] = {}
+        self._version = 0
+        self._cache: tuple[int, np.ndarray] | None = None
+
+    def observe(self, n_tokens: int, factor: float) -> None:
+        old = self._ema.get(n_tokens)
+        self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
+        self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
+        self._version += 1
+
+    def factor(self, n_tokens: int) -> float:
+        return float(self.factors(n_tokens)[n_tokens - 1])
+
+    def factors(self, n_max: int) -> np.ndarray:
+        """The factors of sizes 1..n_max (a fresh array: callers scale it in place)."""
+        cached = self._cache
+        if cached is None or cached[0] != self._version or len(cached[1]) < n_max:
+            sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
+            n = max(n_max, 64)
+            table = np.ones(n)
+            if self._seen.get(1, 0) >= self.MIN_ROUNDS:
+                table[:] = self._ema[1]
+            if sizes:
+                table[1:] = np.interp(np.arange(2, n + 1), sizes, [self._ema[k] for k in sizes])
+            self._cache = cached = (self._version, table)
+        return cached[1][:n_max].copy()
+
+
 class Scheduler:
     """Chooses per round how many draft tokens each proposer may propose."""
 
     def __init__(self, costs: CostModel, max_length: int = 16, probe_length: int = 2):
         self.costs = costs
-        # Measured seconds a round costs beyond the calibrated decode c(n): verification, KV bookkeeping
-        # and the proposer's observe step. Negligible on a CPU (~1 ms against 50+ ms decodes), but on a
-        # GPU a small model decodes in ~1.5 ms and one-token decodes run as CUDA graphs while batches
-        # do not, so drafted rounds cost measurably more than c(n) says. Plain and drafted rounds are
-        # tracked apart (EMA), so "does drafting pay" compares what rounds really cost here. Methods
-        # differ in what a round costs (ouroboros harvests phrases, lookahead decodes a window), so
-        # each generation's method keeps its own figures (see ``use_method``).
-        self._overheads: dict[str, dict[str, float]] = {}
+        # What rounds really cost here, per batch size n: an EMA of measured seconds / calibrated c(n)
+        # (``RoundCosts``). It covers what the calibration cannot see: the round's own work around the
+        # decode (verification, KV bookkeeping, the proposer's observe step: ~0.2 ms against a 8 ms CPU
+        # step, as much as a GPU step on a small model), one-token decodes that run as CUDA graphs while
+        # batches do not, and a curve measured in a bad moment (one cached SmolLM2 curve said 8 tokens
+        # cost 3.5 steps where they cost 5.0: auto then drafted at a loss). Methods differ in what a round
+        # costs (ouroboros harvests phrases, lookahead decodes a window), so each generation's method
+        # keeps its own figures (see ``use_method``).
+        self._round_costs: dict[str, RoundCosts] = {}
         # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
         # reads changes (``_changes``: acceptance, classes, draft costs, the method) or REFRESH_ROUNDS
-        # rounds pass (the round overheads drift slowly). Recomputing costs ~0.2 ms, ~0.5% of a CPU step.
+        # rounds pass (what rounds cost drifts slowly). Recomputing costs ~0.2 ms, ~0.5% of a CPU step.
         self._changes = 0
         self._rounds = 0
         self._pays_memo: dict[str, tuple[tuple, int, bool]] = {}
@@ -152,11 +193,9 @@ class Scheduler:
         return lambda source, classes: self.extend_pays(source, classes, self.draft_cost(source))
 
     def round_seconds(self, limit: int) -> np.ndarray:
-        """Seconds a round verifying k = 0..limit draft tokens costs (decode + measured overhead)."""
-        seconds = self.costs.table(limit + 1)
-        seconds[0] += self.overhead["plain"]
-        seconds[1:] += self.overhead["drafted"]
-        return seconds
+        """Seconds a round verifying k = 0..limit draft tokens costs: the calibrated decode c(k + 1)
+        times what rounds of that size were measured to cost against it."""
+        return self.costs.table(limit + 1) * self.round_costs.factors(limit + 1)
 
     def throughputs(self, acc: Acceptance, limit: int, draft_cost: float) -> np.ndarray:
         """Expected tokens per second of drafting k = 0..limit tokens."""
@@ -313,16 +352,14 @@ class Scheduler:
     def use_method(self, method: str) -> None:
         """Rounds observed from now on are the given method's (the engine calls this per generation)."""
         self._method = method
-        self.overhead = self._overheads.setdefault(method, {"plain": 0.0, "drafted": 0.0})
+        self.round_costs = self._round_costs.setdefault(method, RoundCosts())
         self._changes += 1
 
-    def observe_round(self, n_tokens: int, seconds: float, weight: float = 0.1) -> None:
-        """Learn what a verification round of ``n_tokens`` (root included) cost beyond c(n)."""
+    def observe_round(self, n_tokens: int, seconds: float) -> None:
+        """Learn what a verification round of ``n_tokens`` (root included) cost against c(n)."""
         self._add_elapsed(seconds)
         self._rounds += 1
-        kind = "drafted" if n_tokens > 1 else "plain"
-        residual = max(0.0, seconds - self.costs.cost(n_tokens))
-        self.overhead[kind] += weight * (residual - self.overhead[kind])
+        self.round_costs.observe(n_tokens, seconds / self.costs.cost(n_tokens))
 
     def best_length(self, source: str, draft_cost: float = 0.0, limit: int | None = None) -> int:
         """The draft length with the best expected tokens per second (0 = plain decoding)."""
@@ -361,7 +398,8 @@ class Scheduler:
         self._changes += 1
         if source in self._probing:
             # its extra verification counts against the probe budget (its drafting did in note_draft)
-            self._charge_probe(source, self.costs.cost(drafted + 1) - self.costs.cost(1))
+            seconds = self.round_seconds(drafted)
+            self._charge_probe(source, float(seconds[drafted] - seconds[0]))
             # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)

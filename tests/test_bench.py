@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ouroboros_local.bench import peers, prompts, report, runner
-from ouroboros_local.bench.cli import parse_method_options, parse_methods, resolve_methods
+from ouroboros_local.bench.cli import parse_method_options, parse_methods, parse_variant, resolve_methods
 from ouroboros_local.cli import build_parser, main
 from ouroboros_local.errors import ParameterError
 
@@ -223,6 +223,15 @@ def test_speedup_interval_is_paired_over_prompts() -> None:
     assert report.bootstrap_speedup(exact[:2]) is None                          # too few prompts
 
 
+def test_variants_are_parsed_with_their_options() -> None:
+    methods = ["vanilla", "ouroboros"]
+    assert parse_variant('no-window=ouroboros:{"window": 0}', methods) == ("no-window", "ouroboros", {"window": 0})
+    assert parse_variant("plain=ouroboros", methods) == ("plain", "ouroboros", {})
+    for bad in ("ouroboros", "x=nosuch", "x=ouroboros:{bad", "x=ouroboros:[1]", "=ouroboros"):
+        with pytest.raises(ParameterError):
+            parse_variant(bad, methods)
+
+
 def test_runs_are_pooled_per_set_and_sweep_labels_match_plain_ones(capsys) -> None:
     def rec(set_name, pid, label, seconds):
         return {"set": set_name, "id": pid, "label": label, "timed_tokens": 10, "decode_seconds": seconds}
@@ -318,19 +327,20 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     rc = main(["bench", "-m", str(tiny_target), "-d", str(tiny_draft), "--prompts", str(pfile),
                "--methods", "vanilla,speculative,prompt-lookup,lossy", "--sweep", "speculative:gamma=1,3",
                "-n", "8", "--out", str(out), "-c", "512", "-b", "64", "--seqs", "8", "-t", "1", "--no-progress",
-               "--no-bandwidth", "--tolerance-margin", "0.0", "--strict", *peer_args])
+               "--no-bandwidth", "--tolerance-margin", "0.0", "--strict",
+               "--variant", 'pl-fresh=prompt-lookup:{"max_ngram": 2, "reset_pool": true}', *peer_args])
     assert rc == 3                                   # --strict: the lossy method differs
     data = json.loads((out / "results.json").read_text())
     assert set(data) == set(report.RESULT_KEYS)
     assert data["schema"] == report.SCHEMA
     labels = [m["label"] for m in data["methods"]]
     assert labels[:4] == ["vanilla", "speculative[gamma=1]", "speculative[gamma=3]", "prompt-lookup"]
-    assert "lossy" in labels
+    assert "lossy" in labels and "pl-fresh" in labels
     summary = data["summary"]["tiny"]
     for s in summary.values():
         assert set(s) == set(report.SUMMARY_KEYS)
     assert summary["vanilla"]["speedup"] == pytest.approx(1.0)
-    for lab in ("speculative[gamma=1]", "speculative[gamma=3]", "prompt-lookup"):
+    for lab in ("speculative[gamma=1]", "speculative[gamma=3]", "prompt-lookup", "pl-fresh"):
         assert summary[lab]["all_identical"] is True, lab
         assert summary[lab]["tokens"] == summary["vanilla"]["tokens"]
     assert summary["lossy"]["all_identical"] is False and summary["lossy"]["mismatches"] == 2

@@ -200,28 +200,51 @@ def test_measured_round_overhead_stops_drafting_that_does_not_pay() -> None:
     for _ in range(60):   # but every drafted round really costs 1.5 steps more than c(n) (small model, GPU)
         sched.observe_round(1, GPU.cost(1))
         sched.observe_round(9, GPU.cost(9) + 1.5)
-    assert sched.overhead["plain"] == pytest.approx(0.0, abs=1e-9)
-    assert sched.overhead["drafted"] == pytest.approx(1.5, rel=0.01)
+    seconds = sched.round_seconds(8)
+    assert seconds[0] == pytest.approx(GPU.cost(1), rel=1e-6)
+    assert seconds[8] == pytest.approx(GPU.cost(9) + 1.5, rel=0.01)
     assert sched.best_length("x") == 0
+
+
+def test_a_curve_measured_too_flat_is_corrected_by_the_rounds() -> None:
+    """A cached curve that makes long batches look cheap: measured rounds restore their price, the
+    sizes between measured ones interpolated, beyond the largest one its factor."""
+    flat = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.6, 2.6, 3.5, 6.0])
+    real = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.9, 2.9, 5.0, 9.3])
+    sched = Scheduler(flat)
+    for _ in range(40):
+        for n in (1, 2, 4, 8):
+            sched.observe_round(n, real.cost(n))
+    seconds = sched.round_seconds(15)
+    for n in (1, 2, 4, 8):
+        assert seconds[n - 1] == pytest.approx(real.cost(n), rel=1e-6)
+    assert real.cost(2) < seconds[2] < real.cost(4)                         # n = 3, interpolated
+    assert seconds[15] == pytest.approx(flat.cost(16) * real.cost(8) / flat.cost(8), rel=1e-6)
+    assert Scheduler(flat).round_seconds(4).tolist() == flat.table(5).tolist()   # nothing measured yet
+    slower = Scheduler(flat)             # only plain steps measured, 1.5x slower than calibrated: all sizes
+    for _ in range(5):
+        slower.observe_round(1, 1.5 * flat.cost(1))
+    assert slower.round_seconds(4) == pytest.approx(1.5 * flat.table(5))
 
 
 def test_engine_feeds_round_costs_to_the_scheduler(tiny_target) -> None:
     config = EngineConfig(n_ctx=256, n_batch=32, n_seq_max=4, threads=1)
     with Engine(Model(tiny_target), None, config) as engine:
         engine.scheduler().costs = CostModel(sizes=[1, 64], seconds=[1e-9, 1e-9])  # ~all is overhead
-        engine.generate("abc abc abc abc abc abc", max_tokens=24, method="prompt-lookup")
-        assert engine.scheduler().overhead["plain"] > 0 or engine.scheduler().overhead["drafted"] > 0
+        for prompt in ("abc abc abc abc abc abc", "a b c", "cab", "bca bca"):
+            engine.generate(prompt, max_tokens=24, method="vanilla")
+        assert engine.scheduler().round_costs.factor(1) > 1.0
 
 
-def test_round_overhead_is_kept_per_method() -> None:
+def test_round_costs_are_kept_per_method() -> None:
     sched = scheduler_with(GPU, 0.6)
     sched.use_method("lookahead")                # a window of extra rows: dear rounds
     for _ in range(60):
         sched.observe_round(9, GPU.cost(9) + 1.5)
     sched.use_method("prompt-lookup")            # its own rounds cost what c(n) says
-    assert sched.overhead["drafted"] == 0.0 and sched.best_length("x") > 0
+    assert sched.round_seconds(8)[8] == pytest.approx(GPU.cost(9)) and sched.best_length("x") > 0
     sched.use_method("lookahead")
-    assert sched.overhead["drafted"] == pytest.approx(1.5, rel=0.01)
+    assert sched.round_seconds(8)[8] == pytest.approx(GPU.cost(9) + 1.5, rel=0.01)
 
 
 # ---- confidence classes ------------------------------------------------------------------------------

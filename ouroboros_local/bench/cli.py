@@ -64,6 +64,10 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
                    help="run METHOD (default: every non-vanilla method) once per value of one option; "
                         "plots sweep.png (e.g. speculative,prompt-lookup:adaptive=true,false: scheduled "
                         "and fixed-parameter runs side by side)")
+    g.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD[:JSON]",
+                   help="also run METHOD with these options under LABEL (repeatable; an ablation in one run), "
+                        'e.g. \'no-window=ouroboros:{"window": 0}\'; "reset_pool": true in the JSON '
+                        "forgets that contender's learned state before every generation")
     g.add_argument("--tolerance-margin", type=float, nargs="?", const=TOLERANCE, default=TOLERANCE,
                    metavar="LOGITS",
                    help="a difference from vanilla is a tie-flip (two tokens the model rated equally, within "
@@ -106,6 +110,24 @@ def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
     if not isinstance(obj, dict) or not all(isinstance(v, dict) for v in obj.values()):
         raise ParameterError('--method-options takes {"method": {"option": value, ...}, ...}')
     return obj
+
+
+def parse_variant(spec: str, available: list[str]) -> tuple[str, str, dict[str, Any]]:
+    """``LABEL=METHOD[:JSON]`` -> (label, method, options)."""
+    label, eq, rest = spec.partition("=")
+    method, _, text = rest.partition(":")
+    label, method = label.strip(), method.strip()
+    if not eq or not label or not method:
+        raise ParameterError(f"--variant takes LABEL=METHOD[:JSON] (got {spec!r})")
+    if method not in available:
+        raise ParameterError(f"--variant {label!r}: unknown method {method!r}")
+    try:
+        options = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as exc:
+        raise ParameterError(f"--variant {label!r}: options are not valid JSON: {exc.msg}") from None
+    if not isinstance(options, dict):
+        raise ParameterError(f"--variant {label!r}: options must be a JSON object")
+    return label, method, options
 
 
 def parse_methods(spec: str, available: list[str], custom: list[str]) -> list[str]:
@@ -157,6 +179,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     custom = list(runner.CUSTOM_METHODS)
     methods = resolve_methods(args, method_names(), custom)
     sweep = runner.parse_sweep(args.sweep, methods) if args.sweep else None
+    variants_from_args = [parse_variant(v, method_names()) for v in args.variant]
+    labels = [v[0] for v in variants_from_args]
+    if len(set(labels)) < len(labels) or set(labels) & set(methods):
+        raise ParameterError("--variant labels must differ from each other and from the methods")
     sets = prompts_mod.load_sets(args.prompts, task=args.task, limit=args.limit, fewshot=args.fewshot)
     peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)
     notes: list[str] = []
@@ -220,6 +246,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     contenders.append(runner.EngineContender(engine, label, m, o, sampling,
                                                              reset_shared=args.reset_pool,
                                                              cold=not args.warm_prefill))
+
+        for label, m, o in variants_from_args:
+            reset = bool(o.pop("reset_pool", args.reset_pool))
+            contenders.append(runner.EngineContender(engine, label, m, {**applicable_options(m, base_opts), **o},
+                                                     sampling, reset_shared=reset, cold=not args.warm_prefill))
 
         # ---- peers ----
         threads = engine.target_ctx.n_threads
