@@ -362,8 +362,8 @@ class Batch:
             raise OuroborosError(f"a token needs 1..{self.max_seqs} sequence ids")
 
     def set_single(self, token: int, pos: int) -> None:
-        """Make the batch one token of sequence 0 that wants logits (a plain decoding step: the
-        commonest batch, filled with five scalar stores)."""
+        """Make the batch one token of sequence 0 that wants logits (a plain decoding step, the
+        commonest batch: a token and a position stored; the rest stays from the last plain fill)."""
         self._token[0] = token
         self._pos[0] = pos
         if not self._plain:
