@@ -121,7 +121,7 @@ class KVCache:
             raise ContextOverflowError(f"the context of {self.ctx.n_ctx} tokens is full")
         if self.synced[0] < p:
             self._sync_seq(0)
-        self.batch.set_single(token, p)
+        self.batch.set_chain((token,), p)
         self.ctx.decode(self.batch)
         self.cached.append(int(token))
         self.synced[0] = p + 1

@@ -316,7 +316,7 @@ def test_plain_batch_metadata_is_rewritten_after_a_general_fill() -> None:
         assert batch._logits[:3].tolist() == [1, 1, 1] and batch._pos[:3].tolist() == [20, 21, 22]
         batch.clear()
         batch.add_tokens([4], [0], [(1,)], [False])
-        batch.set_single(5, 30)
+        batch.set_chain([5], 30)
         assert (batch._n_seq[0], batch._seq[0, 0], batch._logits[0], batch.n_tokens) == (1, 0, 1, 1)
     finally:
         batch.free()

@@ -361,19 +361,9 @@ class Batch:
         if not 0 < len(seq_ids) <= self.max_seqs:
             raise OuroborosError(f"a token needs 1..{self.max_seqs} sequence ids")
 
-    def set_single(self, token: int, pos: int) -> None:
-        """Make the batch one token of sequence 0 that wants logits (a plain decoding step, the
-        commonest batch: a token and a position stored; the rest stays from the last plain fill)."""
-        self._token[0] = token
-        self._pos[0] = pos
-        if not self._plain:
-            self._set_plain(1)
-        self._n = self.n_outputs = 1
-        self._b.n_tokens = 1
-
     def set_chain(self, tokens: Sequence[int], start_pos: int) -> None:
-        """Make the batch ``tokens`` at consecutive positions of sequence 0, each wanting logits (a
-        draft chain to verify)."""
+        """Make the batch ``tokens`` at consecutive positions of sequence 0, each wanting logits (a plain
+        step, the commonest batch, or a draft chain to verify)."""
         n = len(tokens)
         if n > self.capacity:
             raise OuroborosError(f"batch overflow: capacity {self.capacity}")
