@@ -114,13 +114,36 @@ def test_probe_budget_is_each_methods_own() -> None:
     assert 1 <= probes <= 2
 
 
+def test_a_methods_candidates_share_its_probe_budget() -> None:
+    # auto asks prompt lookup and the suffix tries: together their probes stay within PROBE_BUDGET
+    def probes(sources: tuple[str, ...]) -> int:
+        sched = Scheduler(CPU, max_length=16)
+        sched.use_method("auto")
+        n = 0
+        for _ in range(20000):
+            k_all = 0
+            for source in sources:   # drafts that cost 20 plain steps and are always rejected
+                sched.acceptance.setdefault(source, Acceptance(successes=10, failures=990))
+                k = sched.best_length(source, draft_cost=sched.draft_cost(source))
+                sched.note_draft(source, 20.0 if k else 0.0, k)
+                sched.update(source, drafted=k, accepted=0)
+                n += k > 0
+                k_all = max(k_all, k)
+            sched.observe_round(k_all + 1, CPU.cost(k_all + 1))
+        return n
+
+    one, two = probes(("a",)), probes(("a", "b"))
+    assert one >= 3
+    assert two <= one + 1
+
+
 def test_catch_up_is_left_out_of_the_per_token_cost() -> None:
     sched = Scheduler(CPU)
     sched.use_method("auto")
     sched._probing.add("d")
     sched.note_draft("d", 30.2, 2, catch_up=30.0)     # 300 skipped tokens, then 2 drafted
     assert sched.draft_cost("d") == pytest.approx(0.1)
-    assert sched._probe_spent[("auto", "d")] == pytest.approx(30.2)   # a probe pays for all of it
+    assert sched._probe_spent["auto"] == pytest.approx(30.2)   # a probe pays for all of it
 
 
 def test_catch_up_clock_tells_skipped_rounds() -> None:
@@ -345,6 +368,9 @@ def test_the_drafting_decision_is_recomputed_only_when_its_inputs_change(monkeyp
     assert len(calls) == 3
     sched.best_length("x", draft_cost=0.06)                     # another cost, another question
     assert len(calls) == 4
+    # an answer's last rounds shrink the budget every round: priced per power of two, not per budget
+    assert [sched.best_length("x", draft_cost=0.06, limit=k) for k in (7, 6, 5, 4)] == [7, 6, 5, 4]
+    assert len(calls) == 5                                      # limits 4-7 are all priced at 4
 
 
 def test_without_any_draft_yet_the_prior_decides() -> None:
