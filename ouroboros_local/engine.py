@@ -347,6 +347,7 @@ class Engine:
         if costs_learner is not None:
             costs_learner.use_method(proposer.name)
         if sched is not None:
+            sched.begin_request()
             sched.enroll(proposer)
         out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)

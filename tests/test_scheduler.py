@@ -291,6 +291,7 @@ def trained(costs: CostModel, rates: dict[str, float], rounds: int = 200) -> Sch
             accepted = int(rng.random() < rate)
             sched.update("x", 1, accepted)
             sched.update_classes("x", tree, accepted)
+    sched.begin_request()   # what the training rounds did is the table's, not the next request's
     return sched
 
 
@@ -310,6 +311,38 @@ def test_trim_keeps_confident_tokens_and_cuts_doubtful_ones() -> None:
     # the same doubtful draft pays on a GPU-like curve, where verifying more is nearly free
     gpu = trained(GPU, {"sure": 0.97, "doubt": 0.2})
     assert gpu.trim("x", labelled_chain(["doubt", "sure"])).n_candidates == 2
+
+
+def test_a_request_whose_drafts_fail_stops_drafting_long_before_the_table_learns_it() -> None:
+    # over many requests, copies were right 95% of the time: a 3-token copy pays on this CPU curve
+    sched = trained(CPU, {"copy": 0.95}, rounds=400)
+    assert sched.trim("x", labelled_chain(["copy"] * 3)).n_candidates == 3
+    # this request's text is paraphrased: its copies are wrong, and within two drafts it stops copying
+    failed = 0
+    while failed < 20 and (tree := sched.trim("x", labelled_chain(["copy"] * 3))).n_candidates:
+        sched.learn("x", tree, 0)
+        failed += 1
+    assert failed <= 2
+    assert sched.confidence["x"].alphas(["copy"], np.full(1, 0.5))[0] > 0.85   # the table barely moved
+    assert sched.best_length("x", draft_cost=0.05) == 0                      # a paid draft is not started
+    # the next request starts from the table's estimate again
+    sched.begin_request()
+    assert sched.trim("x", labelled_chain(["copy"] * 3)).n_candidates == 3
+
+
+def test_a_requests_correction_is_bounded() -> None:
+    sched = trained(CPU, {"maybe": 0.5})
+    for _ in range(50):
+        sched.learn("x", labelled_chain(["maybe"]), 1)         # a lucky request
+    assert sched.request_scale("x") == pytest.approx(1.25)
+    sched.begin_request()
+    for _ in range(50):
+        sched.learn("x", labelled_chain(["maybe"]), 0)
+    assert sched.request_scale("x") == pytest.approx(0.2)
+    tree = branching([(0, "maybe"), (0, "maybe"), (0, "maybe")])   # three guesses at one token expect
+    sched.begin_request()                                           # at most one accepted token
+    sched.learn("x", tree, 1, path=[0, 2])
+    assert sched._request["x"] == [1.0, pytest.approx(1.0)]
 
 
 def test_sampled_drafts_are_never_trimmed() -> None:

@@ -27,6 +27,7 @@ class AutoProposer(Proposer):
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         sched = self.scheduler
         setup = replace(setup, extend_pays=sched.extend_rule())
+        sched.begin_request()
         super().begin(prompt, setup)
         for proposer in self.candidates:
             proposer.begin(prompt, setup)
