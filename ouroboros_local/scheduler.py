@@ -55,7 +55,7 @@ PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does no
 REFRESH_ROUNDS = 64     # rounds a "does drafting pay" answer is kept while nothing it reads changed
 REQUEST_PRIOR = 3.0     # accepted tokens' worth of weight the learned class estimates keep in a request
 REQUEST_SCALE = (0.2, 1.25)   # bounds of a request's correction of those estimates
-MAX_ALPHA = 0.995
+MAX_ALPHA = 0.995       # a corrected estimate stays below certainty (a geometric series must converge)
 
 
 class RoundCosts:
@@ -232,12 +232,15 @@ class Scheduler:
         low, high = REQUEST_SCALE
         return min(max((record[0] + REQUEST_PRIOR) / (record[1] + REQUEST_PRIOR), low), high)
 
+    def _corrected(self, source: str, q: np.ndarray) -> np.ndarray:
+        """Class estimates ``q`` of ``source``'s drafts, scaled by this request's record."""
+        scale = self.request_scale(source)
+        return q if scale == 1.0 else np.minimum(q * scale, MAX_ALPHA)
+
     def _alphas(self, source: str, table: ConfidenceTable, classes: Sequence[str], base: np.ndarray,
                 explore: bool = True) -> np.ndarray:
         """The class estimates of ``classes`` (``ConfidenceTable.alphas``), corrected for this request."""
-        q = table.alphas(classes, base, explore)
-        scale = self.request_scale(source)
-        return q if scale == 1.0 else np.minimum(q * scale, MAX_ALPHA)
+        return self._corrected(source, table.alphas(classes, base, explore))
 
     def _chain_expected(self, source: str, classes: Sequence[str], explore: bool = True) -> np.ndarray:
         """Expected tokens of keeping 0..len(classes) nodes of a chain labelled ``classes``."""
@@ -327,7 +330,7 @@ class Scheduler:
         seconds = self.round_seconds(n + 1)
         best_now = float(np.max(expected / seconds[:n + 1]))
         reach = float(expected[n] - expected[n - 1])   # chance that all n drafted tokens are accepted
-        q_next = min(table.best_alpha(acc.alpha_at(n)) * self.request_scale(source), MAX_ALPHA)
+        q_next = float(self._corrected(source, np.float64(table.best_alpha(acc.alpha_at(n)))))
         return (expected[-1] + reach * q_next) / (seconds[n + 1] + draft_cost) > best_now
 
     def _classes_pay(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
@@ -346,9 +349,7 @@ class Scheduler:
         weights = np.fromiter(table.first.values(), dtype=float, count=len(classes))
         q = np.tile(base, (len(classes), 1))
         q[:, 0] = table.alphas(classes, np.full(len(classes), base[0]), explore=explore)
-        scale = self.request_scale(source)
-        if scale != 1.0:
-            q = np.minimum(q * scale, MAX_ALPHA)
+        q = self._corrected(source, q)
         expected = np.ones((len(classes), limit + 1))
         expected[:, 1:] += np.cumsum(np.cumprod(q, axis=1), axis=1)
         cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
