@@ -252,6 +252,36 @@ def test_greedy_equals_vanilla(pair_engine: Engine, options: dict) -> None:
     assert len(pair_engine.history.phrase_pool) > 0
 
 
+def test_the_draft_reads_the_prompt_only_when_first_asked(pair_engine: Engine) -> None:
+    """No draft prefill in begin (a scheduled Ouroboros may never ask its draft): the first draft
+    catches up on the prompt, timed apart from the drafting; after a round it drafted, nothing is left
+    to catch up; a new generation keeps only the prefix it shares with the old one."""
+    from ouroboros_local.proposers import create_proposer
+    from ouroboros_local.verify import VerifyResult
+
+    kv = pair_engine.draft_kv()
+    kv.reset()
+    proposer = create_proposer("ouroboros", pair_engine.drafting_context(), {})
+    assert isinstance(proposer, OuroborosProposer)         # fixed hyperparameters (this engine)
+    prompt = pair_engine.prompt_tokens(PROMPTS[0])
+    proposer.begin(prompt, make_setup(eog=pair_engine.target.eog_tokens))
+    assert kv.n_past == 0
+    tree = proposer.propose(prompt, 4)
+    assert proposer.catch_up_seconds > 0 and tree.n_candidates > 0
+    assert kv.cached[:len(prompt) - 1] == prompt[:-1]
+    bonus = 1 if tree.tokens[1] != 1 else 2                # the target rejects the whole draft
+    result = VerifyResult(tree=tree, path=[0], accepted=[], bonus=bonus,
+                          predictions=np.full(len(tree.tokens), bonus, dtype=np.int64))
+    committed = prompt + [bonus]
+    proposer.observe(committed, result)
+    assert kv.cached == committed[:len(kv.cached)]
+    proposer.propose(committed, 4)
+    assert proposer.catch_up_seconds == 0.0
+    other = prompt[:3] + [t + 1 for t in prompt[3:]]      # shares 3 tokens with the last generation
+    proposer.begin(other, make_setup(eog=pair_engine.target.eog_tokens))
+    assert kv.cached == other[:3]
+
+
 def test_sampling_is_seeded_and_runs(pair_engine: Engine) -> None:
     from ouroboros_local.sampling import SamplingParams
 

@@ -277,7 +277,8 @@ class CrossVocabOuroboros(CrossVocabProposer):
         draft_setup = ProposeSetup(sampling=setup.sampling, rng=setup.rng,
                                    max_tree_nodes=setup.max_tree_nodes, max_branches=setup.max_branches,
                                    eog_tokens=self.draft.eog_tokens)
-        self.inner.begin(list(self.view.tokens), draft_setup)   # window reset + draft prefill
+        self.inner.begin(list(self.view.tokens), draft_setup)   # window reset; no draft prefill
+        self._catch_up.start()
         self._fed = 0
         self._feed(prompt)
         self.suffix_nodes = self.suffix_accepted = self.verify_phrases = 0
@@ -290,6 +291,7 @@ class CrossVocabOuroboros(CrossVocabProposer):
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         view = self.view
         tree = self._start_round(committed)
+        self.catch_up_seconds = 0.0
         tokens = list(view.tokens)
         if budget <= 0 or len(tokens) < 2 or view.pending or len(tokens) + 1 >= self.kv.ctx.n_ctx:
             self.empty_rounds += 1
@@ -298,6 +300,8 @@ class CrossVocabOuroboros(CrossVocabProposer):
         # watermark: it held the view's first _kv_equal tokens, of which view.dirty are unchanged
         agreed = min(self._kv_equal, view.dirty)
         self.kv.truncate(min(common_prefix(self.kv.cached, tokens, agreed), len(tokens) - 1))
+        # the text of the rounds it skipped (the prompt, in a generation's first draft)
+        self.catch_up_seconds = self._catch_up.before_draft(lambda: self.kv.feed(tokens[self.kv.n_past:-1]))
         # one draft token more than the budget: the last converted token is dropped
         drafted = self.inner.draft_tokens(tokens, min(self.gamma, budget + 1))
         self._kv_equal, view.dirty = len(tokens), len(tokens)   # drafting appends after them only
@@ -320,7 +324,7 @@ class CrossVocabOuroboros(CrossVocabProposer):
         return tree
 
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
-
+        self._catch_up.observed()
         self.suffix_accepted += result.accepted_by_source.get("pool", 0)
         if self.harvest != "none" and result.tree.n_candidates:
             self.verify_phrases += harvest_verification(self.pool, result.tree, result.predictions,
