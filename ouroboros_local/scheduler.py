@@ -9,7 +9,9 @@ acceptance model), one round yields on average
     E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)
 
 tokens (the bonus token included), so the throughput of length k is ``E(k) / (c(k+1) + d(k))``. The
-scheduler picks the k that maximises it, and k = 0 (plain decoding) when no length pays. alpha is
+scheduler picks the k that maximises it, and k = 0 (plain decoding) unless that k beats plain decoding by
+(MIN_GAIN - 1) / k (5% for one token: the estimates are noisy, and where verifying two tokens costs 1.6
+steps a one-token draft that promised 2% loses more often than it wins). alpha is
 estimated per proposer from what verification accepted: every accepted draft token is a success and
 every round that stopped short of its draft's end is one failure (maximum likelihood for the geometric
 model), with a weak prior and exponential forgetting so it tracks the text as it changes.
@@ -56,6 +58,8 @@ REFRESH_ROUNDS = 64     # rounds a "does drafting pay" answer is kept while noth
 REQUEST_PRIOR = 3.0     # accepted tokens' worth of weight the learned class estimates keep in a request
 REQUEST_SCALE = (0.2, 1.25)   # bounds of a request's correction of those estimates
 MAX_ALPHA = 0.995       # a corrected estimate stays below certainty (a geometric series must converge)
+MIN_GAIN = 1.05         # a one-token draft must promise this much over plain decoding (k tokens: 0.05 / k);
+                        # on a CPU whose curve is steep a wrong "pays" costs more than a wrong "does not"
 
 
 class RoundCosts:
@@ -268,7 +272,7 @@ class Scheduler:
             return self._trim_branches(source, tree)
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
         rates = self._chain_expected(source, classes) / self.round_seconds(len(classes))
-        k = int(np.argmax(rates))
+        k = _best_beyond_margin(rates)
         if source in self._probing:
             k = max(k, min(self.probe_length, len(classes)))
         return tree.truncated(k)
@@ -293,7 +297,7 @@ class Scheduler:
             reach[i] = reach[parents[i]] * q[i - 1] / max(1.0, sibling_sum[parents[i]])
         order = sorted(range(1, n + 1), key=lambda i: (-reach[i], i))
         expected = 1.0 + np.concatenate(([0.0], np.cumsum([reach[i] for i in order])))
-        k = int(np.argmax(expected / self.round_seconds(n)))
+        k = _best_beyond_margin(expected / self.round_seconds(n))
         if source in self._probing:
             k = max(k, min(self.probe_length, n))
         return tree if k == n else tree.subtree(sorted([0, *order[:k]]))
@@ -340,7 +344,7 @@ class Scheduler:
         total = sum(table.first.values())
         acc = self.estimate(source)
         if total <= 0:   # nothing drafted yet: the prior decides (a GPU drafts at once, a CPU probes)
-            return bool(np.argmax(self.throughputs(acc, limit, draft_cost)) > 0)
+            return _best_beyond_margin(self.throughputs(acc, limit, draft_cost)) > 0
         base = acc.depth_alphas(limit)
         seconds = self.round_seconds(limit)
         explore = draft_cost <= 0
@@ -356,7 +360,9 @@ class Scheduler:
         best = np.argmax(expected / cost, axis=1)
         tokens = float(weights @ expected[np.arange(len(classes)), best])
         time = float(weights @ cost[best])
-        return tokens / time >= (1.0 - 1e-9) / seconds[0]
+        # a free draft (prompt lookup) needs no margin to start: ``trim`` applies it to each chain
+        margin = MIN_GAIN if draft_cost > 0 else 1.0 - 1e-9
+        return tokens / time >= margin / seconds[0]
 
     def _drafting_pays(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
         """``_classes_pay``, kept while its inputs stand (see ``_pays_memo``). A budget cut short (an
@@ -439,7 +445,7 @@ class Scheduler:
             # a labelling proposer drafts up to the limit and is trimmed (``trim``, ``extend_pays``)
             best = limit if self._drafting_pays(source, table, draft_cost, limit) else 0
         else:
-            best = int(np.argmax(self.throughputs(self.estimate(source), limit, draft_cost)))
+            best = _best_beyond_margin(self.throughputs(self.estimate(source), limit, draft_cost))
         if best > 0:
             self._idle[source] = 0
             return best
@@ -478,5 +484,13 @@ class Scheduler:
             if table is not None:
                 pays = self._classes_pay(source, table, cost, self.max_length)
             else:
-                pays = self.gain(source, cost) > 1.0
+                pays = self.gain(source, cost) >= MIN_GAIN
             self._probe_every[source] = 8 if pays else min(every * 2, 256)
+
+
+def _best_beyond_margin(rates: np.ndarray) -> int:
+    """The index k of the best of ``rates`` (expected tokens per second of drafting 0, 1, ... tokens), or 0
+    (plain decoding) unless it beats plain decoding by 1 + (MIN_GAIN - 1) / k: the margin is for short
+    drafts, whose small promised gain the noise in their estimates can turn into a loss."""
+    k = int(np.argmax(rates))
+    return k if k and rates[k] >= (1.0 + (MIN_GAIN - 1.0) / k) * rates[0] else 0
