@@ -237,7 +237,9 @@ class Engine:
     def scheduler(self) -> Scheduler:
         """The cost-model scheduler (the first call loads or measures the cost curve)."""
         if self._scheduler is None:
-            self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft)
+            # a draft's catch-up (reading a prompt) is priced at its share of the target's weights until measured
+            scale = self.draft.size_bytes / max(self.target.size_bytes, 1) if self.draft is not None else 1.0
+            self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft, draft_scale=scale)
         return self._scheduler
 
     def drafting_context(self) -> DraftingContext:

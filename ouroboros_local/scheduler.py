@@ -60,6 +60,10 @@ REQUEST_SCALE = (0.2, 1.25)   # bounds of a request's correction of those estima
 MAX_ALPHA = 0.995       # a corrected estimate stays below certainty (a geometric series must converge)
 MIN_GAIN = 1.05         # a one-token draft must promise this much over plain decoding (k tokens: 0.05 / k);
                         # on a CPU whose curve is steep a wrong "pays" costs more than a wrong "does not"
+CATCH_UP_MIN = 16       # a draft model this many tokens behind must first be shown to repay its catch-up
+CATCH_UP_REPAY_ROUNDS = 64   # ... within this many drafted rounds (or fit the probe budget)
+CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the target's per-token cost in a
+                             # batch this size, scaled by the draft's size (``Scheduler.draft_scale``)
 
 
 class RoundCosts:
@@ -105,8 +109,11 @@ class RoundCosts:
 class Scheduler:
     """Chooses per round how many draft tokens each proposer may propose."""
 
-    def __init__(self, costs: CostModel, max_length: int = 16, probe_length: int = 2):
+    def __init__(self, costs: CostModel, max_length: int = 16, probe_length: int = 2,
+                 draft_scale: float = 1.0):
         self.costs = costs
+        # draft weights / target weights: the prior of a draft model's catch-up cost (``catch_up_cost``)
+        self.draft_scale = draft_scale
         # What rounds really cost here, per batch size n: an EMA of measured seconds / calibrated c(n)
         # (``RoundCosts``). It covers what the calibration cannot see: the round's own work around the
         # decode (verification, KV bookkeeping, the proposer's observe step: ~0.2 ms against a 8 ms CPU
@@ -140,6 +147,10 @@ class Scheduler:
         # benchmark), the time of the others must not pay for one method's probes; and a method's
         # candidates share it (auto's prompt lookup and suffix tries would otherwise probe 2% of the time).
         self._draft_costs: dict[str, float] = {}
+        # Seconds per token of a draft model's catch-up (decoding a prompt, or rounds it skipped), per
+        # proposer (EMA; ``catch_up_cost``). A probe of a draft that skipped a 773-token prompt spent
+        # 6 s (the 0.5B draft of the 1.5B target on 2 cores), twice the whole answer's plain decoding.
+        self._catch_up_costs: dict[str, float] = {}
         self._probe_spent: dict[str, float] = {}
         self._elapsed: dict[str, float] = {}
         # This request's record per proposer: [tokens accepted, tokens the class estimates expected] over
@@ -154,10 +165,13 @@ class Scheduler:
         k = self.best_length(proposer.name, self.draft_cost(proposer.name), limit=budget)
         if k <= 0:
             return TokenTree.rooted_at(committed[-1])
+        behind = proposer.catch_up_tokens(committed)
+        if behind >= CATCH_UP_MIN and not self.catch_up_pays(proposer.name, behind):
+            return TokenTree.rooted_at(committed[-1])
         t0 = time.perf_counter()
         tree = proposer.propose(committed, k)
         self.note_draft(proposer.name, time.perf_counter() - t0, tree.n_candidates,
-                        catch_up=proposer.catch_up_seconds)
+                        catch_up=proposer.catch_up_seconds, catch_up_tokens=behind)
         return self.trim(proposer.name, tree) if tree.n_candidates else tree
 
     def enroll(self, proposer: "Proposer") -> None:
@@ -184,9 +198,10 @@ class Scheduler:
         """Measured seconds per token ``source`` drafts (0 until it has drafted)."""
         return self._draft_costs.get(source, 0.0)
 
-    def note_draft(self, source: str, seconds: float, n_tokens: int, catch_up: float = 0.0) -> None:
+    def note_draft(self, source: str, seconds: float, n_tokens: int, catch_up: float = 0.0,
+                   catch_up_tokens: int = 0) -> None:
         """``source`` spent ``seconds`` proposing ``n_tokens`` draft tokens this round, ``catch_up`` of
-        them decoding text of rounds it did not draft (``Proposer.catch_up_seconds``).
+        them decoding ``catch_up_tokens`` tokens of text it did not draft (``Proposer.catch_up_seconds``).
 
         The catch-up is left out of the per-token figure (it is not what one more draft token costs) but
         counts in full against the probe budget when the round was a probe. A single slow round moves
@@ -194,12 +209,51 @@ class Scheduler:
         self._add_elapsed(seconds)
         if source in self._probing:
             self._charge_probe(seconds)
+        if catch_up > 0 and catch_up_tokens >= CATCH_UP_MIN:
+            per_token = catch_up / catch_up_tokens
+            old = self._catch_up_costs.get(source)
+            self._catch_up_costs[source] = per_token if old is None else old + 0.3 * (per_token - old)
         if n_tokens <= 0:
             return
         self._changes += 1
         per_token = max(seconds - catch_up, 0.0) / n_tokens
         old = self._draft_costs.get(source)
         self._draft_costs[source] = per_token if old is None else old + 0.2 * (min(per_token, 3 * old) - old)
+
+    def catch_up_cost(self, source: str) -> float:
+        """Seconds per token of ``source``'s catch-up: measured, else the target's per-token cost in a
+        CATCH_UP_PRIOR_BATCH-token batch times ``draft_scale`` (within 10% of the measured figure for the
+        0.5B draft of the 1.5B target on a 2-core CPU)."""
+        measured = self._catch_up_costs.get(source)
+        if measured is not None:
+            return measured
+        return self.draft_scale * self.costs.cost(CATCH_UP_PRIOR_BATCH) / CATCH_UP_PRIOR_BATCH
+
+    def catch_up_pays(self, source: str, behind: int) -> bool:
+        """May ``source`` first decode the ``behind`` tokens it skipped, then draft?
+
+        Yes when drafting's expected saving over CATCH_UP_REPAY_ROUNDS rounds covers the catch-up's
+        expected seconds. Otherwise only as a probe within the probe budget, the catch-up included (a
+        probe of a draft that does not pay, or a first draft on promise alone, e.g. the prior's): a draft
+        that never paid must not spend seconds reading a long prompt for one two-token probe."""
+        seconds = behind * self.catch_up_cost(source)
+        if source not in self._probing and seconds <= CATCH_UP_REPAY_ROUNDS * self._round_saving(source):
+            return True
+        if self._probe_spent.get(self._method, 0.0) + seconds <= self._probe_allowance():
+            self._probing.add(source)   # charged to the probe budget (``note_draft``, ``update``)
+            return True
+        self._probing.discard(source)
+        return False
+
+    def _round_saving(self, source: str) -> float:
+        """Seconds a drafted round of ``source`` is expected to save over plain decoding of the same
+        tokens (depth model, its best length; at least MIN_GAIN's share of a step when its classes, not
+        the depth model, say it pays)."""
+        acc = self.estimate(source)
+        rates = self.throughputs(acc, self.max_length, self.draft_cost(source))
+        k = int(np.argmax(rates))
+        tokens = float(acc.expected_all(self.max_length)[k])
+        return max(tokens / rates[0] - tokens / rates[k], (MIN_GAIN - 1.0) / rates[0])
 
     def _add_elapsed(self, seconds: float) -> None:
         self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds

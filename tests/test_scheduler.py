@@ -11,6 +11,7 @@ from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
 from ouroboros_local.calibration import CalibrationCache, CostModel
+from ouroboros_local.proposers.base import Proposer
 from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.tree import TokenTree
 
@@ -152,6 +153,70 @@ def test_catch_up_is_left_out_of_the_per_token_cost() -> None:
     sched.note_draft("d", 30.2, 2, catch_up=30.0)     # 300 skipped tokens, then 2 drafted
     assert sched.draft_cost("d") == pytest.approx(0.1)
     assert sched._probe_spent["auto"] == pytest.approx(30.2)   # a probe pays for all of it
+
+
+class BehindDraft(Proposer):
+    """A draft model ``behind`` tokens behind the text; its drafts are two tokens, its catch-up 6 s."""
+
+    name = "d"
+
+    def __init__(self, behind: int) -> None:
+        self.behind, self.asked = behind, 0
+
+    def catch_up_tokens(self, committed) -> int:
+        return self.behind
+
+    def propose(self, committed, budget) -> TokenTree:
+        self.asked += 1
+        self.catch_up_seconds = 6.0 if self.behind else 0.0
+        tree = TokenTree.rooted_at(committed[-1])
+        tree.add(tree.add(0, 1), 2)
+        return tree
+
+
+def test_a_probe_does_not_read_a_long_prompt_the_probe_budget_cannot_pay_for() -> None:
+    # the 0.5B draft of the 1.5B target probed once on a 773-token prompt it had not read: 6 s of
+    # catch-up, 0.30x of plain decoding on that prompt (cnndm, 2 cores)
+    import ouroboros_local.scheduler as scheduler_module
+
+    sched = scheduler_with(CPU, 0.01)
+    sched.acceptance["d"] = sched.acceptance.pop("x")
+    sched.use_method("auto")
+    far, near = BehindDraft(773), BehindDraft(0)
+    for _ in range(64):
+        sched.draft(far, [0, 5], budget=8)
+        sched.observe_round(1, CPU.cost(1))
+    assert far.asked == 0                      # a probe was due every 8 rounds; none could afford it
+    for _ in range(64):
+        sched.draft(near, [0, 5], budget=8)
+        sched.observe_round(1, CPU.cost(1))
+    assert near.asked >= 1                     # a draft that has read the text probes as before
+    # once the time run makes the catch-up 1% of it, the probe runs, as a probe (charged to the budget)
+    sched.observe_round(1, 100 * 773 * sched.catch_up_cost("d"))
+    for _ in range(64):
+        if far.asked:
+            break
+        sched.draft(far, [0, 5], budget=8)
+    assert far.asked == 1 and "d" in sched._probing
+    assert scheduler_module.CATCH_UP_MIN <= 773
+
+
+def test_a_draft_that_pays_catches_up_when_its_saving_repays_it() -> None:
+    sched = Scheduler(CPU, draft_scale=0.5)    # 100 tokens: ~30 steps; 64 rounds save ~58
+    sched.acceptance["d"] = Acceptance(successes=950, failures=50)
+    short, huge = BehindDraft(100), BehindDraft(10**6)
+    assert sched.catch_up_pays("d", short.behind) and "d" not in sched._probing
+    assert sched.draft(short, [0, 5], budget=8).n_candidates and short.asked == 1
+    assert not sched.catch_up_pays("d", huge.behind)   # a million tokens: no saving repays that
+
+
+def test_the_catch_up_cost_is_priced_by_the_drafts_size_then_measured() -> None:
+    sched = Scheduler(CPU, draft_scale=0.5)
+    assert sched.catch_up_cost("d") == pytest.approx(0.5 * CPU.cost(16) / 16)
+    sched.note_draft("d", 4.2, 2, catch_up=4.0, catch_up_tokens=800)
+    assert sched.catch_up_cost("d") == pytest.approx(0.005)
+    sched.note_draft("d", 0.3, 2, catch_up=0.1, catch_up_tokens=3)   # too short to say what reading costs
+    assert sched.catch_up_cost("d") == pytest.approx(0.005)
 
 
 def test_catch_up_clock_tells_skipped_rounds() -> None:

@@ -87,6 +87,11 @@ class Proposer(ABC):
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         """Return a tree rooted at ``committed[-1]`` with at most ``budget`` candidate nodes."""
 
+    def catch_up_tokens(self, committed: Sequence[int]) -> int:
+        """Tokens a draft model must decode before it can draft after ``committed`` (the prompt, or text
+        of rounds it did not draft); 0 for drafters without a model. The scheduler prices them."""
+        return 0
+
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         """Learn from a verification; ``committed`` already ends with ``result.tokens``."""
 

@@ -158,6 +158,11 @@ class CrossVocabProposer(Proposer):
         if self.prefill_in_begin and 1 < n < self.kv.ctx.n_ctx:
             self._sync(n - 1, logits=False)   # draft prefill, counted as prefill by the engine
 
+    def catch_up_tokens(self, committed: Sequence[int]) -> int:
+        # target tokens the view has not converted yet count one draft token each (an estimate)
+        pending = max(0, len(committed) - self.view.n_target)
+        return max(0, len(self.view.tokens) + pending - 1 - self.kv.n_past)
+
     def _start_round(self, committed: Sequence[int]) -> TokenTree:
         """Bring the view up to ``committed``; this round's tree, the root alone so far."""
         view = self.view

@@ -174,6 +174,9 @@ class DraftModelProposer(Proposer):
         n = self.n_target_vocab
         return logits[:n] if len(logits) > n else logits
 
+    def catch_up_tokens(self, committed: Sequence[int]) -> int:
+        return max(0, len(committed) - 1 - self._agreed)
+
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
         self._last_tree = None

@@ -116,6 +116,9 @@ class OuroborosProposer(Proposer):
             self._fed = len(committed)
 
     # ---- drafting ---------------------------------------------------------------------------------
+    def catch_up_tokens(self, committed: Sequence[int]) -> int:
+        return max(0, len(committed) - 1 - self.kv.n_past)
+
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
         self.catch_up_seconds = 0.0
