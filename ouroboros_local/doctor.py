@@ -89,6 +89,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report = check_pair(resolve_model(args.model), resolve_model(args.draft))
         print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible
                           else f"different vocabularies: {report.reason}"))
+        if report.compatible:
+            print(pair_speed_line(args))
     # weights plus a rough KV/compute allowance for the default context
     need = total * 1.1 + 512 * 2**20
     gpu_free = sum(dev.memory_free for dev in found if dev.kind in ("gpu", "igpu"))
@@ -99,6 +101,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         verdict = "fits" if need < available else "does NOT fit"
         print(f"memory: the models need about {need / 2**30:.1f} GiB: {verdict} in available memory")
     return 0
+
+
+def pair_speed_line(args: argparse.Namespace) -> str:
+    """Can the draft pay here at all? Both models' calibrated curves (cached, else measured: seconds)."""
+    from .cli import _engine_from_args
+    from .scheduler import draft_ceiling
+
+    with _engine_from_args(args) as engine:
+        target, draft = engine.cost_model(), engine.draft_cost_model()
+    if draft is None:
+        return "pair speed: not measured (calibration is off)"
+    ceiling = draft_ceiling(target, draft)
+    head = (f"pair speed: one draft step costs {draft.cost(1) / target.cost(1):.2f} target steps, verifying "
+            f"4 tokens {target.ratio(4):.2f} (calibrated); if every draft token were accepted, a draft "
+            f"model would reach {ceiling:.2f}x of plain decoding at best")
+    if ceiling < 1.0:
+        return head + ": it cannot pay on this machine, and auto leaves it idle"
+    return head + ": measure the real acceptance with `bench` (docs/benchmarks.md)"
 
 
 def register(sub, add_model_args, add_sampling_args, add_method_args) -> None:

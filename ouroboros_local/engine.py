@@ -218,13 +218,17 @@ class Engine:
         return self._draft_kv
 
     # ---- cost model -----------------------------------------------------------------------------
-    def calibration_settings(self) -> dict[str, Any]:
+    def calibration_settings(self, draft: bool = False) -> dict[str, Any]:
+        """What a cost curve of the target (or the draft) depends on besides the model file."""
         cfg = self.config
         from .llama import system_info
 
-        return {"gpu_layers": cfg.gpu_layers, "threads": self.target_ctx.n_threads,
-                "n_batch": self.target_ctx.n_batch, "flash_attn": cfg.flash_attn, "type_k": cfg.type_k,
-                "type_v": cfg.type_v, "system": system_info()}
+        ctx = self._draft_ctx if draft else self.target_ctx
+        assert ctx is not None
+        return {"gpu_layers": cfg.draft_gpu_layers if draft else cfg.gpu_layers, "threads": ctx.n_threads,
+                "n_batch": ctx.n_batch, "flash_attn": cfg.flash_attn,
+                "type_k": cfg.draft_type_k if draft else cfg.type_k,
+                "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info()}
 
     def cost_model(self, refresh: bool = False) -> CostModel:
         """The target's verify-cost curve: from the on-disk cache, else measured now (a few decodes)."""
@@ -234,12 +238,23 @@ class Engine:
         with self._lock:   # a cached curve is checked with a few decodes, a stale one re-measured
             return cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
 
+    def draft_cost_model(self, refresh: bool = False) -> CostModel | None:
+        """The draft model's decode-cost curve (cached like the target's); None without a draft model or
+        with calibration off. The scheduler's prior of what draft steps and catch-ups cost."""
+        if self.draft is None or self.config.calibration == "off":
+            return None
+        kv = self.draft_kv()
+        key = calibration_key(self.draft.path, self.calibration_settings(draft=True))
+        with self._lock:
+            return cached_or_measured(kv, key, CalibrationCache(), refresh, measure=measure_costs)
+
     def scheduler(self) -> Scheduler:
         """The cost-model scheduler (the first call loads or measures the cost curve)."""
         if self._scheduler is None:
             # a draft's catch-up (reading a prompt) is priced at its share of the target's weights until measured
             scale = self.draft.size_bytes / max(self.target.size_bytes, 1) if self.draft is not None else 1.0
-            self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft, draft_scale=scale)
+            self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft, draft_scale=scale,
+                                        draft_costs=self.draft_cost_model())
         return self._scheduler
 
     def drafting_context(self) -> DraftingContext:
@@ -405,6 +420,8 @@ class Engine:
         finally:
             proposer.end()
             stats.extra.update(proposer.stats())
+            if sched is not None and proposer.name in sched.retired:
+                stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
         stats.decode_seconds = time.perf_counter() - t1
         _add_python_time(stats, llama_decode_clock() - llama_at_t1)

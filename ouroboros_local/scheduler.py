@@ -25,6 +25,13 @@ drafting can resume when the text turns repetitive.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
+A ceiling. Where one draft-model step costs a large share of a target step and verification is steep (2
+CPU cores: the 0.5B draft costs 0.57 steps of the 1.5B target, and 4 verified tokens 2.7 steps), drafting
+loses even if every draft token is accepted. Such a drafter is *retired* (``hopeless``): it is not asked,
+not probed, and never catches up on text. Its cost is the floor of what drafting can cost: a chain
+drafter's prior (one draft-model step per token, from the draft's calibrated curve) until it has
+drafted RETIRE_AFTER rounds, then the least it was measured to cost per token.
+
 Confidence classes. One alpha per proposer averages easy and hard tokens; on a CPU, where a draft token
 must be right ~70-90% of the time to pay for its share of the verification, that average says "never
 draft" although some drafts are nearly always right (a long copy from the prompt, a token the draft
@@ -41,6 +48,7 @@ few failed drafts instead of the ~30 the table's decay needs.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -53,6 +61,8 @@ from .tree import TokenTree
 if TYPE_CHECKING:  # pragma: no cover
     from .proposers.base import Proposer
 
+log = logging.getLogger("ouroboros_local")
+
 PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does not pay may cost
 REFRESH_ROUNDS = 64     # rounds a "does drafting pay" answer is kept while nothing it reads changed
 REQUEST_PRIOR = 3.0     # accepted tokens' worth of weight the learned class estimates keep in a request
@@ -62,8 +72,10 @@ MIN_GAIN = 1.05         # a one-token draft must promise this much over plain de
                         # on a CPU whose curve is steep a wrong "pays" costs more than a wrong "does not"
 CATCH_UP_MIN = 16       # a draft model this many tokens behind must first be shown to repay its catch-up
 CATCH_UP_REPAY_ROUNDS = 64   # ... within this many drafted rounds (or fit the probe budget)
-CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the target's per-token cost in a
-                             # batch this size, scaled by the draft's size (``Scheduler.draft_scale``)
+CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft's per-token cost in a batch
+                             # this size (its calibrated curve; without one, the target's scaled by size)
+RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
+                        # first draft decode can page the weights in: one slow round must not retire it)
 
 
 class RoundCosts:
@@ -110,9 +122,11 @@ class Scheduler:
     """Chooses per round how many draft tokens each proposer may propose."""
 
     def __init__(self, costs: CostModel, max_length: int = 16, probe_length: int = 2,
-                 draft_scale: float = 1.0):
+                 draft_scale: float = 1.0, draft_costs: CostModel | None = None):
         self.costs = costs
-        # draft weights / target weights: the prior of a draft model's catch-up cost (``catch_up_cost``)
+        # the draft model's own calibrated curve: the prior of what its steps and catch-ups cost
+        self.draft_costs = draft_costs
+        # draft weights / target weights: the prior of a catch-up's cost without that curve
         self.draft_scale = draft_scale
         # What rounds really cost here, per batch size n: an EMA of measured seconds / calibrated c(n)
         # (``RoundCosts``). It covers what the calibration cannot see: the round's own work around the
@@ -147,6 +161,13 @@ class Scheduler:
         # benchmark), the time of the others must not pay for one method's probes; and a method's
         # candidates share it (auto's prompt lookup and suffix tries would otherwise probe 2% of the time).
         self._draft_costs: dict[str, float] = {}
+        # The floor of each proposer's drafting cost per token (``ceiling``): its prior (``enroll``), then
+        # the least measured once RETIRE_AFTER rounds were timed; and the drafters retired, with ceilings.
+        self._prior_costs: dict[str, float] = {}
+        self._least_costs: dict[str, float] = {}
+        self._timed_rounds: dict[str, int] = {}
+        self._ceiling_memo: dict[str, tuple[float, int, float, bool]] = {}
+        self.retired: dict[str, float] = {}
         # Seconds per token of a draft model's catch-up (decoding a prompt, or rounds it skipped), per
         # proposer (EMA; ``catch_up_cost``). A probe of a draft that skipped a 773-token prompt spent
         # 6 s (the 0.5B draft of the 1.5B target on 2 cores), twice the whole answer's plain decoding.
@@ -162,6 +183,8 @@ class Scheduler:
         """``proposer``'s draft for this round as the cost model wants it: no longer than pays (the root
         alone when nothing does; the proposer is not asked then), timed for its per-token drafting
         cost, trimmed by confidence class."""
+        if self.hopeless(proposer.name):
+            return TokenTree.rooted_at(committed[-1])
         k = self.best_length(proposer.name, self.draft_cost(proposer.name), limit=budget)
         if k <= 0:
             return TokenTree.rooted_at(committed[-1])
@@ -178,6 +201,9 @@ class Scheduler:
         """This scheduler prices ``proposer``'s drafts from now on (by class, if it labels its nodes)."""
         if proposer.confidence_classes:
             self.labels(proposer.name)
+        steps = proposer.draft_steps_per_token
+        if steps > 0 and self.draft_costs is not None:
+            self._prior_costs[proposer.name] = steps * self.draft_costs.cost(1)
 
     def begin_request(self) -> None:
         """A new generation starts: what the last one's drafts did no longer corrects the estimates."""
@@ -217,16 +243,20 @@ class Scheduler:
             return
         self._changes += 1
         per_token = max(seconds - catch_up, 0.0) / n_tokens
+        self._timed_rounds[source] = self._timed_rounds.get(source, 0) + 1
+        self._least_costs[source] = min(per_token, self._least_costs.get(source, per_token))
         old = self._draft_costs.get(source)
         self._draft_costs[source] = per_token if old is None else old + 0.2 * (min(per_token, 3 * old) - old)
 
     def catch_up_cost(self, source: str) -> float:
-        """Seconds per token of ``source``'s catch-up: measured, else the target's per-token cost in a
-        CATCH_UP_PRIOR_BATCH-token batch times ``draft_scale`` (within 10% of the measured figure for the
-        0.5B draft of the 1.5B target on a 2-core CPU)."""
+        """Seconds per token of ``source``'s catch-up: measured, else the draft's per-token cost in a
+        CATCH_UP_PRIOR_BATCH-token batch (its calibrated curve; without one, the target's times
+        ``draft_scale``, within 10% of the measured figure for the 0.5B draft of the 1.5B target)."""
         measured = self._catch_up_costs.get(source)
         if measured is not None:
             return measured
+        if self.draft_costs is not None:
+            return self.draft_costs.cost(CATCH_UP_PRIOR_BATCH) / CATCH_UP_PRIOR_BATCH
         return self.draft_scale * self.costs.cost(CATCH_UP_PRIOR_BATCH) / CATCH_UP_PRIOR_BATCH
 
     def catch_up_pays(self, source: str, behind: int) -> bool:
@@ -244,6 +274,40 @@ class Scheduler:
             return True
         self._probing.discard(source)
         return False
+
+    def ceiling(self, source: str) -> tuple[float, bool] | None:
+        """The best speed-up over plain decoding ``source``'s drafts could reach if every draft token were
+        accepted, at the floor of its drafting cost (module docstring), and whether that clears the
+        margin drafts must promise (MIN_GAIN); None while the floor is unknown (a free drafter, or a
+        model drafter without a prior that has not been timed yet)."""
+        cost = self._draft_floor(source)
+        if not cost:
+            return None
+        memo = self._ceiling_memo.get(source)
+        if memo is None or memo[0] != cost or self._rounds - memo[1] >= REFRESH_ROUNDS:
+            rates = perfect_rates(self.round_seconds(self.max_length), cost)
+            memo = (cost, self._rounds, float(rates[1:].max() / rates[0]), _best_beyond_margin(rates) > 0)
+            self._ceiling_memo[source] = memo
+        return memo[2], memo[3]
+
+    def _draft_floor(self, source: str) -> float | None:
+        if self._timed_rounds.get(source, 0) >= RETIRE_AFTER:
+            return self._least_costs[source]
+        return self._prior_costs.get(source)
+
+    def hopeless(self, source: str) -> bool:
+        """Is ``source`` retired: would drafting lose even if every draft token were accepted?"""
+        ceiling = self.ceiling(source)
+        if ceiling is None or ceiling[1]:
+            self.retired.pop(source, None)
+            return False
+        if source not in self.retired:
+            steps = (self._draft_floor(source) or 0.0) / self.round_seconds(0)[0]
+            log.info("%s stays idle: a draft token costs %.2f target steps here, so drafting would reach "
+                     "%.2fx of plain decoding at best, even if every draft token were accepted",
+                     source, steps, ceiling[0])
+        self.retired[source] = round(ceiling[0], 3)
+        return True
 
     def _round_saving(self, source: str) -> float:
         """Seconds a drafted round of ``source`` is expected to save over plain decoding of the same
@@ -371,7 +435,10 @@ class Scheduler:
         return float(expected[-1] / self.round_seconds(n)[-1])
 
     def best_rate(self, source: str, draft_cost: float, limit: int) -> float:
-        """Expected tokens per second of ``source``'s best draft length (depth model, cost included)."""
+        """Expected tokens per second of ``source``'s best draft length (depth model, cost included);
+        0 for a retired drafter."""
+        if self.hopeless(source):
+            return 0.0
         limit = min(limit, self.max_length)
         return float(np.max(self.throughputs(self.estimate(source), limit, draft_cost)))
 
@@ -540,6 +607,20 @@ class Scheduler:
             else:
                 pays = self.gain(source, cost) >= MIN_GAIN
             self._probe_every[source] = 8 if pays else min(every * 2, 256)
+
+
+def perfect_rates(round_seconds: np.ndarray, draft_cost: float) -> np.ndarray:
+    """Tokens per second of drafting k = 0..n tokens if every one were accepted, where verifying k draft
+    tokens takes ``round_seconds[k]`` and drafting one ``draft_cost`` seconds: the ceiling of any drafter."""
+    k = np.arange(len(round_seconds))
+    return (k + 1) / (round_seconds + draft_cost * k)
+
+
+def draft_ceiling(target: CostModel, draft: CostModel, max_length: int = 16) -> float:
+    """The best speed-up a draft model drafting one step per token could give over plain decoding on these
+    calibrated curves, if every draft token were accepted (``doctor``)."""
+    rates = perfect_rates(target.table(max_length + 1), draft.cost(1))
+    return float(rates[1:].max() / rates[0])
 
 
 def _best_beyond_margin(rates: np.ndarray) -> int:

@@ -557,3 +557,79 @@ def test_a_branching_tree_teaches_every_class_it_tried() -> None:
     table = sched.confidence["x"]
     assert table.trials == {"a": 1.0, "c": 1.0, "d": 1.0}                     # b's parent was rejected
     assert table.successes == {"a": 0.0, "c": 1.0, "d": 1.0}
+
+
+# ---- the ceiling: a drafter that loses even when always right is retired ----------------------------
+# This machine's curves (calibrate, 2 cores, AVX512): the 1.5B target's c(1..8), and its 0.5B draft's step
+QWEN_CPU = CostModel(sizes=[1, 2, 3, 4, 6, 8, 16], seconds=[0.035, 0.058, 0.078, 0.097, 0.144, 0.235, 0.30])
+DRAFT_CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[0.020, 0.037, 0.049, 0.089, 0.123])
+
+
+class ChainDraft(Proposer):
+    """A model drafter whose every draft is two tokens; counts how often it is asked."""
+
+    name = "d"
+    confidence_classes = False
+    draft_steps_per_token = 1.0
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def propose(self, committed, budget):
+        self.asked += 1
+        tree = TokenTree.rooted_at(committed[-1])
+        tree.add(tree.add(0, 1), 2)
+        return tree
+
+
+def test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_asked() -> None:
+    # (k + 1) / (k * 0.020 + c(k + 1)) stays below 1 / c(1) for every k: 0.90x at best
+    sched = Scheduler(QWEN_CPU, draft_costs=DRAFT_CPU)
+    sched.acceptance["d"] = Acceptance(successes=1000, failures=0)   # as if every draft were accepted
+    draft = ChainDraft()
+    sched.enroll(draft)
+    for _ in range(300):   # long enough for several probes, were it probed
+        sched.draft(draft, [0, 5], budget=8)
+        sched.observe_round(1, QWEN_CPU.cost(1))
+    assert draft.asked == 0
+    ceiling, pays = sched.ceiling("d")
+    assert not pays and 0.85 < ceiling < 0.95
+    assert sched.retired == {"d": pytest.approx(ceiling, abs=1e-3)}
+    assert sched.best_rate("d", sched.draft_cost("d"), 8) == 0.0   # auto never waits for it
+
+
+def test_a_draft_model_that_can_pay_is_not_retired() -> None:
+    # the same draft beside a GPU-like flat curve: always right it would be several times faster
+    flat = CostModel(sizes=[1, 8, 16], seconds=[0.035, 0.037, 0.040])
+    sched = Scheduler(flat, draft_costs=DRAFT_CPU)
+    sched.acceptance["d"] = Acceptance(successes=1000, failures=0)
+    draft = ChainDraft()
+    sched.enroll(draft)
+    assert sched.ceiling("d")[1] and not sched.hopeless("d")
+    assert sched.draft(draft, [0, 5], budget=8).n_candidates and draft.asked == 1
+    assert sched.retired == {}
+
+
+def test_a_drafter_without_a_prior_is_retired_only_after_its_timed_rounds() -> None:
+    # no prior (Ouroboros's window commits a varying number of tokens per draft forward): the least
+    # measured per-token cost decides, once RETIRE_AFTER rounds were timed; one slow first round (the
+    # weights paged in) does not, and a fast round later lowers the floor
+    import ouroboros_local.scheduler as scheduler_module
+
+    sched = Scheduler(QWEN_CPU, draft_costs=DRAFT_CPU)
+    assert sched.ceiling("w") is None and not sched.hopeless("w")
+    sched.note_draft("w", 2.0, 2)            # 1 s a token: a cold start
+    for _ in range(scheduler_module.RETIRE_AFTER - 2):
+        sched.note_draft("w", 0.06, 2)
+    assert not sched.hopeless("w")           # not yet timed often enough
+    sched.note_draft("w", 0.06, 2)           # 0.03 s a token: 0.86 target steps
+    assert sched.hopeless("w") and sched.retired["w"] < 1.0
+    cheap = Scheduler(QWEN_CPU)
+    for _ in range(scheduler_module.RETIRE_AFTER):
+        cheap.note_draft("w", 0.0001, 2)     # a free drafter (prompt lookup's Python) is never retired
+    assert not cheap.hopeless("w")
+
+
+def test_the_catch_up_prior_is_the_drafts_own_curve_when_calibrated() -> None:
+    sched = Scheduler(QWEN_CPU, draft_scale=0.5, draft_costs=DRAFT_CPU)
+    assert sched.catch_up_cost("d") == pytest.approx(DRAFT_CPU.cost(16) / 16)

@@ -78,6 +78,9 @@ class Proposer(ABC):
     # Seconds of the last propose() a draft model spent catching up on text of rounds it did not draft
     # (see ``CatchUp``): a scheduler keeps them out of the proposer's per-token drafting cost.
     catch_up_seconds: float = 0.0
+    # Draft-model steps one drafted token costs at least (a chain drafter: 1; 0 when unknown or free): with
+    # the draft's calibrated step, the scheduler's prior of its drafting cost, before it has drafted.
+    draft_steps_per_token: float = 0.0
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         """Start a generation whose committed tokens are ``prompt``."""

@@ -132,6 +132,7 @@ class DraftModelProposer(Proposer):
     name = "speculative"
     adaptive = True   # a chain: the scheduler caps, stops and trims it by the cost model
     confidence_classes = True
+    draft_steps_per_token = 1.0   # one draft decode per drafted token
 
     def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0,
                  adaedl: AdaEDL | None = None, greedy_draft: bool = False):
