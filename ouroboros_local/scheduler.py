@@ -27,7 +27,8 @@ probes first.
 
 A ceiling. Where one draft-model step costs a large share of a target step and verification is steep (2
 CPU cores: the 0.5B draft costs 0.57 steps of the 1.5B target, and 4 verified tokens 2.7 steps), drafting
-loses even if every draft token is accepted. Such a drafter is *retired* (``hopeless``): it is not asked,
+gains nothing even if every draft token is accepted. A drafter whose ceiling is below MIN_GAIN is
+*retired* (``hopeless``): it is not asked,
 not probed, and never catches up on text. Its cost is the floor of what drafting can cost: a chain
 drafter's prior (one draft-model step per token, from the draft's calibrated curve) until it has
 drafted RETIRE_AFTER rounds, then the least it was measured to cost per token.
@@ -76,6 +77,9 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
                              # this size (its calibrated curve; without one, the target's scaled by size)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
+RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
+                        # be retired: free drafters cost microseconds, and one retired for a round-cost factor
+                        # that happened to be high would never draft again to correct it
 
 
 class RoundCosts:
@@ -166,7 +170,8 @@ class Scheduler:
         self._prior_costs: dict[str, float] = {}
         self._least_costs: dict[str, float] = {}
         self._timed_rounds: dict[str, int] = {}
-        self._ceiling_memo: dict[str, tuple[float, int, float, bool]] = {}
+        self._ceiling_memo: dict[str, tuple[tuple[float, str], int, float]] = {}
+        self._told: set[str] = set()   # drafters whose retirement was logged (once per engine)
         self.retired: dict[str, float] = {}
         # Seconds per token of a draft model's catch-up (decoding a prompt, or rounds it skipped), per
         # proposer (EMA; ``catch_up_cost``). A probe of a draft that skipped a 773-token prompt spent
@@ -275,20 +280,20 @@ class Scheduler:
         self._probing.discard(source)
         return False
 
-    def ceiling(self, source: str) -> tuple[float, bool] | None:
+    def ceiling(self, source: str) -> float | None:
         """The best speed-up over plain decoding ``source``'s drafts could reach if every draft token were
-        accepted, at the floor of its drafting cost (module docstring), and whether that clears the
-        margin drafts must promise (MIN_GAIN); None while the floor is unknown (a free drafter, or a
-        model drafter without a prior that has not been timed yet)."""
+        accepted, at the floor of its drafting cost (module docstring); None for a free drafter
+        (RETIRE_MIN_COST) and while the floor is unknown (a model drafter without a prior, not yet timed)."""
         cost = self._draft_floor(source)
-        if not cost:
+        if cost is None or cost < RETIRE_MIN_COST * self.costs.cost(1):
             return None
+        key = (cost, self._method)        # each method's rounds cost what they were measured to cost
         memo = self._ceiling_memo.get(source)
-        if memo is None or memo[0] != cost or self._rounds - memo[1] >= REFRESH_ROUNDS:
+        if memo is None or memo[0] != key or self._rounds - memo[1] >= REFRESH_ROUNDS:
             rates = perfect_rates(self.round_seconds(self.max_length), cost)
-            memo = (cost, self._rounds, float(rates[1:].max() / rates[0]), _best_beyond_margin(rates) > 0)
+            memo = (key, self._rounds, float(rates[1:].max() / rates[0]))
             self._ceiling_memo[source] = memo
-        return memo[2], memo[3]
+        return memo[2]
 
     def _draft_floor(self, source: str) -> float | None:
         if self._timed_rounds.get(source, 0) >= RETIRE_AFTER:
@@ -296,17 +301,20 @@ class Scheduler:
         return self._prior_costs.get(source)
 
     def hopeless(self, source: str) -> bool:
-        """Is ``source`` retired: would drafting lose even if every draft token were accepted?"""
+        """Is ``source`` retired: would it gain less than MIN_GAIN even if every draft token were accepted?
+        (Real acceptance is lower, so such a drafter never pays; a ceiling near 1 moves with the measured
+        round costs, and a bar at 1 would let it in and out.)"""
         ceiling = self.ceiling(source)
-        if ceiling is None or ceiling[1]:
+        if ceiling is None or ceiling >= MIN_GAIN:
             self.retired.pop(source, None)
             return False
-        if source not in self.retired:
+        if source not in self._told:
+            self._told.add(source)
             steps = (self._draft_floor(source) or 0.0) / self.round_seconds(0)[0]
             log.info("%s stays idle: a draft token costs %.2f target steps here, so drafting would reach "
                      "%.2fx of plain decoding at best, even if every draft token were accepted",
-                     source, steps, ceiling[0])
-        self.retired[source] = round(ceiling[0], 3)
+                     source, steps, ceiling)
+        self.retired[source] = round(ceiling, 3)
         return True
 
     def _round_saving(self, source: str) -> float:
