@@ -443,3 +443,28 @@ def test_engine_pool_file_survives_a_restart_and_refuses_another_tokenizer(engin
     with pytest.raises(PoolError, match="another tokenizer"):
         engine.generate(prompt, max_tokens=4, method="suffix", options={"pool": str(given)})
     engine.history.clear()
+
+
+def test_a_proposer_asked_now_and_then_drafts_what_one_that_followed_every_round_drafts() -> None:
+    # observe() is lazy on the engine's committed list: rounds that do not ask suffix cost it nothing,
+    # and a later propose() catches up (match states rebuilt from the last depth tokens when many are new)
+    rng = random.Random(3)
+    cache = SuffixCache()
+    cache.add([rng.randrange(12) for _ in range(300)])          # an earlier answer in the global trie
+    text = [rng.randrange(12) for _ in range(400)]
+    lazy = SuffixProposer(cache, min_match=1, max_branches=3)
+    eager = SuffixProposer(cache, min_match=1, max_branches=3)
+    committed = text[:20]
+    lazy.begin(committed, make_setup())
+    eager.begin(tuple(committed), make_setup())                # not a list: follows every observe()
+    end = 20
+    for skip in (1, 3, 40, 2, 17, 16, 1, 90, 5):              # rounds between two proposals
+        for _ in range(skip):
+            end += 1
+            committed.append(text[end - 1])
+            lazy.observe(committed, None)
+            eager.observe(list(committed), None)
+        a, b = lazy.propose(committed, budget=12), eager.propose(list(committed), budget=12)
+        assert (a.tokens, a.parents, a.classes) == (b.tokens, b.parents, b.classes)
+        assert lazy.matcher.states == eager.matcher.states
+    assert lazy._seen == eager._seen == committed

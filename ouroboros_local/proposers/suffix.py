@@ -171,23 +171,19 @@ class SuffixProposer(Proposer):
                 self.matcher.push(tok)
             self._version = self.cache.version
 
-    def _extend(self, tokens: Sequence[int]) -> None:
-        for tok in tokens:
-            tok = int(tok)
-            self.local.append(tok)
-            self.matcher.push(tok)
-            self._seen.append(tok)
-
     def _sync(self, committed: Sequence[int]) -> None:
+        """Catch up on ``committed`` (any number of new tokens: rounds that did not ask this proposer)."""
         have = len(self._seen)
         if have > len(committed) or (have and int(committed[have - 1]) != self._seen[-1]):
             self._restart(committed)
             return
-        if self._version != self.cache.version:
-            self._extend_local_only(committed[have:])
-            self._rematch()
+        new = committed[have:]
+        self._extend_local_only(new)
+        if self._version != self.cache.version or len(new) > self.cache.trie.depth:
+            self._rematch()            # only the last depth tokens decide the match states
         else:
-            self._extend(committed[have:])
+            for tok in new:
+                self.matcher.push(int(tok))
 
     def _extend_local_only(self, tokens: Sequence[int]) -> None:
         for tok in tokens:
@@ -230,7 +226,11 @@ class SuffixProposer(Proposer):
         return tree
 
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
-        self._sync(committed)
+        # Lazy: propose() and end() catch up on the engine's committed list (``_live``), so rounds that
+        # do not ask this proposer (most of auto's, where nothing pays) cost it nothing; the match
+        # states are then rebuilt from the last depth tokens instead of stepped through every token.
+        if self._live is None:
+            self._sync(committed)
 
     def end(self) -> None:
         live, have = self._live, len(self._seen)
