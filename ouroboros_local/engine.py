@@ -251,7 +251,8 @@ class Engine:
     def scheduler(self) -> Scheduler:
         """The cost-model scheduler (the first call loads or measures the cost curve)."""
         if self._scheduler is None:
-            # a draft's catch-up (reading a prompt) is priced at its share of the target's weights until measured
+            # the draft's own curve prices its steps and catch-ups until measured (without it: its share of
+            # the target's weights)
             scale = self.draft.size_bytes / max(self.target.size_bytes, 1) if self.draft is not None else 1.0
             self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft, draft_scale=scale,
                                         draft_costs=self.draft_cost_model())

@@ -79,9 +79,11 @@ class AutoProposer(Proposer):
         out: dict[str, Any] = {"auto_rounds": dict(self.rounds),
                                "auto_alpha": {p.name: round(self.scheduler.estimate(p.name).alpha, 3)
                                               for p in self.candidates}}
-        retired = {p.name: self.scheduler.retired[p.name] for p in self.candidates if p.name in self.scheduler.retired}
-        if retired:   # drafters that cannot pay here even if always right: their best case over plain decoding
-            out["draft_ceiling"] = retired
+        # drafters that cannot pay here even if always right, with their best case over plain decoding
+        retired = self.scheduler.retired
+        ceilings = {p.name: retired[p.name] for p in self.candidates if p.name in retired}
+        if ceilings:
+            out["draft_ceiling"] = ceilings
         for proposer in self.candidates:
             out.update(proposer.stats())
         return out
