@@ -468,3 +468,24 @@ def test_a_proposer_asked_now_and_then_drafts_what_one_that_followed_every_round
         assert (a.tokens, a.parents, a.classes) == (b.tokens, b.parents, b.classes)
         assert lazy.matcher.states == eager.matcher.states
     assert lazy._seen == eager._seen == committed
+
+
+def test_catching_up_is_not_counted_as_drafting_cost() -> None:
+    # the trie work of rounds it was not asked in is timed apart (catch_up_seconds): counted as drafting,
+    # a probe after many idle rounds made suffix look too dear to ask (codeedit's second pass, SmolLM2:
+    # 1.44x -> 1.19x)
+    from ouroboros_local.calibration import CostModel
+    from ouroboros_local.scheduler import Scheduler
+
+    rng = random.Random(5)
+    text = [rng.randrange(50) for _ in range(300)]
+    prop = SuffixProposer(min_match=1)
+    committed = text[:]
+    prop.begin(committed, make_setup())
+    committed += text * 7                                     # 2100 tokens it has not seen yet
+    sched = Scheduler(CostModel(sizes=[1, 16], seconds=[0.01, 0.011]))
+    sched.enroll(prop)
+    tree = sched.draft(prop, committed, budget=8)
+    assert tree.n_candidates and prop._seen == committed
+    assert prop.catch_up_seconds > 0
+    assert sched.draft_cost(prop.name) < prop.catch_up_seconds / (10 * tree.n_candidates)

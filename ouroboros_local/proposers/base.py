@@ -75,8 +75,9 @@ class Proposer(ABC):
     # True when the proposer labels its nodes with confidence classes (tree.classes) and asks
     # ``setup.extend_pays`` while drafting: the scheduler then decides per class (scheduler.py).
     confidence_classes: bool = False
-    # Seconds of the last propose() a draft model spent catching up on text of rounds it did not draft
-    # (see ``CatchUp``): a scheduler keeps them out of the proposer's per-token drafting cost.
+    # Seconds of the last propose() spent catching up on text of rounds it did not draft (a draft model's
+    # decode, see ``CatchUp``; the suffix tries' appends): a scheduler keeps them out of the proposer's
+    # per-token drafting cost.
     catch_up_seconds: float = 0.0
     # Draft-model steps one drafted token costs at least (a chain drafter: 1; 0 when unknown or free): with
     # the draft's calibrated step, the scheduler's prior of its drafting cost, before it has drafted.
