@@ -28,10 +28,10 @@ probes first.
 A ceiling. Where one draft-model step costs a large share of a target step and verification is steep (2
 CPU cores: the 0.5B draft costs 0.57 steps of the 1.5B target, and 4 verified tokens 2.7 steps), drafting
 gains nothing even if every draft token is accepted. A drafter whose ceiling is below MIN_GAIN is
-*retired* (``hopeless``): it is not asked,
-not probed, and never catches up on text. Its cost is the floor of what drafting can cost: a chain
-drafter's prior (one draft-model step per token, from the draft's calibrated curve) until it has
-drafted RETIRE_AFTER rounds, then the least it was measured to cost per token.
+*retired* (``hopeless``): it is not asked, not probed, and never catches up on text. Its cost is the
+floor of what drafting can cost: a chain drafter's prior (one draft-model step per token, from the
+draft's calibrated curve) until it has drafted RETIRE_AFTER rounds, then the least it was measured to
+cost per token.
 
 Confidence classes. One alpha per proposer averages easy and hard tokens; on a CPU, where a draft token
 must be right ~70-90% of the time to pay for its share of the verification, that average says "never
@@ -290,8 +290,7 @@ class Scheduler:
         key = (cost, self._method)        # each method's rounds cost what they were measured to cost
         memo = self._ceiling_memo.get(source)
         if memo is None or memo[0] != key or self._rounds - memo[1] >= REFRESH_ROUNDS:
-            rates = perfect_rates(self.round_seconds(self.max_length), cost)
-            memo = (key, self._rounds, float(rates[1:].max() / rates[0]))
+            memo = (key, self._rounds, best_case_speedup(self.round_seconds(self.max_length), cost))
             self._ceiling_memo[source] = memo
         return memo[2]
 
@@ -617,18 +616,19 @@ class Scheduler:
             self._probe_every[source] = 8 if pays else min(every * 2, 256)
 
 
-def perfect_rates(round_seconds: np.ndarray, draft_cost: float) -> np.ndarray:
-    """Tokens per second of drafting k = 0..n tokens if every one were accepted, where verifying k draft
-    tokens takes ``round_seconds[k]`` and drafting one ``draft_cost`` seconds: the ceiling of any drafter."""
+def best_case_speedup(round_seconds: np.ndarray, draft_cost: float) -> float:
+    """The best speed-up over plain decoding of drafting k = 1..n tokens if every one were accepted, where
+    verifying k draft tokens takes ``round_seconds[k]`` and drafting one ``draft_cost`` seconds: the
+    ceiling of any drafter."""
     k = np.arange(len(round_seconds))
-    return (k + 1) / (round_seconds + draft_cost * k)
+    rates = (k + 1) / (round_seconds + draft_cost * k)
+    return float(rates[1:].max() / rates[0])
 
 
 def draft_ceiling(target: CostModel, draft: CostModel, max_length: int = 16) -> float:
-    """The best speed-up a draft model drafting one step per token could give over plain decoding on these
-    calibrated curves, if every draft token were accepted (``doctor``)."""
-    rates = perfect_rates(target.table(max_length + 1), draft.cost(1))
-    return float(rates[1:].max() / rates[0])
+    """``best_case_speedup`` of a draft model drafting one step per token, on these calibrated curves
+    (``doctor``)."""
+    return best_case_speedup(target.table(max_length + 1), draft.cost(1))
 
 
 def _best_beyond_margin(rates: np.ndarray) -> int:
