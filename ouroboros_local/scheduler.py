@@ -29,9 +29,10 @@ A ceiling. Where one draft-model step costs a large share of a target step and v
 CPU cores: the 0.5B draft costs 0.57 steps of the 1.5B target, and 4 verified tokens 2.7 steps), drafting
 gains nothing even if every draft token is accepted. A drafter whose ceiling is below MIN_GAIN is
 *retired* (``hopeless``): it is not asked, not probed, and never catches up on text. Its cost is the
-floor of what drafting can cost: a chain drafter's prior (one draft-model step per token, from the
-draft's calibrated curve) until it has drafted RETIRE_AFTER rounds, then the least it was measured to
-cost per token.
+floor of what drafting can cost: its prior from the draft's calibrated curve
+(``Proposer.draft_cost_floor``: one draft step per token for a chain drafter; for Ouroboros, a forward
+over its window divided by the most tokens one forward can commit) until it has drafted RETIRE_AFTER
+rounds, then the least it was measured to cost per token.
 
 Confidence classes. One alpha per proposer averages easy and hard tokens; on a CPU, where a draft token
 must be right ~70-90% of the time to pay for its share of the verification, that average says "never
@@ -206,9 +207,9 @@ class Scheduler:
         """This scheduler prices ``proposer``'s drafts from now on (by class, if it labels its nodes)."""
         if proposer.confidence_classes:
             self.labels(proposer.name)
-        steps = proposer.draft_steps_per_token
-        if steps > 0 and self.draft_costs is not None:
-            self._prior_costs[proposer.name] = steps * self.draft_costs.cost(1)
+        floor = proposer.draft_cost_floor(self.draft_costs) if self.draft_costs is not None else None
+        if floor is not None:
+            self._prior_costs[proposer.name] = floor
 
     def begin_request(self) -> None:
         """A new generation starts: what the last one's drafts did no longer corrects the estimates."""

@@ -402,11 +402,11 @@ def test_method_option_adaptive_false_runs_the_fixed_hyperparameters(tiny_target
 
 def test_a_draft_that_cannot_pay_even_when_always_right_never_decodes(tiny_target, tiny_draft) -> None:
     """With this machine's measured curves planted (the 0.5B draft's step costs 0.57 of the 1.5B target's,
-    verifying 4 tokens 2.7 steps), the draft model is retired before it drafts: auto and speculative never
-    decode on it, say so in the stats, and give plain decoding's text. (Ouroboros's drafter has no prior:
-    a window forward may commit several tokens, so only its measured cost can retire it.)"""
+    verifying 4 tokens 2.7 steps), the draft model is retired before it drafts: auto, speculative and
+    ouroboros never decode on it, say so in the stats, and give plain decoding's text. (Ouroboros's
+    floor: a forward over its 7-token window commits at most 5 tokens, 0.51 target steps a token.)"""
     from ouroboros_local.calibration import CostModel
-    from ouroboros_local.scheduler import Scheduler
+    from ouroboros_local.scheduler import MIN_GAIN, Scheduler
 
     target = CostModel(sizes=[1, 2, 3, 4, 6, 8, 16], seconds=[0.035, 0.058, 0.078, 0.097, 0.144, 0.235, 0.30])
     draft = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[0.020, 0.037, 0.049, 0.089, 0.123])
@@ -420,6 +420,10 @@ def test_a_draft_that_cannot_pay_even_when_always_right_never_decodes(tiny_targe
             assert out.tokens == base.tokens
             assert 0.85 < out.stats.extra["draft_ceiling"]["speculative"] < 1.0
             assert out.stats.extra["draft_steps"] == 0
+        out = engine.generate(PROMPTS[0], max_tokens=24, method="ouroboros")
+        assert out.tokens == base.tokens
+        assert 0.95 < out.stats.extra["draft_ceiling"]["ouroboros"] < MIN_GAIN   # 17 perfect tokens: 1.003
+        assert out.stats.extra["ouro_draft_forwards"] == 0
         assert engine.draft_kv().n_past == 0       # the draft never read a token
         # the same pair beside a GPU-like flat curve: the draft is asked (and may then be scheduled out)
         engine._scheduler = Scheduler(CostModel(sizes=[1, 16], seconds=[0.035, 0.04]), draft_costs=draft)

@@ -570,7 +570,9 @@ class ChainDraft(Proposer):
 
     name = "d"
     confidence_classes = False
-    draft_steps_per_token = 1.0
+
+    def draft_cost_floor(self, draft_costs):
+        return draft_costs.cost(1)
 
     def __init__(self) -> None:
         self.asked = 0

@@ -27,6 +27,7 @@ import numpy as np
 from ..tree import TokenTree
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..calibration import CostModel
     from ..history import History
     from ..kv import KVCache
     from ..llama import Context, Model
@@ -79,9 +80,6 @@ class Proposer(ABC):
     # decode, see ``CatchUp``; the suffix tries' appends): a scheduler keeps them out of the proposer's
     # per-token drafting cost.
     catch_up_seconds: float = 0.0
-    # Draft-model steps one drafted token costs at least (a chain drafter: 1; 0 when unknown or free): with
-    # the draft's calibrated step, the scheduler's prior of its drafting cost, before it has drafted.
-    draft_steps_per_token: float = 0.0
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         """Start a generation whose committed tokens are ``prompt``."""
@@ -90,6 +88,12 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         """Return a tree rooted at ``committed[-1]`` with at most ``budget`` candidate nodes."""
+
+    def draft_cost_floor(self, draft_costs: "CostModel") -> float | None:
+        """Seconds one drafted token costs at least, from the draft model's calibrated curve: the
+        scheduler's prior of this proposer's drafting cost before it has drafted (its ceiling). None
+        when unknown, or when the proposer runs no model."""
+        return None
 
     def catch_up_tokens(self, committed: Sequence[int]) -> int:
         """Tokens a draft model must decode before it can draft after ``committed`` (the prompt, or text

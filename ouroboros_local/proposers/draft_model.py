@@ -32,6 +32,7 @@ from ..tree import TokenTree
 from .base import CatchUp, DraftingContext, ProposeSetup, Proposer
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..calibration import CostModel
     from ..verify import VerifyResult
 
 
@@ -132,7 +133,6 @@ class DraftModelProposer(Proposer):
     name = "speculative"
     adaptive = True   # a chain: the scheduler caps, stops and trims it by the cost model
     confidence_classes = True
-    draft_steps_per_token = 1.0   # one draft decode per drafted token
 
     def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0,
                  adaedl: AdaEDL | None = None, greedy_draft: bool = False):
@@ -147,6 +147,9 @@ class DraftModelProposer(Proposer):
         self.greedy_draft = greedy_draft
         self._catch_up = CatchUp()
         self._reset_counters()
+
+    def draft_cost_floor(self, draft_costs: "CostModel") -> float | None:
+        return draft_costs.cost(1)    # one draft decode per drafted token
 
     def _reset_counters(self) -> None:
         self.draft_steps = 0

@@ -49,6 +49,7 @@ from .pick import AutoProposer
 from .prompt_lookup import PromptLookupProposer
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..calibration import CostModel
     from ..kv import KVCache
     from ..verify import VerifyResult
 
@@ -116,6 +117,13 @@ class OuroborosProposer(Proposer):
             self._fed = len(committed)
 
     # ---- drafting ---------------------------------------------------------------------------------
+    def draft_cost_floor(self, draft_costs: "CostModel") -> float | None:
+        """A draft forward decodes at least u and the window, and commits at most one token more than
+        the deepest window or phrase node below u."""
+        win = self.window
+        deepest = max(win.depth, win.K + 1 if self.G else 0)
+        return draft_costs.cost(1 + win.n_nodes) / (1 + deepest)
+
     def catch_up_tokens(self, committed: Sequence[int]) -> int:
         return max(0, len(committed) - 1 - self.kv.n_past)
 
