@@ -316,6 +316,21 @@ def test_fallback_without_draft(tiny_target) -> None:
         assert res.stats.method == "ouroboros"
 
 
+def test_scheduled_fallback_prices_its_copies_as_prompt_lookup(tiny_target) -> None:
+    """Without a draft model, scheduled Ouroboros drafts copies from the context and its pool under the
+    scheduler's prompt-lookup estimates: what prompt lookup (or auto) learned applies to it at once, and
+    what it learns applies to them (on its own name it drafted 6 tokens where prompt lookup drafted 275,
+    SmolLM2 on wmt)."""
+    with make_engine(tiny_target, adaptive=True) as engine:
+        sched = engine.scheduler()
+        base = engine.generate(PROMPTS[0], max_tokens=24)
+        res = engine.generate(PROMPTS[0], max_tokens=24, method="ouroboros")
+        assert res.tokens == base.tokens and res.stats.method == "ouroboros"
+        assert res.stats.extra["ouroboros_fallback"] == "prompt-lookup"
+        assert set(res.stats.extra["auto_rounds"]) <= {"prompt-lookup", "plain"}
+        assert "prompt-lookup" in sched.acceptance and "ouroboros" not in sched.acceptance
+
+
 def test_pool_persistence_round_trip(tiny_target, tiny_draft, tiny_other_vocab, tmp_path) -> None:
     path = tmp_path / "ouro.pool"
     with make_engine(tiny_target, tiny_draft) as engine:

@@ -613,7 +613,7 @@ def test_a_draft_model_that_can_pay_is_not_retired() -> None:
 
 
 def test_a_drafter_without_a_prior_is_retired_only_after_its_timed_rounds() -> None:
-    # no prior (Ouroboros's window commits a varying number of tokens per draft forward): the least
+    # no prior (a drafter whose draft_cost_floor is unknown, e.g. cross-vocabulary drafts): the least
     # measured per-token cost decides, once RETIRE_AFTER rounds were timed; one slow first round (the
     # weights paged in) does not, and a fast round later lowers the floor
     import ouroboros_local.scheduler as scheduler_module

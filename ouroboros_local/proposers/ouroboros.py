@@ -356,8 +356,10 @@ def _fallback(ctx: DraftingContext, options: dict[str, Any], pool: PhrasePool) -
             window=options["window"], ngram=options["level"], guess=options["guess_set"], pool=pool,
             pool_from_prompt=options["pool_from_prompt"], harvest=options["harvest"], seed=options["seed"])
         return _Fallback(inner, "lookahead", pool)
-    inner = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True)
-    return _Fallback(inner, "prompt-lookup", pool)
+    # priced as a prompt-lookup candidate, as with a draft model (``scheduled``): what the scheduler
+    # learned of context copies under prompt lookup and auto applies here too, and the other way round
+    phrases = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True)
+    return _Fallback(AutoProposer(ctx.scheduler(), [phrases], name="ouroboros"), "prompt-lookup", pool)
 
 
 __all__ = ["OPTIONS", "OuroborosProposer", "create", "scheduled"]
