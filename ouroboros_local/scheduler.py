@@ -76,6 +76,8 @@ CATCH_UP_MIN = 16       # a draft model this many tokens behind must first be sh
 CATCH_UP_REPAY_ROUNDS = 64   # ... within this many drafted rounds (or fit the probe budget)
 CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft's per-token cost in a batch
                              # this size (its calibrated curve; without one, the target's scaled by size)
+LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
+LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
@@ -156,6 +158,10 @@ class Scheduler:
         self._idle: dict[str, int] = {}
         self._probe_every: dict[str, int] = {}
         self._probing: set[str] = set()
+        # Cheap labelling drafters whose last proposal kept nodes after ``trim`` (the text is copyable
+        # now), and their idle rounds since the last look (``_worth_a_look``).
+        self._kept_last: set[str] = set()
+        self._unlooked: dict[str, int] = {}
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
         # Seconds per drafted token, per proposer (EMA over the engine's life: a new generation does not
@@ -191,17 +197,45 @@ class Scheduler:
         cost, trimmed by confidence class."""
         if self.hopeless(proposer.name):
             return TokenTree.rooted_at(committed[-1])
-        k = self.best_length(proposer.name, self.draft_cost(proposer.name), limit=budget)
+        name = proposer.name
+        k = self.best_length(name, self.draft_cost(name), limit=budget)
+        if k <= 0 and self._worth_a_look(name):
+            k = min(budget, self.max_length)
         if k <= 0:
             return TokenTree.rooted_at(committed[-1])
         behind = proposer.catch_up_tokens(committed)
-        if behind >= CATCH_UP_MIN and not self.catch_up_pays(proposer.name, behind):
+        if behind >= CATCH_UP_MIN and not self.catch_up_pays(name, behind):
             return TokenTree.rooted_at(committed[-1])
         t0 = time.perf_counter()
         tree = proposer.propose(committed, k)
-        self.note_draft(proposer.name, time.perf_counter() - t0, tree.n_candidates,
+        self.note_draft(name, time.perf_counter() - t0, tree.n_candidates,
                         catch_up=proposer.catch_up_seconds, catch_up_tokens=behind)
-        return self.trim(proposer.name, tree) if tree.n_candidates else tree
+        if tree.n_candidates:
+            tree = self.trim(name, tree)
+        if tree.n_candidates:
+            self._kept_last.add(name)
+        else:
+            self._kept_last.discard(name)
+        return tree
+
+    def _worth_a_look(self, source: str) -> bool:
+        """May a labelling drafter whose draft does not pay on the mix of classes seen so far be asked
+        anyway, for ``trim`` to judge the classes it actually drafts? Only a cheap one (a proposal costs
+        under LOOK_COST of a step: copies from the context, not a draft model): every round while its
+        last proposal kept nodes (copyable text comes in runs), else every LOOK_EVERY idle rounds.
+
+        The mix is learned from the drafts made; once it says "does not pay" few drafts are made and it
+        stays stale: on the 1.5B target, suffix proposed once in 16 repeated requests whose answers it
+        held word for word (0.96x, where the same code had reached 1.48x)."""
+        if source not in self.confidence or source in self._probing or not self._timed_rounds.get(source):
+            return False   # a drafter not timed yet is asked on its prior or probed
+        if self.draft_cost(source) * self.max_length >= LOOK_COST * self.costs.cost(1):
+            return False
+        if source in self._kept_last:
+            return True
+        idle = self._unlooked.get(source, 0) + 1
+        self._unlooked[source] = 0 if idle >= LOOK_EVERY else idle
+        return idle >= LOOK_EVERY
 
     def enroll(self, proposer: "Proposer") -> None:
         """This scheduler prices ``proposer``'s drafts from now on (by class, if it labels its nodes)."""
@@ -214,6 +248,8 @@ class Scheduler:
     def begin_request(self) -> None:
         """A new generation starts: what the last one's drafts did no longer corrects the estimates."""
         self._request.clear()
+        self._kept_last.clear()
+        self._unlooked.clear()
         self._changes += 1
 
     def learn(self, source: str, tree: TokenTree, accepted: int, path: Sequence[int] | None = None) -> None:

@@ -661,3 +661,62 @@ def test_a_ceiling_near_one_retires_and_says_so_once(caplog) -> None:
 def test_the_catch_up_prior_is_the_drafts_own_curve_when_calibrated() -> None:
     sched = Scheduler(QWEN_CPU, draft_scale=0.5, draft_costs=DRAFT_CPU)
     assert sched.catch_up_cost("d") == pytest.approx(DRAFT_CPU.cost(16) / 16)
+
+
+# ---- looks: a cheap drafter is asked even where the class mix says drafting does not pay -------------
+class CopyDraft(Proposer):
+    """A cheap labelling drafter whose every draft is a chain of ``cls``; counts how often it is asked."""
+
+    name = "x"
+    confidence_classes = True
+
+    def __init__(self, cls: str) -> None:
+        self.cls = cls
+        self.asked = 0
+
+    def propose(self, committed, budget):
+        self.asked += 1
+        return labelled_chain([self.cls] * min(budget, 8))
+
+
+def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
+    # the mix is learned from the drafts made: mostly hopeless first classes ("lo"), a few sure ones
+    # ("hi"). Asked only when the mix pays, a copy drafter would stay idle through a run of sure copies
+    # (a repeated request); looked at every LOOK_EVERY idle rounds, its sure drafts are kept by trim and
+    # it is asked every round while they are
+    from ouroboros_local.scheduler import LOOK_EVERY
+
+    sched = Scheduler(CPU, max_length=8)
+    rng = np.random.default_rng(0)
+    for cls, rate, rounds in (("lo", 0.05, 300), ("hi", 1.0, 30)):
+        for _ in range(rounds):
+            tree = labelled_chain([cls])
+            sched.trim("x", tree)
+            accepted = int(rng.random() < rate)
+            sched.update("x", 1, accepted)
+            sched.update_classes("x", tree, accepted)
+    sched.begin_request()
+    sched.note_draft("x", 8e-6, 8)                    # a copy costs microseconds
+    assert sched.best_length("x", sched.draft_cost("x"), 8) == 0
+
+    def rounds(draft: CopyDraft, right: bool) -> list[int]:
+        kept = []
+        for _ in range(12):
+            tree = sched.draft(draft, [0], 8)
+            if tree.n_candidates:   # verified: all of it accepted, or none
+                sched.learn("x", tree, tree.n_candidates if right else 0)
+            kept.append(tree.n_candidates)
+        return kept
+
+    doubtful = CopyDraft("lo")                        # its drafts are trimmed away: looked at now and then
+    assert sum(rounds(doubtful, right=False)) <= 2 * sched.probe_length
+    assert doubtful.asked <= 12 // LOOK_EVERY + 1
+    sched.begin_request()
+    sure = CopyDraft("hi")
+    kept = rounds(sure, right=True)
+    assert kept[:LOOK_EVERY - 1] == [0] * (LOOK_EVERY - 1) and all(k > 0 for k in kept[LOOK_EVERY - 1:])
+    assert sure.asked == 12 - (LOOK_EVERY - 1)
+    expensive = Scheduler(CPU, max_length=8)          # a draft model is never looked at
+    expensive.confidence = sched.confidence
+    expensive.note_draft("x", 0.02 * 8, 8)
+    assert not expensive._worth_a_look("x")
