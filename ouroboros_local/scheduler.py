@@ -51,6 +51,7 @@ few failed drafts instead of the ~30 the table's decay needs.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -78,6 +79,7 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
                              # this size (its calibrated curve; without one, the target's scaled by size)
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
+LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
@@ -94,26 +96,39 @@ class RoundCosts:
 
     WEIGHT = 0.1
     MIN_ROUNDS = 3
+    PLAIN_REFRESH = 8   # plain steps observed before the table is redrawn (an EMA of weight 0.1 barely moves)
 
     def __init__(self) -> None:
         self._ema: dict[int, float] = {}
         self._seen: dict[int, int] = {}
-        self._version = 0
+        self._version = 0       # bumped by what must show at once: a drafted size, a size now measured
+        self._plain = 0         # plain steps observed since the table was drawn
         self._cache: tuple[int, np.ndarray] | None = None
+        self.drawn = 0          # tables drawn so far (``Scheduler.round_seconds`` keys on it)
 
     def observe(self, n_tokens: int, factor: float) -> None:
         old = self._ema.get(n_tokens)
         self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
-        self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
-        self._version += 1
+        seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
+        if n_tokens > 1 or seen <= self.MIN_ROUNDS:
+            self._version += 1
+        else:
+            self._plain += 1
 
     def factor(self, n_tokens: int) -> float:
         return float(self.factors(n_tokens)[n_tokens - 1])
 
     def factors(self, n_max: int) -> np.ndarray:
         """The factors of sizes 1..n_max (a fresh array: callers scale it in place)."""
+        return self._table(n_max)[:n_max].copy()
+
+    def _table(self, n_max: int) -> np.ndarray:
+        """The factors of sizes 1..max(n_max, 64), redrawn when a drafted round was observed, or after
+        PLAIN_REFRESH plain steps: the plain steps of a run that does not draft would redraw it every
+        round, 10-30 µs with the caches cold after the decode."""
         cached = self._cache
-        if cached is None or cached[0] != self._version or len(cached[1]) < n_max:
+        if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
+                or self._plain >= self.PLAIN_REFRESH:
             sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
             n = max(n_max, 64)
             table = np.ones(n)
@@ -122,7 +137,9 @@ class RoundCosts:
             if sizes:
                 table[1:] = np.interp(np.arange(2, n + 1), sizes, [self._ema[k] for k in sizes])
             self._cache = cached = (self._version, table)
-        return cached[1][:n_max].copy()
+            self._plain = 0
+            self.drawn += 1
+        return cached[1]
 
 
 class Scheduler:
@@ -144,11 +161,15 @@ class Scheduler:
         # costs (ouroboros harvests phrases, lookahead decodes a window), so each generation's method
         # keeps its own figures (see ``use_method``).
         self._round_costs: dict[str, RoundCosts] = {}
+        self._seconds_memo: tuple[CostModel, RoundCosts, int, np.ndarray] | None = None   # ``round_seconds``
         # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
-        # reads changes (``_changes``: acceptance, classes, draft costs, the method) or REFRESH_ROUNDS
-        # rounds pass (what rounds cost drifts slowly). Recomputing costs 0.1-0.2 ms in a real run (cold
-        # caches), 1-2% of a fast CPU step: every 16 rounds it was 17 µs a round for auto's two candidates.
-        self._changes = 0
+        # reads changes (the proposer's acceptance and classes: ``_changes``; a new request or method:
+        # ``_epoch``; its drafting cost: ``_cost_key``) or REFRESH_ROUNDS rounds pass (what rounds cost
+        # drifts slowly). Recomputing costs 0.1-0.2 ms in a real run (cold caches), 1-2% of a fast CPU
+        # step. The counts are per proposer: with one shared count, every look at a cheap drafter
+        # re-decided both of auto's candidates, 50 µs a round on SmolLM2 (a third of auto's overhead).
+        self._changes: dict[str, int] = {}
+        self._epoch = 0
         self._rounds = 0
         self._pays_memo: dict[str, tuple[tuple, int, bool]] = {}
         self.use_method("")
@@ -162,6 +183,7 @@ class Scheduler:
         # now), and their idle rounds since the last look (``_worth_a_look``).
         self._kept_last: set[str] = set()
         self._unlooked: dict[str, int] = {}
+        self._look_seconds: dict[str, float] = {}
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
         # Seconds per drafted token, per proposer (EMA over the engine's life: a new generation does not
@@ -199,7 +221,8 @@ class Scheduler:
             return TokenTree.rooted_at(committed[-1])
         name = proposer.name
         k = self.best_length(name, self.draft_cost(name), limit=budget)
-        if k <= 0 and self._worth_a_look(name):
+        look = k <= 0 and self._worth_a_look(name)
+        if look:
             k = min(budget, self.max_length)
         if k <= 0:
             return TokenTree.rooted_at(committed[-1])
@@ -216,13 +239,23 @@ class Scheduler:
             self._kept_last.add(name)
         else:
             self._kept_last.discard(name)
+        if look:
+            self._note_look(name, time.perf_counter() - t0)
         return tree
+
+    def _note_look(self, source: str, seconds: float) -> None:
+        """A look at ``source`` took ``seconds``, its proposal and trim (EMA)."""
+        old = self._look_seconds.get(source)
+        self._look_seconds[source] = seconds if old is None else old + 0.2 * (seconds - old)
 
     def _worth_a_look(self, source: str) -> bool:
         """May a labelling drafter whose draft does not pay on the mix of classes seen so far be asked
         anyway, for ``trim`` to judge the classes it actually drafts? Only a cheap one (a proposal costs
         under LOOK_COST of a step: copies from the context, not a draft model): every round while its
-        last proposal kept nodes (copyable text comes in runs), else every LOOK_EVERY idle rounds.
+        last proposal kept nodes (copyable text comes in runs), else every LOOK_EVERY idle rounds, or
+        less often where a look (its proposal and trim) costs more than LOOK_SHARE of that many steps:
+        in a real run, with the caches cold after each decode, a look took 0.25 ms against SmolLM2's 8 ms
+        step, and looks every 4 rounds on text with nothing to copy cost 0.8% of the time.
 
         The mix is learned from the drafts made; once it says "does not pay" few drafts are made and it
         stays stale: on the 1.5B target, suffix proposed once in 16 repeated requests whose answers it
@@ -233,9 +266,10 @@ class Scheduler:
             return False
         if source in self._kept_last:
             return True
+        every = max(LOOK_EVERY, math.ceil(self._look_seconds.get(source, 0.0) / (LOOK_SHARE * self.costs.cost(1))))
         idle = self._unlooked.get(source, 0) + 1
-        self._unlooked[source] = 0 if idle >= LOOK_EVERY else idle
-        return idle >= LOOK_EVERY
+        self._unlooked[source] = 0 if idle >= every else idle
+        return idle >= every
 
     def enroll(self, proposer: "Proposer") -> None:
         """This scheduler prices ``proposer``'s drafts from now on (by class, if it labels its nodes)."""
@@ -250,7 +284,7 @@ class Scheduler:
         self._request.clear()
         self._kept_last.clear()
         self._unlooked.clear()
-        self._changes += 1
+        self._epoch += 1
 
     def learn(self, source: str, tree: TokenTree, accepted: int, path: Sequence[int] | None = None) -> None:
         """Verification accepted ``accepted`` tokens of ``source``'s ``tree``: the nodes ``path`` after
@@ -283,7 +317,6 @@ class Scheduler:
             self._catch_up_costs[source] = per_token if old is None else old + 0.3 * (per_token - old)
         if n_tokens <= 0:
             return
-        self._changes += 1
         per_token = max(seconds - catch_up, 0.0) / n_tokens
         self._timed_rounds[source] = self._timed_rounds.get(source, 0) + 1
         self._least_costs[source] = min(per_token, self._least_costs.get(source, per_token))
@@ -375,8 +408,16 @@ class Scheduler:
 
     def round_seconds(self, limit: int) -> np.ndarray:
         """Seconds a round verifying k = 0..limit draft tokens costs: the calibrated decode c(k + 1)
-        times what rounds of that size were measured to cost against it."""
-        return self.costs.table(limit + 1) * self.round_costs.factors(limit + 1)
+        times what rounds of that size were measured to cost against it (read-only)."""
+        rc, costs = self.round_costs, self.costs
+        factors = rc._table(limit + 1)
+        memo = self._seconds_memo
+        if memo is None or memo[0] is not costs or memo[1] is not rc or memo[2] != rc.drawn \
+                or len(memo[3]) <= limit:
+            seconds = costs.table(len(factors)) * factors
+            seconds.flags.writeable = False
+            memo = self._seconds_memo = (costs, rc, rc.drawn, seconds)
+        return memo[3][:limit + 1]
 
     def throughputs(self, acc: Acceptance, limit: int, draft_cost: float) -> np.ndarray:
         """Expected tokens per second of drafting k = 0..limit tokens."""
@@ -426,7 +467,7 @@ class Scheduler:
         if first is not None:
             table = self.confidence.setdefault(source, ConfidenceTable())
             if first not in table.first:   # a new class in the mix; its slow drift waits for a refresh
-                self._changes += 1         # (REFRESH_ROUNDS), or drafting would be re-decided every round
+                self._changed(source)      # (REFRESH_ROUNDS), or drafting would be re-decided every round
             table.note_first(first)
         if not tree.classes or tree.extras or tree.draft_probs:
             return tree
@@ -535,13 +576,28 @@ class Scheduler:
         (~0.1 ms) in every one of those rounds."""
         if limit < self.max_length:
             limit = 1 << (limit.bit_length() - 1)
-        key = (limit, draft_cost, self._changes)
+        key = (limit, self._cost_key(draft_cost, limit), self._epoch, self._changes.get(source, 0))
         memo = self._pays_memo.get(source)
         if memo is not None and memo[0] == key and self._rounds - memo[1] < REFRESH_ROUNDS:
             return memo[2]
         pays = self._classes_pay(source, table, draft_cost, limit)
         self._pays_memo[source] = (key, self._rounds, pays)
         return pays
+
+    def _cost_key(self, draft_cost: float, limit: int) -> tuple[str, int]:
+        """The drafting cost as ``_drafting_pays`` keys it: not measured yet; cheap (a full draft costs
+        under LOOK_COST of a step: lost in the noise of the round's own cost, and a free drafter's
+        per-token figure swings several-fold between rounds); else in 10% steps."""
+        if draft_cost <= 0:
+            return ("unmeasured", 0)
+        step = self.costs.cost(1)
+        if draft_cost * limit < LOOK_COST * step:
+            return ("cheap", 0)
+        return ("steps", round(math.log(draft_cost / step) / math.log(1.1)))
+
+    def _changed(self, source: str) -> None:
+        """What ``_drafting_pays`` reads of ``source`` changed."""
+        self._changes[source] = self._changes.get(source, 0) + 1
 
     def labels(self, source: str) -> None:
         """``source`` labels its drafts with confidence classes: schedule it by class from now on."""
@@ -567,7 +623,7 @@ class Scheduler:
             table.update_tried([(tree.classes.get(i, ""), i in on_path) for i in tried_nodes])
         else:
             return
-        self._changes += 1
+        self._changed(source)
 
     def _note_request(self, source: str, accepted: float, expected: float) -> None:
         record = self._request.setdefault(source, [0.0, 0.0])
@@ -593,7 +649,7 @@ class Scheduler:
         """Rounds observed from now on are the given method's (the engine calls this per generation)."""
         self._method = method
         self.round_costs = self._round_costs.setdefault(method, RoundCosts())
-        self._changes += 1
+        self._epoch += 1
 
     def observe_round(self, n_tokens: int, seconds: float) -> None:
         """Learn what a verification round of ``n_tokens`` (root included) cost against c(n)."""
@@ -635,7 +691,7 @@ class Scheduler:
         if drafted <= 0:
             return
         self.estimate(source).update(drafted, accepted)
-        self._changes += 1
+        self._changed(source)
         if source in self._probing:
             # its extra verification counts against the probe budget (its drafting did in note_draft)
             seconds = self.round_seconds(drafted)

@@ -2,7 +2,7 @@
 """Our own CPU time per round, with llama.cpp's decode taken out (issue #18).
 
     python3 scripts/round_overhead.py [METHOD ...] [-m MODEL] [-n ROUNDS] [--temperature T]
-                                      [--chain N] [--cold] [--profile K]
+                                      [--chain N] [--cold] [--idle] [--profile K]
 
 Loads MODEL, generates a few tokens for real, then replaces the target's decode with a no-op that keeps
 the last logits, so every further round costs only what the runtime itself does around the decode:
@@ -14,6 +14,8 @@ frozen the target repeats one token, so copy-based drafts are long and always ac
   token: rejected at once, one row read): the cost of a tree of N tokens without a proposer's own work.
 - ``--cold`` evicts the CPU caches before every round (a pass over 64 MiB, not counted), as a real
   decode does: what a round costs in a real run, where each decode streams the model's weights through.
+- ``--idle`` makes the frozen logits predict a new random token every round: text with nothing to copy,
+  so copy-based drafters find nothing and their rounds are idle (what gsm8k and mt_bench mostly are).
 - ``--temperature T`` samples (top-k 40, top-p 0.95, min-p 0.05, as the CLI's defaults).
 """
 
@@ -58,16 +60,25 @@ def chain_miss(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     return _Chain("chain-miss", hit=False)
 
 
-def _stub_decode(cold: bool):
-    """A decode that keeps the last logits; ``cold``: it evicts the caches first (its time not counted)."""
+def _stub_decode(cold: bool, idle: bool, avoid: frozenset[int]):
+    """A decode that keeps the last logits; ``cold``: it evicts the caches first; ``idle``: its rows
+    predict a fresh random token (neither's time is counted)."""
     evict = np.ones(16 * 2**20, dtype=np.float32) if cold else None
+    rng = np.random.default_rng(0)
 
     def decode(self, batch) -> None:
+        t0 = time.perf_counter()
         if evict is not None:
-            t0 = time.perf_counter()
             evict.sum()
-            elapsed = time.perf_counter() - t0
-            binding._decode_clock.seconds = getattr(binding._decode_clock, "seconds", 0.0) + elapsed
+        if idle:
+            rows = self.logits(batch.n_tokens)
+            token = int(rng.integers(rows.shape[1]))
+            while token in avoid:
+                token = int(rng.integers(rows.shape[1]))
+            rows[:] = 0.0
+            rows[:, token] = 30.0
+        elapsed = time.perf_counter() - t0
+        binding._decode_clock.seconds = getattr(binding._decode_clock, "seconds", 0.0) + elapsed
     return decode
 
 
@@ -79,6 +90,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--chain", type=int, default=0, metavar="N", help="add chain-hit and chain-miss (N tokens)")
     ap.add_argument("--cold", action="store_true", help="evict the CPU caches before every round")
+    ap.add_argument("--idle", action="store_true", help="a new random token every round: nothing to copy")
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="print each method's K costliest functions")
     args = ap.parse_args()
     methods = list(args.methods)
@@ -95,7 +107,7 @@ def main() -> None:
     rows[1:] = rows[0]                                # every row predicts the same token
     _CHAIN["token"] = int(rows[0].argmax())
     real = binding.Context.decode
-    binding.Context.decode = _stub_decode(args.cold)
+    binding.Context.decode = _stub_decode(args.cold, args.idle, engine.target.eog_tokens)
     try:
         for method in methods:
             profiler = cProfile.Profile() if args.profile else None
@@ -109,7 +121,7 @@ def main() -> None:
             print(f"{method}: {per_round:.1f} µs per round ({stats.target_passes} rounds, "
                   f"{stats.tokens / stats.target_passes:.2f} tokens per round, vocabulary {engine.target.n_vocab}"
                   f"{', temperature %g' % args.temperature if args.temperature else ''}"
-                  f"{', cold caches' if args.cold else ''})")
+                  f"{', cold caches' if args.cold else ''}{', idle text' if args.idle else ''})")
     finally:
         binding.Context.decode = real
 

@@ -477,6 +477,27 @@ def test_the_drafting_decision_is_recomputed_only_when_its_inputs_change(monkeyp
     # an answer's last rounds shrink the budget every round: priced per power of two, not per budget
     assert [sched.best_length("x", draft_cost=0.03, limit=k) for k in (7, 6, 5, 4)] == [7, 6, 5, 4]
     assert len(calls) == 5                                      # limits 4-7 are all priced at 4
+    sched.best_length("x", draft_cost=0.03)
+    calls.clear()
+    sched.note_draft("x", 0.001, 4)                             # a timed draft (a look): its cost is a key
+    sched.update("y", 2, 1)                                     # another proposer learned: not x's inputs
+    sched.trim("y", labelled_chain(["new", "doubt"]))
+    assert sched.best_length("x", draft_cost=0.03) == 8
+    assert calls == []
+    sched.best_length("x", draft_cost=0.0305)                   # within the same 10% step of cost
+    assert calls == []
+    sched.update("x", 2, 0)                                     # x's own acceptance changed
+    sched.best_length("x", draft_cost=0.0305)
+    assert len(calls) == 1
+
+
+def test_cheap_drafting_costs_share_one_key() -> None:
+    sched = trained(CPU, {"sure": 0.98, "doubt": 0.1})
+    step = CPU.cost(1)
+    cheap = [sched._cost_key(c * step, 16) for c in (1e-5, 1e-4, 1e-3)]
+    assert cheap == [("cheap", 0)] * 3                          # a free drafter's figure swings; moot here
+    assert sched._cost_key(0.0, 16) != sched._cost_key(1e-5 * step, 16)   # unmeasured vs measured
+    assert sched._cost_key(0.5 * step, 16) != sched._cost_key(0.6 * step, 16)
 
 
 def test_without_any_draft_yet_the_prior_decides() -> None:
@@ -679,13 +700,9 @@ class CopyDraft(Proposer):
         return labelled_chain([self.cls] * min(budget, 8))
 
 
-def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
-    # the mix is learned from the drafts made: mostly hopeless first classes ("lo"), a few sure ones
-    # ("hi"). Asked only when the mix pays, a copy drafter would stay idle through a run of sure copies
-    # (a repeated request); looked at every LOOK_EVERY idle rounds, its sure drafts are kept by trim and
-    # it is asked every round while they are
-    from ouroboros_local.scheduler import LOOK_EVERY
-
+def stale_mix() -> Scheduler:
+    """A copy drafter "x" whose first classes were mostly hopeless ("lo") and a few sure ("hi"): the mix
+    says that drafting does not pay."""
     sched = Scheduler(CPU, max_length=8)
     rng = np.random.default_rng(0)
     for cls, rate, rounds in (("lo", 0.05, 300), ("hi", 1.0, 30)):
@@ -698,6 +715,27 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     sched.begin_request()
     sched.note_draft("x", 8e-6, 8)                    # a copy costs microseconds
     assert sched.best_length("x", sched.draft_cost("x"), 8) == 0
+    return sched
+
+
+def test_looks_that_cost_more_come_less_often() -> None:
+    sched = stale_mix()
+    sched._look_seconds["x"] = 0.1 * CPU.cost(1)     # each look (proposal and trim) costs 0.1 step
+    sched._probe_every["x"] = 1000                    # looks alone
+    dear = CopyDraft("lo")
+    for _ in range(40):
+        sched.draft(dear, [0], 8)
+    assert dear.asked == 2                            # LOOK_SHARE of the time: one look in 20 rounds
+
+
+def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
+    # the mix is learned from the drafts made: mostly hopeless first classes ("lo"), a few sure ones
+    # ("hi"). Asked only when the mix pays, a copy drafter would stay idle through a run of sure copies
+    # (a repeated request); looked at every LOOK_EVERY idle rounds, its sure drafts are kept by trim and
+    # it is asked every round while they are
+    from ouroboros_local.scheduler import LOOK_EVERY
+
+    sched = stale_mix()
 
     def rounds(draft: CopyDraft, right: bool) -> list[int]:
         kept = []
@@ -720,3 +758,22 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     expensive.confidence = sched.confidence
     expensive.note_draft("x", 0.02 * 8, 8)
     assert not expensive._worth_a_look("x")
+
+
+def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_once() -> None:
+    from ouroboros_local.scheduler import RoundCosts
+
+    sched = Scheduler(CPU)
+    for _ in range(RoundCosts.MIN_ROUNDS):
+        sched.observe_round(1, 2 * CPU.cost(1))
+    assert sched.round_seconds(4)[0] == pytest.approx(2 * CPU.cost(1))
+    for _ in range(RoundCosts.PLAIN_REFRESH - 1):      # an idle run: the table is not redrawn each round
+        sched.observe_round(1, 4 * CPU.cost(1))
+    assert sched.round_seconds(4)[0] == pytest.approx(2 * CPU.cost(1))
+    sched.observe_round(1, 4 * CPU.cost(1))
+    slower = sched.round_seconds(4)[0]
+    assert slower > 2.5 * CPU.cost(1)
+    for _ in range(RoundCosts.MIN_ROUNDS):             # drafted rounds show at once
+        sched.observe_round(5, 3 * CPU.cost(5))
+    assert sched.round_seconds(4)[4] == pytest.approx(3 * CPU.cost(5))
+    assert not sched.round_seconds(4).flags.writeable
