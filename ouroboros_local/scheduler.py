@@ -120,10 +120,10 @@ class RoundCosts:
 
     def factors(self, n_max: int) -> np.ndarray:
         """The factors of sizes 1..n_max (a fresh array: callers scale it in place)."""
-        return self._table(n_max)[:n_max].copy()
+        return self.shared_table(n_max)[:n_max].copy()
 
-    def _table(self, n_max: int) -> np.ndarray:
-        """The factors of sizes 1..max(n_max, 64), redrawn when a drafted round was observed, or after
+    def shared_table(self, n_max: int) -> np.ndarray:
+        """The factors of sizes 1..max(n_max, 64) (not to be written to), redrawn when a drafted round was observed, or after
         PLAIN_REFRESH plain steps: the plain steps of a run that does not draft would redraw it every
         round, 10-30 µs with the caches cold after the decode."""
         cached = self._cache
@@ -266,7 +266,8 @@ class Scheduler:
             return False
         if source in self._kept_last:
             return True
-        every = max(LOOK_EVERY, math.ceil(self._look_seconds.get(source, 0.0) / (LOOK_SHARE * self.costs.cost(1))))
+        look = self._look_seconds.get(source, 0.0)
+        every = max(LOOK_EVERY, math.ceil(look / (LOOK_SHARE * self.costs.cost(1))))
         idle = self._unlooked.get(source, 0) + 1
         self._unlooked[source] = 0 if idle >= every else idle
         return idle >= every
@@ -410,7 +411,7 @@ class Scheduler:
         """Seconds a round verifying k = 0..limit draft tokens costs: the calibrated decode c(k + 1)
         times what rounds of that size were measured to cost against it (read-only)."""
         rc, costs = self.round_costs, self.costs
-        factors = rc._table(limit + 1)
+        factors = rc.shared_table(limit + 1)
         memo = self._seconds_memo
         if memo is None or memo[0] is not costs or memo[1] is not rc or memo[2] != rc.drawn \
                 or len(memo[3]) <= limit:
