@@ -262,7 +262,7 @@ class Scheduler:
         held word for word (0.96x, where the same code had reached 1.48x)."""
         if source not in self.confidence or source in self._probing or not self._timed_rounds.get(source):
             return False   # a drafter not timed yet is asked on its prior or probed
-        if self.draft_cost(source) * self.max_length >= LOOK_COST * self.costs.cost(1):
+        if not self._cheap(self.draft_cost(source), self.max_length):
             return False
         if source in self._kept_last:
             return True
@@ -591,10 +591,13 @@ class Scheduler:
         per-token figure swings several-fold between rounds); else in 10% steps."""
         if draft_cost <= 0:
             return ("unmeasured", 0)
-        step = self.costs.cost(1)
-        if draft_cost * limit < LOOK_COST * step:
+        if self._cheap(draft_cost, limit):
             return ("cheap", 0)
-        return ("steps", round(math.log(draft_cost / step) / math.log(1.1)))
+        return ("steps", round(math.log(draft_cost / self.costs.cost(1)) / math.log(1.1)))
+
+    def _cheap(self, draft_cost: float, tokens: int) -> bool:
+        """Does drafting ``tokens`` tokens at ``draft_cost`` each cost under LOOK_COST of a target step?"""
+        return draft_cost * tokens < LOOK_COST * self.costs.cost(1)
 
     def _changed(self, source: str) -> None:
         """What ``_drafting_pays`` reads of ``source`` changed."""
