@@ -104,7 +104,6 @@ class RoundCosts:
         self._version = 0       # bumped by what must show at once: a drafted size, a size now measured
         self._plain = 0         # plain steps observed since the table was drawn
         self._cache: tuple[int, np.ndarray] | None = None
-        self.drawn = 0          # tables drawn so far (``Scheduler.round_seconds`` keys on it)
 
     def observe(self, n_tokens: int, factor: float) -> None:
         old = self._ema.get(n_tokens)
@@ -123,9 +122,9 @@ class RoundCosts:
         return self.shared_table(n_max)[:n_max].copy()
 
     def shared_table(self, n_max: int) -> np.ndarray:
-        """The factors of sizes 1..max(n_max, 64) (not to be written to), redrawn when a drafted round was observed, or after
-        PLAIN_REFRESH plain steps: the plain steps of a run that does not draft would redraw it every
-        round, 10-30 µs with the caches cold after the decode."""
+        """The factors of sizes 1..max(n_max, 64), not to be written to; a new array each time it is
+        redrawn: after a drafted round, or after PLAIN_REFRESH plain steps (the plain steps of a run that
+        does not draft would redraw it every round, 10-30 µs with the caches cold after the decode)."""
         cached = self._cache
         if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
                 or self._plain >= self.PLAIN_REFRESH:
@@ -138,7 +137,6 @@ class RoundCosts:
                 table[1:] = np.interp(np.arange(2, n + 1), sizes, [self._ema[k] for k in sizes])
             self._cache = cached = (self._version, table)
             self._plain = 0
-            self.drawn += 1
         return cached[1]
 
 
@@ -161,7 +159,7 @@ class Scheduler:
         # costs (ouroboros harvests phrases, lookahead decodes a window), so each generation's method
         # keeps its own figures (see ``use_method``).
         self._round_costs: dict[str, RoundCosts] = {}
-        self._seconds_memo: tuple[CostModel, RoundCosts, int, np.ndarray] | None = None   # ``round_seconds``
+        self._seconds_memo: tuple[CostModel, np.ndarray, np.ndarray] | None = None   # ``round_seconds``
         # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
         # reads changes (the proposer's acceptance and classes: ``_changes``; a new request or method:
         # ``_epoch``; its drafting cost: ``_cost_key``) or REFRESH_ROUNDS rounds pass (what rounds cost
@@ -410,15 +408,13 @@ class Scheduler:
     def round_seconds(self, limit: int) -> np.ndarray:
         """Seconds a round verifying k = 0..limit draft tokens costs: the calibrated decode c(k + 1)
         times what rounds of that size were measured to cost against it (read-only)."""
-        rc, costs = self.round_costs, self.costs
-        factors = rc.shared_table(limit + 1)
+        costs, factors = self.costs, self.round_costs.shared_table(limit + 1)
         memo = self._seconds_memo
-        if memo is None or memo[0] is not costs or memo[1] is not rc or memo[2] != rc.drawn \
-                or len(memo[3]) <= limit:
+        if memo is None or memo[0] is not costs or memo[1] is not factors:
             seconds = costs.table(len(factors)) * factors
             seconds.flags.writeable = False
-            memo = self._seconds_memo = (costs, rc, rc.drawn, seconds)
-        return memo[3][:limit + 1]
+            memo = self._seconds_memo = (costs, factors, seconds)
+        return memo[2][:limit + 1]
 
     def throughputs(self, acc: Acceptance, limit: int, draft_cost: float) -> np.ndarray:
         """Expected tokens per second of drafting k = 0..limit tokens."""
