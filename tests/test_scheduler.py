@@ -777,3 +777,41 @@ def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_o
         sched.observe_round(5, 3 * CPU.cost(5))
     assert sched.round_seconds(4)[4] == pytest.approx(3 * CPU.cost(5))
     assert not sched.round_seconds(4).flags.writeable
+
+
+def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch) -> None:
+    # ``_plan_quiet`` answers the idle rounds before the next probe, look or refresh at once; the same
+    # rounds (requests, short budgets, probes, looks, drafts learned) must draft exactly as before
+    def run(quiet: bool) -> tuple[list[tuple[int, int, int, int]], int]:
+        if not quiet:
+            monkeypatch.setattr(Scheduler, "_plan_quiet", lambda self, source, budget: None)
+        sched = stale_mix()
+        decided = 0
+        slow = sched.best_length
+
+        def counted(*args, **kwargs):
+            nonlocal decided
+            decided += 1
+            return slow(*args, **kwargs)
+
+        sched.best_length = counted
+        draft = CopyDraft("lo")
+        rng = np.random.default_rng(1)
+        seen = []
+        for i in range(600):
+            if i % 150 == 149:
+                sched.begin_request()
+            budget = 3 if i % 150 > 140 else 8         # an answer's last tokens
+            tree = sched.draft(draft, [0], budget)
+            if tree.n_candidates:
+                sched.learn("x", tree, int(rng.random() < 0.3))
+            sched.observe_round(tree.n_candidates + 1, CPU.cost(tree.n_candidates + 1))
+            seen.append((tree.n_candidates, draft.asked, sched._idle.get("x", 0), sched._unlooked.get("x", 0)))
+        monkeypatch.undo()
+        return seen, decided
+
+    before, decided_before = run(quiet=False)
+    after, decided_after = run(quiet=True)
+    assert after == before
+    assert sum(1 for n, *_ in before if n) >= 5          # probes and looks did draft
+    assert decided_after < 0.7 * decided_before           # looks every LOOK_EVERY rounds: 2 of 4 foreseen
