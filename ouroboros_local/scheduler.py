@@ -21,7 +21,9 @@ with a short draft now and then; the interval doubles after each probe after whi
 not pay (its measured cost included), and the measured cost of all probes (their drafting, a draft
 model's catch-up on the text it skipped, their extra verification) is held within PROBE_BUDGET of the
 time (each method's own, where one engine runs several), so hopeless text loses at most ~1% while
-drafting can resume when the text turns repetitive.
+drafting can resume when the text turns repetitive. A cheap labelling drafter (copies) is not probed once
+timed: it is looked at instead (``_worth_a_look``: its proposal is trimmed by class, no verification is
+forced), and a probe whose proposal is empty ends and backs off like a failed one.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -382,13 +384,15 @@ class Scheduler:
             per_token = catch_up / catch_up_tokens
             old = self._catch_up_costs.get(source)
             self._catch_up_costs[source] = per_token if old is None else old + 0.3 * (per_token - old)
-        if n_tokens <= 0:
-            return
-        per_token = max(seconds - catch_up, 0.0) / n_tokens
-        self._timed_rounds[source] = self._timed_rounds.get(source, 0) + 1
+        # what a call costs is known from any proposal, an empty one included (a copy drafter on text with
+        # nothing to copy must still become a drafter ``_looks_at``, or it is only probed, ever more rarely)
         call = max(seconds - catch_up, 0.0)
         old_call = self._call_costs.get(source)
         self._call_costs[source] = call if old_call is None else old_call + 0.2 * (min(call, 3 * old_call) - old_call)
+        if n_tokens <= 0:
+            return
+        per_token = call / n_tokens
+        self._timed_rounds[source] = self._timed_rounds.get(source, 0) + 1
         self._least_costs[source] = min(per_token, self._least_costs.get(source, per_token))
         old = self._draft_costs.get(source)
         self._draft_costs[source] = per_token if old is None else old + 0.2 * (min(per_token, 3 * old) - old)

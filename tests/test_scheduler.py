@@ -861,3 +861,22 @@ def test_a_cheap_drafter_is_looked_at_by_what_one_proposal_costs_and_never_probe
     model._prior_costs["x"] = 0.004 * CPU.cost(1)     # a draft model's calibrated floor: never looked at
     model.note_draft("x", 0.01 * CPU.cost(1), 2)
     assert not model._looks_at("x")
+
+
+def test_a_copy_drafter_whose_first_probe_found_nothing_is_looked_at_from_then_on() -> None:
+    # text with nothing to copy from the start: the first probe's empty proposal still measures what a
+    # call costs, so the drafter is looked at every LOOK_EVERY idle rounds (not probed ever more rarely)
+    class NothingYet(CopyDraft):
+        def propose(self, committed, budget):
+            self.asked += 1
+            return labelled_chain([])
+
+    sched = Scheduler(CPU, max_length=8)
+    sched.labels("x")
+    draft = NothingYet("lo")
+    for _ in range(8):
+        sched.draft(draft, [0], 8)
+    assert draft.asked == 1 and sched._looks_at("x")     # the prior's probe, after 8 idle rounds
+    for _ in range(8 * LOOK_EVERY):
+        sched.draft(draft, [0], 8)
+    assert draft.asked == 1 + 8
