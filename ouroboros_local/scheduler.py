@@ -21,9 +21,7 @@ with a short draft now and then; the interval doubles after each probe after whi
 not pay (its measured cost included), and the measured cost of all probes (their drafting, a draft
 model's catch-up on the text it skipped, their extra verification) is held within PROBE_BUDGET of the
 time (each method's own, where one engine runs several), so hopeless text loses at most ~1% while
-drafting can resume when the text turns repetitive. A cheap labelling drafter (copies) is not probed once
-timed: it is looked at instead (``_worth_a_look``: its proposal is trimmed by class, no verification is
-forced), and a probe whose proposal is empty ends and backs off like a failed one.
+drafting can resume when the text turns repetitive.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -80,10 +78,8 @@ CATCH_UP_REPAY_ROUNDS = 64   # ... within this many drafted rounds (or fit the p
 CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft's per-token cost in a batch
                              # this size (its calibrated curve; without one, the target's scaled by size)
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
-LOOK_COST = 0.05        # ... cheap: a proposal costs less than this share of a target step (measured per call: a
-                        # copy costs about the same for 2 tokens as for 16) and no draft model's curve prices it
-LOOK_SHARE = 0.0025     # ... and looks that find nothing worth verifying take at most this share of the time
-                        # (each candidate's: auto's two cheap drafters look at twice this)
+LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
+LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
@@ -199,7 +195,6 @@ class Scheduler:
         # benchmark), the time of the others must not pay for one method's probes; and a method's
         # candidates share it (auto's prompt lookup and suffix tries would otherwise probe 2% of the time).
         self._draft_costs: dict[str, float] = {}
-        self._call_costs: dict[str, float] = {}   # seconds per proposal (EMA, as per token): ``_looks_at``
         # The floor of each proposer's drafting cost per token (``ceiling``): its prior (``enroll``), then
         # the least measured once RETIRE_AFTER rounds were timed; and the drafters retired, with ceilings.
         self._prior_costs: dict[str, float] = {}
@@ -242,8 +237,6 @@ class Scheduler:
                         catch_up=proposer.catch_up_seconds, catch_up_tokens=behind)
         if tree.n_candidates:
             tree = self.trim(name, tree)
-        elif name in self._probing:
-            self._probe_found_nothing(name)
         if tree.n_candidates:
             self._kept_last.add(name)
         else:
@@ -251,14 +244,6 @@ class Scheduler:
         if look:
             self._note_look(name, time.perf_counter() - t0)
         return tree
-
-    def _probe_found_nothing(self, source: str) -> None:
-        """A probe whose proposal was empty (nothing to copy here) ends, and the next waits twice as long,
-        as after a failed probe. Left pending, it kept the drafter "probing" until some later proposal
-        was verified: no looks meanwhile (``_worth_a_look``), a probe every 8 idle rounds without backing
-        off, and that later proposal kept whole by ``trim``, however doubtful its classes."""
-        self._probing.discard(source)
-        self._probe_every[source] = min(self._probe_every.get(source, 8) * 2, 256)
 
     def _note_look(self, source: str, seconds: float) -> None:
         """A look at ``source`` took ``seconds``, its proposal and trim (EMA)."""
@@ -287,12 +272,11 @@ class Scheduler:
         return idle >= every
 
     def _looks_at(self, source: str) -> bool:
-        """Is ``source`` a drafter ``_worth_a_look`` may ask while drafting does not pay: labelling, timed,
-        cheap per proposal (LOOK_COST), not a draft model? (A drafter not timed yet is asked on its prior
-        or probed.) Judged per token, a 2-token probe of prompt lookup (0.15 ms with the caches cold)
-        priced a 16-token proposal at 1.2 ms and no copy drafter was ever looked at on SmolLM2."""
-        return (source in self.confidence and source not in self._probing and source not in self._prior_costs
-                and self._call_costs.get(source, math.inf) < LOOK_COST * self.costs.cost(1))
+        """Is ``source`` a drafter ``_worth_a_look`` may ask while drafting does not pay (timed and cheap;
+        a drafter not timed yet is asked on its prior or probed)?"""
+        return (source in self.confidence and source not in self._probing
+                and bool(self._timed_rounds.get(source))
+                and self._cheap(self.draft_cost(source), self.max_length))
 
     def _look_every(self, source: str) -> int:
         """Idle rounds between looks at ``source``: LOOK_EVERY, or more where its looks cost more than
@@ -314,12 +298,12 @@ class Scheduler:
             return
         rounds = REFRESH_ROUNDS - (self._rounds - memo[1])
         every, idle = self._probe_every.get(source, 8), self._idle.get(source, 0)
-        looks = self._looks_at(source)
-        held = not looks and idle >= every   # a probe is due but its budget holds it back: watched
-        if looks:                            # looks, not probes (``best_length``)
-            rounds = min(rounds, self._look_every(source) - self._unlooked.get(source, 0))
-        elif not held:
+        held = idle >= every      # a probe is due but the probe budget holds it back: watched each round
+        if not held:
             rounds = min(rounds, every - idle)
+        looks = self._looks_at(source)
+        if looks:
+            rounds = min(rounds, self._look_every(source) - self._unlooked.get(source, 0))
         if rounds > 1:
             self._quiet[source] = [rounds - 1, self._epoch, self._changes.get(source, 0), looks, held]
 
@@ -384,14 +368,9 @@ class Scheduler:
             per_token = catch_up / catch_up_tokens
             old = self._catch_up_costs.get(source)
             self._catch_up_costs[source] = per_token if old is None else old + 0.3 * (per_token - old)
-        # what a call costs is known from any proposal, an empty one included (a copy drafter on text with
-        # nothing to copy must still become a drafter ``_looks_at``, or it is only probed, ever more rarely)
-        call = max(seconds - catch_up, 0.0)
-        old_call = self._call_costs.get(source)
-        self._call_costs[source] = call if old_call is None else old_call + 0.2 * (min(call, 3 * old_call) - old_call)
         if n_tokens <= 0:
             return
-        per_token = call / n_tokens
+        per_token = max(seconds - catch_up, 0.0) / n_tokens
         self._timed_rounds[source] = self._timed_rounds.get(source, 0) + 1
         self._least_costs[source] = min(per_token, self._least_costs.get(source, per_token))
         old = self._draft_costs.get(source)
@@ -750,8 +729,6 @@ class Scheduler:
         # and their extra verification) within PROBE_BUDGET of the time
         idle = self._idle.get(source, 0) + 1
         self._idle[source] = idle
-        if self._looks_at(source):
-            return 0   # looks re-judge a cheap drafter for free: probes would only add their verification
         every = self._probe_every.get(source, 8)
         if idle >= every and limit > 0 and self._probe_spent.get(self._method, 0.0) <= self._probe_allowance():
             self._idle[source] = 0

@@ -12,7 +12,7 @@ from ouroboros_local.llama import Model
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
 from ouroboros_local.calibration import CalibrationCache, CostModel
 from ouroboros_local.proposers.base import Proposer
-from ouroboros_local.scheduler import LOOK_EVERY, LOOK_SHARE, Scheduler
+from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model
@@ -721,11 +721,11 @@ def stale_mix() -> Scheduler:
 def test_looks_that_cost_more_come_less_often() -> None:
     sched = stale_mix()
     sched._look_seconds["x"] = 0.1 * CPU.cost(1)     # each look (proposal and trim) costs 0.1 step
+    sched._probe_every["x"] = 1000                    # looks alone
     dear = CopyDraft("lo")
-    every = round(0.1 / LOOK_SHARE)                   # LOOK_SHARE of the time: one look in 40 rounds
-    for _ in range(2 * every):
+    for _ in range(40):
         sched.draft(dear, [0], 8)
-    assert dear.asked == 2
+    assert dear.asked == 2                            # LOOK_SHARE of the time: one look in 20 rounds
 
 
 def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
@@ -733,6 +733,8 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     # ("hi"). Asked only when the mix pays, a copy drafter would stay idle through a run of sure copies
     # (a repeated request); looked at every LOOK_EVERY idle rounds, its sure drafts are kept by trim and
     # it is asked every round while they are
+    from ouroboros_local.scheduler import LOOK_EVERY
+
     sched = stale_mix()
 
     def rounds(draft: CopyDraft, right: bool) -> list[int]:
@@ -780,7 +782,7 @@ def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_o
 @pytest.mark.parametrize("looked_at", [True, False])
 def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, looked_at) -> None:
     # ``_plan_quiet`` answers the idle rounds before the next probe, look or refresh at once; the same
-    # rounds (requests, short budgets, probes or looks, drafts learned) must draft exactly as before
+    # rounds (requests, short budgets, probes, looks, drafts learned) must draft exactly as before
     class SometimesSure(CopyDraft):
         def __init__(self) -> None:
             super().__init__("lo")
@@ -788,6 +790,8 @@ def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, 
 
         def propose(self, committed, budget):
             self.asked += 1
+            if self.rng.random() < 0.2:
+                return labelled_chain([])                # nothing to copy: a probe stays pending
             return labelled_chain(["hi" if self.rng.random() < 0.3 else "lo"] * min(budget, 8))
 
     def run(quiet: bool) -> tuple[list[tuple[int, int, int, int]], int]:
@@ -795,7 +799,7 @@ def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, 
             monkeypatch.setattr(Scheduler, "_plan_quiet", lambda self, source, budget: None)
         sched = stale_mix()
         if not looked_at:
-            sched._call_costs["x"] = 0.2 * CPU.cost(1)   # too dear to look at: probed
+            sched._draft_costs["x"] = 0.2 * CPU.cost(1)   # too dear to look at: probed only
         decided = 0
         slow = sched.best_length
 
@@ -825,58 +829,3 @@ def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, 
     assert after == before
     assert sum(1 for n, *_ in before if n) >= 3          # probes or looks did draft
     assert decided_after < 0.7 * decided_before           # looks every LOOK_EVERY rounds: 2 of 4 foreseen
-
-
-def test_a_probe_that_finds_nothing_ends_and_backs_off() -> None:
-    # a drafter that is not looked at (its proposals cost 0.2 steps) finds nothing to propose: a probe
-    # whose proposal is empty must not stay pending (a probe every 8 rounds that never backs off, and
-    # the next proposal kept whole by trim however doubtful)
-    class NothingToPropose(CopyDraft):
-        def propose(self, committed, budget):
-            self.asked += 1
-            return labelled_chain([])
-
-    sched = stale_mix()
-    sched._call_costs["x"] = 0.2 * CPU.cost(1)
-    assert not sched._looks_at("x")
-    draft = NothingToPropose("lo")
-    for _ in range(8 + 16 + 32):
-        sched.draft(draft, [0], 8)
-        assert "x" not in sched._probing                # a probe ends in the round it found nothing
-    assert draft.asked == 3 and sched._probe_every["x"] == 64    # probes after 8, 16, 32 idle rounds
-
-
-def test_a_cheap_drafter_is_looked_at_by_what_one_proposal_costs_and_never_probed() -> None:
-    sched = stale_mix()
-    sched.note_draft("x", 0.01 * CPU.cost(1), 2)      # a 2-token copy: 0.5% of a step per token
-    sched.note_draft("x", 0.01 * CPU.cost(1), 2)      # (x 16 would not be "cheap"; a copy costs per call)
-    assert sched._looks_at("x")
-    draft = CopyDraft("lo")
-    for _ in range(200):
-        sched.draft(draft, [0], 8)
-        assert "x" not in sched._probing
-    assert draft.asked >= 200 // (2 * LOOK_EVERY)
-    model = Scheduler(CPU, max_length=8)
-    model.confidence = sched.confidence
-    model._prior_costs["x"] = 0.004 * CPU.cost(1)     # a draft model's calibrated floor: never looked at
-    model.note_draft("x", 0.01 * CPU.cost(1), 2)
-    assert not model._looks_at("x")
-
-
-def test_a_copy_drafter_whose_first_probe_found_nothing_is_looked_at_from_then_on() -> None:
-    # text with nothing to copy from the start: the first probe's empty proposal still measures what a
-    # call costs, so the drafter is looked at every LOOK_EVERY idle rounds (not probed ever more rarely)
-    class NothingYet(CopyDraft):
-        def propose(self, committed, budget):
-            self.asked += 1
-            return labelled_chain([])
-
-    sched = Scheduler(CPU, max_length=8)
-    sched.labels("x")
-    draft = NothingYet("lo")
-    for _ in range(8):
-        sched.draft(draft, [0], 8)
-    assert draft.asked == 1 and sched._looks_at("x")     # the prior's probe, after 8 idle rounds
-    for _ in range(8 * LOOK_EVERY):
-        sched.draft(draft, [0], 8)
-    assert draft.asked == 1 + 8
