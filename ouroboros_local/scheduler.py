@@ -283,10 +283,17 @@ class Scheduler:
 
     def _looks_at(self, source: str) -> bool:
         """Is ``source`` a drafter ``_worth_a_look`` may ask while drafting does not pay (timed and cheap;
-        a drafter not timed yet is asked on its prior or probed)?"""
+        a drafter not timed yet is asked on its prior or probed)?
+
+        Cheap by the least it was measured to cost per token, not its running figure: a copy's proposal
+        costs about the same however few tokens it finds, so its per-token figure swings several-fold
+        (suffix: 8-30 µs between runs of the same prompts) around the bar, and where it ended above it
+        the suffix trie was never looked at and answered a repeated request no faster than the first
+        time (1209 target passes where 250-310 were the rule). A draft model costs 100 times more per
+        token at best; what looks cost is held to LOOK_SHARE by ``_look_every`` whatever they cost."""
         return (source in self.confidence and source not in self._probing
                 and bool(self._timed_rounds.get(source))
-                and self._cheap(self.draft_cost(source), self.max_length))
+                and self._cheap(self._least_costs[source], self.max_length))
 
     def _look_every(self, source: str) -> int:
         """Idle rounds between looks at ``source``: LOOK_EVERY, or more where its looks cost more than

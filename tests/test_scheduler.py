@@ -760,6 +760,22 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     assert not expensive._worth_a_look("x")
 
 
+def test_a_copy_drafter_stays_looked_at_when_short_proposals_make_its_tokens_look_dear() -> None:
+    # a copy's proposal costs about the same however few tokens it finds: a run of one-token proposals
+    # drives its per-token figure past the bar of a cheap drafter, while what a token cost at least
+    # shows what it is (a trie lookup, not a model). Judged on the running figure, it was never looked
+    # at again and a repeated request went undrafted
+    from ouroboros_local.scheduler import LOOK_COST, LOOK_EVERY
+
+    sched = stale_mix()
+    for _ in range(60):
+        sched.note_draft("x", 0.5 * LOOK_COST * CPU.cost(1), 1)   # one token found, for half the bar
+    assert sched.draft_cost("x") * sched.max_length > LOOK_COST * CPU.cost(1)
+    sure = CopyDraft("hi")
+    kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(LOOK_EVERY)]
+    assert kept[-1] > 0 and sure.asked == 1
+
+
 def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_once() -> None:
     from ouroboros_local.scheduler import RoundCosts
 
@@ -799,7 +815,7 @@ def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, 
             monkeypatch.setattr(Scheduler, "_plan_quiet", lambda self, source, budget: None)
         sched = stale_mix()
         if not looked_at:
-            sched._draft_costs["x"] = 0.2 * CPU.cost(1)   # too dear to look at: probed only
+            sched._draft_costs["x"] = sched._least_costs["x"] = 0.2 * CPU.cost(1)   # too dear to look at
         decided = 0
         slow = sched.best_length
 
