@@ -472,6 +472,7 @@ def test_the_drafting_decision_is_recomputed_only_when_its_inputs_change(monkeyp
     sched.trim("x", labelled_chain(["new", "doubt"]))           # a class new to the mix
     sched.best_length("x", draft_cost=0.02)
     assert len(calls) == 3
+    sched._probing.clear()          # (that draft was kept as a probe of its unmeasured class: not this test's)
     sched.best_length("x", draft_cost=0.03)                     # another cost, another question
     assert len(calls) == 4
     # an answer's last rounds shrink the budget every round: priced per power of two, not per budget
@@ -774,6 +775,28 @@ def test_a_copy_drafter_stays_looked_at_when_short_proposals_make_its_tokens_loo
     sure = CopyDraft("hi")
     kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(LOOK_EVERY)]
     assert kept[-1] > 0 and sure.asked == 1
+
+
+def test_a_draft_whose_first_class_was_barely_tried_is_verified_as_a_probe() -> None:
+    # two verifications, one accepted, put a class at ~0.3: without this rule every later draft that
+    # starts with it is cut to nothing and the estimate never moves again
+    from ouroboros_local.scheduler import MEASURE_TRIALS
+
+    sched = stale_mix()
+    table = sched.confidence["x"]
+    table.trials["new"], table.successes["new"] = 2.0, 1.0
+    sched._probe_spent[""] = 0.0                             # (the mix's first drafts were such probes)
+    tree = sched.trim("x", labelled_chain(["new"] * 8))
+    assert tree.n_candidates == sched.probe_length and "x" in sched._probing
+    sched.learn("x", tree, 0)                                # verified: charged and ended like a probe
+    assert "x" not in sched._probing and sched._probe_spent[""] > 0
+    assert sched.trim("x", labelled_chain(["lo"] * 8)).n_candidates == 0    # measured and hopeless
+    sched._probe_spent[""] = 1e9                             # the probe budget is spent
+    assert sched.trim("x", labelled_chain(["new"] * 8)).n_candidates == 0
+    sched._probe_spent[""] = 0.0
+    table.trials["new"] = MEASURE_TRIALS                     # measured enough: the estimate decides
+    table.successes["new"] = 1.0
+    assert sched.trim("x", labelled_chain(["new"] * 8)).n_candidates == 0
 
 
 def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_once() -> None:
