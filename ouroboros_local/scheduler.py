@@ -42,7 +42,10 @@ draft's probability bin, or the n-gram length and depth of a copy) and the sched
 conditional acceptance per class (``ConfidenceTable``, shrunk towards the proposer's depth estimate).
 A labelled draft is then *trimmed* to the depth whose expected tokens per second is best
 (``trim``), a draft model stops writing once one more token cannot pay (``extend_pays``), and whether
-to draft at all is decided from the mix of first-token classes seen so far (``best_length``).
+to draft at all is decided from the mix of first-token classes seen so far (``best_length``). A draft
+whose first class was verified fewer than MEASURE_TRIALS times is kept at the probe length as a probe
+(within the same budget): an estimate from one or two verifications is luck, and once it says "no" the
+class would never be verified again.
 The table learns over all requests; within one request the estimates are also scaled by how that
 request's drafts fared against them (``request_scale``), so a text unlike the rest stops drafting in a
 few failed drafts instead of the ~30 the table's decay needs.
