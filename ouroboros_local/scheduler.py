@@ -84,7 +84,7 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
-MEASURE_TRIALS = 4.0    # a draft's first class tried fewer times than this is verified as a probe (``trim``)
+MEASURE_TRIALS = 4.0    # a draft whose first class was tried fewer times is verified as a probe (``trim``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
@@ -546,7 +546,8 @@ class Scheduler:
             return self._trim_branches(source, tree)
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
         rates = self._chain_expected(source, classes) / self.round_seconds(len(classes))
-        return tree.truncated(self._kept_at_least(source, first, len(classes), _best_beyond_margin(rates)))
+        k = _best_beyond_margin(rates)
+        return tree.truncated(self._kept_at_least(source, first, len(classes), k))
 
     def _kept_at_least(self, source: str, first: str | None, n: int, k: int) -> int:
         """``trim``'s cut ``k`` of ``n`` nodes, raised to a probe's ``probe_length`` for a probe; and a

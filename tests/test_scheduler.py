@@ -472,7 +472,7 @@ def test_the_drafting_decision_is_recomputed_only_when_its_inputs_change(monkeyp
     sched.trim("x", labelled_chain(["new", "doubt"]))           # a class new to the mix
     sched.best_length("x", draft_cost=0.02)
     assert len(calls) == 3
-    sched._probing.clear()          # (that draft was kept as a probe of its unmeasured class: not this test's)
+    sched._probing.clear()          # (that draft was kept as a probe of its new class: not this test's)
     sched.best_length("x", draft_cost=0.03)                     # another cost, another question
     assert len(calls) == 4
     # an answer's last rounds shrink the budget every round: priced per power of two, not per budget
