@@ -71,6 +71,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("ouroboros_local")
 
 PROBE_BUDGET = 0.01      # share of the time that probes of a draft that does not pay may cost
+PROBE_EVERY = 8          # idle rounds before a probe: at first, and after a probe after which drafting pays
+PROBE_EVERY_MAX = 256    # ... doubled after each probe that did not, up to this
 REFRESH_ROUNDS = 64     # rounds a "does drafting pay" answer is kept while nothing it reads changed
 REQUEST_PRIOR = 3.0     # accepted tokens' worth of weight the learned class estimates keep in a request
 REQUEST_SCALE = (0.2, 1.25)   # bounds of a request's correction of those estimates
@@ -318,7 +320,7 @@ class Scheduler:
         if memo is None or memo[2] or budget < self.max_length:
             return
         rounds = REFRESH_ROUNDS - (self._rounds - memo[1])
-        every, idle = self._probe_every.get(source, 8), self._idle.get(source, 0)
+        every, idle = self._probe_every.get(source, PROBE_EVERY), self._idle.get(source, 0)
         held = idle >= every      # a probe is due but the probe budget holds it back: watched each round
         if not held:
             rounds = min(rounds, every - idle)
@@ -769,7 +771,7 @@ class Scheduler:
         # and their extra verification) within PROBE_BUDGET of the time
         idle = self._idle.get(source, 0) + 1
         self._idle[source] = idle
-        every = self._probe_every.get(source, 8)
+        every = self._probe_every.get(source, PROBE_EVERY)
         if idle >= every and limit > 0 and self._probe_affordable():
             self._idle[source] = 0
             self._probing.add(source)
@@ -793,14 +795,14 @@ class Scheduler:
             # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)
-            every = self._probe_every.get(source, 8)
+            every = self._probe_every.get(source, PROBE_EVERY)
             cost = self._last_draft_cost.get(source, 0.0)
             table = self.confidence.get(source)
             if table is not None:
                 pays = self._classes_pay(source, table, cost, self.max_length)
             else:
                 pays = self.gain(source, cost) >= MIN_GAIN
-            self._probe_every[source] = 8 if pays else min(every * 2, 256)
+            self._probe_every[source] = PROBE_EVERY if pays else min(every * 2, PROBE_EVERY_MAX)
 
 
 def best_case_speedup(round_seconds: np.ndarray, draft_cost: float) -> float:
