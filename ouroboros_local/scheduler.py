@@ -201,6 +201,7 @@ class Scheduler:
         self._kept_last: set[str] = set()
         self._unlooked: dict[str, int] = {}
         self._look_seconds: dict[str, float] = {}
+        self._free: set[str] = set()   # drafters that run no model (``Proposer.free_drafts``)
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
         # Seconds per drafted token, per proposer (EMA over the engine's life: a new generation does not
@@ -235,6 +236,10 @@ class Scheduler:
         alone when nothing does; the proposer is not asked then), timed for its per-token drafting
         cost, trimmed by confidence class."""
         name = proposer.name
+        # a probe of an earlier round that was never verified (it found nothing, or auto verified another
+        # candidate's draft) is over: left pending it barred looks (``_looks_at``), and a copy drafter
+        # whose probe found nothing once was not asked again in the request
+        self._probing.discard(name)
         if self._quiet_round(name, budget) or self.hopeless(name):
             return TokenTree.rooted_at(committed[-1])
         k = self.best_length(name, self.draft_cost(name), limit=budget)
@@ -297,9 +302,11 @@ class Scheduler:
         the suffix trie was never looked at and answered a repeated request no faster than the first
         time (1209 target passes where 250-310 were the rule). A draft model costs 100 times more per
         token at best; what looks cost is held to LOOK_SHARE by ``_look_every`` whatever they cost."""
-        return (source in self.confidence and source not in self._probing
-                and bool(self._timed_rounds.get(source))
-                and self._cheap(self._least_costs[source], self.max_length))
+        if source not in self.confidence or source in self._probing:
+            return False
+        if not self._timed_rounds.get(source):
+            return source in self._free
+        return self._cheap(self._least_costs[source], self.max_length)
 
     def _look_every(self, source: str) -> int:
         """Idle rounds between looks at ``source``: LOOK_EVERY, or more where its looks cost more than
@@ -350,6 +357,8 @@ class Scheduler:
         """This scheduler prices ``proposer``'s drafts from now on (by class, if it labels its nodes)."""
         if proposer.confidence_classes:
             self.labels(proposer.name)
+        if proposer.free_drafts:
+            self._free.add(proposer.name)
         floor = proposer.draft_cost_floor(self.draft_costs) if self.draft_costs is not None else None
         if floor is not None:
             self._prior_costs[proposer.name] = floor
@@ -475,7 +484,9 @@ class Scheduler:
         self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds
 
     def _charge_probe(self, seconds: float) -> None:
-        self._probe_spent[self._method] = self._probe_spent.get(self._method, 0.0) + seconds
+        """Add ``seconds`` (negative: a probe that saved time) to what this method's probes cost; a
+        refund clears what was spent but banks no credit for later probes."""
+        self._probe_spent[self._method] = max(0.0, self._probe_spent.get(self._method, 0.0) + seconds)
 
     def extend_rule(self) -> "Callable[[str, Sequence[str]], bool]":
         """``ProposeSetup.extend_pays`` for proposers this scheduler runs (their measured draft cost)."""
@@ -789,9 +800,10 @@ class Scheduler:
         self.estimate(source).update(drafted, accepted)
         self._changed(source)
         if source in self._probing:
-            # its extra verification counts against the probe budget (its drafting did in note_draft)
+            # its extra verification, less the plain steps its accepted tokens saved, counts against
+            # the probe budget (its drafting did in note_draft): the budget bounds what probes lose
             seconds = self.round_seconds(drafted)
-            self._charge_probe(float(seconds[drafted] - seconds[0]))
+            self._charge_probe(float(seconds[drafted] - seconds[0]) - accepted * float(seconds[0]))
             # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)

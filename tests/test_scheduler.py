@@ -12,7 +12,7 @@ from ouroboros_local.llama import Model
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
 from ouroboros_local.calibration import CalibrationCache, CostModel
 from ouroboros_local.proposers.base import Proposer
-from ouroboros_local.scheduler import Scheduler
+from ouroboros_local.scheduler import MIN_GAIN, Scheduler
 from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model
@@ -548,7 +548,8 @@ def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
             k = int(np.argmax(expected / cost))
             tokens += weight * expected[k]
             time += weight * cost[k]
-        want = tokens / time >= (1.0 - 1e-9) / seconds[0]
+        margin = MIN_GAIN if draft_cost > 0 else 1.0 - 1e-9   # a paid draft must promise MIN_GAIN
+        want = tokens / time >= margin / seconds[0]
         assert sched._classes_pay("x", table, draft_cost, limit) == want, trial
 
 

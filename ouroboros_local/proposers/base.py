@@ -76,6 +76,9 @@ class Proposer(ABC):
     # True when the proposer labels its nodes with confidence classes (tree.classes) and asks
     # ``setup.extend_pays`` while drafting: the scheduler then decides per class (scheduler.py).
     confidence_classes: bool = False
+    # True when a draft runs no model (copies from the context, a pool or a trie: microseconds): the
+    # scheduler may look at its proposals before it has timed one (``Scheduler._looks_at``).
+    free_drafts: bool = False
     # Seconds of the last propose() spent catching up on text of rounds it did not draft (a draft model's
     # decode, see ``CatchUp``; the suffix tries' appends): a scheduler keeps them out of the proposer's
     # per-token drafting cost.

@@ -127,6 +127,7 @@ class SuffixProposer(Proposer):
     name = "suffix"
     adaptive = True              # best-first: the likeliest path first, so small budgets stay sensible
     confidence_classes = True
+    free_drafts = True
 
     def __init__(self, cache: SuffixCache | None = None, *, max_depth: int = 16, max_branches: int = 4,
                  min_match: int = 2, spec_factor: float = 1.0, spec_offset: int = 4, min_prob: float = 0.1):
