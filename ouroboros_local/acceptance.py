@@ -79,7 +79,7 @@ class ConfidenceTable:
     """
 
     decay: float = 0.995
-    prior: float = 1.0
+    prior: float = 3.0
     # A class tried less than ``explore_trials`` times (decayed) counts as right ``explore_alpha`` of the
     # time: drafts of it are verified until it is measured (optimism in the face of uncertainty; the
     # decay makes rarely seen classes be tried again now and then). Only where exploring costs nothing

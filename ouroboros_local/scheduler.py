@@ -18,10 +18,10 @@ model), with a weak prior and exponential forgetting so it tracks the text as it
 
 When k = 0 wins, no drafts are made and alpha would never be re-measured, so the scheduler still probes
 with a short draft now and then; the interval doubles after each probe after which drafting still does
-not pay (its measured cost included), and the measured cost of all probes (their drafting, a draft
-model's catch-up on the text it skipped, their extra verification) is held within PROBE_BUDGET of the
-time (each method's own, where one engine runs several), so hopeless text loses at most ~1% while
-drafting can resume when the text turns repetitive.
+not pay (its measured cost included), and what probes lose (their drafting, a draft model's catch-up
+on the text it skipped, their extra verification, less the plain steps their accepted tokens saved) is
+held within PROBE_BUDGET of the time (each method's own, where one engine runs several), so hopeless
+text loses at most ~1% while drafting can resume when the text turns repetitive.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 

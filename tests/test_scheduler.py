@@ -83,6 +83,25 @@ def test_probing_backs_off_after_failed_probes() -> None:
     assert lengths[-1] > 0 and sum(lengths[:-1]) == 0  # the interval doubled to 16
 
 
+def test_a_probe_is_charged_what_it_loses_not_what_its_accepted_tokens_save() -> None:
+    # the budget bounds what probes lose on text with nothing to draft; a probe whose tokens were
+    # accepted saved plain steps (3 tokens for 2.35 steps here) and must not use up the allowance that
+    # lets a fresh process measure its classes (the README's one-request command: ~3 probes in all)
+    sched = scheduler_with(CPU, 0.01)
+    seconds = sched.round_seconds(2)
+    sched._probing.add("x")
+    sched.update("x", drafted=2, accepted=0)
+    lost = float(seconds[2] - seconds[0])
+    assert sched._probe_spent[""] == pytest.approx(lost)
+    sched._probing.add("x")
+    sched.update("x", drafted=2, accepted=2)          # 3 tokens in one 2.35-step round
+    assert sched._probe_spent[""] == pytest.approx(lost - (2 * seconds[0] - lost))
+    for _ in range(3):
+        sched._probing.add("x")
+        sched.update("x", drafted=2, accepted=2)
+    assert sched._probe_spent[""] == 0.0              # refunds bank no credit for later probes
+
+
 def costly_failing_round(sched: Scheduler) -> int:
     """One round of a draft model whose every draft costs 20 plain steps and is rejected; its length."""
     k = sched.best_length("x", draft_cost=sched.draft_cost("x"))
@@ -692,6 +711,7 @@ class CopyDraft(Proposer):
 
     name = "x"
     confidence_classes = True
+    free_drafts = True
 
     def __init__(self, cls: str) -> None:
         self.cls = cls
@@ -776,6 +796,37 @@ def test_a_copy_drafter_stays_looked_at_when_short_proposals_make_its_tokens_loo
     sure = CopyDraft("hi")
     kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(LOOK_EVERY)]
     assert kept[-1] > 0 and sure.asked == 1
+
+
+def test_a_copy_drafter_is_looked_at_before_it_has_drafted() -> None:
+    # a drafter that runs no model is known cheap before it is timed: looked at after LOOK_EVERY idle
+    # rounds, not held to probes, which the method's other candidate may have spent (a fresh process:
+    # the suffix tries never proposed in the README's request while prompt lookup's probes used the
+    # budget)
+    from ouroboros_local.scheduler import LOOK_EVERY
+
+    class Priced(CopyDraft):
+        free_drafts = False
+
+    for drafter, first_ask in ((CopyDraft("hi"), LOOK_EVERY), (Priced("hi"), 8)):
+        sched = Scheduler(CPU, max_length=8)
+        sched.enroll(drafter)
+        sched._probe_spent[""] = 1e9 if drafter.free_drafts else 0.0
+        for _ in range(first_ask):
+            sched.draft(drafter, [0], 8)
+        assert drafter.asked == 1, drafter                # the copy on a look, the other on a probe
+
+
+def test_a_probe_never_verified_ends_at_the_drafters_next_round() -> None:
+    # a probe whose proposal found nothing, or whose draft auto passed over for another candidate's, was
+    # never verified: left pending, it barred looks (a copy drafter was not asked again in the request)
+    from ouroboros_local.scheduler import LOOK_EVERY
+
+    sched = stale_mix()
+    sched._probing.add("x")
+    sure = CopyDraft("hi")
+    kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(LOOK_EVERY)]
+    assert "x" not in sched._probing and kept[-1] > 0 and sure.asked == 1
 
 
 def test_a_draft_whose_first_class_was_barely_tried_is_verified_as_a_probe() -> None:
