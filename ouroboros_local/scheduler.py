@@ -564,8 +564,8 @@ class Scheduler:
 
     def _kept_at_least(self, source: str, first: str | None, n: int, k: int) -> int:
         """``trim``'s cut ``k`` of ``n`` nodes, raised to a probe's ``probe_length`` for a probe; and a
-        draft cut below that whose first class was tried fewer than MEASURE_TRIALS times becomes a probe
-        where the probe budget allows.
+        draft cut below that whose first class is barely measured (``_worth_measuring``) becomes a
+        probe where the probe budget allows.
 
         A class verified once or twice has an estimate that is mostly luck, and once it says "no" its
         drafts are cut to nothing and never verified again. Seen in real runs: suffix's long matches
@@ -574,12 +574,22 @@ class Scheduler:
         that followed went undrafted (733 target passes where ~300 were the rule). A periodic probe
         verifies whatever comes next; this one verifies what the table knows least."""
         if (k < self.probe_length and first is not None and source not in self._probing
-                and self.confidence[source].trials.get(first, 0.0) < MEASURE_TRIALS
-                and self._probe_affordable()):
+                and self._worth_measuring(source, first) and self._probe_affordable()):
             self._probing.add(source)   # charged and backed off as any probe (``update``)
         if source in self._probing:
             k = max(k, min(self.probe_length, n))
         return k
+
+    def _worth_measuring(self, source: str, first: str) -> bool:
+        """Was class ``first`` tried fewer than MEASURE_TRIALS times, and accepted in at least half of
+        them? A class that failed more often than not is likelier hopeless than unlucky (one accepted
+        90% of the time fails its first trial 10% of the time, and periodic probes still try it), and
+        in a fresh process the probe budget is a few probes: spent on the one-token copies
+        that came first in the README's request, none was left for the long copies that followed
+        (accepted in both their trials, yet cut at the prior's 0.58)."""
+        table = self.confidence[source]
+        trials = table.trials.get(first, 0.0)
+        return trials < MEASURE_TRIALS and 2.0 * table.successes.get(first, 0.0) >= trials
 
     def _trim_branches(self, source: str, tree: TokenTree) -> TokenTree:
         """``trim`` for a branching tree: keep the nodes likeliest to be accepted, as many as pays.
