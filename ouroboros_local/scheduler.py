@@ -43,9 +43,9 @@ conditional acceptance per class (``ConfidenceTable``, shrunk towards the propos
 A labelled draft is then *trimmed* to the depth whose expected tokens per second is best
 (``trim``), a draft model stops writing once one more token cannot pay (``extend_pays``), and whether
 to draft at all is decided from the mix of first-token classes seen so far (``best_length``). A draft
-whose first class was verified fewer than MEASURE_TRIALS times is kept at the probe length as a probe
-(within the same budget): an estimate from one or two verifications is luck, and once it says "no" the
-class would never be verified again.
+whose first class was verified fewer than MEASURE_TRIALS times, and accepted in at least half of them,
+is kept at the probe length as a probe (within the same budget): an estimate from one or two
+verifications is luck, and once it says "no" the class would never be verified again.
 The table learns over all requests; within one request the estimates are also scaled by how that
 request's drafts fared against them (``request_scale``), so a text unlike the rest stops drafting in a
 few failed drafts instead of the ~30 the table's decay needs.
@@ -86,7 +86,7 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
-MEASURE_TRIALS = 4.0    # a draft whose first class was tried fewer times is verified as a probe (``trim``)
+MEASURE_TRIALS = 4.0    # a draft whose first class was tried fewer times (mostly accepted) is a probe
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
@@ -236,10 +236,6 @@ class Scheduler:
         alone when nothing does; the proposer is not asked then), timed for its per-token drafting
         cost, trimmed by confidence class."""
         name = proposer.name
-        # a probe of an earlier round that was never verified (it found nothing, or auto verified another
-        # candidate's draft) is over: left pending it barred looks (``_looks_at``), and a copy drafter
-        # whose probe found nothing once was not asked again in the request
-        self._probing.discard(name)
         if self._quiet_round(name, budget) or self.hopeless(name):
             return TokenTree.rooted_at(committed[-1])
         k = self.best_length(name, self.draft_cost(name), limit=budget)
@@ -293,8 +289,11 @@ class Scheduler:
         return idle >= every
 
     def _looks_at(self, source: str) -> bool:
-        """Is ``source`` a drafter ``_worth_a_look`` may ask while drafting does not pay (timed and cheap;
-        a drafter not timed yet is asked on its prior or probed)?
+        """Is ``source`` a drafter ``_worth_a_look`` may ask while drafting does not pay: timed and cheap,
+        or one that runs no model (``Proposer.free_drafts``; any other is asked on its prior or probed)?
+        A probe still pending (its proposal found nothing, or ``auto`` verified another candidate's
+        draft) does not bar it: the look's draft is verified as that probe. Barred, the suffix tries,
+        whose one probe in the README's request found nothing, were not asked again in the request.
 
         Cheap by the least it was measured to cost per token, not its running figure: a copy's proposal
         costs about the same however few tokens it finds, so its per-token figure swings several-fold
@@ -302,7 +301,7 @@ class Scheduler:
         the suffix trie was never looked at and answered a repeated request no faster than the first
         time (1209 target passes where 250-310 were the rule). A draft model costs 100 times more per
         token at best; what looks cost is held to LOOK_SHARE by ``_look_every`` whatever they cost."""
-        if source not in self.confidence or source in self._probing:
+        if source not in self.confidence:
             return False
         if not self._timed_rounds.get(source):
             return source in self._free

@@ -817,16 +817,19 @@ def test_a_copy_drafter_is_looked_at_before_it_has_drafted() -> None:
         assert drafter.asked == 1, drafter                # the copy on a look, the other on a probe
 
 
-def test_a_probe_never_verified_ends_at_the_drafters_next_round() -> None:
-    # a probe whose proposal found nothing, or whose draft auto passed over for another candidate's, was
-    # never verified: left pending, it barred looks (a copy drafter was not asked again in the request)
+def test_a_pending_probe_does_not_bar_looks_and_the_look_is_verified_as_the_probe() -> None:
+    # a probe whose proposal found nothing (or whose draft auto passed over for another candidate's)
+    # stays pending until a draft of that drafter is verified; barring looks meanwhile, it left the
+    # suffix tries unasked for the rest of the README's request
     from ouroboros_local.scheduler import LOOK_EVERY
 
     sched = stale_mix()
     sched._probing.add("x")
-    sure = CopyDraft("hi")
-    kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(LOOK_EVERY)]
-    assert "x" not in sched._probing and kept[-1] > 0 and sure.asked == 1
+    doubtful = CopyDraft("lo")                        # a draft trim would cut to nothing
+    trees = [sched.draft(doubtful, [0], 8) for _ in range(LOOK_EVERY)]
+    assert doubtful.asked == 1 and trees[-1].n_candidates == sched.probe_length
+    sched.learn("x", trees[-1], 0)
+    assert "x" not in sched._probing and sched._probe_spent[""] > 0
 
 
 def test_a_draft_whose_first_class_was_barely_tried_is_verified_as_a_probe() -> None:
