@@ -43,9 +43,9 @@ conditional acceptance per class (``ConfidenceTable``, shrunk towards the propos
 A labelled draft is then *trimmed* to the depth whose expected tokens per second is best
 (``trim``), a draft model stops writing once one more token cannot pay (``extend_pays``), and whether
 to draft at all is decided from the mix of first-token classes seen so far (``best_length``). A draft
-whose first class was verified fewer than MEASURE_TRIALS times, and accepted in at least half of them,
-is kept at the probe length as a probe (within the same budget): an estimate from one or two
-verifications is luck, and once it says "no" the class would never be verified again.
+whose first class was verified fewer than MEASURE_TRIALS times is kept at the probe length as a probe
+(within the same budget): an estimate from one or two verifications is luck, and once it says "no" the
+class would never be verified again.
 The table learns over all requests; within one request the estimates are also scaled by how that
 request's drafts fared against them (``request_scale``), so a text unlike the rest stops drafting in a
 few failed drafts instead of the ~30 the table's decay needs.
@@ -86,7 +86,7 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
-MEASURE_TRIALS = 4.0    # a draft whose first class was tried fewer times (mostly accepted) is a probe
+MEASURE_TRIALS = 4.0    # a draft whose first class was tried fewer times is verified as a probe (``trim``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
@@ -563,8 +563,8 @@ class Scheduler:
 
     def _kept_at_least(self, source: str, first: str | None, n: int, k: int) -> int:
         """``trim``'s cut ``k`` of ``n`` nodes, raised to a probe's ``probe_length`` for a probe; and a
-        draft cut below that whose first class is barely measured (``_worth_measuring``) becomes a
-        probe where the probe budget allows.
+        draft cut below that whose first class was tried fewer than MEASURE_TRIALS times becomes a probe
+        where the probe budget allows.
 
         A class verified once or twice has an estimate that is mostly luck, and once it says "no" its
         drafts are cut to nothing and never verified again. Seen in real runs: suffix's long matches
@@ -573,22 +573,12 @@ class Scheduler:
         that followed went undrafted (733 target passes where ~300 were the rule). A periodic probe
         verifies whatever comes next; this one verifies what the table knows least."""
         if (k < self.probe_length and first is not None and source not in self._probing
-                and self._worth_measuring(source, first) and self._probe_affordable()):
+                and self.confidence[source].trials.get(first, 0.0) < MEASURE_TRIALS
+                and self._probe_affordable()):
             self._probing.add(source)   # charged and backed off as any probe (``update``)
         if source in self._probing:
             k = max(k, min(self.probe_length, n))
         return k
-
-    def _worth_measuring(self, source: str, first: str) -> bool:
-        """Was class ``first`` tried fewer than MEASURE_TRIALS times, and accepted in at least half of
-        them? A class that failed more often than not is likelier hopeless than unlucky (one accepted
-        90% of the time fails its first trial 10% of the time, and periodic probes still try it), and
-        in a fresh process the probe budget is a few probes: spent on the one-token copies
-        that came first in the README's request, none was left for the long copies that followed
-        (accepted in both their trials, yet cut at the prior's 0.58)."""
-        table = self.confidence[source]
-        trials = table.trials.get(first, 0.0)
-        return trials < MEASURE_TRIALS and 2.0 * table.successes.get(first, 0.0) >= trials
 
     def _trim_branches(self, source: str, tree: TokenTree) -> TokenTree:
         """``trim`` for a branching tree: keep the nodes likeliest to be accepted, as many as pays.

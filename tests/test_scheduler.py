@@ -852,10 +852,6 @@ def test_a_draft_whose_first_class_was_barely_tried_is_verified_as_a_probe() -> 
     table.trials["new"] = MEASURE_TRIALS                     # measured enough: the estimate decides
     table.successes["new"] = 1.0
     assert sched.trim("x", labelled_chain(["new"] * 8)).n_candidates == 0
-    table.trials["bad"], table.successes["bad"] = 1.0, 0.0  # failed more often than not: not measured
-    assert sched.trim("x", labelled_chain(["bad"] * 8)).n_candidates == 0     # (the budget is there)
-    table.successes["bad"] = 0.5                             # (decayed) half of its trials accepted
-    assert sched.trim("x", labelled_chain(["bad"] * 8)).n_candidates == sched.probe_length
 
 
 def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_once() -> None:
