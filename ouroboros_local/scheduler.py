@@ -18,10 +18,10 @@ model), with a weak prior and exponential forgetting so it tracks the text as it
 
 When k = 0 wins, no drafts are made and alpha would never be re-measured, so the scheduler still probes
 with a short draft now and then; the interval doubles after each probe after which drafting still does
-not pay (its measured cost included), and what probes lose (their drafting, a draft model's catch-up
-on the text it skipped, their extra verification, less the plain steps their accepted tokens saved) is
-held within PROBE_BUDGET of the time (each method's own, where one engine runs several), so hopeless
-text loses at most ~1% while drafting can resume when the text turns repetitive.
+not pay (its measured cost included), and the measured cost of all probes (their drafting, a draft
+model's catch-up on the text it skipped, their extra verification) is held within PROBE_BUDGET of the
+time (each method's own, where one engine runs several), so hopeless text loses at most ~1% while
+drafting can resume when the text turns repetitive.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -483,9 +483,7 @@ class Scheduler:
         self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds
 
     def _charge_probe(self, seconds: float) -> None:
-        """Add ``seconds`` (negative: a probe that saved time) to what this method's probes cost; a
-        refund clears what was spent but banks no credit for later probes."""
-        self._probe_spent[self._method] = max(0.0, self._probe_spent.get(self._method, 0.0) + seconds)
+        self._probe_spent[self._method] = self._probe_spent.get(self._method, 0.0) + seconds
 
     def extend_rule(self) -> "Callable[[str, Sequence[str]], bool]":
         """``ProposeSetup.extend_pays`` for proposers this scheduler runs (their measured draft cost)."""
@@ -799,10 +797,9 @@ class Scheduler:
         self.estimate(source).update(drafted, accepted)
         self._changed(source)
         if source in self._probing:
-            # its extra verification, less the plain steps its accepted tokens saved, counts against
-            # the probe budget (its drafting did in note_draft): the budget bounds what probes lose
+            # its extra verification counts against the probe budget (its drafting did in note_draft)
             seconds = self.round_seconds(drafted)
-            self._charge_probe(float(seconds[drafted] - seconds[0]) - accepted * float(seconds[0]))
+            self._charge_probe(float(seconds[drafted] - seconds[0]))
             # a probe "succeeds" only if drafting now pays at the updated estimate; one that merely
             # accepted something (while drafting still loses) backs off like a failed one
             self._probing.discard(source)
