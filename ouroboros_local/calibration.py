@@ -31,8 +31,12 @@ from .tree import TokenTree, layout
 if TYPE_CHECKING:  # pragma: no cover
     from .kv import KVCache
 
-CALIBRATION_SIZES = (1, 2, 3, 4, 6, 8, 12, 16)
-CALIBRATION_METHOD = 3   # bump when measure_costs changes: cached curves of the old method are re-measured
+# Every size a default draft can verify (max_length 16 + the root), then a sparse tail for wider trees and
+# windows. Every size, because the curve is not smooth: llama.cpp's CPU kernels for repacked Q4_K weights
+# multiply 4 rows at a time, so on 2 cores 16 tokens cost less than 15 (the 1.5B target: 5.2 against 6.4
+# steps; 17 cost 6.2) and 8 about what 7 cost. Sampling 1-4, 6, 8, 12, 16 and interpolating hid both.
+CALIBRATION_SIZES = (*range(1, 18), 24, 32)
+CALIBRATION_METHOD = 4   # bump when measure_costs changes: cached curves of the old method are re-measured
 CHECK_TOLERANCE = 3.0    # a cached curve whose single step is off by more than this factor is re-measured
 CHECK_NOISE_SECONDS = 2e-5   # differences below this are scheduling jitter, whatever the ratio
 CHECK_DECODES = 4        # timed single-token decodes of the start-up check (after one warm-up)
@@ -57,7 +61,8 @@ class CostModel:
         xs, ys = self.sizes, self.seconds
         if n_tokens <= xs[-1]:
             return float(np.interp(n_tokens, xs, ys))
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else ys[-1]
+        # beyond the curve: its last stretch's slope (a dip at the last size must not make it fall)
+        slope = max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0) if len(xs) > 1 else ys[-1]
         return ys[-1] + slope * (n_tokens - xs[-1])
 
     def ratio(self, n_tokens: int) -> float:
@@ -106,28 +111,31 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
 
     Each size takes the median of ``repeats`` timed decodes after a warm-up one: the scheduler needs
     what a decode usually costs, and the minimum of a few (what this did before) made 3-4 token
-    decodes look up to 30% cheaper than they run on a busy 2-core CPU. Other processes' CPU use is
-    measured alongside; a curve measured while they competed for our cores is marked provisional."""
+    decodes look up to 30% cheaper than they run on a busy 2-core CPU. The curve is kept as measured,
+    dips included (a larger batch can cost less: see CALIBRATION_SIZES), only never below one token's
+    cost. Other processes' CPU use is measured alongside; a curve measured while they competed for our
+    cores is marked provisional."""
     rng = np.random.default_rng(0)
     n_vocab = vocab or kv.ctx.n_vocab
     sizes = [s for s in sizes if s <= kv.ctx.n_batch]
-    seconds = []
+    times: dict[int, list[float]] = {n: [] for n in sizes}
     with LoadMeter() as meter:
         _random_prefix(kv, rng, n_vocab, prefix_len)
-        for n in sizes:
-            times = []
-            for _ in range(repeats + 1):  # first run warms the graph for this shape
+        # size after size, repeat after repeat: a burst of load then spoils one decode of several sizes,
+        # not all decodes of one size (back to back, it made 13 tokens look twice as dear as 12 or 14)
+        for rep in range(repeats + 1):   # the first pass warms the graph for each shape
+            for n in sizes:
                 tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
                 tree.add_path(0, [int(t) for t in rng.integers(0, n_vocab, n - 1)])
                 t0 = time.perf_counter()
                 kv.decode_layout(layout(tree))
                 kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
-                times.append(time.perf_counter() - t0)
+                if rep:
+                    times[n].append(time.perf_counter() - t0)
                 kv.ctx.seq_rm(-1, kv.n_past, -1)
-            seconds.append(float(np.median(times[1:])))
     kv.reset()
-    # costs never shrink with more tokens; smooth out timer noise
-    seconds = list(np.maximum.accumulate(seconds))
+    seconds = [float(np.median(times[n])) for n in sizes]
+    seconds = [max(s, seconds[0]) for s in seconds]   # n tokens never cost less than one: timer noise
     return CostModel(sizes=list(sizes), seconds=seconds, busy_cores=meter.busy_cores,
                      provisional=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads))
 
@@ -220,7 +228,7 @@ def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh
             return cached
         origin = f"re-measured: {reason}"
     logging.getLogger("ouroboros_local").info(
-        "measuring this machine's verify cost (%s; a few seconds, then cached) ...", origin.split(": ", 1)[1])
+        "measuring this machine's verify cost (%s; seconds to a minute, once: then cached) ...", origin.split(": ", 1)[1])
     model = measure(kv)
     model.key = key
     model.__dict__["_origin"] = origin

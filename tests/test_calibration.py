@@ -129,3 +129,63 @@ def test_old_and_broken_cache_entries(tmp_path) -> None:
     old = cache.get("ok")
     assert old.seconds == [0.05] and old.busy_cores is None and not old.provisional
     assert cache.get("zero") is None and cache.get("junk") is None
+
+
+class FakeClock:
+    """``time.perf_counter`` for ``measure_costs``: each decode of n tokens advances it by ``cost(n)``
+    (times ``slow`` for the decodes whose running index is in ``burst``)."""
+
+    def __init__(self, cost, burst=frozenset(), slow=10.0):
+        self.now, self.cost, self.burst, self.slow, self.decodes = 0.0, cost, burst, slow, 0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def decoded(self, n: int) -> None:
+        self.now += self.cost(n) * (self.slow if self.decodes in self.burst else 1.0)
+        self.decodes += 1
+
+
+def measured_with(engine: Engine, monkeypatch, clock: FakeClock, sizes) -> CostModel:
+    real = engine.kv.decode_layout
+
+    def decode(lay):
+        out = real(lay)
+        clock.decoded(len(lay.tokens))
+        return out
+
+    monkeypatch.setattr(engine.kv, "decode_layout", decode)
+    monkeypatch.setattr(calibration.time, "perf_counter", clock.perf_counter)
+    return measure_costs(engine.kv, sizes=sizes, repeats=3)
+
+
+def test_the_curve_keeps_a_larger_batch_that_costs_less(engine, monkeypatch) -> None:
+    """llama.cpp's repacked Q4_K kernels take 4 rows at a time: 16 tokens can cost less than 15 (the 1.5B
+    on 2 cores: 5.1 against 6.4 steps). The scheduler must see that, not a curve forced to rise."""
+    cost = {1: 1.0, 2: 1.7, 15: 6.4, 16: 5.1, 17: 6.3}
+    curve = measured_with(engine, monkeypatch, FakeClock(cost.__getitem__), sizes=sorted(cost))
+    assert curve.seconds == pytest.approx([cost[n] for n in curve.sizes])
+    assert curve.cost(16) < curve.cost(15)
+
+
+def test_no_size_costs_less_than_one_token(engine, monkeypatch) -> None:
+    cost = {1: 1.0, 2: 0.6, 3: 2.0}.__getitem__       # a timer glitch at 2
+    curve = measured_with(engine, monkeypatch, FakeClock(cost), sizes=(1, 2, 3))
+    assert curve.seconds == pytest.approx([1.0, 1.0, 2.0])
+
+
+def test_a_burst_of_load_spoils_no_size(engine, monkeypatch) -> None:
+    """Three decodes in a row ten times slower (another process woke up): taken size after size, each
+    size loses at most one of its three timed decodes, and its median stands."""
+    sizes = tuple(range(1, 9))
+    clock = FakeClock(lambda n: 0.5 + 0.5 * n, burst=frozenset({13, 14, 15}))   # 8 warm-ups, then timed
+    curve = measured_with(engine, monkeypatch, clock, sizes=sizes)
+    assert curve.seconds == pytest.approx([0.5 + 0.5 * n for n in sizes])
+
+
+def test_beyond_the_curve_a_dip_at_its_end_does_not_make_costs_fall() -> None:
+    curve = CostModel(sizes=[1, 15, 16], seconds=[1.0, 6.4, 5.1])
+    assert curve.cost(16) == pytest.approx(5.1)
+    assert curve.cost(20) == pytest.approx(5.1)
+    rising = CostModel(sizes=[1, 24, 32], seconds=[1.0, 7.7, 9.1])
+    assert rising.cost(40) == pytest.approx(9.1 + 1.4)      # the last stretch's slope, 1.4 per 8 tokens
