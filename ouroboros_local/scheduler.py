@@ -25,9 +25,9 @@ drafting can resume when the text turns repetitive.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
-A ceiling. Where one draft-model step costs a large share of a target step and verification is steep (2
-CPU cores: the 0.5B draft costs 0.57 steps of the 1.5B target, and 4 verified tokens 2.7 steps), drafting
-gains nothing even if every draft token is accepted. A drafter whose ceiling is below MIN_GAIN is
+A ceiling. Where one draft-model step costs a large share of a target step and verification is steep,
+drafting gains nothing even if every draft token is accepted (2 CPU cores: the 0.5B draft costs 0.55
+steps of the 1.5B target, so only a 15-token draft accepted whole, verified in 5 steps, would pay: 1.2x). A drafter whose ceiling is below MIN_GAIN is
 *retired* (``hopeless``): it is not asked, not probed, and never catches up on text. Its cost is the
 floor of what drafting can cost: its prior from the draft's calibrated curve
 (``Proposer.draft_cost_floor``: one draft step per token for a chain drafter; for Ouroboros, a forward
