@@ -250,7 +250,7 @@ def test_calibration_is_measured_once_and_cached(tiny_target, tmp_path, monkeypa
     with Engine(Model(tiny_target), None, config) as engine:
         first = engine.cost_model()
         assert first.sizes[0] == 1 and all(s > 0 for s in first.seconds)
-        assert first.seconds == sorted(first.seconds)
+        assert min(first.seconds) == first.seconds[0]   # kept as measured, but nothing below one token
         data = json.loads((tmp_path / "cal.json").read_text())
         assert first.key in data
         assert CalibrationCache(tmp_path / "cal.json").get(first.key).seconds == first.seconds
