@@ -74,13 +74,13 @@ from ouroboros_local.testing import write_tiny_model
 from ouroboros_local.llama import quantize
 from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
-from ouroboros_local.scheduler import measure_costs
+from ouroboros_local.calibration import measure_costs
 os.makedirs("/tmp/gpu-models", exist_ok=True)
 f16, q4 = "/tmp/gpu-models/qwen-shaped-f16.gguf", "/tmp/gpu-models/qwen-shaped-q4_k_m.gguf"
 if not os.path.exists(q4):
     write_tiny_model(f16, n_layer=28, n_embd=1536, n_head=12, n_head_kv=2, n_ff=8960, dtype="f16")
     quantize(f16, q4, 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-sizes = (1, 2, 4, 8, 16, 32, 64)
+sizes = (*range(1, 18), 24, 32, 64)   # every draft size: kernels may take rows 4 or 8 at a time
 rows = {}
 for label, layers, threads in (("gpu", -1, 16), ("cpu-16t", 0, 16), ("cpu-2t", 0, 2)):
     cfg = EngineConfig(n_ctx=1024, n_batch=128, n_seq_max=8, threads=threads, gpu_layers=layers)
