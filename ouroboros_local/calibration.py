@@ -228,7 +228,8 @@ def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh
             return cached
         origin = f"re-measured: {reason}"
     logging.getLogger("ouroboros_local").info(
-        "measuring this machine's verify cost (%s; seconds to a minute, once: then cached) ...", origin.split(": ", 1)[1])
+        "measuring this machine's verify cost (%s; seconds to a minute, once: then cached) ...",
+        origin.split(": ", 1)[1])
     model = measure(kv)
     model.key = key
     model.__dict__["_origin"] = origin
