@@ -27,12 +27,12 @@ probes first.
 
 A ceiling. Where one draft-model step costs a large share of a target step and verification is steep,
 drafting gains nothing even if every draft token is accepted (2 CPU cores: the 0.5B draft costs 0.55
-steps of the 1.5B target, so only a 15-token draft accepted whole, verified in 5 steps, would pay: 1.2x). A drafter whose ceiling is below MIN_GAIN is
-*retired* (``hopeless``): it is not asked, not probed, and never catches up on text. Its cost is the
-floor of what drafting can cost: its prior from the draft's calibrated curve
-(``Proposer.draft_cost_floor``: one draft step per token for a chain drafter; for Ouroboros, a forward
-over its window divided by the most tokens one forward can commit) until it has drafted RETIRE_AFTER
-rounds, then the least it was measured to cost per token.
+steps of the 1.5B target, so only a 15-token draft accepted whole, verified in 5 steps, would pay: 1.2x).
+A drafter whose ceiling is below MIN_GAIN is *retired* (``hopeless``): it is not asked, not probed, and
+never catches up on text. Its cost is the floor of what drafting can cost: its prior from the draft's
+calibrated curve (``Proposer.draft_cost_floor``: one draft step per token for a chain drafter; for
+Ouroboros, a forward over its window divided by the most tokens one forward can commit) until it has
+drafted RETIRE_AFTER rounds, then the least it was measured to cost per token.
 
 Confidence classes. One alpha per proposer averages easy and hard tokens; on a CPU, where a draft token
 must be right ~70-90% of the time to pay for its share of the verification, that average says "never
