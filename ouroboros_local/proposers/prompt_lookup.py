@@ -179,11 +179,7 @@ def label_chain(tree: TokenTree, phrases: Sequence[tuple[Sequence[int], str]]) -
 
 OPTIONS: tuple[opt.Option, ...] = (opt.MAX_NGRAM, opt.MIN_NGRAM, opt.GAMMA, opt.MAX_BRANCHES,
                                    opt.POOL, opt.FEED_POOL, opt.ADAPTIVE)
-# Copies up to 16 tokens: where the scheduler trims each copy to what pays, a long copy costs no more than
-# its cut, and on CPUs whose kernels take rows 4 at a time 16 tokens verify for little more than 8 (the
-# 1.5B on 2 cores: 5.0 against 4.4 steps). codeedit's first pass, 16 prompts, three runs each: auto
-# 1.05x against 0.97x with copies of at most 8 (docs/benchmarks.md, eighteenth session).
-DEFAULT_GAMMA = 16
+DEFAULT_GAMMA = 8
 POOL_PHRASE_LEN = 4   # phrases kept per key in the history pool when prompt lookup reads it
 POOL_PER_KEY = 8
 
