@@ -38,14 +38,15 @@ Confidence classes. One alpha per proposer averages easy and hard tokens; on a C
 must be right ~70-90% of the time to pay for its share of the verification, that average says "never
 draft" although some drafts are nearly always right (a long copy from the prompt, a token the draft
 model gives probability 0.99). Proposers therefore label each node with a class (tree.classes: the
-draft's probability bin, or the n-gram length and depth of a copy) and the scheduler learns the
+draft's probability bin, or how far a copy's match extends, and its depth) and the scheduler learns the
 conditional acceptance per class (``ConfidenceTable``, shrunk towards the proposer's depth estimate).
 A labelled draft is then *trimmed* to the depth whose expected tokens per second is best
 (``trim``), a draft model stops writing once one more token cannot pay (``extend_pays``), and whether
-to draft at all is decided from the mix of first-token classes seen so far (``best_length``). A draft
-whose first class was verified fewer than MEASURE_TRIALS times is kept at the probe length as a probe
-(within the same budget): an estimate from one or two verifications is luck, and once it says "no" the
-class would never be verified again.
+to draft at all is decided from the mix of first-token classes seen so far (``best_length``). What
+``trim`` cuts from a chain is never verified, so the text the target writes next scores it: that text is
+what verification would have accepted (``_hold``), and an estimate that said "no" is still corrected.
+A branching tree's cut nodes cannot be scored that way; a tree whose first class was verified fewer
+than MEASURE_TRIALS times is kept at the probe length as a probe (within the same budget).
 The table learns over all requests; within one request the estimates are also scaled by how that
 request's drafts fared against them (``request_scale``), so a text unlike the rest stops drafting in a
 few failed drafts instead of the ~30 the table's decay needs.
@@ -86,9 +87,10 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
-MEASURE_TRIALS = 4.0    # a draft whose first class was tried fewer times is verified as a probe (``trim``)
+MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
+MAX_UNSCORED = 32       # drafts per proposer waiting for the text that scores them (``_score_unverified``)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
                         # be retired: free drafters cost microseconds, and one retired for a round-cost factor
                         # that happened to be high would never draft again to correct it
@@ -145,6 +147,18 @@ class RoundCosts:
             self._cache = cached = (self._version, table)
             self._plain = 0
         return cached[1]
+
+
+@dataclass(slots=True)
+class _Unverified:
+    """A labelled draft verification did not try in full (cut by ``trim``, or passed over by ``auto``),
+    waiting for the text the target writes next: that text says how far it would have been accepted."""
+
+    start: int                  # the index in ``committed`` of its first token
+    tokens: list[int]
+    classes: list[str]
+    verified: int = -1          # its first nodes verified in its own round (-1: none were)
+    matched: int = 0            # its first tokens found equal to the text so far
 
 
 @dataclass(slots=True)
@@ -229,6 +243,8 @@ class Scheduler:
         # This request's record per proposer: [tokens accepted, tokens the class estimates expected] over
         # the draft nodes verification tried (``request_scale``).
         self._request: dict[str, list[float]] = {}
+        # Labelled drafts not verified in full, per proposer, until the text scores them (``_hold``).
+        self._unverified: dict[str, list[_Unverified]] = {}
 
     # ---- one round: the engine's loop and method auto both schedule through these two -------------
     def draft(self, proposer: "Proposer", committed: Sequence[int], budget: int) -> TokenTree:
@@ -236,6 +252,8 @@ class Scheduler:
         alone when nothing does; the proposer is not asked then), timed for its per-token drafting
         cost, trimmed by confidence class."""
         name = proposer.name
+        if name in self._unverified:
+            self._score_unverified(name, committed)
         if self._quiet_round(name, budget) or self.hopeless(name):
             return TokenTree.rooted_at(committed[-1])
         k = self.best_length(name, self.draft_cost(name), limit=budget)
@@ -253,7 +271,8 @@ class Scheduler:
         self.note_draft(name, time.perf_counter() - t0, tree.n_candidates,
                         catch_up=proposer.catch_up_seconds, catch_up_tokens=behind)
         if tree.n_candidates:
-            tree = self.trim(name, tree)
+            drafted, tree = tree, self.trim(name, tree)
+            self._hold(name, drafted, len(committed))
         if tree.n_candidates:
             self._kept_last.add(name)
         else:
@@ -261,6 +280,67 @@ class Scheduler:
         if look:
             self._note_look(name, time.perf_counter() - t0)
         return tree
+
+    def _hold(self, source: str, tree: TokenTree, start: int) -> None:
+        """Keep a labelled chain for scoring against the text that follows (``_score_unverified``).
+
+        Without this, what ``trim`` cuts is never verified, and nothing corrects the estimates that
+        cut it: on code edits, copies were cut at every look once a few had failed, while the answers
+        went on copying the prompt (auto between 0.96x and 1.14x on the same prompts). The text the target
+        writes next is what verification would have accepted (greedy: its argmax; sampling: a
+        deterministic draft is accepted where it equals the token sampled), so the cut part is scored
+        at no cost. Sampled drafts are not: their acceptance is a draw against the draft's probabilities."""
+        if not tree.classes or tree.extras or tree.draft_probs or not tree.is_chain():
+            return
+        waiting = self._unverified.setdefault(source, [])
+        if len(waiting) >= MAX_UNSCORED:
+            del waiting[0]
+        classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
+        waiting.append(_Unverified(start, tree.tokens[1:], classes))
+
+    def _score_unverified(self, source: str, committed: Sequence[int]) -> None:
+        """Learn from the held drafts of ``source`` that the text written since decides: a token that
+        differs, or the whole draft matched."""
+        waiting = self._unverified[source]
+        keep = []
+        for draft in waiting:
+            end = min(len(committed) - draft.start, len(draft.tokens))
+            i = draft.matched
+            while i < end and committed[draft.start + i] == draft.tokens[i]:
+                i += 1
+            draft.matched = i
+            if i < end or i == len(draft.tokens):
+                self._learn_unverified(source, draft)
+            else:
+                keep.append(draft)
+        if keep:
+            self._unverified[source] = keep
+        else:
+            del self._unverified[source]
+
+    def _learn_unverified(self, source: str, draft: _Unverified) -> None:
+        """The nodes of ``draft`` verification did not try, as if it had: all of them, or those after the
+        verified ones where those were all accepted."""
+        done = max(draft.verified, 0)
+        if draft.matched < done or done >= len(draft.tokens):
+            return
+        if draft.verified < 0:
+            self.estimate(source).update(len(draft.tokens), draft.matched)
+        self._learn_chain(source, draft.classes[done:], draft.matched - done, depth=done)
+
+    def _note_verified(self, source: str, tree: TokenTree) -> None:
+        """``source``'s latest held draft was verified as ``tree`` (its first nodes, or all of them)."""
+        waiting = self._unverified.get(source)
+        if not waiting or not tree.is_chain():
+            return
+        draft, k = waiting[-1], tree.n_candidates
+        if draft.verified < 0 and draft.tokens[:k] == tree.tokens[1:]:
+            if k >= len(draft.tokens):
+                waiting.pop()
+                if not waiting:
+                    del self._unverified[source]
+            else:
+                draft.verified = k
 
     def _note_look(self, source: str, seconds: float) -> None:
         """A look at ``source`` took ``seconds``, its proposal and trim (EMA)."""
@@ -365,6 +445,7 @@ class Scheduler:
     def begin_request(self) -> None:
         """A new generation starts: what the last one's drafts did no longer corrects the estimates."""
         self._request.clear()
+        self._unverified.clear()
         self._kept_last.clear()
         self._unlooked.clear()
         self._epoch += 1
@@ -374,6 +455,7 @@ class Scheduler:
         the root (needed to learn the classes of a branching tree; a chain's path is its first nodes)."""
         self.update(source, tree.max_depth, accepted)
         self.update_classes(source, tree, accepted, path)
+        self._note_verified(source, tree)
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
@@ -555,14 +637,15 @@ class Scheduler:
         if not tree.is_chain():
             return self._trim_branches(source, tree)
         classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
-        rates = self._chain_expected(source, classes) / self.round_seconds(len(classes))
+        rates = self._chain_expected(source, classes, explore=False) / self.round_seconds(len(classes))
         k = _best_beyond_margin(rates)
         return tree.truncated(self._kept_at_least(source, first, len(classes), k))
 
-    def _kept_at_least(self, source: str, first: str | None, n: int, k: int) -> int:
+    def _kept_at_least(self, source: str, first: str | None, n: int, k: int, scored: bool = True) -> int:
         """``trim``'s cut ``k`` of ``n`` nodes, raised to a probe's ``probe_length`` for a probe; and a
-        draft cut below that whose first class was tried fewer than MEASURE_TRIALS times becomes a probe
-        where the probe budget allows.
+        draft whose cut nodes the text cannot score (``scored``: a chain can, ``_hold``) cut below that,
+        whose first class was tried fewer than MEASURE_TRIALS times, becomes a probe where the probe
+        budget allows.
 
         A class verified once or twice has an estimate that is mostly luck, and once it says "no" its
         drafts are cut to nothing and never verified again. Seen in real runs: suffix's long matches
@@ -570,7 +653,7 @@ class Scheduler:
         were verified twice, one accepted; at 0.5 every later draft was cut, and the repeated requests
         that followed went undrafted (733 target passes where ~300 were the rule). A periodic probe
         verifies whatever comes next; this one verifies what the table knows least."""
-        if (k < self.probe_length and first is not None and source not in self._probing
+        if (not scored and k < self.probe_length and first is not None and source not in self._probing
                 and self.confidence[source].trials.get(first, 0.0) < MEASURE_TRIALS
                 and self._probe_affordable()):
             self._probing.add(source)   # charged and backed off as any probe (``update``)
@@ -599,7 +682,7 @@ class Scheduler:
         order = sorted(range(1, n + 1), key=lambda i: (-reach[i], i))
         expected = 1.0 + np.concatenate(([0.0], np.cumsum([reach[i] for i in order])))
         k = _best_beyond_margin(expected / self.round_seconds(n))
-        k = self._kept_at_least(source, tree.classes.get(1), n, k)
+        k = self._kept_at_least(source, tree.classes.get(1), n, k, scored=False)
         return tree if k == n else tree.subtree(sorted([0, *order[:k]]))
 
     def _probe_affordable(self, seconds: float = 0.0) -> bool:
@@ -713,20 +796,27 @@ class Scheduler:
         a branching tree whose accepted nodes are ``path`` (every child of an accepted node was tried)."""
         if not tree.classes or not tree.n_candidates:
             return
-        table = self.confidence.setdefault(source, ConfidenceTable())
         if tree.is_chain():
-            classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
-            tried = classes[:accepted + 1]
-            q = table.alphas(tried, self.estimate(source).depth_alphas(len(tried)), explore=False)
-            self._note_request(source, accepted, float(q.sum()))
-            table.update(classes, accepted)
-        elif path is not None:
-            on_path = set(path)
-            tried_nodes = [i for i in range(1, len(tree.tokens)) if tree.parents[i] in on_path]
-            self._note_request_branches(source, tree, table, tried_nodes, on_path)
-            table.update_tried([(tree.classes.get(i, ""), i in on_path) for i in tried_nodes])
-        else:
+            self._learn_chain(source, [tree.classes.get(i, "") for i in range(1, len(tree.tokens))], accepted)
             return
+        if path is None:
+            return
+        table = self.confidence.setdefault(source, ConfidenceTable())
+        on_path = set(path)
+        tried_nodes = [i for i in range(1, len(tree.tokens)) if tree.parents[i] in on_path]
+        self._note_request_branches(source, tree, table, tried_nodes, on_path)
+        table.update_tried([(tree.classes.get(i, ""), i in on_path) for i in tried_nodes])
+        self._changed(source)
+
+    def _learn_chain(self, source: str, classes: Sequence[str], accepted: int, depth: int = 0) -> None:
+        """A chain labelled ``classes``, starting at draft depth ``depth``, had its first ``accepted``
+        nodes accepted."""
+        table = self.confidence.setdefault(source, ConfidenceTable())
+        tried = classes[:accepted + 1]
+        base = self.estimate(source).depth_alphas(depth + len(tried))[depth:]
+        q = table.alphas(tried, base, explore=False)
+        self._note_request(source, accepted, float(q.sum()))
+        table.update(classes, accepted)
         self._changed(source)
 
     def _note_request(self, source: str, accepted: float, expected: float) -> None:

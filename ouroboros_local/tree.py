@@ -51,8 +51,9 @@ class TokenTree:
     # Which proposer produced each node (for per-source acceptance statistics); optional.
     sources: dict[int, str] = field(default_factory=dict)
     # Confidence class of a node (e.g. "p6": the draft gave its token probability 0.95-0.98, or
-    # "ctx3d1": a 3-gram context copy at depth 1). The scheduler learns acceptance per class and trims
-    # drafts whose expected gain no longer pays for their verification (acceptance.ConfidenceTable).
+    # "ctx3d1": a context copy whose match is 3 tokens long, at depth 1). The scheduler learns acceptance
+    # per class and trims drafts whose expected gain no longer pays for their verification
+    # (acceptance.ConfidenceTable).
     classes: dict[int, str] = field(default_factory=dict)
     extras: list[ExtraToken] = field(default_factory=list)
     n_extra_seqs: int = 0

@@ -35,10 +35,21 @@ def test_index_is_incremental_and_most_recent_first() -> None:
     # suffix (1, 2): 2-gram matches ending at 5 then 1 (most recent first); no 3-gram (7, 1, 2) before
     assert conts[0] == (2, [4, 7, 1])
     assert conts[1] == (2, [3, 9, 1])
-    assert all(n == 1 for n, _ in conts[2:])
+    # then the 1-gram (2): the same positions, labelled with how far their match really extends
+    assert conts[2:] == conts[:2]
     # a diverging sequence (new generation) rebuilds
     idx.sync([5, 6, 5])
     assert list(idx.continuations(2)) == [(1, [6, 5])]
+
+
+def test_longest_match_first_among_one_ngram() -> None:
+    # the 2-gram (8, 9) ends at 2 (after 6, 7: matches the tail for 4 tokens) and at 6 (after 5: 2 tokens)
+    seq = [6, 7, 8, 9, 1, 5, 8, 9, 2, 6, 7, 8, 9]
+    idx = NgramIndex(1, 2)
+    idx.sync(seq)
+    conts = list(idx.continuations(2))
+    assert conts[:2] == [(4, [1, 5]), (2, [2, 6])]   # the longer, older match first
+    assert [m for m, _ in conts] == [4, 2, 4, 2]      # the 1-gram (9) finds the same two
 
 
 def test_copy_past_the_end_repeats_the_period() -> None:

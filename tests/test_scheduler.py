@@ -813,26 +813,101 @@ def test_a_pending_probe_does_not_bar_looks_and_the_look_is_verified_as_the_prob
     assert "x" not in sched._probing and sched._probe_spent[""] > 0
 
 
-def test_a_draft_whose_first_class_was_barely_tried_is_verified_as_a_probe() -> None:
-    # two verifications, one accepted, put a class at ~0.3: without this rule every later draft that
-    # starts with it is cut to nothing and the estimate never moves again
+def labelled_branches(*branches: list[str]) -> TokenTree:
+    """A root with one labelled chain per branch (tokens 100 * branch + depth)."""
+    tree = TokenTree.rooted_at(0)
+    for b, classes in enumerate(branches, 1):
+        node = 0
+        for depth, cls in enumerate(classes, 1):
+            node = tree.add(node, 100 * b + depth)
+            tree.classes[node] = cls
+    return tree
+
+
+def test_a_tree_whose_first_class_was_barely_tried_is_verified_as_a_probe() -> None:
+    # two verifications, one accepted, put a class at ~0.3: without this rule every later tree that
+    # starts with it is cut to nothing and the estimate never moves again (a branching tree's cut nodes
+    # are not scored by the text that follows, as a chain's are)
     from ouroboros_local.scheduler import MEASURE_TRIALS
 
     sched = stale_mix()
     table = sched.confidence["x"]
     table.trials["new"], table.successes["new"] = 2.0, 1.0
     sched._probe_spent[""] = 0.0                             # (the mix's first drafts were such probes)
-    tree = sched.trim("x", labelled_chain(["new"] * 8))
+    tree = sched.trim("x", labelled_branches(["new"] * 4, ["new"] * 4))
     assert tree.n_candidates == sched.probe_length and "x" in sched._probing
     sched.learn("x", tree, 0)                                # verified: charged and ended like a probe
     assert "x" not in sched._probing and sched._probe_spent[""] > 0
-    assert sched.trim("x", labelled_chain(["lo"] * 8)).n_candidates == 0    # measured and hopeless
+    assert sched.trim("x", labelled_branches(["lo"] * 4, ["lo"] * 4)).n_candidates == 0   # measured, hopeless
     sched._probe_spent[""] = 1e9                             # the probe budget is spent
-    assert sched.trim("x", labelled_chain(["new"] * 8)).n_candidates == 0
+    assert sched.trim("x", labelled_branches(["new"] * 4, ["new"] * 4)).n_candidates == 0
     sched._probe_spent[""] = 0.0
     table.trials["new"] = MEASURE_TRIALS                     # measured enough: the estimate decides
     table.successes["new"] = 1.0
-    assert sched.trim("x", labelled_chain(["new"] * 8)).n_candidates == 0
+    assert sched.trim("x", labelled_branches(["new"] * 4, ["new"] * 4)).n_candidates == 0
+    # a chain is not probed for this: the text scores what trim cuts (below)
+    table.trials["new"] = 2.0
+    assert sched.trim("x", labelled_chain(["new"] * 8)).n_candidates == 0 and "x" not in sched._probing
+
+
+def test_the_text_that_follows_scores_a_draft_trim_cut() -> None:
+    # "lo" copies are cut to nothing, so verification never corrects their estimate; the text the
+    # target writes next says how far each would have been accepted
+    sched = stale_mix()
+    sched._probe_every["x"] = 1000                    # looks alone
+    table = sched.confidence["x"]
+    drafter = CopyDraft("lo")
+    while not drafter.asked:                          # idle rounds until a look
+        assert sched.draft(drafter, [0], 8).n_candidates == 0
+    trials, successes = table.trials["lo"], table.successes["lo"]
+    sched.draft(drafter, [0, 101, 102, 103], 8)       # so far, the text follows the draft: nothing learned
+    assert table.trials["lo"] == trials
+    sched.draft(drafter, [0, 101, 102, 103, 7], 8)    # then differs: 3 accepted, the 4th rejected
+    d = table.decay
+    assert table.trials["lo"] == pytest.approx(trials * d + 4)
+    assert table.successes["lo"] == pytest.approx(successes * d + 3)
+
+
+def test_only_what_verification_did_not_try_is_scored_by_the_text() -> None:
+    sched = Scheduler(CPU, max_length=8)
+    table = sched.confidence.setdefault("x", ConfidenceTable(decay=1.0))
+    chain = labelled_chain(["a"] * 6)                 # tokens 101..106
+
+    sched._hold("x", chain, start=1)                  # cut to 2 nodes, both verified and accepted
+    sched.learn("x", chain.truncated(2), 2)
+    assert (table.trials["a"], table.successes["a"]) == (2, 2)
+    sched._score_unverified("x", [0, 101, 102, 103, 104, 9])   # the tail: 2 accepted, the 3rd rejected
+    assert (table.trials["a"], table.successes["a"]) == (5, 4)
+
+    sched._hold("x", chain, start=1)                  # verified in full: nothing left to score
+    sched.learn("x", chain, 1)
+    assert (table.trials["a"], table.successes["a"]) == (7, 5)
+    assert "x" not in sched._unverified
+
+    sched._hold("x", chain, start=1)                  # cut to 2 nodes, the 2nd rejected: the tail was
+    sched.learn("x", chain.truncated(2), 1)           # never reachable, nothing to score
+    sched._score_unverified("x", [0, 101, 5])
+    assert (table.trials["a"], table.successes["a"]) == (9, 6)
+
+    sched._hold("x", chain, start=1)                  # passed over (auto verified another draft): all of it
+    sched._score_unverified("x", [0, 101, 102, 7])
+    assert (table.trials["a"], table.successes["a"]) == (12, 8)
+
+
+def test_held_drafts_are_bounded_and_dropped_with_the_request() -> None:
+    from ouroboros_local.scheduler import MAX_UNSCORED
+
+    sched = Scheduler(CPU, max_length=8)
+    for start in range(3 * MAX_UNSCORED):
+        sched._hold("x", labelled_chain(["a"] * 8), start=start)
+    assert len(sched._unverified["x"]) == MAX_UNSCORED
+    sched.begin_request()
+    assert not sched._unverified
+    sampled = labelled_chain(["a"] * 2)
+    sampled.draft_probs[1] = np.ones(4) / 4           # a sampled draft's acceptance is a draw: not scored
+    sched._hold("x", sampled, start=0)
+    sched._hold("x", labelled_branches(["a"], ["b"]), start=0)   # nor a branching tree's
+    assert not sched._unverified
 
 
 def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_once() -> None:

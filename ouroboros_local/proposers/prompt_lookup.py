@@ -1,9 +1,11 @@
 """Prompt lookup: draft by copying what followed an earlier occurrence of the last few tokens.
 
 Matches the last n committed tokens (n from ``max_ngram`` down to ``min_ngram``) against earlier
-positions of the prompt and the output, most recent occurrence first, as llama.cpp's ngram-simple and
-``lookup`` do. An n-gram -> positions index is updated incrementally as tokens are committed, so a step
-costs O(max_ngram) dictionary lookups instead of a scan of the context. A shared ``PhrasePool`` (phrases
+positions of the prompt and the output, as llama.cpp's ngram-simple and ``lookup`` do; among the
+positions of one n-gram, the match that extends furthest back comes first (then the most recent), and
+how far it extends labels the copy's confidence class. An n-gram -> positions index is updated
+incrementally as tokens are committed, so a step costs O(max_ngram) dictionary lookups instead of a
+scan of the context. A shared ``PhrasePool`` (phrases
 from earlier requests, like llama.cpp's "dynamic cache": docs/design.md#prompt-lookup) is consulted after
 the context.
 
@@ -68,7 +70,8 @@ class NgramIndex:
         self._indexed = max(self._indexed, len(toks) - 1)
 
     def continuations(self, length: int) -> Iterator[tuple[int, list[int]]]:
-        """(n, tokens that followed a match) for the current suffix: longest n, most recent first.
+        """(match length, tokens that followed a match) for the current suffix: longest n first; among
+        the positions of one n-gram, the longest match (extended back up to MATCH_CAP), most recent first.
 
         When a copy reaches the end of the sequence it continues with its own tokens (a match at distance
         d predicts a period-d repetition), so repetitive text gets full-length drafts.
@@ -78,12 +81,33 @@ class NgramIndex:
         for n in range(self.max_n, self.min_n - 1, -1):
             if total < n + 1:
                 continue
-            for end in reversed(self._maps[n].get(tuple(toks[total - n:]), ())):
+            ends = self._maps[n].get(tuple(toks[total - n:]), ())
+            matches = sorted(((self._extend(end, n), end) for end in ends), reverse=True)
+            for m, end in matches:
                 out: list[int] = []
                 for j in range(length):
                     idx = end + 1 + j
                     out.append(toks[idx] if idx < total else out[idx - total])
-                yield n, out
+                yield m, out
+
+    def _extend(self, end: int, n: int) -> int:
+        """How many tokens before ``end`` (inclusive) equal the sequence's last ones (at least n)."""
+        toks = self.tokens
+        last = len(toks) - 1
+        m = n
+        while m < MATCH_CAP and end - m >= 0 and toks[end - m] == toks[last - m]:
+            m += 1
+        return m
+
+
+MATCH_CAP = 16   # a match is extended back this far at most: 16 tokens and more is one class
+
+
+def match_class(length: int) -> str:
+    """The confidence class of a copy whose match is ``length`` tokens long: 1, 2, 3, 4-7, 8-15, 16+."""
+    if length <= 3:
+        return f"ctx{max(length, 1)}"
+    return "ctx4" if length < 8 else "ctx8" if length < 16 else "ctx16"
 
 
 class PromptLookupProposer(Proposer):
@@ -94,7 +118,7 @@ class PromptLookupProposer(Proposer):
     confidence_classes = True
     free_drafts = True
 
-    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 8, max_branches: int = 1,
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 16, max_branches: int = 1,
                  pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4):
         if not 1 <= min_ngram <= max_ngram:   # each bound alone is checked with the options (options.py)
             raise ParameterError(f"need 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram})")
@@ -124,10 +148,10 @@ class PromptLookupProposer(Proposer):
                  ) -> Iterator[tuple[list[int], str]]:
         """Candidate phrases, best first; each one's confidence class prefix goes to ``seen``."""
         eog = self.setup.eog_tokens
-        for n, cont in self.index.continuations(self.gamma):
+        for length, cont in self.index.continuations(self.gamma):
             phrase = cut_at_eog(cont, eog)
             if seen is not None:
-                seen.append((phrase, f"ctx{min(n, 4)}"))
+                seen.append((phrase, match_class(length)))
             yield phrase, "prompt-lookup"
         if self.pool is not None:
             for phrase in self.pool.lookup(committed, k=max(self.max_branches, 2)):
@@ -166,9 +190,9 @@ class PromptLookupProposer(Proposer):
 
 
 def label_chain(tree: TokenTree, phrases: Sequence[tuple[Sequence[int], str]]) -> None:
-    """Class of each chain node: the kind of the first phrase that reaches it (context copies by
-    n-gram length: a 4-gram match is right far more often than a 1-gram one) and its depth (a copy
-    that was right so far tends to stay right)."""
+    """Class of each chain node: the kind of the first phrase that reaches it (context copies by how
+    far their match extends back: after a 4-token match a copy is right far more often than after a
+    1-token one) and its depth (a copy that was right so far tends to stay right)."""
     chain = tree.tokens[1:]
     for depth in range(1, len(chain) + 1):
         for phrase, kind in phrases:
@@ -179,7 +203,7 @@ def label_chain(tree: TokenTree, phrases: Sequence[tuple[Sequence[int], str]]) -
 
 OPTIONS: tuple[opt.Option, ...] = (opt.MAX_NGRAM, opt.MIN_NGRAM, opt.GAMMA, opt.MAX_BRANCHES,
                                    opt.POOL, opt.FEED_POOL, opt.ADAPTIVE)
-DEFAULT_GAMMA = 8
+DEFAULT_GAMMA = 16
 POOL_PHRASE_LEN = 4   # phrases kept per key in the history pool when prompt lookup reads it
 POOL_PER_KEY = 8
 

@@ -1,0 +1,45 @@
+"""scripts/replay_auto.py: method auto replayed on recorded answers, with a cost curve as the clock."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from ouroboros_local.calibration import CostModel
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "replay_auto.py"
+spec = importlib.util.spec_from_file_location("replay_auto", SCRIPT)
+replay_auto = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(replay_auto)
+
+GPU_LIKE = CostModel(sizes=[1, 64], seconds=[1.0, 1.2])           # verification nearly free
+CPU_STEEP = CostModel(sizes=[1, 2, 17], seconds=[1.0, 2.0, 17.0])  # n tokens cost n steps: nothing pays
+
+
+def answers() -> list[dict]:
+    prompt = list(range(1000, 1100))
+    copy = {"set": "copy", "id": "c", "prompt": prompt, "answer": prompt[10:70]}   # the answer copies the prompt
+    fresh = {"set": "fresh", "id": "f", "prompt": prompt, "answer": list(range(2000, 2060))}   # nothing to copy
+    return [copy, fresh]
+
+
+def test_a_replay_writes_the_recorded_answers_and_pays_where_they_copy() -> None:
+    out = replay_auto.replay(answers(), ["copy", "fresh"], GPU_LIKE, noise=0.0, seed=0, limit=16,
+                             max_tokens=128, max_draft=16)
+    speedup, counts = out["copy"]
+    assert speedup > 3 and counts["accepted"] > 40          # long copies, verified almost for free
+    speedup, counts = out["fresh"]
+    assert counts["accepted"] == 0 and 0.8 < speedup <= 1.0  # nothing to copy: plain steps, a few probes
+
+
+def test_where_verification_costs_what_it_checks_nothing_is_drafted_for_long() -> None:
+    out = replay_auto.replay(answers(), ["fresh", "copy"], CPU_STEEP, noise=0.1, seed=1, limit=16,
+                             max_tokens=128, max_draft=16)
+    for speedup, counts in out.values():
+        assert speedup > 0.9 and counts["drafted"] < 20
+
+
+def test_a_set_replayed_twice_is_labelled_by_pass() -> None:
+    out = replay_auto.replay(answers(), ["copy", "copy"], GPU_LIKE, noise=0.0, seed=0, limit=16,
+                             max_tokens=128, max_draft=16)
+    assert list(out) == ["copy (pass 1)", "copy (pass 2)"]
