@@ -78,16 +78,20 @@ class NgramIndex:
         """
         toks = self.tokens
         total = len(toks)
+        done: set[int] = set()   # a position found by a longer n-gram is found again by each shorter one
         for n in range(self.max_n, self.min_n - 1, -1):
             if total < n + 1:
                 continue
-            ends = self._maps[n].get(tuple(toks[total - n:]), ())
-            matches = sorted(((self._extend(end, n), end) for end in ends), reverse=True)
-            for m, end in matches:
-                out: list[int] = []
-                for j in range(length):
-                    idx = end + 1 + j
-                    out.append(toks[idx] if idx < total else out[idx - total])
+            found = self._maps[n].get(tuple(toks[total - n:]))
+            if not found:
+                continue
+            ends = [end for end in found if end not in done]
+            done.update(ends)
+            for m, end in sorted(((self._extend(end, n), end) for end in ends), reverse=True):
+                start = end + 1
+                out = toks[start:start + length]
+                while len(out) < length:   # past the end: the period total - start repeats
+                    out.append(out[len(out) - (total - start)])
                 yield m, out
 
     def _extend(self, end: int, n: int) -> int:
