@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Replay method ``auto`` on recorded greedy answers, with this machine's cost curve as the clock.
+"""Replay method ``auto`` (or another draft-free method) on recorded greedy answers, with this machine's
+cost curve as the clock.
 
 A benchmark run of ``auto`` moves by several percent between runs of the same code (on code edits,
 0.99x-1.14x; answered a second time, 1.24x-2.69x), because what rounds are measured to cost steers
@@ -8,11 +9,13 @@ so a scheduler change is judged in seconds, over many seeded runs, before the be
 
 Each answer is generated again as the engine would: ``auto``'s proposers draft from the prompt, the
 answer so far and the history of earlier answers (the sets replay in ``--order``, as one benchmark run
-would); a stand-in target accepts a draft token where it equals the recorded answer; a round of n
-tokens costs c(n) of the curve times a seeded log-normal factor (``--noise``: a real round's cost moves
-by about that much), and the scheduler learns from those costs as from measured ones. The speed-up is
-the answers' cost in plain steps (tokens x c(1)) over the replayed rounds' cost; drafting and the
-runtime's own work per round are not counted (tenths of a millisecond against a 7-28 ms CPU step).
+would; with ``--method``, ``prompt-lookup``, ``suffix`` or ``ouroboros`` without a draft model, priced
+round by round by the scheduler as the engine prices them); a stand-in target accepts a draft token
+where it equals the recorded answer; a round of n tokens costs c(n) of the curve times a seeded
+log-normal factor (``--noise``: a real round's cost moves by about that much), and the scheduler learns
+from those costs as from measured ones. The speed-up is the answers' cost in plain steps (tokens x
+c(1)) over the replayed rounds' cost; drafting and the runtime's own work per round are not counted
+(tenths of a millisecond against a 7-28 ms CPU step).
 
 Usage (the answers from copy_bound.py's ``--outputs``):
     python3 scripts/copy_bound.py -m qwen2.5-coder-1.5b-instruct --limit 16 -n 128 \\
@@ -65,13 +68,14 @@ def answer_decoder(answer: Sequence[int], committed: list[int], prompt_len: int,
 
 
 def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, noise: float, seed: int,
-           limit: int, max_tokens: int, max_draft: int) -> dict[str, tuple[float, Counter]]:
+           limit: int, max_tokens: int, max_draft: int, method: str = "auto"
+           ) -> dict[str, tuple[float, Counter]]:
     """One seeded replay of the sets in ``order``; per pass: (speed-up, round counts)."""
     ids = sorted({t for a in answers for t in a["prompt"] + a["answer"]})
     dense = {t: i for i, t in enumerate(ids)}   # a small vocabulary keeps the stand-in's rows small
     vocab = len(ids) + 1
     sched = Scheduler(curve, max_length=max_draft)
-    # auto without a draft model: its free candidates need only the history and the scheduler
+    # no draft model: the free proposers need only the history and the scheduler
     ctx = DraftingContext(target=None, target_context=None, draft=None,  # type: ignore[arg-type]
                           pair_compatible=None, pair_reason=None, draft_kv=None,  # type: ignore[arg-type]
                           history=History(), scheduler=lambda: sched)
@@ -83,21 +87,29 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
         for record in [a for a in answers if a["set"] == name][:limit]:
             prompt = [dense[t] for t in record["prompt"]]
             answer = [dense[t] for t in record["answer"]]
-            proposer = create_method("auto", ctx, {}).proposer
-            sched.use_method("auto")
+            chosen = create_method(method, ctx, {})
+            proposer = chosen.proposer
+            sched.use_method(method)
+            if chosen.scheduled:   # the engine prices such a method's drafts (auto prices its own)
+                sched.begin_request()
+                sched.enroll(proposer)
             setup = replace(make_setup(max_tree_nodes=511, max_branches=16), extend_pays=sched.extend_rule())
             committed = list(prompt)
             decode = answer_decoder(answer, committed, len(prompt), vocab)
             proposer.begin(committed, setup)
             while True:
                 done = len(committed) - len(prompt)
-                tree = proposer.propose(committed, max(0, max_tokens - done - 1))
+                budget = max(0, max_tokens - done - 1)
+                tree = sched.draft(proposer, committed, budget) if chosen.scheduled else \
+                    proposer.propose(committed, budget)
                 result, _ = verify_round(tree, decode, setup.sampling, setup.rng)
                 n = len(tree.tokens) + len(tree.extras)
                 seconds = curve.cost(n) * float(np.exp(rng.normal(0.0, noise)))
                 replayed += seconds
                 counts.update(rounds=1, drafted=tree.n_candidates, accepted=len(result.accepted))
                 committed.extend(result.tokens)
+                if chosen.scheduled:
+                    sched.learn(proposer.name, tree, len(result.accepted), result.path)
                 written = committed[len(prompt):len(prompt) + len(answer)]
                 if written != answer[:len(written)]:
                     raise RuntimeError(f"{name} {record['id']}: the replay left the recorded answer")
@@ -118,6 +130,7 @@ def main() -> int:
     ap.add_argument("--answers", required=True,
                     help="greedy answers written by copy_bound.py --outputs (several files: comma-separated)")
     ap.add_argument("--order", help="sets in replay order, comma-separated (a set may repeat: a second pass)")
+    ap.add_argument("--method", default="auto", help="a draft-free method (default: auto)")
     ap.add_argument("--limit", type=int, default=16, help="answers per set")
     ap.add_argument("-n", "--max-tokens", type=int, default=128, help="the token budget the answers had")
     ap.add_argument("--seeds", type=int, default=10, help="replays, each with its own round-cost noise")
@@ -134,8 +147,8 @@ def main() -> int:
     engine = Engine.load(args.model)
     curve, max_draft = engine.cost_model(), engine.config.max_draft
     engine.close()
-    runs = [replay(answers, order, curve, args.noise, seed, args.limit, args.max_tokens, max_draft)
-            for seed in range(args.seeds)]
+    runs = [replay(answers, order, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
+                   args.method) for seed in range(args.seeds)]
     print("c(n)/c(1): " + ", ".join(f"c({n})={curve.ratio(n):.2f}" for n in (2, 4, 8, 16)))
     print(f"| pass | speed-up, mean of {args.seeds} | lowest | highest | tokens per pass (seed 0) |")
     print("|---|---:|---:|---:|---:|")

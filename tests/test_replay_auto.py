@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 from ouroboros_local.calibration import CostModel
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "replay_auto.py"
@@ -43,3 +45,13 @@ def test_a_set_replayed_twice_is_labelled_by_pass() -> None:
     out = replay_auto.replay(answers(), ["copy", "copy"], GPU_LIKE, noise=0.0, seed=0, limit=16,
                              max_tokens=128, max_draft=16)
     assert list(out) == ["copy (pass 1)", "copy (pass 2)"]
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "suffix"])
+def test_a_scheduled_method_is_replayed_through_the_scheduler(method: str) -> None:
+    out = replay_auto.replay(answers(), ["copy", "fresh"], GPU_LIKE, noise=0.0, seed=0, limit=16,
+                             max_tokens=128, max_draft=16, method=method)
+    assert out["copy"][0] > 3 and out["fresh"][1]["accepted"] == 0
+    out = replay_auto.replay(answers(), ["fresh", "copy"], CPU_STEEP, noise=0.0, seed=0, limit=16,
+                             max_tokens=128, max_draft=16, method=method)
+    assert all(speedup > 0.9 and counts["drafted"] < 20 for speedup, counts in out.values())
