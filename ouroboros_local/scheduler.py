@@ -295,8 +295,7 @@ class Scheduler:
         waiting = self._unverified.setdefault(source, [])
         if len(waiting) >= MAX_UNSCORED:
             del waiting[0]
-        classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
-        waiting.append(_Unverified(start, tree.tokens[1:], classes))
+        waiting.append(_Unverified(start, tree.tokens[1:], tree.node_classes()))
 
     def _score_unverified(self, source: str, committed: Sequence[int]) -> None:
         """Learn from the held drafts of ``source`` that the text written since decides: a token that
@@ -636,7 +635,7 @@ class Scheduler:
             return tree
         if not tree.is_chain():
             return self._trim_branches(source, tree)
-        classes = [tree.classes.get(i, "") for i in range(1, len(tree.tokens))]
+        classes = tree.node_classes()
         rates = self._chain_expected(source, classes, explore=False) / self.round_seconds(len(classes))
         k = _best_beyond_margin(rates)
         return tree.truncated(self._kept_at_least(source, first, len(classes), k))
@@ -671,7 +670,7 @@ class Scheduler:
         n = tree.n_candidates
         parents = tree.parents
         depth_base = self.estimate(source).depth_alphas(tree.max_depth)
-        classes = [tree.classes.get(i, "") for i in range(1, n + 1)]
+        classes = tree.node_classes()
         q = self._alphas(source, self.confidence[source], classes, depth_base[np.asarray(tree.depths[1:]) - 1])
         sibling_sum: dict[int, float] = {}
         for i in range(1, n + 1):
@@ -698,7 +697,7 @@ class Scheduler:
         """Expected tokens per second of verifying ``tree`` (a labelled chain; else the depth model)."""
         n = tree.n_candidates
         if tree.classes and tree.is_chain():
-            expected = self._chain_expected(source, [tree.classes.get(i, "") for i in range(1, n + 1)])
+            expected = self._chain_expected(source, tree.node_classes())
         else:
             expected = self.estimate(source).expected_all(n)
         return float(expected[-1] / self.round_seconds(n)[-1])
@@ -797,7 +796,7 @@ class Scheduler:
         if not tree.classes or not tree.n_candidates:
             return
         if tree.is_chain():
-            self._learn_chain(source, [tree.classes.get(i, "") for i in range(1, len(tree.tokens))], accepted)
+            self._learn_chain(source, tree.node_classes(), accepted)
             return
         if path is None:
             return

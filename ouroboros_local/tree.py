@@ -179,6 +179,10 @@ class TokenTree:
     def is_chain(self) -> bool:
         return all(self.parents[i] == i - 1 for i in range(1, len(self.tokens)))
 
+    def node_classes(self) -> list[str]:
+        """The confidence class of each node after the root, in node order ("" where unlabelled)."""
+        return [self.classes.get(i, "") for i in range(1, len(self.tokens))]
+
 
 @dataclass
 class BatchLayout:

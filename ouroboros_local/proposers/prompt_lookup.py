@@ -110,7 +110,7 @@ MATCH_CAP = 16   # a match is extended back this far at most: 16 tokens and more
 def match_class(length: int) -> str:
     """The confidence class of a copy whose match is ``length`` tokens long: 1, 2, 3, 4-7, 8-15, 16+."""
     if length <= 3:
-        return f"ctx{max(length, 1)}"
+        return f"ctx{length}"
     return "ctx4" if length < 8 else "ctx8" if length < 16 else "ctx16"
 
 
