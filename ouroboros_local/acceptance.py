@@ -43,6 +43,14 @@ class Acceptance:
             alphas[:known] = (s + self.prior * pooled) / (s + f + self.prior)
         return alphas
 
+    def depth_list(self, k: int) -> list[float]:
+        """``depth_alphas(k)`` as plain floats, kept until the next ``update``: the scheduler reads them
+        every round it prices a chain, where numpy's per-call cost on a few numbers is most of the work."""
+        cached = self.__dict__.get("_depth_list")   # not a dataclass field
+        if cached is None or len(cached) < k:
+            cached = self.__dict__["_depth_list"] = self.depth_alphas(max(k, 32)).tolist()
+        return cached[:k]
+
     def alpha_at(self, depth: int) -> float:
         return float(self.depth_alphas(depth + 1)[depth])
 
@@ -53,6 +61,7 @@ class Acceptance:
     def update(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
             return
+        self.__dict__.pop("_depth_list", None)
         self.successes = self.successes * self.decay + accepted
         self.failures = self.failures * self.decay + (1.0 if accepted < drafted else 0.0)
         grow = drafted - len(self.depth_successes)
@@ -92,14 +101,14 @@ class ConfidenceTable:
     first: dict[str, float] = field(default_factory=dict)   # class of each draft's first node (EMA counts)
 
     def alphas(self, classes: Sequence[str], base: np.ndarray, explore: bool = True) -> np.ndarray:
-        out = np.array(base[:len(classes)], dtype=float)
-        for i, c in enumerate(classes):
-            n = self.trials.get(c, 0.0)
-            if explore and n < self.explore_trials:
-                out[i] = max(out[i], self.explore_alpha)
-            else:
-                out[i] = (self.successes.get(c, 0.0) + self.prior * out[i]) / (n + self.prior)
-        return out
+        return np.array([self.alpha(c, float(b), explore) for c, b in zip(classes, base)], dtype=float)
+
+    def alpha(self, cls: str, base: float, explore: bool = True) -> float:
+        """The estimate of one node of class ``cls`` whose depth estimate is ``base`` (``alphas``)."""
+        n = self.trials.get(cls, 0.0)
+        if explore and n < self.explore_trials:
+            return max(base, self.explore_alpha)
+        return (self.successes.get(cls, 0.0) + self.prior * base) / (n + self.prior)
 
     def best_alpha(self, base: float) -> float:
         """The most optimistic class estimate (what one more draft token could at best be worth)."""

@@ -162,12 +162,24 @@ class _Unverified:
 
 
 @dataclass(slots=True)
+class _PaysMemo:
+    """A "does drafting pay" answer (``Scheduler._drafting_pays``) and what it was computed from."""
+
+    key: tuple         # the drafting cost's key and ``Scheduler._epoch``
+    limit: int         # the draft length it allowed
+    rounds: int        # ``Scheduler._rounds`` then
+    changes: int       # ``Scheduler._changes`` of the proposer then
+    raises: int        # ``Scheduler._raises`` of the proposer then
+    pays: bool
+
+
+@dataclass(slots=True)
 class _QuietRounds:
     """Rounds ``_plan_quiet`` foresaw idle, and what it relied on."""
 
     left: int          # rounds still to answer at once
     epoch: int         # the request and method (``Scheduler._epoch``)
-    changes: int       # what "does drafting pay" reads of the proposer (``Scheduler._changes``)
+    raises: int        # news that could make drafting pay (``Scheduler._raises``)
     looks: bool        # each round counts towards the next look (``_worth_a_look``)
     held: bool         # a probe is due but the probe budget holds it back: asked each round
 
@@ -191,17 +203,20 @@ class Scheduler:
         # costs (ouroboros harvests phrases, lookahead decodes a window), so each generation's method
         # keeps its own figures (see ``use_method``).
         self._round_costs: dict[str, RoundCosts] = {}
-        self._seconds_memo: tuple[CostModel, np.ndarray, np.ndarray] | None = None   # ``round_seconds``
+        # ``round_seconds``: (curve, factors, seconds, the same as floats)
+        self._seconds_memo: tuple[CostModel, np.ndarray, np.ndarray, list[float]] | None = None
         # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
         # reads changes (the proposer's acceptance and classes: ``_changes``; a new request or method:
         # ``_epoch``; its drafting cost: ``_cost_key``) or REFRESH_ROUNDS rounds pass (what rounds cost
         # drifts slowly). Recomputing costs 0.1-0.2 ms in a real run (cold caches), 1-2% of a fast CPU
         # step. The counts are per proposer: with one shared count, every look at a cheap drafter
         # re-decided both of auto's candidates, 50 µs a round on SmolLM2 (a third of auto's overhead).
+        # A "no" stands through news that can only lower the estimates (``_raises`` counts the rest).
         self._changes: dict[str, int] = {}
+        self._raises: dict[str, int] = {}
         self._epoch = 0
         self._rounds = 0
-        self._pays_memo: dict[str, tuple[tuple, int, bool]] = {}
+        self._pays_memo: dict[str, _PaysMemo] = {}
         self._quiet: dict[str, _QuietRounds] = {}   # rounds foreseen idle, per proposer (``_plan_quiet``)
         self.use_method("")
         self.max_length = max_length
@@ -402,9 +417,9 @@ class Scheduler:
         a small model the checks that find this are a share of the step worth saving (in real runs on
         SmolLM2, with the caches cold after each decode, 23 µs a round for auto's two candidates)."""
         memo = self._pays_memo.get(source)
-        if memo is None or memo[2] or budget < self.max_length:
+        if memo is None or memo.pays:
             return
-        rounds = REFRESH_ROUNDS - (self._rounds - memo[1])
+        rounds = REFRESH_ROUNDS - (self._rounds - memo.rounds)
         every, idle = self._probe_every.get(source, PROBE_EVERY), self._idle.get(source, 0)
         held = idle >= every      # a probe is due but the probe budget holds it back: watched each round
         if not held:
@@ -413,7 +428,7 @@ class Scheduler:
         if looks:
             rounds = min(rounds, self._look_every(source) - self._unlooked.get(source, 0))
         if rounds > 1:
-            self._quiet[source] = _QuietRounds(rounds - 1, self._epoch, self._changes.get(source, 0), looks, held)
+            self._quiet[source] = _QuietRounds(rounds - 1, self._epoch, self._raises.get(source, 0), looks, held)
 
     def _quiet_round(self, source: str, budget: int) -> bool:
         """Is this one of the idle rounds ``_plan_quiet`` foresaw (and nothing it relied on changed)? Then
@@ -421,8 +436,8 @@ class Scheduler:
         quiet = self._quiet.get(source)
         if quiet is None:
             return False
-        if (quiet.left <= 0 or budget < self.max_length or quiet.epoch != self._epoch
-                or quiet.changes != self._changes.get(source, 0) or (quiet.held and self._probe_affordable())):
+        if (quiet.left <= 0 or quiet.epoch != self._epoch or quiet.raises != self._raises.get(source, 0)
+                or (quiet.held and self._probe_affordable())):
             del self._quiet[source]
             return False
         quiet.left -= 1
@@ -573,13 +588,20 @@ class Scheduler:
     def round_seconds(self, limit: int) -> np.ndarray:
         """Seconds a round verifying k = 0..limit draft tokens costs: the calibrated decode c(k + 1)
         times what rounds of that size were measured to cost against it (read-only)."""
+        return self._seconds_tables(limit)[0][:limit + 1]
+
+    def _round_seconds_list(self, limit: int) -> list[float]:
+        """``round_seconds`` as plain floats (for the per-round arithmetic on a chain's few nodes)."""
+        return self._seconds_tables(limit)[1][:limit + 1]
+
+    def _seconds_tables(self, limit: int) -> tuple[np.ndarray, list[float]]:
         costs, factors = self.costs, self.round_costs.shared_table(limit + 1)
         memo = self._seconds_memo
         if memo is None or memo[0] is not costs or memo[1] is not factors:
             seconds = costs.table(len(factors)) * factors
             seconds.flags.writeable = False
-            memo = self._seconds_memo = (costs, factors, seconds)
-        return memo[2][:limit + 1]
+            memo = self._seconds_memo = (costs, factors, seconds, seconds.tolist())
+        return memo[2], memo[3]
 
     def throughputs(self, acc: Acceptance, limit: int, draft_cost: float) -> np.ndarray:
         """Expected tokens per second of drafting k = 0..limit tokens."""
@@ -611,12 +633,21 @@ class Scheduler:
         """The class estimates of ``classes`` (``ConfidenceTable.alphas``), corrected for this request."""
         return self._corrected(source, table.alphas(classes, base, explore))
 
-    def _chain_expected(self, source: str, classes: Sequence[str], explore: bool = True) -> np.ndarray:
-        """Expected tokens of keeping 0..len(classes) nodes of a chain labelled ``classes``."""
-        acc = self.estimate(source)
+    def _chain_expected(self, source: str, classes: Sequence[str], explore: bool = True) -> list[float]:
+        """Expected tokens of keeping 0..len(classes) nodes of a chain labelled ``classes``. Plain floats:
+        asked for every draft ``trim`` judges, where numpy's per-call cost on a few numbers, with the
+        caches cold after a decode, made a trim cost ~0.15 ms in real runs on SmolLM2."""
         table = self.confidence.setdefault(source, ConfidenceTable())
-        q = self._alphas(source, table, classes, acc.depth_alphas(len(classes)), explore)
-        return np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
+        scale = self.request_scale(source)
+        expected, reach, total = [1.0], 1.0, 1.0
+        for cls, base in zip(classes, self.estimate(source).depth_list(len(classes))):
+            q = table.alpha(cls, base, explore)
+            if scale != 1.0:
+                q = min(q * scale, MAX_ALPHA)
+            reach *= q
+            total += reach
+            expected.append(total)
+        return expected
 
     def trim(self, source: str, tree: TokenTree) -> TokenTree:
         """Cut a labelled chain to the depth with the best expected tokens per second (its drafting
@@ -636,8 +667,8 @@ class Scheduler:
         if not tree.is_chain():
             return self._trim_branches(source, tree)
         classes = tree.node_classes()
-        rates = self._chain_expected(source, classes, explore=False) / self.round_seconds(len(classes))
-        k = _best_beyond_margin(rates)
+        seconds = self._round_seconds_list(len(classes))
+        k = _best_cut([e / s for e, s in zip(self._chain_expected(source, classes, explore=False), seconds)])
         return tree.truncated(self._kept_at_least(source, first, len(classes), k))
 
     def _kept_at_least(self, source: str, first: str | None, n: int, k: int, scored: bool = True) -> int:
@@ -697,10 +728,10 @@ class Scheduler:
         """Expected tokens per second of verifying ``tree`` (a labelled chain; else the depth model)."""
         n = tree.n_candidates
         if tree.classes and tree.is_chain():
-            expected = self._chain_expected(source, tree.node_classes())
+            tokens = self._chain_expected(source, tree.node_classes())[-1]
         else:
-            expected = self.estimate(source).expected_all(n)
-        return float(expected[-1] / self.round_seconds(n)[-1])
+            tokens = float(self.estimate(source).expected_all(n)[-1])
+        return tokens / self._round_seconds_list(n)[-1]
 
     def best_rate(self, source: str, draft_cost: float, limit: int) -> float:
         """Expected tokens per second of ``source``'s best draft length (depth model, cost included);
@@ -717,13 +748,15 @@ class Scheduler:
             return False
         if not n:
             return True
-        acc = self.estimate(source)
         table = self.confidence.setdefault(source, ConfidenceTable())
         expected = self._chain_expected(source, classes, explore=draft_cost <= 0)
-        seconds = self.round_seconds(n + 1)
-        best_now = float(np.max(expected / seconds[:n + 1]))
-        reach = float(expected[n] - expected[n - 1])   # chance that all n drafted tokens are accepted
-        q_next = float(self._corrected(source, np.float64(table.best_alpha(acc.alpha_at(n)))))
+        seconds = self._round_seconds_list(n + 1)
+        best_now = max(e / s for e, s in zip(expected, seconds))
+        reach = expected[n] - expected[n - 1]   # chance that all n drafted tokens are accepted
+        q_next = table.best_alpha(self.estimate(source).depth_list(n + 1)[n])
+        scale = self.request_scale(source)
+        if scale != 1.0:
+            q_next = min(q_next * scale, MAX_ALPHA)
         return (expected[-1] + reach * q_next) / (seconds[n + 1] + draft_cost) > best_now
 
     def _classes_pay(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
@@ -756,15 +789,23 @@ class Scheduler:
     def _drafting_pays(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
         """``_classes_pay``, kept while its inputs stand (see ``_pays_memo``). A budget cut short (an
         answer's last tokens) is priced at the power of two below it: a key per budget would recompute
-        (~0.1 ms) in every one of those rounds."""
+        (~0.1 ms) in every one of those rounds.
+
+        A "no" stands for a shorter budget and through news that can only lower the estimates (a draft
+        whose first node was rejected: ``_changed``): on text with nothing to copy, every look's draft
+        was such news, and recomputing after each cost auto ~70 µs a round on SmolLM2 (caches cold)."""
         if limit < self.max_length:
             limit = 1 << (limit.bit_length() - 1)
-        key = (limit, self._cost_key(draft_cost, limit), self._epoch, self._changes.get(source, 0))
+        key = (self._cost_key(draft_cost, limit), self._epoch)
         memo = self._pays_memo.get(source)
-        if memo is not None and memo[0] == key and self._rounds - memo[1] < REFRESH_ROUNDS:
-            return memo[2]
+        if memo is not None and memo.key == key and self._rounds - memo.rounds < REFRESH_ROUNDS:
+            if memo.pays and memo.limit == limit and memo.changes == self._changes.get(source, 0):
+                return True
+            if not memo.pays and limit <= memo.limit and memo.raises == self._raises.get(source, 0):
+                return False
         pays = self._classes_pay(source, table, draft_cost, limit)
-        self._pays_memo[source] = (key, self._rounds, pays)
+        self._pays_memo[source] = _PaysMemo(key, limit, self._rounds, self._changes.get(source, 0),
+                                            self._raises.get(source, 0), pays)
         return pays
 
     def _cost_key(self, draft_cost: float, limit: int) -> tuple[str, int]:
@@ -781,9 +822,13 @@ class Scheduler:
         """Does drafting ``tokens`` tokens at ``draft_cost`` each cost under LOOK_COST of a target step?"""
         return draft_cost * tokens < LOOK_COST * self.costs.cost(1)
 
-    def _changed(self, source: str) -> None:
-        """What ``_drafting_pays`` reads of ``source`` changed."""
+    def _changed(self, source: str, raises: bool = True) -> None:
+        """What ``_drafting_pays`` reads of ``source`` changed; ``raises``: some estimate may have gone up
+        (news of a rejected first node only lowers them, up to the estimates' slow decay towards their
+        priors, which REFRESH_ROUNDS covers)."""
         self._changes[source] = self._changes.get(source, 0) + 1
+        if raises:
+            self._raises[source] = self._raises.get(source, 0) + 1
 
     def labels(self, source: str) -> None:
         """``source`` labels its drafts with confidence classes: schedule it by class from now on."""
@@ -805,18 +850,17 @@ class Scheduler:
         tried_nodes = [i for i in range(1, len(tree.tokens)) if tree.parents[i] in on_path]
         self._note_request_branches(source, tree, table, tried_nodes, on_path)
         table.update_tried([(tree.classes.get(i, ""), i in on_path) for i in tried_nodes])
-        self._changed(source)
+        self._changed(source, raises=len(on_path) > 1)
 
     def _learn_chain(self, source: str, classes: Sequence[str], accepted: int, depth: int = 0) -> None:
         """A chain labelled ``classes``, starting at draft depth ``depth``, had its first ``accepted``
         nodes accepted."""
         table = self.confidence.setdefault(source, ConfidenceTable())
         tried = classes[:accepted + 1]
-        base = self.estimate(source).depth_alphas(depth + len(tried))[depth:]
-        q = table.alphas(tried, base, explore=False)
-        self._note_request(source, accepted, float(q.sum()))
+        base = self.estimate(source).depth_list(depth + len(tried))[depth:]
+        self._note_request(source, accepted, sum(table.alpha(c, b, explore=False) for c, b in zip(tried, base)))
         table.update(classes, accepted)
-        self._changed(source)
+        self._changed(source, raises=accepted > 0)
 
     def _note_request(self, source: str, accepted: float, expected: float) -> None:
         record = self._request.setdefault(source, [0.0, 0.0])
@@ -884,7 +928,7 @@ class Scheduler:
         if drafted <= 0:
             return
         self.estimate(source).update(drafted, accepted)
-        self._changed(source)
+        self._changed(source, raises=accepted > 0)
         if source in self._probing:
             # its extra verification counts against the probe budget (its drafting did in note_draft)
             seconds = self.round_seconds(drafted)
@@ -915,6 +959,12 @@ def draft_ceiling(target: CostModel, draft: CostModel, max_length: int = 16) -> 
     """``best_case_speedup`` of a draft model drafting one step per token, on these calibrated curves
     (``doctor``)."""
     return best_case_speedup(target.table(max_length + 1), draft.cost(1))
+
+
+def _best_cut(rates: list[float]) -> int:
+    """``_best_beyond_margin`` of plain floats."""
+    k = max(range(len(rates)), key=rates.__getitem__)
+    return k if k and rates[k] >= (1.0 + (MIN_GAIN - 1.0) / k) * rates[0] else 0
 
 
 def _best_beyond_margin(rates: np.ndarray) -> int:

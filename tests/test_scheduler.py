@@ -12,7 +12,7 @@ from ouroboros_local.llama import Model
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
 from ouroboros_local.calibration import CalibrationCache, CostModel
 from ouroboros_local.proposers.base import Proposer
-from ouroboros_local.scheduler import MIN_GAIN, Scheduler
+from ouroboros_local.scheduler import MIN_GAIN, REFRESH_ROUNDS, Scheduler
 from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model
@@ -490,6 +490,30 @@ def test_the_drafting_decision_is_recomputed_only_when_its_inputs_change(monkeyp
     sched.update("x", 2, 0)                                     # x's own acceptance changed
     sched.best_length("x", draft_cost=0.0305)
     assert len(calls) == 1
+
+
+def test_a_no_stands_through_news_that_can_only_lower_the_estimates(monkeypatch) -> None:
+    # on text with nothing to copy, every look's draft is rejected at its first node: recomputing "does
+    # drafting pay" after each was most of what auto's idle rounds cost
+    sched = stale_mix()
+    sched._probe_every["x"] = 10 ** 6                               # no probe in between
+    cost = sched.draft_cost("x")
+    calls = []
+    real = Scheduler._classes_pay
+    monkeypatch.setattr(Scheduler, "_classes_pay", lambda self, *a: calls.append(1) or real(self, *a))
+    for _ in range(5):
+        sched.learn("x", labelled_chain(["lo", "lo", "lo"]), 0)    # rejected at once
+        sched._learn_chain("x", ["hi", "lo"], 0)                    # a held draft the text refuted
+        assert sched.best_length("x", cost, 8) == 0
+    assert [sched.best_length("x", cost, k) for k in (7, 3, 1)] == [0, 0, 0]   # shorter budgets: still no
+    assert calls == []
+    sched._learn_chain("x", ["hi", "hi"], 2)                        # accepted nodes: may now pay
+    sched.best_length("x", cost, 8)
+    assert len(calls) == 1
+    for _ in range(REFRESH_ROUNDS):                                 # and the slow drift: a refresh
+        sched.observe_round(1, CPU.cost(1))
+    sched.best_length("x", cost, 8)
+    assert len(calls) == 2
 
 
 def test_cheap_drafting_costs_share_one_key() -> None:
