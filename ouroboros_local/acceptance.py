@@ -4,8 +4,9 @@ scheduler.py, the cost curve in calibration.py (docs/design.md#cost-model)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -77,6 +78,43 @@ class Acceptance:
         if accepted < drafted:
             df[accepted] += 1.0
 
+    def to_dict(self) -> dict[str, Any]:
+        """The learned counts (``from_dict``); the decay and prior are the code's."""
+        return {"successes": self.successes, "failures": self.failures,
+                "depth_successes": list(self.depth_successes), "depth_failures": list(self.depth_failures)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], weight: float = math.inf) -> "Acceptance":
+        """Counts saved by ``to_dict``, scaled down to at most ``weight`` observations' worth so that what
+        a new session's text says soon outweighs them. Raises ValueError on anything malformed."""
+        acc = cls()
+        pooled = _counts([data["successes"], data["failures"]])
+        ds, df = _counts(data["depth_successes"]), _counts(data["depth_failures"])
+        if len(ds) != len(df) or len(ds) > MAX_SAVED_DEPTHS:
+            raise ValueError("depth counts of different lengths, or too many")
+        scale = _scale(sum(pooled), weight)
+        acc.successes, acc.failures = (max(c * scale, 1e-3) for c in pooled)
+        depth_scale = min([_scale(s + f, weight) for s, f in zip(ds, df)], default=1.0)
+        acc.depth_successes = [c * depth_scale for c in ds]
+        acc.depth_failures = [c * depth_scale for c in df]
+        return acc
+
+
+MAX_SAVED_DEPTHS = 64     # per-depth counts kept in saved estimates (drafts are at most a batch deep)
+MAX_SAVED_CLASSES = 512   # confidence classes per proposer in saved estimates (the proposers have < 100)
+
+
+def _counts(values: Any) -> list[float]:
+    """Decayed observation counts read back from a file: finite and non-negative, or ValueError."""
+    out = [float(v) for v in values]
+    if not all(math.isfinite(v) and v >= 0.0 for v in out):
+        raise ValueError("a count is negative or not finite")
+    return out
+
+
+def _scale(total: float, weight: float) -> float:
+    return 1.0 if total <= weight else weight / total
+
 
 @dataclass
 class ConfidenceTable:
@@ -129,6 +167,27 @@ class ConfidenceTable:
     def update(self, classes: Sequence[str], accepted: int) -> None:
         """A chain labelled ``classes`` had its first ``accepted`` nodes accepted."""
         self.update_tried([(c, i < accepted) for i, c in enumerate(classes[:accepted + 1])])
+
+    def to_dict(self) -> dict[str, Any]:
+        """The learned counts (``from_dict``)."""
+        return {"successes": dict(self.successes), "trials": dict(self.trials), "first": dict(self.first)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], weight: float = math.inf) -> "ConfidenceTable":
+        """Counts saved by ``to_dict``; each class's trials scaled down to at most ``weight`` (its estimate
+        kept), the first-class mix as saved. Raises ValueError on anything malformed."""
+        table = cls()
+        trials, successes, first = (dict(data[k]) for k in ("trials", "successes", "first"))
+        if max(len(trials), len(first)) > MAX_SAVED_CLASSES or not set(successes) <= set(trials):
+            raise ValueError("too many classes, or successes of a class never tried")
+        for cls_name, n in zip(trials, _counts(trials.values())):
+            ok = _counts([successes.get(cls_name, 0.0)])[0]
+            if ok > n + 1e-9:
+                raise ValueError(f"class {cls_name!r}: more successes than trials")
+            scale = _scale(n, weight)
+            table.trials[str(cls_name)], table.successes[str(cls_name)] = n * scale, ok * scale
+        table.first = {str(c): v for c, v in zip(first, _counts(first.values()))}
+        return table
 
     def update_tried(self, tried: Sequence[tuple[str, bool]]) -> None:
         """Nodes whose parent was accepted were tried: (class, accepted) for each."""

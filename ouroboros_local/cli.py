@@ -45,6 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                                 "(quantized V needs --flash-attn on/auto)")
     g.add_argument("--flash-attn", choices=["off", "on", "auto"], default="off",
                    help="flash attention (default off: bit-reproducible greedy output on CPU)")
+    g.add_argument("--learned", action=argparse.BooleanOptionalAction, default=None,
+                   help="start from the acceptance estimates earlier runs learned with these models, and save "
+                        "them at the end (default: on; bench: off, for runs that do not depend on earlier ones)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -105,7 +108,8 @@ def _engine_from_args(args: argparse.Namespace):
                           gpu_layers=_gpu_layers(args.gpu_layers),
                           draft_gpu_layers=_gpu_layers(args.draft_gpu_layers), main_gpu=args.main_gpu,
                           type_k=args.cache_type_k, type_v=args.cache_type_v,
-                          draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v)
+                          draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
+                          learned=args.learned is not False)
     engine = Engine.load(args.model, args.draft, config=config, progress=True)
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")

@@ -82,6 +82,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(f"draft cost: about {info.file_size * 1.1 / 2**30:.1f} GiB more memory, "
                   f"{time.perf_counter() - started:.1f} s more to load (now); auto leaves it idle where "
                   "drafting does not pay on this machine")
+    from .learned import describe
+
+    print(describe(resolve_model(args.model), resolve_model(args.draft) if args.draft else None))
     if suggested:
         print(f"draft: none given; this target's same-family draft is {suggested} (-d auto): "
               "measure with `bench` before adopting it (docs/benchmarks.md)")

@@ -30,6 +30,7 @@ from .proposers import create_method, method_names
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .sampling import SamplingParams
 from .calibration import CalibrationCache, CostModel, calibration_key, measure_costs
+from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
 from .scheduler import Scheduler
 from .tree import TokenTree
 from .verify import VerifyResult, is_plain_step, verify_round, verify_step
@@ -57,6 +58,7 @@ class EngineConfig:
     adaptive: bool = True         # cap draft lengths by the measured cost model (scheduler.py)
     calibration: str = "auto"     # auto: cached or measured cost curve; off: assume flat costs
     max_draft: int = 16
+    learned: bool = True          # start from the estimates earlier sessions learned, and save them (learned.py)
 
 
 @dataclass
@@ -185,6 +187,7 @@ class Engine:
         self.history = History(target)      # state kept across requests (phrase pool, suffix tries, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
+        self._learned_saved_at = 0.0        # when the scheduler's estimates were last saved (learned.py)
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -256,7 +259,34 @@ class Engine:
             scale = self.draft.size_bytes / max(self.target.size_bytes, 1) if self.draft is not None else 1.0
             self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft, draft_scale=scale,
                                         draft_costs=self.draft_cost_model())
+            self._restore_learned(self._scheduler)
+            self._learned_saved_at = time.monotonic()
         return self._scheduler
+
+    def _learned_key(self) -> str | None:
+        if not self.config.learned:
+            return None
+        return estimates_key(self.target.path, self.draft.path if self.draft is not None else None)
+
+    def _restore_learned(self, sched: Scheduler) -> None:
+        key = self._learned_key()
+        saved = LearnedEstimates().get(key) if key else None
+        if saved:
+            restored = sched.restore_estimates(saved, RESTORE_WEIGHT)
+            log.debug("estimates learned in earlier sessions restored for %s", ", ".join(restored) or "nothing")
+
+    def save_learned(self, min_interval: float = 0.0) -> None:
+        """Save what the scheduler learned (``EngineConfig.learned``), unless saved less than
+        ``min_interval`` seconds ago. A cache that cannot be written costs only the next start's warm-up."""
+        key = self._learned_key()
+        sched = self._scheduler
+        if key is None or sched is None or time.monotonic() - self._learned_saved_at < min_interval:
+            return
+        try:
+            LearnedEstimates().put(key, sched.estimates())
+        except OSError as exc:
+            log.debug("learned estimates not saved: %s", exc)
+        self._learned_saved_at = time.monotonic()
 
     def drafting_context(self) -> DraftingContext:
         """What a method's factory may use (proposers never see the engine itself)."""
@@ -266,6 +296,7 @@ class Engine:
                                adaptive=self.config.adaptive, check_kv=self.check_kv)
 
     def close(self) -> None:
+        self.save_learned()
         with self._lock:
             for ctx in (self._draft_ctx, self.target_ctx):
                 if ctx is not None:
@@ -342,6 +373,7 @@ class Engine:
                 for event in run:
                     if event.result is not None:   # saved before the caller hears that the answer is done
                         self.history.save()        # (the history files, when some were named)
+                        self.save_learned(SAVE_INTERVAL)
                         saved = True
                     yield event
             finally:

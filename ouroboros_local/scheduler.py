@@ -474,6 +474,34 @@ class Scheduler:
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
 
+    # ---- what the text taught, kept across processes (learned.py) --------------------------------
+    def estimates(self) -> dict[str, dict]:
+        """Per proposer, its acceptance and confidence-class counts, JSON-ready (``restore_estimates``).
+        Only what the text taught: what rounds and drafts cost is this machine's state of the moment."""
+        out: dict[str, dict] = {}
+        for source, acc in self.acceptance.items():
+            table = self.confidence.get(source)
+            out[source] = {"acceptance": acc.to_dict(), "classes": table.to_dict() if table else None}
+        return out
+
+    def restore_estimates(self, saved: dict[str, dict], weight: float = math.inf) -> list[str]:
+        """Start from estimates an earlier session learned (``estimates``), each count scaled down to at
+        most ``weight`` observations' worth. A malformed entry is skipped; returns the proposers restored."""
+        restored = []
+        for source, entry in saved.items():
+            try:
+                acc = Acceptance.from_dict(entry["acceptance"], weight)
+                table = ConfidenceTable.from_dict(entry["classes"], weight) if entry.get("classes") else None
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                log.debug("saved estimates of %s skipped: %s", source, exc)
+                continue
+            self.acceptance[str(source)] = acc
+            if table is not None:
+                self.confidence[str(source)] = table
+            self._changed(str(source))
+            restored.append(str(source))
+        return restored
+
     # ---- drafting costs -------------------------------------------------------------------------
     def draft_cost(self, source: str) -> float:
         """Measured seconds per token ``source`` drafts (0 until it has drafted)."""

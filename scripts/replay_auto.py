@@ -22,6 +22,9 @@ Usage (the answers from copy_bound.py's ``--outputs``):
         --prompts ../shared/bench/gsm8k.jsonl,../shared/bench/codeedit.jsonl --outputs answers.json
     python3 scripts/replay_auto.py -m qwen2.5-coder-1.5b-instruct --answers answers.json \\
         --order gsm8k,codeedit,codeedit --seeds 10
+    # a later process on half the edits, after one that answered the other half (learned.py)
+    python3 scripts/replay_auto.py -m qwen2.5-coder-1.5b-instruct --answers answers.json \\
+        --learned-from codeedit:1 --order codeedit:2
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import numpy as np
 
 from ouroboros_local.calibration import CostModel
 from ouroboros_local.history import History
+from ouroboros_local.learned import RESTORE_WEIGHT
 from ouroboros_local.proposers import DraftingContext, create_method
 from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.testing.sim import make_setup
@@ -67,14 +71,26 @@ def answer_decoder(answer: Sequence[int], committed: list[int], prompt_len: int,
     return decode
 
 
+def pick(answers: list[dict[str, Any]], name: str, limit: int) -> list[dict[str, Any]]:
+    """The first ``limit`` answers of set ``name``; ``SET:1`` and ``SET:2``: every other one of them (two
+    halves with nothing in common, e.g. to learn on one and measure on the other)."""
+    base, _, half = name.partition(":")
+    chosen = [a for a in answers if a["set"] == base][:limit]
+    return chosen[int(half) - 1::2] if half in ("1", "2") else chosen
+
+
 def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, noise: float, seed: int,
-           limit: int, max_tokens: int, max_draft: int, method: str = "auto"
-           ) -> dict[str, tuple[float, Counter]]:
-    """One seeded replay of the sets in ``order``; per pass: (speed-up, round counts)."""
+           limit: int, max_tokens: int, max_draft: int, method: str = "auto",
+           learned: dict[str, Any] | None = None) -> dict[str, tuple[float, Counter]]:
+    """One seeded replay of the sets in ``order``; per pass: (speed-up, round counts). ``learned``: the
+    session starts from ``learned["estimates"]`` where present, restored as the engine restores an
+    earlier session's (learned.py), and leaves its own there at the end."""
     ids = sorted({t for a in answers for t in a["prompt"] + a["answer"]})
     dense = {t: i for i, t in enumerate(ids)}   # a small vocabulary keeps the stand-in's rows small
     vocab = len(ids) + 1
     sched = Scheduler(curve, max_length=max_draft)
+    if learned is not None and learned.get("estimates"):
+        sched.restore_estimates(json.loads(json.dumps(learned["estimates"])), RESTORE_WEIGHT)
     # no draft model: the free proposers need only the history and the scheduler
     ctx = DraftingContext(target=None, target_context=None, draft=None,  # type: ignore[arg-type]
                           pair_compatible=None, pair_reason=None, draft_kv=None,  # type: ignore[arg-type]
@@ -84,7 +100,7 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
     for name in order:
         plain = replayed = 0.0
         counts: Counter = Counter()
-        for record in [a for a in answers if a["set"] == name][:limit]:
+        for record in pick(answers, name, limit):
             prompt = [dense[t] for t in record["prompt"]]
             answer = [dense[t] for t in record["answer"]]
             chosen = create_method(method, ctx, {})
@@ -121,6 +137,8 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
             plain += len(answer) * curve.cost(1)
         label = f"{name} (pass {order[:len(out) + 1].count(name)})" if order.count(name) > 1 else name
         out[label] = (plain / replayed if replayed else 1.0, counts)
+    if learned is not None:
+        learned["estimates"] = sched.estimates()
     return out
 
 
@@ -129,26 +147,38 @@ def main() -> int:
     ap.add_argument("-m", "--model", required=True, help="the target whose cached cost curve is the clock")
     ap.add_argument("--answers", required=True,
                     help="greedy answers written by copy_bound.py --outputs (several files: comma-separated)")
-    ap.add_argument("--order", help="sets in replay order, comma-separated (a set may repeat: a second pass)")
+    ap.add_argument("--order", help="sets in replay order, comma-separated (a set may repeat: a second pass; "
+                                    "SET:1 and SET:2 are alternate answers of SET)")
     ap.add_argument("--method", default="auto", help="a draft-free method (default: auto)")
     ap.add_argument("--limit", type=int, default=16, help="answers per set")
     ap.add_argument("-n", "--max-tokens", type=int, default=128, help="the token budget the answers had")
     ap.add_argument("--seeds", type=int, default=10, help="replays, each with its own round-cost noise")
     ap.add_argument("--noise", type=float, default=0.15, help="log-normal sigma of a round's cost")
+    ap.add_argument("--learned-from", metavar="SETS",
+                    help="first replay these sets (comma-separated) in a session of their own, then start "
+                         "from the estimates it learned, as a later process does (learned.py); the two "
+                         "sessions share no history")
     args = ap.parse_args()
 
     from ouroboros_local.engine import Engine
 
     answers = [a for path in args.answers.split(",") for a in json.loads(open(path).read())]
     order = args.order.split(",") if args.order else list(dict.fromkeys(a["set"] for a in answers))
-    missing = sorted(set(order) - {a["set"] for a in answers})
+    earlier = args.learned_from.split(",") if args.learned_from else []
+    missing = sorted({n.partition(":")[0] for n in order + earlier} - {a["set"] for a in answers})
     if missing:
         ap.error(f"no answers for {', '.join(missing)} in {args.answers}")
     engine = Engine.load(args.model)
     curve, max_draft = engine.cost_model(), engine.config.max_draft
     engine.close()
-    runs = [replay(answers, order, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
-                   args.method) for seed in range(args.seeds)]
+    runs = []
+    for seed in range(args.seeds):
+        learned: dict[str, Any] = {}
+        if earlier:
+            replay(answers, earlier, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
+                   args.method, learned)
+        runs.append(replay(answers, order, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
+                           args.method, learned))
     print("c(n)/c(1): " + ", ".join(f"c({n})={curve.ratio(n):.2f}" for n in (2, 4, 8, 16)))
     print(f"| pass | speed-up, mean of {args.seeds} | lowest | highest | tokens per pass (seed 0) |")
     print("|---|---:|---:|---:|---:|")

@@ -66,3 +66,9 @@ def _isolated_calibration(tmp_path_factory: pytest.TempPathFactory) -> None:
     import os
 
     os.environ["OUROBOROS_CALIBRATION_FILE"] = str(tmp_path_factory.mktemp("calib") / "calibration.json")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_estimates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test starts without learned estimates and keeps what it learns to itself (learned.py)."""
+    monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", str(tmp_path / "estimates.json"))

@@ -55,3 +55,19 @@ def test_a_scheduled_method_is_replayed_through_the_scheduler(method: str) -> No
     out = replay_auto.replay(answers(), ["fresh", "copy"], CPU_STEEP, noise=0.0, seed=0, limit=16,
                              max_tokens=128, max_draft=16, method=method)
     assert all(speedup > 0.9 and counts["drafted"] < 20 for speedup, counts in out.values())
+
+
+def test_a_session_that_starts_from_learned_estimates_drafts_sooner() -> None:
+    # what a later process gets (learned.py): estimates learned on other copies, no shared history
+    mid = CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0])
+    copies = []
+    for i in range(4):
+        prompt = list(range(1000 + 200 * i, 1100 + 200 * i))
+        copies.append({"set": "copy", "id": f"c{i}", "prompt": prompt, "answer": prompt[10:70]})
+    run = dict(curve=mid, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16)
+    cold = replay_auto.replay(copies, ["copy:2"], **run)["copy:2"]
+    learned: dict = {}
+    replay_auto.replay(copies, ["copy:1"], **run, learned=learned)
+    assert {"prompt-lookup", "suffix"} <= set(learned["estimates"])
+    warm = replay_auto.replay(copies, ["copy:2"], **run, learned=learned)["copy:2"]
+    assert warm[1]["rounds"] < cold[1]["rounds"] and warm[0] > 1.05 * cold[0]

@@ -190,6 +190,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.learned is None:   # a benchmark starts cold unless asked: its figures must not depend on earlier runs
+        args.learned = False
     engine = _engine_from_args(args)
     contenders: list[runner.Contender] = []
     try:

@@ -1,0 +1,106 @@
+"""What the scheduler learned from the text, kept across processes.
+
+The scheduler decides from estimates it learns as it goes: how often each proposer's drafts are accepted,
+per depth and per confidence class (a copy after a 16-token match is right far more often than after a
+1-token one). A process that answers one request (``generate``, an editor calling the CLI per edit)
+ends before those estimates are learned, so each run drafts as timidly as the first. Replays of recorded
+answers (``scripts/replay_auto.py``; docs/benchmarks.md) put the cost of starting cold at 3-8% of the
+speed of `auto` on code edits, when the estimates learned on other edits are restored.
+
+Only counts are kept (no text): per proposer, its ``Acceptance`` and ``ConfidenceTable``, keyed by the
+target and draft model files. They are restored scaled down to ``RESTORE_WEIGHT`` observations per class,
+so that a new kind of text corrects them within a few drafts: restored at full weight, estimates learned
+on code edits cost up to 1.5% on arithmetic answers in the same replays; at this weight, no more than the
+replays' noise. What rounds and drafts cost is not kept: the machine's load changes between runs (the
+cost curve, calibration.py, has its own cache and check).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("ouroboros_local")
+
+FORMAT = 1               # bump when the meaning of saved classes changes: older entries are then ignored
+RESTORE_WEIGHT = 10.0    # observations' worth each restored class (and depth) keeps at most
+MAX_ENTRIES = 32         # model pairs kept in the file (the least recently saved go first)
+SAVE_INTERVAL = 60.0     # seconds between saves after generations (a long-lived server); close() saves too
+
+
+def cache_path() -> Path:
+    """``OUROBOROS_ESTIMATES_FILE``, else ``estimates.json`` in the cache directory (``OUROBOROS_CACHE``)."""
+    override = os.environ.get("OUROBOROS_ESTIMATES_FILE")
+    if override:
+        return Path(override)
+    return Path(os.environ.get("OUROBOROS_CACHE", Path.home() / ".cache" / "ouroboros-local")) / "estimates.json"
+
+
+def estimates_key(target: Path, draft: Path | None) -> str:
+    """The model files the estimates belong to (a re-downloaded or edited file starts afresh)."""
+    def identity(path: Path | None) -> Any:
+        if path is None:
+            return None
+        st = path.stat()
+        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
+
+    payload = json.dumps({"format": FORMAT, "target": identity(target), "draft": identity(draft)})
+    return hashlib.sha256(payload.encode()).hexdigest()[:32]
+
+
+class LearnedEstimates:
+    """The estimates file: one entry per model pair, written atomically, at most MAX_ENTRIES entries."""
+
+    def __init__(self, path: Path | None = None):
+        self.path = path or cache_path()
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        entry = self._read().get(key)
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+            return None
+        estimates = entry.get("estimates")
+        return estimates if isinstance(estimates, dict) else None
+
+    def put(self, key: str, estimates: dict[str, Any]) -> None:
+        data = self._read()
+        data[key] = {"format": FORMAT, "saved_at": time.time(), "estimates": estimates}
+        if len(data) > MAX_ENTRIES:
+            def saved_at(k: str) -> float:
+                entry = data[k]
+                stamp = entry.get("saved_at") if isinstance(entry, dict) else None
+                return float(stamp) if isinstance(stamp, (int, float)) else 0.0
+
+            for old in sorted(data, key=saved_at)[:len(data) - MAX_ENTRIES]:
+                del data[old]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self.path)
+
+
+def describe(target: Path, draft: Path | None) -> str:
+    """One line for ``doctor``: what the next start with these models begins from."""
+    store = LearnedEstimates()
+    entry = store._read().get(estimates_key(target, draft))
+    if not isinstance(entry, dict) or entry.get("format") != FORMAT or not isinstance(entry.get("estimates"), dict):
+        return f"learned estimates: none yet for these models ({store.path}); a run saves them at its end"
+    stamp = entry.get("saved_at")
+    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if isinstance(stamp, (int, float)) else "?"
+    names = ", ".join(sorted(entry["estimates"])) or "no proposer"
+    return (f"learned estimates: {names}, saved {when} in {store.path} (a run starts from them; "
+            "--no-learned: from the priors)")
+
+
+__all__ = ["LearnedEstimates", "RESTORE_WEIGHT", "SAVE_INTERVAL", "cache_path", "describe", "estimates_key"]

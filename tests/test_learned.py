@@ -1,0 +1,151 @@
+"""learned.py: the scheduler's estimates kept across processes (saved, bounded, restored scaled down)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ouroboros_local.acceptance import Acceptance, ConfidenceTable
+from ouroboros_local.calibration import CostModel
+from ouroboros_local.learned import MAX_ENTRIES, LearnedEstimates, estimates_key
+from ouroboros_local.scheduler import Scheduler
+from ouroboros_local.tree import TokenTree
+
+CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])
+
+
+def chain(classes: list[str]) -> TokenTree:
+    tree = TokenTree.rooted_at(0)
+    for i, cls in enumerate(classes, 1):
+        tree.classes[tree.add(i - 1, 100 + i)] = cls
+    return tree
+
+
+def taught(seed: int = 0) -> Scheduler:
+    """A scheduler that learned a copy drafter "x": long matches right, short ones wrong."""
+    sched = Scheduler(CPU, max_length=8)
+    sched.labels("x")
+    rng = np.random.default_rng(seed)
+    for _ in range(300):
+        classes, rate = (["long"] * 6, 0.95) if rng.random() < 0.4 else (["short"] * 6, 0.1)
+        tree = sched.trim("x", chain(classes))
+        accepted = 0
+        while accepted < 6 and rng.random() < rate:
+            accepted += 1
+        sched.learn("x", chain(classes), accepted)
+    sched.begin_request()
+    return sched
+
+
+def test_counts_round_trip_and_are_scaled_down_keeping_each_estimate() -> None:
+    sched = taught()
+    acc, table = sched.estimate("x"), sched.confidence["x"]
+    back = Acceptance.from_dict(json.loads(json.dumps(acc.to_dict())))
+    assert back.depth_list(8) == pytest.approx(acc.depth_list(8)) and back.alpha == pytest.approx(acc.alpha)
+    light = ConfidenceTable.from_dict(table.to_dict(), weight=5.0)
+    assert max(light.trials.values()) <= 5.0 + 1e-9
+    for cls in table.trials:   # the rate each class was right at is kept; its weight is not
+        assert light.successes[cls] / light.trials[cls] == pytest.approx(table.successes[cls] / table.trials[cls])
+    assert light.first == table.first
+    assert Acceptance.from_dict(acc.to_dict(), weight=5.0).successes <= 5.0
+
+
+@pytest.mark.parametrize("bad", [
+    {"successes": -1.0},
+    {"successes": math.nan},
+    {"depth_successes": [1.0, 2.0]},               # lengths differ from the failures'
+    {"depth_failures": "ab"},
+    {"depth_successes": [0.0] * 100, "depth_failures": [0.0] * 100},
+])
+def test_malformed_acceptance_counts_are_refused(bad: dict) -> None:
+    data = {**Acceptance().to_dict(), "depth_successes": [1.0], "depth_failures": [0.0], **bad}
+    with pytest.raises((ValueError, TypeError)):
+        Acceptance.from_dict(data)
+
+
+@pytest.mark.parametrize("bad", [
+    {"trials": {"a": 1.0}, "successes": {"a": 2.0}},       # more successes than trials
+    {"trials": {"a": 1.0}, "successes": {"b": 1.0}},       # successes of a class never tried
+    {"trials": {"a": math.inf}, "successes": {}},
+    {"trials": {str(i): 1.0 for i in range(1000)}, "successes": {}},
+    {"trials": [1.0], "successes": {}},
+])
+def test_malformed_class_counts_are_refused(bad: dict) -> None:
+    with pytest.raises((ValueError, TypeError, AttributeError)):
+        ConfidenceTable.from_dict({"first": {}, **bad})
+
+
+def test_a_restored_scheduler_decides_as_the_one_that_learned() -> None:
+    sched = taught()
+    saved = json.loads(json.dumps(sched.estimates()))
+    fresh = Scheduler(CPU, max_length=8)
+    fresh.labels("x")
+    cold = [fresh.trim("x", chain(c)).n_candidates for c in (["long"] * 6, ["short"] * 6)]
+    fresh = Scheduler(CPU, max_length=8)
+    assert fresh.restore_estimates({**saved, "broken": {"acceptance": {"successes": "x"}}}) == ["x"]
+    warm = [fresh.trim("x", chain(c)).n_candidates for c in (["long"] * 6, ["short"] * 6)]
+    assert warm == [sched.trim("x", chain(c)).n_candidates for c in (["long"] * 6, ["short"] * 6)]
+    assert warm[0] == 6 and warm[1] == 0 and cold != warm       # long copies kept whole, short cut
+
+
+def test_the_file_keeps_one_entry_per_model_pair_and_survives_a_corrupt_one(tmp_path: Path) -> None:
+    store = LearnedEstimates(tmp_path / "estimates.json")
+    assert store.get("k") is None                                   # no file yet
+    store.path.write_text("{not json")
+    assert store.get("k") is None
+    store.put("k", {"x": {"acceptance": Acceptance().to_dict(), "classes": None}})
+    assert store.get("k")["x"]["acceptance"]["successes"] == 1.0
+    for i in range(MAX_ENTRIES + 5):
+        store.put(f"other{i}", {})
+    data = json.loads(store.path.read_text())
+    assert len(data) == MAX_ENTRIES and "k" not in data and f"other{MAX_ENTRIES + 4}" in data
+    data["old"] = {"format": 0, "estimates": {}}                    # another format: ignored
+    store.path.write_text(json.dumps(data))
+    assert store.get("old") is None
+
+
+def test_the_key_names_both_model_files(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    a.write_bytes(b"1")
+    b.write_bytes(b"2")
+    keys = {estimates_key(a, None), estimates_key(b, None), estimates_key(a, b), estimates_key(b, a)}
+    assert len(keys) == 4
+    assert estimates_key(a, b) == estimates_key(a, b)
+
+
+def test_an_engine_saves_what_it_learned_and_the_next_one_starts_from_it(tiny_target, monkeypatch) -> None:
+    from ouroboros_local.learned import RESTORE_WEIGHT, cache_path
+    from ouroboros_local.testing.engines import tiny_engine as make_engine
+
+    prompt = [1, 5, 9, 13, 1, 5, 9, 13, 1, 5]
+    with make_engine(tiny_target) as engine:
+        want = engine.generate(prompt, max_tokens=24, method="vanilla").tokens
+        assert engine.generate(prompt, max_tokens=24, method="auto").tokens == want
+        learned = engine.scheduler().estimates()
+    saved = LearnedEstimates().get(estimates_key(Path(tiny_target), None))
+    assert saved is not None and set(saved) == set(learned) and "prompt-lookup" in saved
+    with make_engine(tiny_target) as engine:
+        restored = engine.scheduler().estimate("prompt-lookup").to_dict()
+        assert restored == Acceptance.from_dict(saved["prompt-lookup"]["acceptance"], RESTORE_WEIGHT).to_dict()
+        assert restored != Acceptance().to_dict()
+        assert engine.generate(prompt, max_tokens=24, method="auto").tokens == want
+    before = cache_path().read_text()
+    with make_engine(tiny_target, learned=False) as engine:   # neither read nor written
+        assert engine.scheduler().estimate("prompt-lookup").to_dict() == Acceptance().to_dict()
+        engine.generate(prompt, max_tokens=24, method="auto")
+    assert cache_path().read_text() == before
+
+
+def test_doctor_says_what_the_next_start_begins_from(tmp_path: Path) -> None:
+    from ouroboros_local.learned import describe
+
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"1")
+    assert "none yet" in describe(target, None)
+    LearnedEstimates().put(estimates_key(target, None), {"suffix": {}, "prompt-lookup": {}})
+    line = describe(target, None)
+    assert "prompt-lookup, suffix, saved" in line and "none yet" in describe(target, target)   # another pair
