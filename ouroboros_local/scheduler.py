@@ -87,7 +87,6 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
-                        # (all of a method's labelling drafters together)
 MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
@@ -232,7 +231,6 @@ class Scheduler:
         self._unlooked: dict[str, int] = {}
         self._look_seconds: dict[str, float] = {}
         self._free: set[str] = set()   # drafters that run no model (``Proposer.free_drafts``)
-        self._labellers: dict[str, set[str]] = {}   # per method, its drafters that label (``_look_every``)
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
         # Seconds per drafted token, per proposer (EMA over the engine's life: a new generation does not
@@ -405,12 +403,9 @@ class Scheduler:
 
     def _look_every(self, source: str) -> int:
         """Idle rounds between looks at ``source``: LOOK_EVERY, or more where its looks cost more than
-        its part of LOOK_SHARE of that many steps. The method's labelling drafters share LOOK_SHARE:
-        auto's two copy drafters find the same copies, and each looking at its own share cost 1% of the
-        time on text with nothing to copy."""
+        LOOK_SHARE of that many steps."""
         look = self._look_seconds.get(source, 0.0)
-        share = LOOK_SHARE / max(len(self._labellers.get(self._method, ())), 1)
-        return max(LOOK_EVERY, math.ceil(look / (share * self.costs.cost(1))))
+        return max(LOOK_EVERY, math.ceil(look / (LOOK_SHARE * self.costs.cost(1))))
 
     def _plan_quiet(self, source: str, budget: int) -> None:
         """After an idle round of ``source``: the rounds after it that will be idle too, whatever
@@ -455,7 +450,6 @@ class Scheduler:
         """This scheduler prices ``proposer``'s drafts from now on (by class, if it labels its nodes)."""
         if proposer.confidence_classes:
             self.labels(proposer.name)
-            self._labellers.setdefault(self._method, set()).add(proposer.name)
         if proposer.free_drafts:
             self._free.add(proposer.name)
         floor = proposer.draft_cost_floor(self.draft_costs) if self.draft_costs is not None else None
