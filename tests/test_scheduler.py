@@ -803,6 +803,24 @@ def test_a_copy_drafter_stays_looked_at_when_short_proposals_make_its_tokens_loo
     assert kept[-1] > 0 and sure.asked == 1
 
 
+def test_a_drafter_that_runs_no_model_is_looked_at_however_dear_its_proposals_were_timed() -> None:
+    # with the caches cold after a decode, a trie lookup that found one or two tokens timed at 0.1-0.3 ms:
+    # even its least per-token figure stayed above the bar, and the suffix tries were looked at 0-1 times
+    # a request (a repeated set of code edits: 1.06x where runs that looked reached 1.4-1.6x); how often
+    # is what looks cost (``_look_every``), not whether
+    from ouroboros_local.scheduler import LOOK_EVERY, LOOK_SHARE
+
+    for free in (True, False):
+        sched = stale_mix()
+        sure = CopyDraft("hi")
+        sure.free_drafts = free
+        sched.enroll(sure)
+        sched._draft_costs["x"] = sched._least_costs["x"] = 0.2 * CPU.cost(1)   # dear per token
+        sched._look_seconds["x"] = 0.2 * LOOK_SHARE * LOOK_EVERY * CPU.cost(1)   # looks within the share
+        kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(LOOK_EVERY)]
+        assert (kept[-1] > 0 and sure.asked == 1) if free else sure.asked == 0, free
+
+
 def test_a_copy_drafter_is_looked_at_before_it_has_drafted() -> None:
     # a drafter that runs no model is known cheap before it is timed: looked at after LOOK_EVERY idle
     # rounds, not held to probes, which the method's other candidate may have spent (a fresh process:
