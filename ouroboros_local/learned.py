@@ -4,14 +4,14 @@ The scheduler decides from estimates it learns as it goes: how often each propos
 per depth and per confidence class (a copy after a 16-token match is right far more often than after a
 1-token one). A process that answers one request (``generate``, an editor calling the CLI per edit)
 ends before those estimates are learned, so each run drafts as timidly as the first. Replays of recorded
-answers (``scripts/replay_auto.py``; docs/benchmarks.md) put the cost of starting cold at 3-8% of the
-speed of `auto` on code edits, when the estimates learned on other edits are restored.
+answers (``scripts/replay_auto.py --learned-from``; docs/benchmarks.md) put the cost of starting cold
+at 3-5% of the speed of `auto` on code edits, against restoring the estimates learned on other edits.
 
 Only counts are kept (no text): per proposer, its ``Acceptance`` and ``ConfidenceTable``, keyed by the
 target and draft model files. They are restored scaled down to ``RESTORE_WEIGHT`` observations per class,
 so that a new kind of text corrects them within a few drafts: restored at full weight, estimates learned
-on code edits cost up to 1.5% on arithmetic answers in the same replays; at this weight, no more than the
-replays' noise. What rounds and drafts cost is not kept: the machine's load changes between runs (the
+on code edits cost up to 1.5% on arithmetic answers in the same replays; at this weight, nothing beyond
+the replays' noise. What rounds and drafts cost is not kept: the machine's load changes between runs (the
 cost curve, calibration.py, has its own cache and check).
 """
 
