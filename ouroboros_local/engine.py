@@ -296,8 +296,8 @@ class Engine:
                                adaptive=self.config.adaptive, check_kv=self.check_kv)
 
     def close(self) -> None:
-        self.save_learned()
-        with self._lock:
+        with self._lock:   # after a generation still running in another thread: it changes the estimates
+            self.save_learned()
             for ctx in (self._draft_ctx, self.target_ctx):
                 if ctx is not None:
                     ctx.close()

@@ -149,3 +149,22 @@ def test_doctor_says_what_the_next_start_begins_from(tmp_path: Path) -> None:
     LearnedEstimates().put(estimates_key(target, None), {"suffix": {}, "prompt-lookup": {}})
     line = describe(target, None)
     assert "prompt-lookup, suffix, saved" in line and "none yet" in describe(target, target)   # another pair
+
+
+def test_a_long_lived_engine_saves_after_an_answer_at_most_once_a_minute(tiny_target, monkeypatch) -> None:
+    from ouroboros_local import engine as engine_module
+    from ouroboros_local.learned import cache_path
+    from ouroboros_local.testing.engines import tiny_engine as make_engine
+
+    prompt = [1, 5, 9, 13, 1, 5, 9, 13, 1, 5]
+    clock = [1000.0]
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: clock[0])
+    with make_engine(tiny_target) as engine:
+        engine.generate(prompt, max_tokens=8, method="auto")
+        assert not cache_path().exists()                   # less than a minute since the start
+        clock[0] += engine_module.SAVE_INTERVAL
+        engine.generate(prompt, max_tokens=8, method="auto")
+        assert cache_path().exists()                       # a server's estimates survive a crash
+        first = cache_path().read_text()
+        engine.generate(prompt, max_tokens=8, method="auto")
+        assert cache_path().read_text() == first           # not again within the minute
