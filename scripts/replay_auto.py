@@ -71,6 +71,15 @@ def answer_decoder(answer: Sequence[int], committed: list[int], prompt_len: int,
     return decode
 
 
+def slow_cache(sched: Scheduler, scale: float) -> None:
+    """Make ``sched`` see every proposal (and look) take ``scale`` times what it took here: a replay's
+    Python runs with warm caches, a real run's after a decode that evicted them (0.1-0.3 ms a lookup on
+    SmolLM2 against ~30 µs warm), and which drafters are looked at, and how often, follows those times."""
+    note_draft, note_look = sched.note_draft, sched._note_look
+    sched.note_draft = lambda source, seconds, n_tokens, **kw: note_draft(source, seconds * scale, n_tokens, **kw)
+    sched._note_look = lambda source, seconds: note_look(source, seconds * scale)   # type: ignore[method-assign]
+
+
 def pick(answers: list[dict[str, Any]], name: str, limit: int) -> list[dict[str, Any]]:
     """The first ``limit`` answers of set ``name``; ``SET:1`` and ``SET:2``: every other one of them (two
     halves with nothing in common, e.g. to learn on one and measure on the other)."""
@@ -81,14 +90,17 @@ def pick(answers: list[dict[str, Any]], name: str, limit: int) -> list[dict[str,
 
 def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, noise: float, seed: int,
            limit: int, max_tokens: int, max_draft: int, method: str = "auto",
-           learned: dict[str, Any] | None = None) -> dict[str, tuple[float, Counter]]:
+           learned: dict[str, Any] | None = None, python_scale: float = 1.0) -> dict[str, tuple[float, Counter]]:
     """One seeded replay of the sets in ``order``; per pass: (speed-up, round counts). ``learned``: the
     session starts from ``learned["estimates"]`` where present, restored as the engine restores an
-    earlier session's (learned.py), and leaves its own there at the end."""
+    earlier session's (learned.py), and leaves its own there at the end. ``python_scale``: the proposals'
+    timings, as the scheduler sees them, times this (see --python-scale)."""
     ids = sorted({t for a in answers for t in a["prompt"] + a["answer"]})
     dense = {t: i for i, t in enumerate(ids)}   # a small vocabulary keeps the stand-in's rows small
     vocab = len(ids) + 1
     sched = Scheduler(curve, max_length=max_draft)
+    if python_scale != 1.0:
+        slow_cache(sched, python_scale)
     if learned is not None and learned.get("estimates"):
         sched.restore_estimates(json.loads(json.dumps(learned["estimates"])), RESTORE_WEIGHT)
     # no draft model: the free proposers need only the history and the scheduler
@@ -154,6 +166,9 @@ def main() -> int:
     ap.add_argument("-n", "--max-tokens", type=int, default=128, help="the token budget the answers had")
     ap.add_argument("--seeds", type=int, default=10, help="replays, each with its own round-cost noise")
     ap.add_argument("--noise", type=float, default=0.15, help="log-normal sigma of a round's cost")
+    ap.add_argument("--python-scale", type=float, default=1.0, metavar="K",
+                    help="the scheduler sees each proposal take K times what it took in the replay (its "
+                         "Python runs warm; in a real run the caches are cold after each decode: try 5)")
     ap.add_argument("--learned-from", metavar="SETS",
                     help="first replay these sets (comma-separated) in a session of their own, then start "
                          "from the estimates it learned, as a later process does (learned.py); the two "
@@ -173,12 +188,12 @@ def main() -> int:
     engine.close()
     runs = []
     for seed in range(args.seeds):
-        learned: dict[str, Any] = {}
+        learned: dict[str, Any] | None = {} if earlier else None
         if earlier:
             replay(answers, earlier, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
-                   args.method, learned)
+                   args.method, learned, args.python_scale)
         runs.append(replay(answers, order, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
-                           args.method, learned))
+                           args.method, learned, args.python_scale))
     print("c(n)/c(1): " + ", ".join(f"c({n})={curve.ratio(n):.2f}" for n in (2, 4, 8, 16)))
     print(f"| pass | speed-up, mean of {args.seeds} | lowest | highest | tokens per pass (seed 0) |")
     print("|---|---:|---:|---:|---:|")

@@ -71,3 +71,16 @@ def test_a_session_that_starts_from_learned_estimates_drafts_sooner() -> None:
     assert {"prompt-lookup", "suffix"} <= set(learned["estimates"])
     warm = replay_auto.replay(copies, ["copy:2"], **run, learned=learned)["copy:2"]
     assert warm[1]["rounds"] < cold[1]["rounds"] and warm[0] > 1.05 * cold[0]
+
+
+def test_the_scheduler_sees_proposals_at_the_python_scale_asked() -> None:
+    # --python-scale: a real run's Python runs with the caches cold; proposals that look dear enough to
+    # the scheduler are drafted less (here a lookup of microseconds made to look like seconds)
+    mid = CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0])
+    copies = [{"set": "copy", "id": f"c{i}", "prompt": list(range(1000 + 200 * i, 1100 + 200 * i)),
+               "answer": list(range(1010 + 200 * i, 1070 + 200 * i))} for i in range(4)]
+    sets = answers()[1:] + copies                        # text with nothing to copy first: lookups timed
+    run = dict(curve=mid, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16)
+    as_timed = replay_auto.replay(sets, ["fresh", "copy"], **run)["copy"]
+    dear = replay_auto.replay(sets, ["fresh", "copy"], **run, python_scale=1e5)["copy"]
+    assert dear[1]["drafted"] < as_timed[1]["drafted"] / 2 and dear[0] < as_timed[0]
