@@ -15,7 +15,8 @@ where it equals the recorded answer; a round of n tokens costs c(n) of the curve
 log-normal factor (``--noise``: a real round's cost moves by about that much), and the scheduler learns
 from those costs as from measured ones. The speed-up is the answers' cost in plain steps (tokens x
 c(1)) over the replayed rounds' cost; drafting and the runtime's own work per round are not counted
-(tenths of a millisecond against a 7-28 ms CPU step).
+(tenths of a millisecond against a 7-28 ms CPU step) unless ``--charge-python`` asks for the drafting
+step's time, scaled by ``--python-scale`` (a real run's Python runs with cold caches: 5-10x).
 
 Usage (the answers from copy_bound.py's ``--outputs``):
     python3 scripts/copy_bound.py -m qwen2.5-coder-1.5b-instruct --limit 16 -n 128 \\
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import Counter
 from dataclasses import replace
 from typing import Any, Sequence
@@ -76,7 +78,10 @@ def slow_cache(sched: Scheduler, scale: float) -> None:
     Python runs with warm caches, a real run's after a decode that evicted them (0.1-0.3 ms a lookup on
     SmolLM2 against ~30 µs warm), and which drafters are looked at, and how often, follows those times."""
     note_draft, note_look = sched.note_draft, sched._note_look
-    sched.note_draft = lambda source, seconds, n_tokens, **kw: note_draft(source, seconds * scale, n_tokens, **kw)
+    def slow_draft(source: str, seconds: float, n_tokens: int, catch_up: float = 0.0, **kw: Any) -> None:
+        note_draft(source, seconds * scale, n_tokens, catch_up=catch_up * scale, **kw)
+
+    sched.note_draft = slow_draft   # type: ignore[method-assign]
     sched._note_look = lambda source, seconds: note_look(source, seconds * scale)   # type: ignore[method-assign]
 
 
@@ -90,11 +95,13 @@ def pick(answers: list[dict[str, Any]], name: str, limit: int) -> list[dict[str,
 
 def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, noise: float, seed: int,
            limit: int, max_tokens: int, max_draft: int, method: str = "auto",
-           learned: dict[str, Any] | None = None, python_scale: float = 1.0) -> dict[str, tuple[float, Counter]]:
+           learned: dict[str, Any] | None = None, python_scale: float = 1.0, charge_python: bool = False
+           ) -> dict[str, tuple[float, Counter]]:
     """One seeded replay of the sets in ``order``; per pass: (speed-up, round counts). ``learned``: the
     session starts from ``learned["estimates"]`` where present, restored as the engine restores an
     earlier session's (learned.py), and leaves its own there at the end. ``python_scale``: the proposals'
-    timings, as the scheduler sees them, times this (see --python-scale)."""
+    timings, as the scheduler sees them, times this (see --python-scale); ``charge_python``: the clock
+    counts each drafting step's time at that scale too (plain decoding has none)."""
     ids = sorted({t for a in answers for t in a["prompt"] + a["answer"]})
     dense = {t: i for i, t in enumerate(ids)}   # a small vocabulary keeps the stand-in's rows small
     vocab = len(ids) + 1
@@ -128,8 +135,11 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
             while True:
                 done = len(committed) - len(prompt)
                 budget = max(0, max_tokens - done - 1)
+                t0 = time.perf_counter()
                 tree = sched.draft(proposer, committed, budget) if chosen.scheduled else \
                     proposer.propose(committed, budget)
+                if charge_python:   # the drafting step's own time, as the scheduler sees it
+                    replayed += python_scale * (time.perf_counter() - t0)
                 result, _ = verify_round(tree, decode, setup.sampling, setup.rng)
                 n = len(tree.tokens) + len(tree.extras)
                 seconds = curve.cost(n) * float(np.exp(rng.normal(0.0, noise)))
@@ -169,6 +179,9 @@ def main() -> int:
     ap.add_argument("--python-scale", type=float, default=1.0, metavar="K",
                     help="the scheduler sees each proposal take K times what it took in the replay (its "
                          "Python runs warm; in a real run the caches are cold after each decode: try 5)")
+    ap.add_argument("--charge-python", action="store_true",
+                    help="count each round's drafting step (proposals, scheduling), times --python-scale, on the "
+                         "clock: what looks and bookkeeping cost on text with nothing to copy")
     ap.add_argument("--learned-from", metavar="SETS",
                     help="first replay these sets (comma-separated) in a session of their own, then start "
                          "from the estimates it learned, as a later process does (learned.py); the two "
@@ -191,9 +204,9 @@ def main() -> int:
         learned: dict[str, Any] | None = {} if earlier else None
         if earlier:
             replay(answers, earlier, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
-                   args.method, learned, args.python_scale)
+                   args.method, learned, args.python_scale, args.charge_python)
         runs.append(replay(answers, order, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
-                           args.method, learned, args.python_scale))
+                           args.method, learned, args.python_scale, args.charge_python))
     print("c(n)/c(1): " + ", ".join(f"c({n})={curve.ratio(n):.2f}" for n in (2, 4, 8, 16)))
     print(f"| pass | speed-up, mean of {args.seeds} | lowest | highest | tokens per pass (seed 0) |")
     print("|---|---:|---:|---:|---:|")

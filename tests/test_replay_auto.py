@@ -84,3 +84,10 @@ def test_the_scheduler_sees_proposals_at_the_python_scale_asked() -> None:
     as_timed = replay_auto.replay(sets, ["fresh", "copy"], **run)["copy"]
     dear = replay_auto.replay(sets, ["fresh", "copy"], **run, python_scale=1e5)["copy"]
     assert dear[1]["drafted"] < as_timed[1]["drafted"] / 2 and dear[0] < as_timed[0]
+
+
+def test_charged_python_counts_on_the_clock() -> None:
+    run = dict(curve=GPU_LIKE, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16, python_scale=1e4)
+    free = replay_auto.replay(answers(), ["fresh"], **run)["fresh"][0]
+    charged = replay_auto.replay(answers(), ["fresh"], **run, charge_python=True)["fresh"][0]
+    assert charged < 0.9 * free

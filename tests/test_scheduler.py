@@ -821,6 +821,32 @@ def test_a_drafter_that_runs_no_model_is_looked_at_however_dear_its_proposals_we
         assert (kept[-1] > 0 and sure.asked == 1) if free else sure.asked == 0, free
 
 
+def test_a_look_is_priced_without_its_catch_up_on_the_rounds_it_skipped(monkeypatch) -> None:
+    # the suffix tries index the text of the rounds since they were last asked when asked: the longer
+    # between looks, the dearer each look looked, and the rarer the next
+    import types
+
+    import ouroboros_local.scheduler as scheduler_module
+    from ouroboros_local.scheduler import LOOK_EVERY
+
+    clock = [0.0]
+    monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    class Lazy(CopyDraft):
+        def propose(self, committed, budget):
+            self.catch_up_seconds = 0.009         # indexing the skipped rounds
+            clock[0] += 0.01                      # the whole proposal
+            return super().propose(committed, budget)
+
+    sched = stale_mix()
+    sched._probe_every["x"] = 1000                # looks alone
+    lazy = Lazy("lo")
+    sched.enroll(lazy)
+    for _ in range(LOOK_EVERY):
+        sched.draft(lazy, [0], 8)
+    assert lazy.asked == 1 and sched._look_seconds["x"] == pytest.approx(0.001)
+
+
 def test_a_copy_drafter_is_looked_at_before_it_has_drafted() -> None:
     # a drafter that runs no model is known cheap before it is timed: looked at after LOOK_EVERY idle
     # rounds, not held to probes, which the method's other candidate may have spent (a fresh process:
