@@ -32,7 +32,7 @@ def taught(seed: int = 0) -> Scheduler:
     rng = np.random.default_rng(seed)
     for _ in range(300):
         classes, rate = (["long"] * 6, 0.95) if rng.random() < 0.4 else (["short"] * 6, 0.1)
-        tree = sched.trim("x", chain(classes))
+        sched.trim("x", chain(classes))           # every draft offered for trimming: its first class counts
         accepted = 0
         while accepted < 6 and rng.random() < rate:
             accepted += 1
