@@ -679,10 +679,7 @@ class Scheduler:
         scale = self.request_scale(source)
         expected, reach, total = [1.0], 1.0, 1.0
         for cls, base in zip(classes, self.estimate(source).depth_list(len(classes))):
-            q = table.alpha(cls, base, explore)
-            if scale != 1.0:
-                q = min(q * scale, MAX_ALPHA)
-            reach *= q
+            reach *= _scaled_alpha(table.alpha(cls, base, explore), scale)
             total += reach
             expected.append(total)
         return expected
@@ -706,7 +703,8 @@ class Scheduler:
             return self._trim_branches(source, tree)
         classes = tree.node_classes()
         seconds = self._round_seconds_list(len(classes))
-        k = _best_cut([e / s for e, s in zip(self._chain_expected(source, classes, explore=False), seconds)])
+        k = _best_beyond_margin([e / s for e, s in zip(self._chain_expected(source, classes, explore=False),
+                                                       seconds)])
         return tree.truncated(self._kept_at_least(source, first, len(classes), k))
 
     def _kept_at_least(self, source: str, first: str | None, n: int, k: int, scored: bool = True) -> int:
@@ -749,7 +747,7 @@ class Scheduler:
             reach[i] = reach[parents[i]] * q[i - 1] / max(1.0, sibling_sum[parents[i]])
         order = sorted(range(1, n + 1), key=lambda i: (-reach[i], i))
         expected = 1.0 + np.concatenate(([0.0], np.cumsum([reach[i] for i in order])))
-        k = _best_beyond_margin(expected / self.round_seconds(n))
+        k = _best_beyond_margin((expected / self.round_seconds(n)).tolist())
         k = self._kept_at_least(source, tree.classes.get(1), n, k, scored=False)
         return tree if k == n else tree.subtree(sorted([0, *order[:k]]))
 
@@ -791,10 +789,8 @@ class Scheduler:
         seconds = self._round_seconds_list(n + 1)
         best_now = max(e / s for e, s in zip(expected, seconds))
         reach = expected[n] - expected[n - 1]   # chance that all n drafted tokens are accepted
-        q_next = table.best_alpha(self.estimate(source).depth_list(n + 1)[n])
-        scale = self.request_scale(source)
-        if scale != 1.0:
-            q_next = min(q_next * scale, MAX_ALPHA)
+        q_next = _scaled_alpha(table.best_alpha(self.estimate(source).depth_list(n + 1)[n]),
+                               self.request_scale(source))
         return (expected[-1] + reach * q_next) / (seconds[n + 1] + draft_cost) > best_now
 
     def _classes_pay(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
@@ -804,7 +800,7 @@ class Scheduler:
         total = sum(table.first.values())
         acc = self.estimate(source)
         if total <= 0:   # nothing drafted yet: the prior decides (a GPU drafts at once, a CPU probes)
-            return _best_beyond_margin(self.throughputs(acc, limit, draft_cost)) > 0
+            return _best_beyond_margin(self.throughputs(acc, limit, draft_cost).tolist()) > 0
         base = acc.depth_alphas(limit)
         seconds = self.round_seconds(limit)
         explore = draft_cost <= 0
@@ -941,7 +937,7 @@ class Scheduler:
             # a labelling proposer drafts up to the limit and is trimmed (``trim``, ``extend_pays``)
             best = limit if self._drafting_pays(source, table, draft_cost, limit) else 0
         else:
-            best = _best_beyond_margin(self.throughputs(self.estimate(source), limit, draft_cost))
+            best = _best_beyond_margin(self.throughputs(self.estimate(source), limit, draft_cost).tolist())
         if best > 0:
             self._idle[source] = 0
             return best
@@ -999,15 +995,15 @@ def draft_ceiling(target: CostModel, draft: CostModel, max_length: int = 16) -> 
     return best_case_speedup(target.table(max_length + 1), draft.cost(1))
 
 
-def _best_cut(rates: list[float]) -> int:
-    """``_best_beyond_margin`` of plain floats."""
+def _best_beyond_margin(rates: Sequence[float]) -> int:
+    """The index k of the best of ``rates`` (expected tokens per second of drafting 0, 1, ... tokens), or 0
+    (plain decoding) unless it beats plain decoding by 1 + (MIN_GAIN - 1) / k: the margin is for short
+    drafts, whose small promised gain the noise in their estimates can turn into a loss. Plain floats
+    (callers with an array pass ``tolist()``): ``trim`` asks it for every draft it judges."""
     k = max(range(len(rates)), key=rates.__getitem__)
     return k if k and rates[k] >= (1.0 + (MIN_GAIN - 1.0) / k) * rates[0] else 0
 
 
-def _best_beyond_margin(rates: np.ndarray) -> int:
-    """The index k of the best of ``rates`` (expected tokens per second of drafting 0, 1, ... tokens), or 0
-    (plain decoding) unless it beats plain decoding by 1 + (MIN_GAIN - 1) / k: the margin is for short
-    drafts, whose small promised gain the noise in their estimates can turn into a loss."""
-    k = int(np.argmax(rates))
-    return k if k and rates[k] >= (1.0 + (MIN_GAIN - 1.0) / k) * rates[0] else 0
+def _scaled_alpha(q: float, scale: float) -> float:
+    """A class estimate ``q`` scaled by a request's record (``Scheduler.request_scale``), below certainty."""
+    return q if scale == 1.0 else min(q * scale, MAX_ALPHA)
