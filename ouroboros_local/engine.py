@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterator, Sequence
 import numpy as np
 
 from .calibration import cached_or_measured
-from .errors import ContextOverflowError, MethodOptionError, ParameterError
+from .errors import ContextOverflowError, MethodOptionError, ParameterError, PoolError
 from .history import History
 from .kv import KVCache
 from .llama import Context, ContextParams, Model, TextStream
@@ -284,7 +284,7 @@ class Engine:
             return
         try:
             LearnedEstimates().put(key, sched.estimates())
-        except OSError as exc:
+        except (OSError, PoolError) as exc:
             log.debug("learned estimates not saved: %s", exc)
         self._learned_saved_at = time.monotonic()
 

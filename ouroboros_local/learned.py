@@ -25,6 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .catalogue import default_cache_dir
+from .filestore import write_atomic
+
 log = logging.getLogger("ouroboros_local")
 
 FORMAT = 1               # bump when the meaning of saved classes changes: older entries are then ignored
@@ -36,9 +39,7 @@ SAVE_INTERVAL = 60.0     # seconds between saves after generations (a long-lived
 def cache_path() -> Path:
     """``OUROBOROS_ESTIMATES_FILE``, else ``estimates.json`` in the cache directory (``OUROBOROS_CACHE``)."""
     override = os.environ.get("OUROBOROS_ESTIMATES_FILE")
-    if override:
-        return Path(override)
-    return Path(os.environ.get("OUROBOROS_CACHE", Path.home() / ".cache" / "ouroboros-local")) / "estimates.json"
+    return Path(override) if override else default_cache_dir() / "estimates.json"
 
 
 def estimates_key(target: Path, draft: Path | None) -> str:
@@ -66,12 +67,16 @@ class LearnedEstimates:
             return {}
         return data if isinstance(data, dict) else {}
 
-    def get(self, key: str) -> dict[str, Any] | None:
+    def entry(self, key: str) -> dict[str, Any] | None:
+        """The saved entry of ``key`` (``format``, ``saved_at``, ``estimates``), if it is one of this format."""
         entry = self._read().get(key)
-        if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+        if not isinstance(entry, dict) or entry.get("format") != FORMAT or not isinstance(entry.get("estimates"), dict):
             return None
-        estimates = entry.get("estimates")
-        return estimates if isinstance(estimates, dict) else None
+        return entry
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        entry = self.entry(key)
+        return entry["estimates"] if entry is not None else None
 
     def put(self, key: str, estimates: dict[str, Any]) -> None:
         data = self._read()
@@ -85,16 +90,14 @@ class LearnedEstimates:
             for old in sorted(data, key=saved_at)[:len(data) - MAX_ENTRIES]:
                 del data[old]
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(data).encode(), "learned estimates")
 
 
 def describe(target: Path, draft: Path | None) -> str:
     """One line for ``doctor``: what the next start with these models begins from."""
     store = LearnedEstimates()
-    entry = store._read().get(estimates_key(target, draft))
-    if not isinstance(entry, dict) or entry.get("format") != FORMAT or not isinstance(entry.get("estimates"), dict):
+    entry = store.entry(estimates_key(target, draft))
+    if entry is None:
         return f"learned estimates: none yet for these models ({store.path}); a run saves them at its end"
     stamp = entry.get("saved_at")
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if isinstance(stamp, (int, float)) else "?"
