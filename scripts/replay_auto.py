@@ -36,6 +36,7 @@ import sys
 import time
 from collections import Counter
 from dataclasses import replace
+from functools import partial
 from typing import Any, Sequence
 
 import numpy as np
@@ -201,12 +202,13 @@ def main() -> int:
     engine.close()
     runs = []
     for seed in range(args.seeds):
-        learned: dict[str, Any] | None = {} if earlier else None
+        session = partial(replay, answers, curve=curve, noise=args.noise, seed=seed, limit=args.limit,
+                          max_tokens=args.max_tokens, max_draft=max_draft, method=args.method,
+                          learned={} if earlier else None, python_scale=args.python_scale,
+                          charge_python=args.charge_python)
         if earlier:
-            replay(answers, earlier, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
-                   args.method, learned, args.python_scale, args.charge_python)
-        runs.append(replay(answers, order, curve, args.noise, seed, args.limit, args.max_tokens, max_draft,
-                           args.method, learned, args.python_scale, args.charge_python))
+            session(earlier)
+        runs.append(session(order))
     print("c(n)/c(1): " + ", ".join(f"c({n})={curve.ratio(n):.2f}" for n in (2, 4, 8, 16)))
     print(f"| pass | speed-up, mean of {args.seeds} | lowest | highest | tokens per pass (seed 0) |")
     print("|---|---:|---:|---:|---:|")
