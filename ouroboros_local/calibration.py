@@ -36,11 +36,15 @@ if TYPE_CHECKING:  # pragma: no cover
 # multiply 4 rows at a time, so on 2 cores 16 tokens cost less than 15 (the 1.5B target: 5.2 against 6.4
 # steps; 17 cost 6.2) and 8 about what 7 cost. Sampling 1-4, 6, 8, 12, 16 and interpolating hid both.
 CALIBRATION_SIZES = (*range(1, 18), 24, 32)
-CALIBRATION_METHOD = 4   # bump when measure_costs changes: cached curves of the old method are re-measured
+CALIBRATION_METHOD = 5   # bump when measure_costs changes: cached curves of the old method are re-measured
 CHECK_TOLERANCE = 3.0    # a cached curve whose single step is off by more than this factor is re-measured
 CHECK_NOISE_SECONDS = 2e-5   # differences below this are scheduling jitter, whatever the ratio
 CHECK_DECODES = 4        # timed single-token decodes of the start-up check (after one warm-up)
 CHECK_PREFIX = 8         # tokens in the context during the check
+SWITCH_SIZE = 8          # the decode whose switch cost is timed (the largest calibrated size up to it)
+SWITCH_STEPS = 2         # plain steps that may run slower after it (CUDA: one without a graph, one capturing)
+SWITCH_SETTLE = 3        # plain steps before each timed one, back to back
+SWITCH_REPEATS = 5
 
 
 @dataclass
@@ -53,6 +57,7 @@ class CostModel:
     key: str = ""
     busy_cores: float | None = None  # cores other processes kept busy while it was measured
     provisional: bool = False        # measured while others competed for our cores: re-measure when quiet
+    switch_seconds: float = 0.0      # what the plain steps after a decode of another size lose (below)
 
     def cost(self, n_tokens: int) -> float:
         cached = self.__dict__.get("_table")   # the tabulated curve (see ``table``), when there is one
@@ -114,30 +119,73 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
     decodes look up to 30% cheaper than they run on a busy 2-core CPU. The curve is kept as measured,
     dips included (a larger batch can cost less: see CALIBRATION_SIZES), only never below one token's
     cost. Other processes' CPU use is measured alongside; a curve measured while they competed for our
-    cores is marked provisional."""
+    cores is marked provisional.
+
+    Sizes are timed one after another, so every point but one token's is a decode that follows a
+    decode of another size, as a verification follows plain steps. One token's cost and the switch
+    cost are timed apart (``_plain_and_switch``): plain steps run back to back."""
     rng = np.random.default_rng(0)
     n_vocab = vocab or kv.ctx.n_vocab
     sizes = [s for s in sizes if s <= kv.ctx.n_batch]
     times: dict[int, list[float]] = {n: [] for n in sizes}
+
+    def decode(n: int) -> float:
+        return _timed_decode(kv, rng, n_vocab, n)
+
     with LoadMeter() as meter:
         _random_prefix(kv, rng, n_vocab, prefix_len)
         # size after size, repeat after repeat: a burst of load then spoils one decode of several sizes,
         # not all decodes of one size (back to back, it made 13 tokens look twice as dear as 12 or 14)
         for rep in range(repeats + 1):   # the first pass warms the graph for each shape
             for n in sizes:
-                tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
-                tree.add_path(0, [int(t) for t in rng.integers(0, n_vocab, n - 1)])
-                t0 = time.perf_counter()
-                kv.decode_layout(layout(tree))
-                kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
+                seconds = decode(n)
                 if rep:
-                    times[n].append(time.perf_counter() - t0)
-                kv.ctx.seq_rm(-1, kv.n_past, -1)
+                    times[n].append(seconds)
+        step, switch = _plain_and_switch(decode, max((n for n in sizes if n <= SWITCH_SIZE), default=1))
     kv.reset()
     seconds = [float(np.median(times[n])) for n in sizes]
+    if sizes and sizes[0] == 1:
+        seconds[0] = step
     seconds = [max(s, seconds[0]) for s in seconds]   # n tokens never cost less than one: timer noise
     return CostModel(sizes=list(sizes), seconds=seconds, busy_cores=meter.busy_cores,
-                     provisional=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads))
+                     provisional=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads),
+                     switch_seconds=switch)
+
+
+def _timed_decode(kv: "KVCache", rng: np.random.Generator, n_vocab: int, n: int) -> float:
+    """Seconds to decode a chain of ``n`` random tokens and read its rows; the cache is left as it was."""
+    tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
+    tree.add_path(0, [int(t) for t in rng.integers(0, n_vocab, n - 1)])
+    t0 = time.perf_counter()
+    kv.decode_layout(layout(tree))
+    kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
+    seconds = time.perf_counter() - t0
+    kv.ctx.seq_rm(-1, kv.n_past, -1)
+    return seconds
+
+
+def _plain_and_switch(decode: Callable[[int], float], size: int) -> tuple[float, float]:
+    """One token's cost when plain steps run back to back, and what the SWITCH_STEPS plain steps after a
+    decode of ``size`` tokens cost beyond that (median of SWITCH_REPEATS; never below zero).
+
+    llama.cpp rebuilds its graph when the batch's shape changes, and a CUDA build runs a new shape
+    without its CUDA graph until the shape has held for two decodes. On an H200 (SmolLM2-135M) a plain
+    step took 1.35 ms back to back and ~4 ms after another size: a verification costs its own decode
+    plus what the plain steps after it lose. On 2 CPU cores the loss is ~0.6 ms against a 5.5 ms step
+    (SmolLM2) and none against 24 ms (Qwen2.5-Coder-1.5B)."""
+    steady, lost = [], []
+    for rep in range(SWITCH_REPEATS + 1):   # the first round warms both shapes
+        for _ in range(SWITCH_SETTLE - 1):
+            decode(1)
+        step = decode(1)
+        if size > 1:
+            decode(size)
+        after = [decode(1) for _ in range(SWITCH_STEPS)] if size > 1 else []
+        if rep:
+            steady.append(step)
+            lost.append(sum(after) - step * len(after))
+    step = float(np.median(steady))
+    return step, max(float(np.median(lost)), 0.0) if lost else 0.0
 
 
 @dataclass(frozen=True)
@@ -150,19 +198,12 @@ class StepCheck:
 
 
 def check_step(kv: "KVCache", decodes: int = CHECK_DECODES, prefix_len: int = CHECK_PREFIX) -> StepCheck:
-    """Time a few single-token decodes the way ``measure_costs`` times its size-1 point."""
+    """Time a few single-token decodes back to back, the way ``measure_costs`` times its size-1 point."""
     rng = np.random.default_rng(2)
     n_vocab = kv.ctx.n_vocab
-    times = []
     with LoadMeter() as meter:
         _random_prefix(kv, rng, n_vocab, prefix_len)
-        for _ in range(decodes + 1):
-            tree = TokenTree.rooted_at(int(rng.integers(n_vocab)))
-            t0 = time.perf_counter()
-            kv.decode_layout(layout(tree))
-            kv.ctx.logits(1).argmax(axis=1)
-            times.append(time.perf_counter() - t0)
-            kv.ctx.seq_rm(-1, kv.n_past, -1)
+        times = [_timed_decode(kv, rng, n_vocab, 1) for _ in range(decodes + 1)]
     kv.reset()
     return StepCheck(seconds=float(np.median(times[1:])), busy_cores=meter.busy_cores,
                      contended=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads))

@@ -57,13 +57,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from .acceptance import Acceptance, ConfidenceTable
-from .calibration import CostModel
+from .calibration import SWITCH_STEPS, CostModel
 from .tree import TokenTree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,6 +95,7 @@ MAX_UNSCORED = 32       # drafts per proposer waiting for the text that scores t
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
                         # be retired: free drafters cost microseconds, and one retired for a round-cost factor
                         # that happened to be high would never draft again to correct it
+SWITCH_SAMPLES = 9      # drafted rounds whose wake ``RoundCosts.switch`` is the median of
 
 
 class RoundCosts:
@@ -113,8 +115,29 @@ class RoundCosts:
         self._version = 0       # bumped by what must show at once: a drafted size, a size now measured
         self._plain = 0         # plain steps observed since the table was drawn
         self._cache: tuple[int, np.ndarray] | None = None
+        self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
+        self._switches: deque[float] = deque(maxlen=SWITCH_SAMPLES)
+        self._after = 0         # plain steps still to come in the current drafted round's wake
+        self._lost = 0.0        # what they lost so far
 
-    def observe(self, n_tokens: int, factor: float) -> None:
+    def observe(self, n_tokens: int, seconds: float, calibrated: float) -> None:
+        """A round of ``n_tokens`` took ``seconds`` where the curve says ``calibrated``. The SWITCH_STEPS
+        plain steps after a drafted round are the drafted round's cost (see ``measure_costs``): what they
+        take beyond a plain step goes to ``switch``, not to the plain steps' factor. ``switch`` is the
+        median of the last SWITCH_SAMPLES: one step slowed by another process must not stop drafting,
+        since only drafted rounds could then correct it."""
+        if n_tokens == 1 and self._after:
+            self._lost += seconds - calibrated * self._plain_factor()
+            self._after -= 1
+            if not self._after:
+                self._switches.append(self._lost)
+                if len(self._switches) >= self.MIN_ROUNDS:
+                    self.switch = float(np.median(self._switches))
+                    self._version += 1
+            return
+        if n_tokens > 1:
+            self._after, self._lost = SWITCH_STEPS, 0.0
+        factor = seconds / calibrated
         old = self._ema.get(n_tokens)
         self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
         seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
@@ -125,6 +148,9 @@ class RoundCosts:
 
     def factor(self, n_tokens: int) -> float:
         return float(self.factors(n_tokens)[n_tokens - 1])
+
+    def _plain_factor(self) -> float:
+        return self._ema[1] if self._seen.get(1, 0) >= self.MIN_ROUNDS else 1.0
 
     def factors(self, n_max: int) -> np.ndarray:
         """The factors of sizes 1..n_max (a fresh array: callers scale it in place)."""
@@ -637,6 +663,9 @@ class Scheduler:
         memo = self._seconds_memo
         if memo is None or memo[0] is not costs or memo[1] is not factors:
             seconds = costs.table(len(factors)) * factors
+            # a drafted round also costs what the plain steps after it lose (measured, else calibrated)
+            switch = self.round_costs.switch
+            seconds[1:] += max(costs.switch_seconds if switch is None else switch, 0.0)
             seconds.flags.writeable = False
             memo = self._seconds_memo = (costs, factors, seconds, seconds.tolist())
         return memo[2], memo[3]
@@ -926,7 +955,7 @@ class Scheduler:
         """Learn what a verification round of ``n_tokens`` (root included) cost against c(n)."""
         self._add_elapsed(seconds)
         self._rounds += 1
-        self.round_costs.observe(n_tokens, seconds / self.costs.cost(n_tokens))
+        self.round_costs.observe(n_tokens, seconds, self.costs.cost(n_tokens))
 
     def best_length(self, source: str, draft_cost: float = 0.0, limit: int | None = None) -> int:
         """The draft length with the best expected tokens per second (0 = plain decoding)."""

@@ -183,6 +183,32 @@ def test_a_burst_of_load_spoils_no_size(engine, monkeypatch) -> None:
     assert curve.seconds == pytest.approx([0.5 + 0.5 * n for n in sizes])
 
 
+class ShapeClock(FakeClock):
+    """A CUDA-graph-like clock: a plain step costs ``step`` after plain steps, ``first`` right after a
+    decode of another size and ``second`` after that (the graph captured again); n > 1 costs ``cost``."""
+
+    def __init__(self, step, first, second, cost):
+        super().__init__(lambda n: step if n == 1 else cost(n))
+        self.extra, self.history = {1: first - step, 2: second - step}, []
+
+    def decoded(self, n: int) -> None:
+        super().decoded(n)
+        since = next((i for i, m in enumerate(reversed(self.history)) if m > 1), None)
+        if n == 1 and since is not None and since < 2:
+            self.now += self.extra[since + 1]
+        self.history.append(n)
+
+
+def test_a_plain_step_is_timed_back_to_back_and_the_switch_apart(engine, monkeypatch) -> None:
+    clock = ShapeClock(step=1.35, first=4.0, second=2.7, cost=lambda n: 4.5 + 0.05 * n)
+    curve = measured_with(engine, monkeypatch, clock, sizes=(1, 2, 4, 8, 16))
+    assert curve.seconds[0] == pytest.approx(1.35)
+    assert curve.seconds[1:] == pytest.approx([4.5 + 0.05 * n for n in (2, 4, 8, 16)])
+    assert curve.switch_seconds == pytest.approx(4.0 - 1.35 + 2.7 - 1.35)
+    flat = measured_with(engine, monkeypatch, FakeClock(lambda n: 0.5 + 0.5 * n), sizes=(1, 2, 4, 8))
+    assert flat.switch_seconds == 0.0
+
+
 def test_beyond_the_curve_a_dip_at_its_end_does_not_make_costs_fall() -> None:
     curve = CostModel(sizes=[1, 15, 16], seconds=[1.0, 6.4, 5.1])
     assert curve.cost(16) == pytest.approx(5.1)

@@ -302,6 +302,50 @@ def test_measured_round_overhead_stops_drafting_that_does_not_pay() -> None:
     assert sched.best_length("x") == 0
 
 
+def test_what_plain_steps_lose_after_a_drafted_round_is_charged_to_drafting() -> None:
+    """On an H200, SmolLM2-135M took 1.35 ms per plain step back to back and ~4.2 ms after a decode of
+    another size (no CUDA graph); a decode of 8 took 4.7 ms, and the two plain steps after it ran
+    without their graph too. The curve timed size after size saw 4.2 ms for a plain step, and drafting
+    at alpha 0.6 looked like a win; it is not. Long confident drafts still pay."""
+    size_after_size = CostModel(sizes=[1, 2, 8, 16], seconds=[4.2, 4.5, 4.7, 6.2])
+    assert scheduler_with(size_after_size, 0.6).best_length("x") > 0
+    h200 = CostModel(sizes=[1, 2, 8, 16], seconds=[1.35, 4.5, 4.7, 6.2], switch_seconds=4.0)
+    sched = scheduler_with(h200, 0.6)
+    assert sched.round_seconds(8)[8] == pytest.approx(h200.cost(9) + 4.0)
+    assert sched.best_length("x") == 0
+    assert scheduler_with(h200, 0.97).best_length("x") > 0
+    # where a shape change costs nothing (2 CPU cores, a 1.5B model), drafting is priced as before
+    cpu = scheduler_with(CostModel(sizes=CPU.sizes, seconds=CPU.seconds, switch_seconds=0.0), 0.8)
+    assert cpu.round_seconds(8).tolist() == CPU.table(9).tolist() and cpu.best_length("x") > 0
+
+
+def test_plain_steps_after_a_drafted_round_measure_the_switch_not_the_plain_step() -> None:
+    sched = scheduler_with(GPU, 0.6)
+    for _ in range(40):
+        sched.observe_round(9, GPU.cost(9))
+        sched.observe_round(1, 3.0 * GPU.cost(1))    # no CUDA graph: the shape changed
+        sched.observe_round(1, 2.0 * GPU.cost(1))    # capturing it again
+        for _ in range(3):
+            sched.observe_round(1, GPU.cost(1))      # replayed
+    assert sched.round_costs.switch == pytest.approx(3.0 * GPU.cost(1), rel=0.01)
+    seconds = sched.round_seconds(8)
+    assert seconds[0] == pytest.approx(GPU.cost(1))
+    assert seconds[8] == pytest.approx(GPU.cost(9) + 3.0 * GPU.cost(1), rel=0.01)
+    assert sched.best_length("x") == 0
+
+
+def test_one_plain_step_slowed_by_another_process_does_not_stop_drafting() -> None:
+    """Only drafted rounds measure the switch: a switch estimate made dear by one slow step would stop
+    drafting, and nothing would correct it."""
+    sched = scheduler_with(CPU, 0.8)
+    for i in range(12):
+        sched.observe_round(9, CPU.cost(9))
+        sched.observe_round(1, (300.0 if i == 5 else 1.0) * CPU.cost(1))   # a burst of load
+        sched.observe_round(1, CPU.cost(1))
+    assert sched.round_costs.switch == pytest.approx(0.0, abs=1e-9)
+    assert sched.best_length("x") > 0
+
+
 def test_a_curve_measured_too_flat_is_corrected_by_the_rounds() -> None:
     """A cached curve that makes long batches look cheap: measured rounds restore their price, the
     sizes between measured ones interpolated, beyond the largest one its factor."""
