@@ -1,75 +1,210 @@
 #!/usr/bin/env bash
-# Build, test and measure ouroboros-local on an NVIDIA GPU machine that has no package registry.
+# Build, test and benchmark ouroboros-local on a lent NVIDIA GPU machine: no package registry there, at
+# most 64 MiB travels per call, and a session has about 15 minutes of device time, start included.
 #
-# What travels with the repository (ignored folders, see .git/info/exclude):
-#   .whl/  llama_cpp_python-X.Y.Z*.tar.gz (the sdist; vendor/llama.cpp/models/*.gguf and docs may be
-#          removed to fit a size limit) and the wheels of gguf and diskcache
-#   .m1/ .m2/  optional: a real GGUF split in parts (smol.part*), plus prompt sets (*.jsonl)
+# One llama.cpp build (CUDA, this GPU's architecture only) serves both sides of the comparison: our
+# bindings load it through llama-cpp-python's Python package (LLAMA_CPP_LIB_PATH), and llama.cpp's own
+# binaries (llama-lookup, llama-speculative-simple) are the peers. Both come from the llama.cpp that
+# llama-cpp-python's sdist vendors, so we and the peers run the same kernels.
 #
-# Steps (each one command; state lives in /tmp on the machine between them):
-#   scripts/gpu_check.sh build          unpack the wheels, start the CUDA build of llama-cpp-python in the
-#                                       background (native architecture only; ~5 min on 16 cores)
-#   scripts/gpu_check.sh stash DIR      copy DIR/* to /tmp/gpu-models (parts of a model that is too big
-#                                       to travel in one call)
-#   scripts/gpu_check.sh test           wait for the build, run the test suite with the GPU build
-#   scripts/gpu_check.sh measure        cost curves c(k) on GPU and CPU of a Qwen2.5-1.5B-shaped model
-#   scripts/gpu_check.sh bench          the benchmark on SmolLM2 (stashed parts), target and draft on GPU
-# Logs and reports go to $OUT (or /tmp/gpu-out).
+# Here, before any device time:
+#   scripts/gpu_check.sh pack [GGUF...]  write .gpu/c1 .. .gpu/cN (ignored by git), each at most 60 MiB:
+#                                        llama.cpp's sources and the llama_cpp package from the sdist,
+#                                        the gguf and diskcache wheels, the prompt sets of ../shared/bench,
+#                                        and the GGUFs cut into parts (default: SmolLM2-135M, then
+#                                        Qwen2.5-Coder-0.5B, from the catalogue's cache). Prints the
+#                                        device calls to make.
+# On the device machine (the `run` tool; each call carries one folder, timeout_s a little above need):
+#   scripts/gpu_check.sh start            carry .gpu/c1: unpack, start the CUDA build in the background
+#   scripts/gpu_check.sh stash .gpu/cK    carry .gpu/cK, K = 2..N: back to back while the build runs (an
+#                                         idle machine goes back after 30 s, and the build with it)
+#   scripts/gpu_check.sh bench NAME       wait for the build, reassemble and sha256-check the models, run
+#                                         the benchmark set NAME (smol, qwen05; see bench_set) into
+#                                         $OUT/NAME.tgz, print its table
+#   scripts/gpu_check.sh test             the fast test suite on the GPU build
+#   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
+# On an H200 (2026-11-26) start took 33 s (the machine's start), each stash ~5 s, the build 267 s,
+# bench smol 72 s and bench qwen05 188 s: 11 of a session's 15 minutes of device time.
 set -uo pipefail
+CAP_MIB=60
 SITE=/tmp/site
 MODELS=/tmp/gpu-models
+LLAMA=/tmp/llama
 OUT="${OUT:-/tmp/gpu-out}"
-mkdir -p "$SITE" "$MODELS" "$OUT"
-export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1
 PY=python3
-# The image's /opt/gcc toolchain links a copy of libstdc++ into libggml-cuda.so and exports it; llama.cpp
-# then resolves std::ostream calls into that copy and crashes while printing model info. Loading the
-# system libstdc++ first makes every library use it.
-for lib in /lib/x86_64-linux-gnu/libstdc++.so.6 /usr/lib64/libstdc++.so.6; do
-  [ -f "$lib" ] && export LD_PRELOAD="$lib" && break
-done
+SDIST_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+
+pack() {
+  local pack_dir=.gpu work
+  work=$(mktemp -d)
+  rm -rf "$pack_dir" && mkdir -p "$work/payload"
+  # llama.cpp sources without what a CUDA build never reads (other backends, models, docs, web UI)
+  local sdist
+  sdist=$(ls "${SDIST:-$work}"/llama_cpp_python-"$SDIST_VERSION".tar.gz 2>/dev/null | head -1)
+  if [ -z "$sdist" ]; then
+    $PY -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$SDIST_VERSION" -d "$work" || exit 1
+    sdist=$(ls "$work"/llama_cpp_python-"$SDIST_VERSION".tar.gz)
+  fi
+  tar xzf "$sdist" -C "$work" || exit 1
+  local src="$work/llama_cpp_python-$SDIST_VERSION"
+  mkdir -p "$work/tree/src" && cp -r "$src/llama_cpp" "$work/tree/" && rm -rf "$work/tree/llama_cpp/lib"
+  local skip=() b
+  for b in vulkan sycl opencl hexagon et metal webgpu openvino cann virtgpu; do
+    skip+=(--exclude="ggml/src/ggml-$b")
+  done
+  (cd "$src/vendor/llama.cpp" && tar cf - "${skip[@]}" --exclude=tools/ui CMakeLists.txt CMakePresets.json \
+     LICENSE cmake common examples pocs ggml include src vendor tools licenses) | tar xf - -C "$work/tree/src"
+  tar czf "$work/payload/llama-src.tgz" -C "$work/tree" . || exit 1
+  # gguf for our GGUF reader, diskcache for llama_cpp's import: the image has neither
+  $PY -m pip download -q --no-deps --only-binary=:all: gguf diskcache -d "$work/payload" || exit 1
+  cp ../shared/bench/*.jsonl "$work/payload/" 2>/dev/null
+  local models=("$@")
+  if [ ${#models[@]} -eq 0 ]; then
+    local cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}/models"
+    models=("$cache/smollm2-135m-instruct.gguf" "$cache/qwen2.5-coder-0.5b-instruct.gguf")
+  fi
+  # every model after the small files, cut so that each folder fills to the cap: fewest calls
+  $PY - "$pack_dir" "$CAP_MIB" "$work/payload" "${models[@]}" <<'EOF' || exit 1
+import hashlib, os, sys
+pack_dir, cap, payload, models = sys.argv[1], int(sys.argv[2]) << 20, sys.argv[3], sys.argv[4:]
+folder, used, part = 1, 0, 0
+def room() -> int:
+    return cap - used
+def target() -> str:
+    path = os.path.join(pack_dir, f"c{folder}")
+    os.makedirs(path, exist_ok=True)
+    return path
+for name in sorted(os.listdir(payload)):
+    data = open(os.path.join(payload, name), "rb").read()
+    open(os.path.join(target(), name), "wb").write(data)
+    used += len(data)
+for model in models:
+    name, digest = os.path.basename(model), hashlib.sha256()
+    with open(model, "rb") as f:
+        while True:
+            if room() <= 0:
+                folder, used = folder + 1, 0
+            chunk = f.read(room())
+            if not chunk:
+                break
+            digest.update(chunk)
+            open(os.path.join(target(), f"{name}.part{part:03d}"), "wb").write(chunk)
+            used, part = used + len(chunk), part + 1
+    open(os.path.join(pack_dir, "c1", name + ".sha256"), "w").write(f"{digest.hexdigest()}  {name}\n")
+print(f"{folder} folders in {pack_dir}/ (at most {cap >> 20} MiB each); device calls, back to back:")
+print("  run: scripts/gpu_check.sh start            carry [.gpu/c1]")
+for k in range(2, folder + 1):
+    print(f"  run: scripts/gpu_check.sh stash .gpu/c{k}    carry [.gpu/c{k}]")
+print("  run: scripts/gpu_check.sh bench smol       (then bench qwen05)")
+EOF
+  rm -rf "$work"
+  grep -qx '/.gpu/' .gitignore 2>/dev/null || echo "note: add /.gpu/ to .gitignore"
+}
+
+setup_env() {
+  mkdir -p "$SITE" "$MODELS" "$OUT"
+  export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 LLAMA_CPP_LIB_PATH="$LLAMA/build/bin"
+  export OUROBOROS_CACHE=/tmp/ouroboros-cache
+  # The image's /opt/gcc toolchain links a copy of libstdc++ into libggml-cuda.so and exports it;
+  # llama.cpp then resolves std::ostream calls into that copy and crashes while printing model info.
+  # Loading the system libstdc++ first makes every library use it.
+  local lib
+  for lib in /lib/x86_64-linux-gnu/libstdc++.so.6 /usr/lib64/libstdc++.so.6; do
+    [ -f "$lib" ] && export LD_PRELOAD="$lib" && break
+  done
+}
+
+stash() {
+  mkdir -p "$MODELS" && cp "$1"/* "$MODELS"/ && ls "$1"
+}
 
 wait_for_build() {
-  for _ in $(seq 1 110); do
+  local i
+  for i in $(seq 1 120); do
     [ -f /tmp/build.done ] && break
+    [ $((i % 12)) -eq 1 ] && tail -1 /tmp/build.log
     sleep 5
   done
-  cp /tmp/build.log "$OUT/build.log" 2>/dev/null
   if ! grep -q "^0$" /tmp/build.done 2>/dev/null; then
-    echo "llama-cpp-python build not finished or failed:"; tail -30 /tmp/build.log; exit 1
+    echo "llama.cpp build not finished or failed:"; tail -30 /tmp/build.log; exit 1
   fi
+  echo "build took $(cat /tmp/build.seconds 2>/dev/null) s"
+}
+
+# reassemble every stashed model and check it against the sha256 that pack wrote
+assemble() {
+  local sum name
+  for sum in "$MODELS"/*.sha256; do
+    name=$(basename "$sum" .sha256)
+    [ -f "$MODELS/$name" ] || cat "$MODELS/$name".part* > "$MODELS/$name"
+    (cd "$MODELS" && sha256sum -c "$name.sha256") || { rm -f "$MODELS/$name"; echo "missing parts of $name"; }
+  done
+}
+
+# benchmark sets: what `bench NAME` runs (model, methods, peers, prompt sets)
+bench_set() {
+  local S="$MODELS" bin="$LLAMA/build/bin"
+  case "$1" in
+    smol)    # the small target of the H100 run: nothing pays, what is left is our overhead
+      set -- -m "$MODELS/smollm2-135m-instruct.gguf" --methods vanilla,prompt-lookup,suffix,auto \
+        --peers llama.cpp:vanilla --prompts "$S/gsm8k.jsonl,$S/mt_bench.jsonl,$S/humaneval.jsonl,$S/codeedit.jsonl" ;;
+    qwen05)  # the draft-free methods on a Qwen target, a second pass of codeedit as the history workload
+      set -- -m "$MODELS/qwen2.5-coder-0.5b-instruct.gguf" --methods vanilla,prompt-lookup,suffix,auto \
+        --peers llama.cpp:ngram-mod \
+        --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl,$S/mt_bench.jsonl" ;;
+    *) echo "unknown bench set $1 (smol, qwen05)"; exit 2 ;;
+  esac
+  $PY -m ouroboros_local bench "$@" --gpu-layers "${GPU_LAYERS:-all}" --llama-cpp-bin "$bin" --limit "${LIMIT:-10}" \
+    -n "${TOKENS:-128}" --no-progress --out "$OUT/$NAME"
 }
 
 case "${1:-}" in
-  build)
+  pack)
+    shift; pack "$@" ;;
+  start)
+    setup_env
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
-      .whl/*.whl || exit 1
-    rm -rf /tmp/llama-src /tmp/build.done && mkdir -p /tmp/llama-src
-    tar xzf .whl/llama_cpp_python-*.tar.gz -C /tmp/llama-src || exit 1
-    src=$(ls -d /tmp/llama-src/llama_cpp_python-*)
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    # native architecture only: a fraction of the all-architectures build time
-    ( cd "$src" && CMAKE_ARGS="-DGGML_CUDA=on -DCMAKE_CUDA_ARCHITECTURES=native -DLLAMA_BUILD_TESTS=OFF" \
-        CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" setsid nohup sh -c \
-        "$PY -m pip install --no-index --no-deps --no-build-isolation --target $SITE --upgrade -v . \
-         > /tmp/build.log 2>&1; echo \$? > /tmp/build.done" < /dev/null > /dev/null 2>&1 & )
-    echo "build started (run this step without a pipe: the device tool may wait on the background build)"
+      .gpu/c1/*.whl || exit 1
+    rm -rf "$LLAMA" /tmp/build.done && mkdir -p "$LLAMA"
+    tar xzf .gpu/c1/llama-src.tgz -C "$LLAMA" && cp -r "$LLAMA/llama_cpp" "$SITE/" || exit 1
+    stash .gpu/c1 >/dev/null
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+    # this GPU's architecture only: a fraction of the all-architectures build; shared libraries for
+    # llama_cpp, and the two binaries the peers run
+    ( cd "$LLAMA" && setsid nohup sh -c "start=\$(date +%s); \
+        cmake -S src -B build -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON \
+          -DGGML_CUDA=${GPU_CHECK_CUDA:-ON} -DCMAKE_CUDA_ARCHITECTURES=native -DLLAMA_BUILD_TESTS=OFF \
+          -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
+          -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_IS_DEV=OFF \
+        && cmake --build build -j $(nproc) --target llama llama-lookup llama-speculative-simple; \
+        echo \$? > /tmp/build.rc; echo \$((\$(date +%s) - start)) > /tmp/build.seconds; \
+        mv /tmp/build.rc /tmp/build.done" < /dev/null > /tmp/build.log 2>&1 & )
+    echo "build started; stash the other folders now, back to back"
     ;;
   stash)
-    cp -v "$2"/* "$MODELS"/
+    stash "$2" ;;
+  bench)
+    setup_env; wait_for_build; assemble
+    NAME="${2:?bench NAME: smol or qwen05}"
+    bench_set "$NAME" > "$OUT/$NAME.log" 2>&1
+    rc=$?
+    tail -60 "$OUT/$NAME.log"
+    cp "$OUT/$NAME.log" "$OUT/$NAME/" 2>/dev/null
+    tar czf "$OUT/$NAME.tgz" -C "$OUT" "$NAME" && rm -rf "${OUT:?}/$NAME" "$OUT/$NAME.log"
+    exit $rc
     ;;
   test)
-    wait_for_build
+    setup_env; wait_for_build
     $PY -c "import llama_cpp, ouroboros_local.llama as l; print(llama_cpp.__version__, l.supports_gpu_offload())"
     $PY -c "from ouroboros_local.testing import write_tiny_model as w; w('$MODELS/tiny.gguf')"
     $PY -m ouroboros_local doctor -m "$MODELS/tiny.gguf" 2>&1 | tee "$OUT/doctor.txt"
     $PY -m pytest -q -m "not slow" -x -p no:cacheprovider 2>&1 | tee "$OUT/pytest.txt" | tail -25
     ;;
   measure)
-    wait_for_build
+    setup_env; wait_for_build
     $PY - <<'EOF' 2>&1 | tee "$OUT/costs.txt"
 # Cost curves of a Qwen2.5-1.5B-shaped model (random weights, Q4_K_M): only shapes matter for speed.
-import json, os, time
+import json, os
 from ouroboros_local.testing import write_tiny_model
 from ouroboros_local.llama import quantize
 from ouroboros_local.engine import Engine, EngineConfig
@@ -91,17 +226,6 @@ for label, layers, threads in (("gpu", -1, 16), ("cpu-16t", 0, 16), ("cpu-2t", 0
 json.dump({"sizes": list(sizes), "seconds": rows}, open(os.environ.get("OUT", "/tmp") + "/costs.json", "w"))
 EOF
     ;;
-  bench)
-    # a real model for text: SmolLM2-135M-Instruct (too big to travel in one call: stashed in parts)
-    wait_for_build
-    smol="$MODELS/smollm2-135m-instruct.gguf"
-    [ -f "$smol" ] || cat "$MODELS"/smol.part* > "$smol"
-    sha256sum "$smol"
-    prompts="$MODELS/humaneval.jsonl,$MODELS/cnndm.jsonl"
-    $PY -m ouroboros_local bench -m "$smol" -d "$smol" --gpu-layers all --draft-gpu-layers "${DRAFT_LAYERS:-all}" \
-      --prompts "$prompts" --limit "${LIMIT:-10}" -n 128 --methods "${METHODS:-all}" --no-progress \
-      --tolerance-margin --out "$OUT/bench" 2>&1 | tail -40
-    ;;
   *)
-    sed -n 2,17p "$0"; exit 2 ;;
+    sed -n 2,24p "$0"; exit 2 ;;
 esac

@@ -24,6 +24,8 @@ from ..errors import ContextOverflowError, ModelError, OuroborosError
 try:
     from llama_cpp import llama_cpp as lc
 except ImportError as exc:  # pragma: no cover - import guard for a clear message
+    if exc.name not in (None, "llama_cpp"):   # installed, but something it imports is missing
+        raise OuroborosError(f"llama-cpp-python cannot be imported: {exc}") from exc
     raise OuroborosError(
         "llama-cpp-python is not installed: pip install 'llama-cpp-python>=0.3.36'") from exc
 
