@@ -19,7 +19,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -58,6 +58,7 @@ class CostModel:
     busy_cores: float | None = None  # cores other processes kept busy while it was measured
     provisional: bool = False        # measured while others competed for our cores: re-measure when quiet
     switch_seconds: float = 0.0      # what the plain steps after a decode of another size lose (below)
+    round_size: int = 0              # every round decodes this many tokens (``with_rounds_of``); 0: any
 
     def cost(self, n_tokens: int) -> float:
         cached = self.__dict__.get("_table")   # the tabulated curve (see ``table``), when there is one
@@ -90,6 +91,14 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def with_rounds_of(self, size: int, seconds: float) -> "CostModel":
+        """The curve when every round decodes ``size`` tokens, a plain step included
+        (``EngineConfig.round_size``): a round of up to ``size`` tokens costs ``seconds`` (the shape
+        never changes, ``measure_round``); a larger tree costs what the curve says, and a switch."""
+        larger = [(n, max(s, seconds)) for n, s in zip(self.sizes, self.seconds) if n > size]
+        return replace(self, sizes=[1, size] + [n for n, _ in larger],
+                       seconds=[seconds, seconds] + [s for _, s in larger], round_size=size)
 
     @classmethod
     def flat(cls) -> "CostModel":
@@ -186,6 +195,16 @@ def _plain_and_switch(decode: Callable[[int], float], size: int) -> tuple[float,
             lost.append(sum(after) - step * len(after))
     step = float(np.median(steady))
     return step, max(float(np.median(lost)), 0.0) if lost else 0.0
+
+
+def measure_round(kv: "KVCache", size: int, repeats: int = SWITCH_REPEATS, prefix_len: int = 32) -> float:
+    """Seconds of a round of ``size`` tokens when every round has that size: decodes of one shape back
+    to back, which llama.cpp runs on the graph it built for the first (a CUDA build: one CUDA graph)."""
+    rng = np.random.default_rng(3)
+    _random_prefix(kv, rng, kv.ctx.n_vocab, prefix_len)
+    times = [_timed_decode(kv, rng, kv.ctx.n_vocab, size) for _ in range(repeats + 2)]
+    kv.reset()
+    return float(np.median(times[2:]))   # the first two build and warm the graph
 
 
 @dataclass(frozen=True)

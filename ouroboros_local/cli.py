@@ -45,6 +45,10 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                                 "(quantized V needs --flash-attn on/auto)")
     g.add_argument("--flash-attn", choices=["off", "on", "auto"], default="off",
                    help="flash attention (default off: bit-reproducible greedy output on CPU)")
+    g.add_argument("--round-size", type=int, default=0, metavar="K",
+                   help="every round of a drafting method decodes K tokens, a plain step too, a short draft "
+                        "filled with guesses: an unchanged shape keeps llama.cpp's graph (on a GPU, its "
+                        "CUDA graph). Default 0: each round takes its draft's size")
     g.add_argument("--learned", action=argparse.BooleanOptionalAction, default=None,
                    help="start from the acceptance estimates earlier runs learned with these models, and save "
                         "them at the end (default: on; bench: off, for runs that do not depend on earlier ones)")
@@ -103,13 +107,16 @@ def _engine_from_args(args: argparse.Namespace):
     for name in ("ctx_size", "batch_size", "seqs"):
         if getattr(args, name) < 1:
             raise ParameterError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.round_size and not 2 <= args.round_size <= args.batch_size:
+        raise ParameterError(f"--round-size must be 0 or 2 to --batch-size ({args.batch_size}), "
+                             f"got {args.round_size}")
     config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
                           threads=args.threads, flash_attn=args.flash_attn,
                           gpu_layers=_gpu_layers(args.gpu_layers),
                           draft_gpu_layers=_gpu_layers(args.draft_gpu_layers), main_gpu=args.main_gpu,
                           type_k=args.cache_type_k, type_v=args.cache_type_v,
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
-                          learned=args.learned is not False)
+                          learned=args.learned is not False, round_size=args.round_size)
     engine = Engine.load(args.model, args.draft, config=config, progress=True)
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")

@@ -29,7 +29,7 @@ from .pairs import check_pair
 from .proposers import create_method, method_names
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .sampling import SamplingParams
-from .calibration import CalibrationCache, CostModel, calibration_key, measure_costs
+from .calibration import CalibrationCache, CostModel, calibration_key, measure_costs, measure_round
 from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
 from .scheduler import Scheduler
 from .tree import TokenTree
@@ -59,6 +59,10 @@ class EngineConfig:
     calibration: str = "auto"     # auto: cached or measured cost curve; off: assume flat costs
     max_draft: int = 16
     learned: bool = True          # start from the estimates earlier sessions learned, and save them (learned.py)
+    # every round of a drafting method decodes this many tokens, a plain step too (0: the draft's size):
+    # drafts are cut to it and a shorter chain is filled with guesses (``filled``). A decode of an
+    # unchanged shape reuses llama.cpp's graph, and on a CUDA build its CUDA graph (docs/design.md#cost-model)
+    round_size: int = 0
 
 
 @dataclass
@@ -239,7 +243,9 @@ class Engine:
             return CostModel.flat()
         key = calibration_key(self.target.path, self.calibration_settings())
         with self._lock:   # a cached curve is checked with a few decodes, a stale one re-measured
-            return cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
+            curve = cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
+            size = min(self.config.round_size, self.target_ctx.n_batch)
+            return curve.with_rounds_of(size, measure_round(self.kv, size)) if size > 1 else curve
 
     def draft_cost_model(self, refresh: bool = False) -> CostModel | None:
         """The draft model's decode-cost curve (cached like the target's); None without a draft model or
@@ -365,7 +371,9 @@ class Engine:
             if not options:
                 raise
             raise MethodOptionError(str(exc)) from None
-        sched = self.scheduler() if chosen.scheduled else None   # calibrates before taking the lock
+        # calibrates before taking the lock; in rounds of one size every draft up to it costs the same,
+        # so a drafter's draft is not priced but verified as proposed (cut to the size)
+        sched = self.scheduler() if chosen.scheduled and self.config.round_size < 2 else None
         with self._lock:
             run = self._run(tokens, chosen.proposer, sched, max_tokens, sampling, list(stop), is_cancelled)
             saved = False
@@ -401,6 +409,8 @@ class Engine:
             sched.enroll(proposer)
         out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)
+        round_size = cfg.round_size if proposer.name != "vanilla" else 0
+        graphs_reused, decodes = self.target_ctx.graphs_reused(), self.target_ctx.decodes
 
         t0 = time.perf_counter()
         try:
@@ -423,29 +433,35 @@ class Engine:
                     out.finish = "length"
                     break
                 budget = max(0, min(setup.max_tree_nodes, max_tokens - len(out.tokens) - 1, room - 1))
+                if round_size > 1:
+                    budget = min(budget, round_size - 1)   # every round the same size: no larger tree
                 tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget, room)
                 if tree is None:   # the end of the context: plain steps, which always fit, to the end
                     context_full, tree = True, TokenTree.rooted_at(committed[-1])
                 if tree.tokens[0] != committed[-1]:
                     raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+                proposed = tree
+                if round_size > 1 and not context_full:
+                    tree = filled(tree, min(round_size, budget + 1), committed)
                 t_verify = time.perf_counter()
                 result = self._verify(tree, sampling, rng)
                 round_seconds = time.perf_counter() - t_verify
                 stats.target_passes += 1
                 if self.check_kv:
                     self.kv.check()
-                stats.drafted += tree.n_candidates
+                stats.drafted += proposed.n_candidates
                 stats.accepted += len(result.accepted)
                 committed.extend(result.tokens)
                 event = out.take(result.tokens)
+                seen = result if proposed is tree else _as_proposed(result, proposed)
                 if sched is not None:
-                    sched.learn(proposer.name, tree, len(result.accepted), result.path)
+                    sched.learn(proposer.name, proposed, len(seen.accepted), seen.path)
                 if event is not None:
                     yield event
                 if out.finish is not None:
                     break
                 t_observe = time.perf_counter()   # the consumer's time at the yield above is not ours
-                proposer.observe(committed, result)
+                proposer.observe(committed, seen)
                 result.release()   # its logits rows are overwritten by the next decode
                 if costs_learner is not None:
                     round_seconds += time.perf_counter() - t_observe
@@ -457,6 +473,8 @@ class Engine:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
         stats.decode_seconds = time.perf_counter() - t1
+        decodes = self.target_ctx.decodes - decodes
+        stats.extra["graphs_rebuilt"] = decodes - (self.target_ctx.graphs_reused() - graphs_reused)
         _add_python_time(stats, llama_decode_clock() - llama_at_t1)
         stats.tokens = len(out.tokens)
         stats.finish_reason = out.finish or "length"
@@ -520,6 +538,39 @@ class _Output:
             return ""
         tail = self.text_stream.flush()
         return (self.matcher.push(tail) if tail else "") + self.matcher.flush()
+
+
+FILL_WINDOW = 256   # tokens of the context ``filled`` looks back through
+
+
+def filled(tree: TokenTree, size: int, context: Sequence[int]) -> TokenTree:
+    """A chain of fewer than ``size`` tokens continued to ``size`` (``EngineConfig.round_size``): by what
+    followed its last token where that token last occurred in the context's last FILL_WINDOW tokens,
+    else by that token again. Branching trees and trees with extra rows are left as they are."""
+    need = size - len(tree.tokens)
+    if need <= 0 or tree.extras or tree.n_extra_seqs or not tree.is_chain():
+        return tree
+    last = tree.tokens[-1]
+    start = max(len(context) - FILL_WINDOW, 0)
+    guess: list[int] = []
+    for i in range(len(context) - 2, start - 1, -1):
+        if context[i] == last:
+            guess = list(context[i + 1:i + 1 + need])
+            break
+    guess += [last] * (need - len(guess))
+    out = TokenTree(tokens=list(tree.tokens), parents=list(tree.parents), depths=list(tree.depths),
+                    draft_probs=dict(tree.draft_probs), sources=dict(tree.sources), classes=dict(tree.classes))
+    out.add_path(len(out.tokens) - 1, guess, source="fill")
+    return out
+
+
+def _as_proposed(result: VerifyResult, proposed: TokenTree) -> VerifyResult:
+    """The round as the proposer's own chain saw it (before ``filled``): its nodes' verdicts, and as the
+    bonus the token the target wrote after them (filled tokens that were accepted are text it wrote)."""
+    kept = min(len(result.accepted), len(proposed.tokens) - 1)
+    return VerifyResult(tree=proposed, path=result.path[:kept + 1], accepted=result.accepted[:kept],
+                        bonus=result.tokens[kept], predictions=result.predictions,
+                        accepted_by_source={k: v for k, v in result.accepted_by_source.items() if k != "fill"})
 
 
 def _add_python_time(stats: GenerationStats, llama_seconds: float) -> None:

@@ -663,9 +663,10 @@ class Scheduler:
         memo = self._seconds_memo
         if memo is None or memo[0] is not costs or memo[1] is not factors:
             seconds = costs.table(len(factors)) * factors
-            # a drafted round also costs what the plain steps after it lose (measured, else calibrated)
+            # a drafted round also costs what the plain steps after it lose (measured, else calibrated);
+            # where every round has one size (``CostModel.round_size``), only a larger one changes shape
             switch = self.round_costs.switch
-            seconds[1:] += max(costs.switch_seconds if switch is None else switch, 0.0)
+            seconds[max(costs.round_size, 1):] += max(costs.switch_seconds if switch is None else switch, 0.0)
             seconds.flags.writeable = False
             memo = self._seconds_memo = (costs, factors, seconds, seconds.tolist())
         return memo[2], memo[3]

@@ -18,9 +18,12 @@
 #   scripts/gpu_check.sh start            carry .gpu/c1: unpack, start the CUDA build in the background
 #   scripts/gpu_check.sh stash .gpu/cK    carry .gpu/cK, K = 2..N: back to back while the build runs (an
 #                                         idle machine goes back after 30 s, and the build with it)
-#   scripts/gpu_check.sh bench NAME       wait for the build, reassemble and sha256-check the models, run
-#                                         the benchmark set NAME (smol, qwen05; see bench_set) into
-#                                         $OUT/NAME.tgz, print its table
+#   scripts/gpu_check.sh bench NAME [FLAGS...]
+#                                         wait for the build, reassemble and sha256-check the models, run
+#                                         the benchmark set NAME (smol, qwen05; see bench_set) with any more
+#                                         bench FLAGS into $OUT/$LABEL.tgz (LABEL defaults to NAME), print
+#                                         its table. Next on a GPU: LABEL=smol-r4 ... bench smol
+#                                         --round-size 4 (rounds of one shape keep the CUDA graph)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -154,8 +157,8 @@ bench_set() {
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl,$S/mt_bench.jsonl" ;;
     *) echo "unknown bench set $1 (smol, qwen05)"; exit 2 ;;
   esac
-  $PY -m ouroboros_local bench "$@" --gpu-layers "${GPU_LAYERS:-all}" --llama-cpp-bin "$bin" --limit "${LIMIT:-10}" \
-    -n "${TOKENS:-128}" --no-progress --out "$OUT/$NAME"
+  $PY -m ouroboros_local bench "$@" "${EXTRA[@]}" --gpu-layers "${GPU_LAYERS:-all}" --llama-cpp-bin "$bin" \
+    --limit "${LIMIT:-10}" -n "${TOKENS:-128}" --no-progress --out "$OUT/$NAME"
 }
 
 case "${1:-}" in
@@ -185,8 +188,10 @@ case "${1:-}" in
     stash "$2" ;;
   bench)
     setup_env; wait_for_build; assemble
-    NAME="${2:?bench NAME: smol or qwen05}"
-    bench_set "$NAME" > "$OUT/$NAME.log" 2>&1
+    SET="${2:?bench NAME: smol or qwen05}"
+    EXTRA=("${@:3}")             # more bench flags, e.g. --round-size 4
+    NAME="${LABEL:-$SET}"
+    bench_set "$SET" > "$OUT/$NAME.log" 2>&1
     rc=$?
     tail -60 "$OUT/$NAME.log"
     cp "$OUT/$NAME.log" "$OUT/$NAME/" 2>/dev/null

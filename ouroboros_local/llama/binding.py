@@ -497,6 +497,7 @@ class Context(_Native):
         self.n_threads = threads
         self._lock = threading.Lock()
         self.decode_seconds = 0.0          # wall time inside llama_decode on this context
+        self.decodes = 0                   # llama_decode calls on this context
         self._logits_addr: int | None = None
         self._logits_view = np.empty((0, self.n_vocab), dtype=np.float32)
 
@@ -509,12 +510,19 @@ class Context(_Native):
     def set_threads(self, n_threads: int, n_threads_batch: int) -> None:
         lc.llama_set_n_threads(self.ptr, n_threads, n_threads_batch)
 
+    def graphs_reused(self) -> int:
+        """Decodes that reused the previous decode's graph since the context was made: llama.cpp
+        reuses it only for a batch of the previous one's shape, and a CUDA build replays its CUDA
+        graph only then (compare with ``decodes``)."""
+        return int(lc.llama_perf_context(self.ptr).n_reused)
+
     def decode(self, batch: Batch) -> None:
         """Decode a batch; raises with llama.cpp's reason on failure."""
         t0 = time.perf_counter()
         rc = lc.llama_decode(self.ptr, batch._b)
         elapsed = time.perf_counter() - t0
         self.decode_seconds += elapsed
+        self.decodes += 1
         _decode_clock.seconds = getattr(_decode_clock, "seconds", 0.0) + elapsed
         if rc == 0:
             return

@@ -1,0 +1,91 @@
+"""Rounds of one size (EngineConfig.round_size): short chains filled with guesses, outputs unchanged, and
+llama.cpp's graph reused from round to round (what keeps a CUDA build on its CUDA graph)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ouroboros_local.calibration import CostModel
+from ouroboros_local.engine import Engine, filled
+from ouroboros_local.proposers import method_names
+from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.scheduler import Scheduler
+from ouroboros_local.testing.engines import tiny_engine
+from ouroboros_local.testing.lossless import assert_first_pairs_follow_the_target
+from ouroboros_local.tree import TokenTree
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+           "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+@pytest.fixture(scope="module")
+def round_engine(tiny_target, tiny_draft):
+    engine = tiny_engine(tiny_target, tiny_draft, round_size=4)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "vanilla"])
+def test_every_method_is_greedy_lossless_in_rounds_of_one_size(round_engine: Engine, method: str) -> None:
+    for prompt in PROMPTS:
+        base = round_engine.generate(prompt, max_tokens=32, method="vanilla")
+        res = round_engine.generate(prompt, max_tokens=32, method=method)
+        assert res.tokens == base.tokens, method
+        committed = round_engine.prompt_tokens(prompt) + res.tokens
+        assert round_engine.kv.cached == committed[:len(round_engine.kv.cached)]
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "speculative"])
+def test_filled_rounds_sample_the_target_distribution(round_engine: Engine, tiny_target, method: str) -> None:
+    params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+    assert_first_pairs_follow_the_target(round_engine, tiny_target, PROMPTS[1], params, 400, method=method)
+
+
+def test_rounds_of_one_size_reuse_the_graph(tiny_target) -> None:
+    """Each decode of another shape makes llama.cpp build a graph (a CUDA build: run without its CUDA
+    graph); in rounds of one size only a request's first rounds and its last, shortened ones do."""
+    rebuilt = {}
+    for size in (0, 4):
+        with tiny_engine(tiny_target, round_size=size) as engine:
+            res = engine.generate(PROMPTS[0] * 3, max_tokens=48, method="prompt-lookup",
+                                  options={"max_ngram": 3})
+            rebuilt[size] = res.stats.extra["graphs_rebuilt"], res.stats.target_passes
+    assert rebuilt[4][0] <= 6 < rebuilt[4][1]
+    assert rebuilt[4][0] < rebuilt[0][0]
+
+
+def test_a_chain_is_filled_from_the_context_and_a_tree_is_left_alone() -> None:
+    chain = TokenTree.rooted_at(5)
+    chain.add_path(0, [6], source="prompt-lookup")
+    out = filled(chain, 5, context=[1, 6, 7, 8, 2, 3, 5])
+    assert out.tokens == [5, 6, 7, 8, 2] and out.sources[2] == "fill" and out.sources[1] == "prompt-lookup"
+    assert chain.tokens == [5, 6]                          # the proposer's tree is not changed
+    assert filled(chain, 4, context=[9, 9]).tokens == [5, 6, 6, 6]   # nothing to copy: the last token again
+    tree = TokenTree.rooted_at(5)
+    tree.add_path(0, [6])
+    tree.add_path(0, [7])
+    assert filled(tree, 6, context=[6, 1, 2]) is tree
+    assert filled(chain, 2, context=[]) is chain
+
+
+def test_in_rounds_of_one_size_drafting_up_to_it_costs_nothing_more() -> None:
+    curve = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 3.0, 3.2, 3.5, 5.0], switch_seconds=2.0)
+    rounds = curve.with_rounds_of(4, 1.1)
+    assert [rounds.cost(n) for n in (1, 2, 3, 4)] == pytest.approx([1.1] * 4)
+    assert rounds.cost(8) == pytest.approx(3.5) and rounds.round_size == 4
+    seconds = Scheduler(rounds).round_seconds(7)
+    assert seconds[:4] == pytest.approx([1.1] * 4)           # no switch: the shape never changes
+    assert seconds[7] == pytest.approx(3.5 + 2.0)            # a larger tree changes it
+
+
+def test_the_engine_prices_rounds_of_its_size(tiny_target) -> None:
+    with tiny_engine(tiny_target, round_size=4, calibration="auto") as engine:
+        costs = engine.scheduler().costs
+        assert costs.round_size == 4 and costs.cost(1) == costs.cost(4)
+
+
+def test_round_size_is_checked_before_anything_loads(capsys) -> None:
+    from ouroboros_local.cli import main
+
+    assert main(["generate", "-m", "no-such-model.gguf", "--round-size", "1", "-p", "hi"]) != 0
+    assert "--round-size must be 0 or 2" in capsys.readouterr().err
