@@ -12,22 +12,25 @@
 #                                        llama.cpp's sources and the llama_cpp package from the sdist,
 #                                        the gguf and diskcache wheels, the prompt sets of ../shared/bench,
 #                                        and the GGUFs cut into parts (default: SmolLM2-135M, then
-#                                        Qwen2.5-Coder-0.5B, from the catalogue's cache). Prints the
-#                                        device calls to make.
+#                                        Qwen2.5-Coder-0.5B and -1.5B, from the catalogue's cache: 28
+#                                        folders). Prints the device calls to make.
 # On the device machine (the `run` tool; each call carries one folder, timeout_s a little above need):
 #   scripts/gpu_check.sh start            carry .gpu/c1: unpack, start the CUDA build in the background
 #   scripts/gpu_check.sh stash .gpu/cK    carry .gpu/cK, K = 2..N: back to back while the build runs (an
 #                                         idle machine goes back after 30 s, and the build with it)
 #   scripts/gpu_check.sh bench NAME [FLAGS...]
 #                                         wait for the build, reassemble and sha256-check the models, run
-#                                         the benchmark set NAME (smol, qwen05; see bench_set) with any more
+#                                         the benchmark set NAME (smol, qwen05, qwen15; see bench_set), more
 #                                         bench FLAGS into $OUT/$LABEL.tgz (LABEL defaults to NAME), print
 #                                         its table. Next on a GPU: LABEL=smol-r4 ... bench smol
 #                                         --round-size 4 (rounds of one shape keep the CUDA graph)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33 s (the machine's start), each stash ~5 s, the build 267 s,
-# bench smol 72 s and bench qwen05 188 s: 11 of a session's 15 minutes of device time.
+# bench smol 72 s and bench qwen05 188 s: 11 of a session's 15 minutes of device time. The 27 stashes
+# fit inside the build's time; then run bench qwen15 first (the same-family pair), then the others.
+# Branching suffix trees change the batch's shape: with --round-size, add
+# --method-options '{"suffix": {"max_branches": 1}}'.
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
@@ -64,7 +67,8 @@ pack() {
   local models=("$@")
   if [ ${#models[@]} -eq 0 ]; then
     local cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}/models"
-    models=("$cache/smollm2-135m-instruct.gguf" "$cache/qwen2.5-coder-0.5b-instruct.gguf")
+    models=("$cache/smollm2-135m-instruct.gguf" "$cache/qwen2.5-coder-0.5b-instruct.gguf"
+            "$cache/qwen2.5-coder-1.5b-instruct.gguf")
   fi
   # every model after the small files, cut so that each folder fills to the cap: fewest calls
   $PY - "$pack_dir" "$CAP_MIB" "$work/payload" "${models[@]}" <<'EOF' || exit 1
@@ -98,7 +102,7 @@ print(f"{folder} folders in {pack_dir}/ (at most {cap >> 20} MiB each); device c
 print("  run: scripts/gpu_check.sh start            carry [.gpu/c1]")
 for k in range(2, folder + 1):
     print(f"  run: scripts/gpu_check.sh stash .gpu/c{k}    carry [.gpu/c{k}]")
-print("  run: scripts/gpu_check.sh bench smol       (then bench qwen05)")
+print("  run: scripts/gpu_check.sh bench qwen15     (then bench smol, bench qwen05, and with --round-size 4)")
 EOF
   rm -rf "$work"
   grep -qx '/.gpu/' .gitignore 2>/dev/null || echo "note: add /.gpu/ to .gitignore"
@@ -150,12 +154,18 @@ bench_set() {
   case "$1" in
     smol)    # the small target of the H100 run: nothing pays, what is left is our overhead
       set -- -m "$MODELS/smollm2-135m-instruct.gguf" --methods vanilla,prompt-lookup,suffix,auto \
-        --peers llama.cpp:vanilla --prompts "$S/gsm8k.jsonl,$S/mt_bench.jsonl,$S/humaneval.jsonl,$S/codeedit.jsonl" ;;
+        --peers llama.cpp:vanilla \
+        --prompts "$S/gsm8k.jsonl,$S/mt_bench.jsonl,$S/humaneval.jsonl,$S/codeedit.jsonl" ;;
     qwen05)  # the draft-free methods on a Qwen target, a second pass of codeedit as the history workload
       set -- -m "$MODELS/qwen2.5-coder-0.5b-instruct.gguf" --methods vanilla,prompt-lookup,suffix,auto \
         --peers llama.cpp:ngram-mod \
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl,$S/mt_bench.jsonl" ;;
-    *) echo "unknown bench set $1 (smol, qwen05)"; exit 2 ;;
+    qwen15)  # the default target with its same-family draft, against llama.cpp's draft and n-gram modes
+      set -- -m "$MODELS/qwen2.5-coder-1.5b-instruct.gguf" -d "$MODELS/qwen2.5-coder-0.5b-instruct.gguf" \
+        --methods vanilla,prompt-lookup,speculative,ouroboros,auto \
+        --peers llama.cpp:draft-simple,llama.cpp:ngram-mod \
+        --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl" ;;
+    *) echo "unknown bench set $1 (smol, qwen05, qwen15)"; exit 2 ;;
   esac
   $PY -m ouroboros_local bench "$@" "${EXTRA[@]}" --gpu-layers "${GPU_LAYERS:-all}" --llama-cpp-bin "$bin" \
     --limit "${LIMIT:-10}" -n "${TOKENS:-128}" --no-progress --out "$OUT/$NAME"
