@@ -26,7 +26,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         for n, s in zip(costs.sizes, costs.seconds):
             print(f"{n:>17}   {s:7.4f}   {s / costs.seconds[0]:6.2f}")
         print(f"after a decode of another size, the next plain steps lose {costs.switch_seconds:.4f}s "
-              f"({costs.switch_seconds / costs.seconds[0]:.2f} steps; charged to every drafted round)")
+              f"({costs.switch_seconds / costs.seconds[0]:.2f} steps; charged to drafting)")
         print(f"model load {t_load:.2f}s, calibration {t_cal:.2f}s ({costs.origin}; key {costs.key[:12]})")
         if costs.busy_cores is not None:
             print(f"other processes kept {costs.busy_cores:.1f} cores busy while it was measured"

@@ -96,6 +96,8 @@ RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a targe
                         # be retired: free drafters cost microseconds, and one retired for a round-cost factor
                         # that happened to be high would never draft again to correct it
 SWITCH_SAMPLES = 9      # drafted rounds whose wake ``RoundCosts.switch`` is the median of
+END_SAMPLES = 32        # drafted rounds ``RoundCosts.end_share`` counts, after END_PRIOR that ended a run
+END_PRIOR = 2
 
 
 class RoundCosts:
@@ -117,6 +119,7 @@ class RoundCosts:
         self._cache: tuple[int, np.ndarray] | None = None
         self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
         self._switches: deque[float] = deque(maxlen=SWITCH_SAMPLES)
+        self._ends: deque[int] = deque(maxlen=END_SAMPLES)   # 1: a drafted round had a plain step next
         self._after = 0         # plain steps still to come in the current drafted round's wake
         self._lost = 0.0        # what they lost so far
 
@@ -126,6 +129,8 @@ class RoundCosts:
         take beyond a plain step goes to ``switch``, not to the plain steps' factor. ``switch`` is the
         median of the last SWITCH_SAMPLES: one step slowed by another process must not stop drafting,
         since only drafted rounds could then correct it."""
+        if self._after == SWITCH_STEPS:   # the round after a drafted one: did the drafting stop?
+            self._ends.append(int(n_tokens == 1))
         if n_tokens == 1 and self._after:
             self._lost += seconds - calibrated * self._plain_factor()
             self._after -= 1
@@ -148,6 +153,12 @@ class RoundCosts:
 
     def factor(self, n_tokens: int) -> float:
         return float(self.factors(n_tokens)[n_tokens - 1])
+
+    def end_share(self) -> float:
+        """How often a drafted round is the last of a run of drafted rounds (END_PRIOR rounds' worth of
+        "always" before any is seen): only then do the plain steps after it lose their graph, and a
+        copy drafted round after round pays the switch once."""
+        return (sum(self._ends) + END_PRIOR) / (len(self._ends) + END_PRIOR)
 
     def _plain_factor(self) -> float:
         return self._ema[1] if self._seen.get(1, 0) >= self.MIN_ROUNDS else 1.0
@@ -663,10 +674,12 @@ class Scheduler:
         memo = self._seconds_memo
         if memo is None or memo[0] is not costs or memo[1] is not factors:
             seconds = costs.table(len(factors)) * factors
-            # a drafted round also costs what the plain steps after it lose (measured, else calibrated);
-            # where every round has one size (``CostModel.round_size``), only a larger one changes shape
-            switch = self.round_costs.switch
-            seconds[max(costs.round_size, 1):] += max(costs.switch_seconds if switch is None else switch, 0.0)
+            # a drafted round also costs what the plain steps after it lose (measured, else calibrated),
+            # when they follow it; where every round has one size (``CostModel.round_size``), only a
+            # larger one changes shape
+            rc = self.round_costs
+            switch = max(costs.switch_seconds if rc.switch is None else rc.switch, 0.0) * rc.end_share()
+            seconds[max(costs.round_size, 1):] += switch
             seconds.flags.writeable = False
             memo = self._seconds_memo = (costs, factors, seconds, seconds.tolist())
         return memo[2], memo[3]

@@ -334,6 +334,23 @@ def test_plain_steps_after_a_drafted_round_measure_the_switch_not_the_plain_step
     assert sched.best_length("x") == 0
 
 
+def test_a_copy_drafted_round_after_round_pays_the_switch_once() -> None:
+    """On an H200 (Qwen2.5-Coder-0.5B) a second pass of code edits drafted round after round (6.3
+    tokens a pass, 1.61x): only the last drafted round of a run has plain steps after it."""
+    h200 = CostModel(sizes=[1, 2, 8, 16], seconds=[1.44, 3.56, 3.8, 5.4], switch_seconds=2.7)
+    sched = scheduler_with(h200, 0.75)
+    assert sched.best_length("x") == 0          # every drafted round charged the switch: no
+    for _ in range(4):
+        for _ in range(10):
+            sched.observe_round(9, h200.cost(9))
+        for lost in (1.35, 1.35, 0.0):              # two plain steps without their graph, then with it
+            sched.observe_round(1, h200.cost(1) + lost)
+    assert sched.round_costs.switch == pytest.approx(2.7)
+    assert sched.round_costs.end_share() == pytest.approx((4 + 2) / (32 + 2))
+    assert sched.round_seconds(8)[8] == pytest.approx(h200.cost(9) + 2.7 * 6 / 34)
+    assert sched.best_length("x") > 0
+
+
 def test_one_plain_step_slowed_by_another_process_does_not_stop_drafting() -> None:
     """Only drafted rounds measure the switch: a switch estimate made dear by one slow step would stop
     drafting, and nothing would correct it."""
