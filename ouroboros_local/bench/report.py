@@ -22,7 +22,7 @@ SUMMARY_KEYS = ("label", "kind", "method", "prompts", "errors", "tokens", "timed
                 "speedup", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes", "drafted",
                 "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
                 "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs", "speedup_ci",
-                "python_ms_per_round")
+                "python_ms_per_round", "graph_rebuilds_per_100_passes")
 
 CI_LEVEL = 0.90          # speedup_ci: a paired bootstrap interval over the set's prompts
 CI_RESAMPLES = 2000
@@ -89,6 +89,16 @@ def python_ms_per_round(records: Sequence[Mapping[str, Any]]) -> float | None:
     return 1e3 * sum(r["extra"]["python_seconds"] for r in timed) / rounds if rounds else None
 
 
+def graph_rebuilds_per_100_passes(records: Sequence[Mapping[str, Any]]) -> float | None:
+    """Decodes (prefill included) for which llama.cpp built a new graph, per 100 target passes (our
+    methods' extra.graphs_rebuilt): each follows a change of the batch's shape, which on a CUDA build
+    also runs without the CUDA graph; None for peers."""
+    counted = [r for r in records if (r.get("extra") or {}).get("graphs_rebuilt") is not None
+               and r.get("target_passes")]
+    passes = sum(r["target_passes"] for r in counted)
+    return 100.0 * sum(r["extra"]["graphs_rebuilt"] for r in counted) / passes if passes else None
+
+
 def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping[str, Any]],
               model_bytes: int | None, reference: str = "vanilla") -> dict[str, dict[str, dict[str, Any]]]:
     """summary[set][label] = aggregated numbers (see SUMMARY_KEYS); an "all" set when there are several."""
@@ -134,6 +144,7 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
                     ratios.append(a / b)
             s["speedup_geomean"] = _geomean(ratios)
             s["python_ms_per_round"] = python_ms_per_round(ok)
+            s["graph_rebuilds_per_100_passes"] = graph_rebuilds_per_100_passes(ok)
             pairs = [_speed_pair(r, ref_runs[(r["set"], r["id"])]) for r in ok if (r["set"], r["id"]) in ref_runs]
             s["speedup_ci"] = bootstrap_speedup([p for p in pairs if p]) if label != reference else None
             compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
@@ -241,7 +252,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  "the prompts; geomean: per-prompt geometric mean; acc/pass: accepted draft "
                  "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
                  "target passes per second; identical: outputs equal to vanilla's; py ms/round: time per "
-                 "target pass outside llama.cpp's decode calls (our Python).")
+                 "target pass outside llama.cpp's decode calls (our Python); rebuilds/100: decodes for which "
+                 "llama.cpp built a new graph (a new batch shape; on a GPU, no CUDA graph) per 100 passes.")
     lines.append("")
     for set_name, by_label in (payload.get("summary") or {}).items():
         set_info = next((s for s in payload.get("sets", []) if s.get("name") == set_name), {})
@@ -251,8 +263,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                      f"max {set_info.get('max_tokens')} new tokens)"
         lines += [title, "",
                   f"| method | tok/s | speedup | {CI_LEVEL:.0%} CI | geomean | acc/pass | passes/100 tok | "
-                  "identical | prefill tok/s | GB/s | py ms/round |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+                  "identical | prefill tok/s | GB/s | py ms/round | rebuilds/100 |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for s in by_label.values():
             speed = _f(s.get("speedup"), "{:.2f}x")
             if s.get("kind") == "peer" and s.get("baseline") not in (None, "vanilla", s["label"]):
@@ -267,7 +279,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                          f"{_f(s.get('passes_per_100_tokens'), '{:.1f}')} | {identical_cell(s)} | "
                          f"{_f(s.get('prefill_tokens_per_second'), '{:.1f}')} | "
                          f"{_f(s.get('bandwidth_gbs'), '{:.1f}')} | "
-                         f"{_f(s.get('python_ms_per_round'), '{:.3f}')} |")
+                         f"{_f(s.get('python_ms_per_round'), '{:.3f}')} | "
+                         f"{_f(s.get('graph_rebuilds_per_100_passes'), '{:.1f}')} |")
         lines.append("")
     mism = payload.get("mismatches") or []
     if mism:
