@@ -94,18 +94,48 @@ def pick(answers: list[dict[str, Any]], name: str, limit: int) -> list[dict[str,
     return chosen[int(half) - 1::2] if half in ("1", "2") else chosen
 
 
+class ShapeClock:
+    """A GPU's clock (--gpu-clock): a plain step after two plain steps runs as a CUDA graph and costs
+    ``step``; any other decode (a new shape, or the one after it, which captures the graph again) costs
+    what ``after_switch`` says (a curve timed size after size, as measure_costs did before 5c4cdb1)."""
+
+    def __init__(self, after_switch: CostModel, step: float):
+        self.after_switch, self.step = after_switch, step
+        self.last, self.same = 0, 0
+
+    def __call__(self, n: int) -> float:
+        self.same = self.same + 1 if n == self.last else 0
+        self.last = n
+        return self.step if n == 1 and self.same >= 2 else self.after_switch.cost(n)
+
+    def priced(self, old: bool) -> CostModel:
+        """The curve the scheduler prices with: the one measured before 5c4cdb1 (``old``), or today's
+        (plain steps timed back to back, and what the two steps after another shape lose)."""
+        if old:
+            return self.after_switch
+        seconds = [self.step] + self.after_switch.seconds[1:]
+        return CostModel(sizes=self.after_switch.sizes, seconds=seconds,
+                         switch_seconds=2 * (self.after_switch.seconds[0] - self.step))
+
+
 def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, noise: float, seed: int,
            limit: int, max_tokens: int, max_draft: int, method: str = "auto",
-           learned: dict[str, Any] | None = None, python_scale: float = 1.0, charge_python: bool = False
-           ) -> dict[str, tuple[float, Counter]]:
+           learned: dict[str, Any] | None = None, python_scale: float = 1.0, charge_python: bool = False,
+           gpu: dict[str, Any] | None = None) -> dict[str, tuple[float, Counter]]:
     """One seeded replay of the sets in ``order``; per pass: (speed-up, round counts). ``learned``: the
     session starts from ``learned["estimates"]`` where present, restored as the engine restores an
     earlier session's (learned.py), and leaves its own there at the end. ``python_scale``: the proposals'
     timings, as the scheduler sees them, times this (see --python-scale); ``charge_python``: the clock
-    counts each drafting step's time at that scale too (plain decoding has none)."""
+    counts each drafting step's time at that scale too (plain decoding has none). ``gpu``: {"sizes", "seconds",
+    "step", "old"} for a ShapeClock (see --gpu-clock), which then replaces ``curve``."""
     ids = sorted({t for a in answers for t in a["prompt"] + a["answer"]})
     dense = {t: i for i, t in enumerate(ids)}   # a small vocabulary keeps the stand-in's rows small
     vocab = len(ids) + 1
+    clock: Any = curve.cost
+    if gpu is not None:
+        clock = ShapeClock(CostModel(sizes=gpu["sizes"], seconds=gpu["seconds"]), gpu["step"])
+        curve = clock.priced(gpu.get("old", False))
+    step = clock.step if gpu is not None else curve.cost(1)
     sched = Scheduler(curve, max_length=max_draft)
     if python_scale != 1.0:
         slow_cache(sched, python_scale)
@@ -143,7 +173,7 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
                     replayed += python_scale * (time.perf_counter() - t0)
                 result, _ = verify_round(tree, decode, setup.sampling, setup.rng)
                 n = len(tree.tokens) + len(tree.extras)
-                seconds = curve.cost(n) * float(np.exp(rng.normal(0.0, noise)))
+                seconds = clock(n) * float(np.exp(rng.normal(0.0, noise)))
                 replayed += seconds
                 counts.update(rounds=1, drafted=tree.n_candidates, accepted=len(result.accepted))
                 committed.extend(result.tokens)
@@ -157,7 +187,7 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
                 proposer.observe(committed, result)
                 sched.observe_round(n, seconds)
             proposer.end()
-            plain += len(answer) * curve.cost(1)
+            plain += len(answer) * step
         label = f"{name} (pass {order[:len(out) + 1].count(name)})" if order.count(name) > 1 else name
         out[label] = (plain / replayed if replayed else 1.0, counts)
     if learned is not None:
@@ -187,6 +217,10 @@ def main() -> int:
                     help="first replay these sets (comma-separated) in a session of their own, then start "
                          "from the estimates it learned, as a later process does (learned.py); the two "
                          "sessions share no history")
+    ap.add_argument("--gpu-clock", metavar="JSON",
+                    help='a GPU\'s clock instead of this machine\'s curve: {"sizes": [...], "seconds": [...] '
+                         '(decodes timed size after size), "step": plain step back to back, "old": true to '
+                         'price with the curve as measured before 5c4cdb1}')
     args = ap.parse_args()
 
     from ouroboros_local.engine import Engine
@@ -205,7 +239,8 @@ def main() -> int:
         session = partial(replay, answers, curve=curve, noise=args.noise, seed=seed, limit=args.limit,
                           max_tokens=args.max_tokens, max_draft=max_draft, method=args.method,
                           learned={} if earlier else None, python_scale=args.python_scale,
-                          charge_python=args.charge_python)
+                          charge_python=args.charge_python,
+                          gpu=json.loads(open(args.gpu_clock).read()) if args.gpu_clock else None)
         if earlier:
             session(earlier)
         runs.append(session(order))

@@ -91,3 +91,16 @@ def test_charged_python_counts_on_the_clock() -> None:
     free = replay_auto.replay(answers(), ["fresh"], **run)["fresh"][0]
     charged = replay_auto.replay(answers(), ["fresh"], **run, charge_python=True)["fresh"][0]
     assert charged < 0.9 * free
+
+
+def test_the_gpu_clock_charges_shape_changes_and_prices_as_told() -> None:
+    h200 = {"sizes": [1, 2, 8], "seconds": [4.2, 4.7, 4.7], "step": 1.35}
+    clock = replay_auto.ShapeClock(CostModel(sizes=h200["sizes"], seconds=h200["seconds"]), h200["step"])
+    # a drafted round, then plain steps: two without the CUDA graph, then with it
+    assert [clock(n) for n in (1, 1, 1, 8, 1, 1, 1)] == pytest.approx([4.2, 4.2, 1.35, 4.7, 4.2, 4.2, 1.35])
+    assert clock.priced(old=True).cost(1) == 4.2
+    new = clock.priced(old=False)
+    assert new.cost(1) == 1.35 and new.switch_seconds == pytest.approx(2 * (4.2 - 1.35))
+    old = replay_auto.replay(answers(), ["fresh"], GPU_LIKE, noise=0.0, seed=0, limit=16, max_tokens=128,
+                             max_draft=16, gpu={**h200, "old": True})
+    assert old["fresh"][0] < 1.0     # fresh text, probes priced as nearly free: each costs ~3 plain steps
