@@ -180,8 +180,8 @@ def _plain_and_switch(decode: Callable[[int], float], size: int) -> tuple[float,
     llama.cpp rebuilds its graph when the batch's shape changes, and a CUDA build runs a new shape
     without its CUDA graph until the shape has held for two decodes. On an H200 (SmolLM2-135M) a plain
     step took 1.35 ms back to back and ~4 ms after another size: a verification costs its own decode
-    plus what the plain steps after it lose. On 2 CPU cores the loss is ~0.6 ms against a 5.5 ms step
-    (SmolLM2) and none against 24 ms (Qwen2.5-Coder-1.5B)."""
+    plus what the plain steps after it lose. On 2 CPU cores the loss is 0.4-0.7 ms against a 6.4-6.9 ms
+    step (SmolLM2) and none against 24 ms (Qwen2.5-Coder-1.5B)."""
     steady, lost = [], []
     for rep in range(SWITCH_REPEATS + 1):   # the first round warms both shapes
         for _ in range(SWITCH_SETTLE - 1):
