@@ -63,7 +63,8 @@ pack() {
   tar czf "$work/payload/llama-src.tgz" -C "$work/tree" . || exit 1
   # gguf for our GGUF reader, diskcache for llama_cpp's import: the image has neither
   $PY -m pip download -q --no-deps --only-binary=:all: gguf diskcache -d "$work/payload" || exit 1
-  cp ../shared/bench/*.jsonl "$work/payload/" 2>/dev/null
+  cp "${BENCH_DIR:-../shared/bench}"/*.jsonl "$work/payload/" \
+    || { echo "no prompt sets in ${BENCH_DIR:-../shared/bench} (set BENCH_DIR)"; exit 1; }
   local models=("$@")
   if [ ${#models[@]} -eq 0 ]; then
     local cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}/models"
