@@ -187,14 +187,14 @@ def _plain_and_switch(decode: Callable[[int], float], size: int) -> tuple[float,
         for _ in range(SWITCH_SETTLE - 1):
             decode(1)
         step = decode(1)
+        after: list[float] = []
         if size > 1:
             decode(size)
-        after = [decode(1) for _ in range(SWITCH_STEPS)] if size > 1 else []
+            after = [decode(1) for _ in range(SWITCH_STEPS)]
         if rep:
             steady.append(step)
             lost.append(sum(after) - step * len(after))
-    step = float(np.median(steady))
-    return step, max(float(np.median(lost)), 0.0) if lost else 0.0
+    return float(np.median(steady)), max(float(np.median(lost)), 0.0)
 
 
 def measure_round(kv: "KVCache", size: int, repeats: int = SWITCH_REPEATS, prefix_len: int = 32) -> float:

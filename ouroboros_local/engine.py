@@ -410,7 +410,7 @@ class Engine:
         out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)
         round_size = cfg.round_size if proposer.name != "vanilla" else 0
-        graphs_reused, decodes = self.target_ctx.graphs_reused(), self.target_ctx.decodes
+        reused_before, decodes_before = self.target_ctx.graphs_reused(), self.target_ctx.decodes
 
         t0 = time.perf_counter()
         try:
@@ -473,8 +473,8 @@ class Engine:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
         stats.decode_seconds = time.perf_counter() - t1
-        decodes = self.target_ctx.decodes - decodes
-        stats.extra["graphs_rebuilt"] = decodes - (self.target_ctx.graphs_reused() - graphs_reused)
+        stats.extra["graphs_rebuilt"] = ((self.target_ctx.decodes - decodes_before)
+                                         - (self.target_ctx.graphs_reused() - reused_before))
         _add_python_time(stats, llama_decode_clock() - llama_at_t1)
         stats.tokens = len(out.tokens)
         stats.finish_reason = out.finish or "length"
@@ -558,8 +558,7 @@ def filled(tree: TokenTree, size: int, context: Sequence[int]) -> TokenTree:
             guess = list(context[i + 1:i + 1 + need])
             break
     guess += [last] * (need - len(guess))
-    out = TokenTree(tokens=list(tree.tokens), parents=list(tree.parents), depths=list(tree.depths),
-                    draft_probs=dict(tree.draft_probs), sources=dict(tree.sources), classes=dict(tree.classes))
+    out = tree.subtree(range(len(tree.tokens)))   # a copy, labels and draft distributions included
     out.add_path(len(out.tokens) - 1, guess, source="fill")
     return out
 
