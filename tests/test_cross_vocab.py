@@ -16,6 +16,7 @@ from ouroboros_local.engine import Engine
 from ouroboros_local.errors import IncompatiblePairError
 from ouroboros_local.llama import Model
 from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.testing.lossless import assert_greedy_equals_vanilla
 from ouroboros_local.text_bridge import (DraftView, is_chunk_start, target_confidences, text_to_target,
                                          valid_utf8_prefix)
 
@@ -110,13 +111,7 @@ def test_incremental_view_equals_full_retokenization(models, text: str) -> None:
 
 @pytest.mark.parametrize("method", ["speculative", "ouroboros", "auto"])
 def test_greedy_equals_vanilla(cross_engine: Engine, method: str) -> None:
-    for prompt in CROSS_PROMPTS:
-        base = cross_engine.generate(prompt, max_tokens=32, method="vanilla")
-        res = cross_engine.generate(prompt, max_tokens=32, method=method, options={"gamma": 5})
-        assert res.tokens == base.tokens, (method, prompt)
-        assert res.text == base.text
-        committed = cross_engine.prompt_tokens(prompt) + res.tokens
-        assert cross_engine.kv.cached == committed[:len(cross_engine.kv.cached)]
+    res = assert_greedy_equals_vanilla(cross_engine, CROSS_PROMPTS, method, options={"gamma": 5})
     if method != "auto":
         assert res.stats.extra["cross_vocab"] is True
         assert res.stats.drafted > 0

@@ -9,7 +9,8 @@ from ouroboros_local.errors import ContextOverflowError, ParameterError
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.testing.engines import tiny_engine as make_engine
-from ouroboros_local.testing.lossless import assert_first_pairs_follow_the_target
+from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target,
+                                              assert_greedy_equals_vanilla)
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -49,13 +50,7 @@ def test_self_draft_accepts_everything(tiny_target, tiny_self_draft) -> None:
 
 @pytest.mark.parametrize("method", ["vanilla", "speculative"] + draft_free_methods())
 def test_every_method_is_greedy_lossless_and_keeps_the_kv_clean(pair_engine: Engine, method: str) -> None:
-    for prompt in PROMPTS:
-        base = pair_engine.generate(prompt, max_tokens=32, method="vanilla")
-        res = pair_engine.generate(prompt, max_tokens=32, method=method)
-        assert res.tokens == base.tokens, method
-        # the cache holds exactly the committed tokens but the uncached last one
-        committed = pair_engine.prompt_tokens(prompt) + res.tokens
-        assert pair_engine.kv.cached == committed[:len(pair_engine.kv.cached)]
+    assert_greedy_equals_vanilla(pair_engine, PROMPTS, method)
 
 
 def test_prefix_reuse_across_generations(pair_engine: Engine) -> None:

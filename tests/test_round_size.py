@@ -11,7 +11,8 @@ from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.testing.engines import tiny_engine
-from ouroboros_local.testing.lossless import assert_first_pairs_follow_the_target
+from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target,
+                                              assert_greedy_equals_vanilla)
 from ouroboros_local.tree import TokenTree
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -27,12 +28,7 @@ def round_engine(tiny_target, tiny_draft):
 
 @pytest.mark.parametrize("method", [m for m in method_names() if m != "vanilla"])
 def test_every_method_is_greedy_lossless_in_rounds_of_one_size(round_engine: Engine, method: str) -> None:
-    for prompt in PROMPTS:
-        base = round_engine.generate(prompt, max_tokens=32, method="vanilla")
-        res = round_engine.generate(prompt, max_tokens=32, method=method)
-        assert res.tokens == base.tokens, method
-        committed = round_engine.prompt_tokens(prompt) + res.tokens
-        assert round_engine.kv.cached == committed[:len(round_engine.kv.cached)]
+    assert_greedy_equals_vanilla(round_engine, PROMPTS, method)
 
 
 @pytest.mark.parametrize("method", ["prompt-lookup", "speculative"])

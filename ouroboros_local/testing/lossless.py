@@ -1,4 +1,5 @@
-"""Losslessness checks for sampling: do sampled outcomes follow the target's exact distribution?
+"""Losslessness checks: greedy answers equal to vanilla decoding's, and sampled outcomes that follow the
+target's exact distribution.
 
 One chi-square goodness-of-fit test serves every sampling test (verifiers on synthetic logits, every
 method on the tiny generated models), so they all share one threshold and one way of handling rare
@@ -103,6 +104,21 @@ def target_pair_distribution(model_path: str | Path, prompt_tokens: Sequence[int
     finally:
         ctx.close()
         model.close()
+
+
+def assert_greedy_equals_vanilla(engine: "Engine", prompts: Sequence[str], method: str,
+                                 max_tokens: int = 32, **generate_kwargs: Any) -> "GenerationResult":
+    """Each prompt answered by ``method`` token for token as by vanilla decoding (greedy), the cache left
+    holding committed tokens only; returns the last answer."""
+    for prompt in prompts:
+        base = engine.generate(prompt, max_tokens=max_tokens, method="vanilla")
+        res = engine.generate(prompt, max_tokens=max_tokens, method=method, **generate_kwargs)
+        assert res.tokens == base.tokens, (method, prompt)
+        assert res.text == base.text
+        # the cache holds exactly the committed tokens but the uncached last one
+        committed = engine.prompt_tokens(prompt) + res.tokens
+        assert engine.kv.cached == committed[:len(engine.kv.cached)]
+    return res
 
 
 def seeded_generations(engine: "Engine", prompt: str, params: SamplingParams, n: int,
