@@ -25,7 +25,10 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
+from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, contended, usable_cores
+from .errors import PoolError
+from .filestore import write_atomic
 from .tree import TokenTree, layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -245,9 +248,8 @@ class CalibrationCache:
     """Cost models on disk, keyed by model file + device/offload + threads + batch settings."""
 
     def __init__(self, path: Path | None = None):
-        base = Path(os.environ.get("OUROBOROS_CACHE", Path.home() / ".cache" / "ouroboros-local"))
         override = os.environ.get("OUROBOROS_CALIBRATION_FILE")
-        self.path = path or (Path(override) if override else base / "calibration.json")
+        self.path = path or (Path(override) if override else default_cache_dir() / "calibration.json")
 
     def _read(self) -> dict:
         try:
@@ -269,9 +271,7 @@ class CalibrationCache:
         data = self._read()
         data[model.key] = model.to_dict()
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.path)
+        write_atomic(self.path, json.dumps(data, indent=1).encode(), "cost curve")
 
 
 def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh: bool = False,
@@ -295,6 +295,6 @@ def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh
     model.__dict__["_origin"] = origin
     try:
         cache.put(model)
-    except OSError:
+    except (OSError, PoolError):
         pass  # a read-only cache directory only costs a re-measurement next time
     return model
