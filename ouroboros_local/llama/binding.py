@@ -56,6 +56,17 @@ def backend_init() -> None:
         _initialised = True
 
 
+def _logits_address_function() -> Callable[[int], int | None]:
+    """``llama_get_logits`` returning the buffer's address as an int: no pointer object to build and cast
+    in every round (a separate function object: llama_cpp's own keeps its restype)."""
+    fn = lc._lib["llama_get_logits"]
+    fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_void_p
+    return fn
+
+
+_logits_address = _logits_address_function()
+
+
 def last_log_error() -> str:
     return _log_lines[-1] if _log_lines else ""
 
@@ -369,8 +380,12 @@ class Batch:
         n = len(tokens)
         if n > self.capacity:
             raise OuroborosError(f"batch overflow: capacity {self.capacity}")
-        self._token[:n] = tokens
-        np.add(self._ramp[:n], start_pos, out=self._pos[:n])
+        if n == 1:   # a plain step: two stores instead of two array operations (20 µs with cold caches)
+            self._token[0] = tokens[0]
+            self._pos[0] = start_pos
+        else:
+            self._token[:n] = tokens
+            np.add(self._ramp[:n], start_pos, out=self._pos[:n])
         if n > self._plain:
             self._set_plain(n)
         self._n = self.n_outputs = n
@@ -534,13 +549,13 @@ class Context(_Native):
 
     def logits(self, n_rows: int) -> np.ndarray:
         """Zero-copy view of the last decode's output rows (valid until the next decode)."""
-        ptr = lc.llama_get_logits(self.ptr)
-        if not ptr:
+        addr = _logits_address(self.ptr)
+        if not addr:
             raise OuroborosError("no logits available")
-        addr = ctypes.cast(ptr, ctypes.c_void_p).value
         if addr != self._logits_addr or n_rows > len(self._logits_view):
             # one view per buffer address (building a view costs more than a small decode's Python)
             rows = max(n_rows, self.n_batch)
+            ptr = ctypes.cast(addr, ctypes.POINTER(ctypes.c_float))
             self._logits_view = np.ctypeslib.as_array(ptr, shape=(rows, self.n_vocab))
             self._logits_addr = addr
         return self._logits_view[:n_rows]
