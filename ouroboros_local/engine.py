@@ -420,7 +420,7 @@ class Engine:
             raise
         proposer.begin(committed, setup)
         t1 = time.perf_counter()
-        llama_at_t1 = llama_decode_clock()   # this thread's seconds inside llama_decode
+        llama_at_t1 = llama_decode_clock()   # this thread's seconds decoding in llama.cpp
         stats.prefill_seconds = t1 - t0
         context_full = False
         try:
@@ -573,7 +573,8 @@ def _as_proposed(result: VerifyResult, proposed: TokenTree) -> VerifyResult:
 
 
 def _add_python_time(stats: GenerationStats, llama_seconds: float) -> None:
-    """Split the decode phase into time inside llama_decode (target and draft models, this thread)
+    """Split the decode phase into time in llama.cpp's decoding (llama_decode and the wait for its
+    logits; target and draft models, this thread)
     and the rest: the runtime's own Python per round, what a fast GPU step would expose."""
     python_seconds = max(0.0, stats.decode_seconds - llama_seconds)
     rounds = stats.target_passes

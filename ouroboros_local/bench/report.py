@@ -81,7 +81,7 @@ def bootstrap_speedup(pairs: Sequence[tuple[float, float, float, float]], level:
 
 
 def python_ms_per_round(records: Sequence[Mapping[str, Any]]) -> float | None:
-    """Milliseconds per target pass spent outside llama_decode (our methods' extra.python_seconds:
+    """Milliseconds per target pass spent outside llama.cpp's decoding (our methods' extra.python_seconds:
     the runtime's own overhead, which a fast GPU step exposes); None for peers."""
     timed = [r for r in records if (r.get("extra") or {}).get("python_seconds") is not None
              and r.get("target_passes")]
@@ -252,7 +252,7 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  "the prompts; geomean: per-prompt geometric mean; acc/pass: accepted draft "
                  "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
                  "target passes per second; identical: outputs equal to vanilla's; py ms/round: time per "
-                 "target pass outside llama.cpp's decode calls (our Python); rebuilds/100: decodes for which "
+                 "target pass outside llama.cpp's decoding and the wait for its logits (our Python); rebuilds/100: decodes for which "
                  "llama.cpp built a new graph (a new batch shape; on a GPU, no CUDA graph) per 100 passes.")
     lines.append("")
     for set_name, by_label in (payload.get("summary") or {}).items():
