@@ -124,10 +124,16 @@ def top_k_by_value(logits: np.ndarray, k: int) -> np.ndarray:
         col_max = grid.max(axis=0)
         t = np.partition(col_max, n_cols - k)[n_cols - k]
         cols = np.flatnonzero(col_max >= t)
-        rows, at = np.nonzero(grid[:, cols] >= t)
-        cand = rows * n_cols + cols[at]
-        if body < n:
-            cand = np.concatenate([cand, np.arange(body, n)])
+        if len(cols) <= 2 * k:   # about k columns: their values >= t
+            rows, at = np.nonzero(grid[:, cols] >= t)
+            cand = rows * n_cols + cols[at]
+            if body < n:
+                cand = np.concatenate([cand, np.arange(body, n)])
+        else:   # many columns tie at t (a flat row): the values above it, then the lowest ids at it
+            cols = np.flatnonzero(col_max > t)   # fewer than k columns
+            rows, at = np.nonzero(grid[:, cols] > t)
+            cand = np.concatenate([rows * n_cols + cols[at], body + np.flatnonzero(x[body:] > t)])
+            cand = np.concatenate([cand, np.flatnonzero(x == t)[:max(k - len(cand), 0)]])
     order = np.lexsort((cand, -x[cand]))[:k]   # by value, equal values by ascending id
     return cand[order]
 

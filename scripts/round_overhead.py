@@ -62,9 +62,11 @@ def chain_miss(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
 
 def _stub_decode(cold: bool, idle: bool, avoid: frozenset[int]):
     """A decode that keeps the last logits; ``cold``: it evicts the caches first; ``idle``: its rows
-    predict a fresh random token (neither's time is counted)."""
+    predict a fresh random token above a fixed random background, as a model's logits (a flat row of
+    ties is not what sampling meets; neither's time is counted)."""
     evict = np.ones(16 * 2**20, dtype=np.float32) if cold else None
     rng = np.random.default_rng(0)
+    background: list[np.ndarray] = []
 
     def decode(self, batch) -> None:
         t0 = time.perf_counter()
@@ -75,7 +77,9 @@ def _stub_decode(cold: bool, idle: bool, avoid: frozenset[int]):
             token = int(rng.integers(rows.shape[1]))
             while token in avoid:
                 token = int(rng.integers(rows.shape[1]))
-            rows[:] = 0.0
+            if not background:
+                background.append(rng.normal(0.0, 2.0, rows.shape[1]).astype(np.float32))
+            rows[:] = background[0]
             rows[:, token] = 30.0
         elapsed = time.perf_counter() - t0
         binding._decode_clock.seconds = getattr(binding._decode_clock, "seconds", 0.0) + elapsed

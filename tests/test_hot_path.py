@@ -117,6 +117,18 @@ def test_top_k_ids_break_ties_by_lowest_id() -> None:
     assert top_k_ids(x, 5).tolist() == [0, 1, 17, 4000, 9000]
 
 
+@pytest.mark.parametrize("levels", [1, 2, 3])
+def test_top_k_ids_of_rows_with_many_ties(levels: int) -> None:
+    # a flat row (a stub's, or a model's tied logits): every id at the threshold is a candidate, and
+    # only the lowest of them can be among the k; taking them all sorted the whole vocabulary
+    rng = np.random.default_rng(levels)
+    x = rng.integers(0, levels, 151936).astype(np.float32)
+    x[[70000, 12, 151935]] = 30.0
+    for k in (1, 3, 40, 300):
+        want = np.sort(np.argsort(-x, kind="stable")[:k])
+        assert np.array_equal(top_k_ids(x, k), want), k
+
+
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
 @pytest.mark.parametrize("vocab", [64, 6000, 151936])
 def test_support_equals_the_dense_reference(params: SamplingParams, vocab: int) -> None:
