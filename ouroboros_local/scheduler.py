@@ -304,11 +304,10 @@ class Scheduler:
         alone when nothing does; the proposer is not asked then), timed for its per-token drafting
         cost, trimmed by confidence class."""
         name = proposer.name
-        if name in self._unverified:   # scored as soon as the text decides: a good score ends quiet rounds
+        if name in self._unverified:
             self._score_unverified(name, committed)
         if self._quiet_round(name, budget) or self.hopeless(name):
             return TokenTree.rooted_at(committed[-1])
-        t_round = time.perf_counter()
         k = self.best_length(name, self.draft_cost(name), limit=budget)
         look = k <= 0 and self._worth_a_look(name)
         if look:
@@ -331,9 +330,7 @@ class Scheduler:
         else:
             self._kept_last.discard(name)
         if look:   # what one more look costs: the catch-up on the rounds since the last is owed anyway
-            self._note_look(name, max(time.perf_counter() - t_round - proposer.catch_up_seconds, 0.0))
-            if not tree.n_candidates:   # idle again: the rounds to the next look are foreseen now
-                self._plan_quiet(name, budget)
+            self._note_look(name, max(time.perf_counter() - t0 - proposer.catch_up_seconds, 0.0))
         return tree
 
     def _hold(self, source: str, tree: TokenTree, start: int) -> None:
@@ -397,11 +394,7 @@ class Scheduler:
                 draft.verified = k
 
     def _note_look(self, source: str, seconds: float) -> None:
-        """A look at ``source`` took ``seconds`` (EMA): its whole round, the "does drafting pay" check
-        that news since the last look may reopen included, not only its proposal and trim (on SmolLM2,
-        with the caches cold after each decode, the round took ~0.3 ms against the ~0.1 ms of the
-        proposal, so looks came every 4 rounds and took 2% of the time, not LOOK_SHARE); less its
-        catch-up on the
+        """A look at ``source`` took ``seconds``, its proposal and trim (EMA), less its catch-up on the
         rounds since it was last asked (the suffix tries index those tokens when asked): that work is owed
         however often it is asked, and counting it made looks dearer the rarer they were. The suffix
         tries' looks on SmolLM2, replayed with real runs' Python costs, came every 40-90 rounds, and a
@@ -496,7 +489,7 @@ class Scheduler:
         quiet.left -= 1
         self._idle[source] += 1
         if quiet.looks:
-            self._unlooked[source] = self._unlooked.get(source, 0) + 1
+            self._unlooked[source] += 1
         return True
 
     def enroll(self, proposer: "Proposer") -> None:

@@ -996,41 +996,6 @@ def test_a_tree_whose_first_class_was_barely_tried_is_verified_as_a_probe() -> N
     assert sched.trim("x", labelled_chain(["new"] * 8)).n_candidates == 0 and "x" not in sched._probing
 
 
-def test_a_look_is_charged_its_whole_round(monkeypatch: pytest.MonkeyPatch) -> None:
-    # what a look costs is its whole round: the "does drafting pay" check (reopened by any news since
-    # the last look) as well as the proposal. On SmolLM2 the rest was 2/3 of it, and looks charged for
-    # their proposal alone came every LOOK_EVERY rounds and took 2% of the time
-    from types import SimpleNamespace
-
-    from ouroboros_local import scheduler as module
-    from ouroboros_local.scheduler import LOOK_EVERY, LOOK_SHARE
-
-    clock = [0.0]
-    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
-    sched = stale_mix()
-    sched._probe_every["x"] = 1000                    # looks alone
-    check = 3 * LOOK_EVERY * LOOK_SHARE * CPU.cost(1)
-    best_length = sched.best_length
-
-    def slow_check(*args: object, **kwargs: object) -> int:
-        clock[0] += check
-        return best_length(*args, **kwargs)
-
-    monkeypatch.setattr(sched, "best_length", slow_check)
-    drafter = CopyDraft("lo")
-    text = [0]
-    asked_at = []
-    for i in range(60):
-        text.append(7)                                # the text never follows a draft
-        before = drafter.asked
-        sched.draft(drafter, text, 8)
-        if drafter.asked > before:
-            asked_at.append(i)
-    gaps = np.diff(asked_at)
-    assert sched._look_seconds["x"] >= check
-    assert gaps[0] >= 2 * LOOK_EVERY and sched._look_every("x") == gaps[-1] == gaps[0]
-
-
 def test_the_text_that_follows_scores_a_draft_trim_cut() -> None:
     # "lo" copies are cut to nothing, so verification never corrects their estimate; the text the
     # target writes next says how far each would have been accepted
