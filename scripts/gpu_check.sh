@@ -31,6 +31,8 @@
 # fit inside the build's time; then run bench qwen15 first (the same-family pair), then the others.
 # Branching suffix trees change the batch's shape: with --round-size, add
 # --method-options '{"suffix": {"max_branches": 1}}'.
+# The report's "py ms/round" is our Python only since c32bbd8: before it, the wait for the GPU (in
+# llama_get_logits; llama_decode only queues the work) was counted too, ~1.25 ms of the H200's 1.35 ms step.
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
