@@ -118,15 +118,19 @@ def test_top_k_ids_break_ties_by_lowest_id() -> None:
 
 
 @pytest.mark.parametrize("levels", [1, 2, 3])
-def test_top_k_ids_of_rows_with_many_ties(levels: int) -> None:
+def test_top_k_ids_of_rows_with_many_ties(levels: int, monkeypatch: pytest.MonkeyPatch) -> None:
     # a flat row (a stub's, or a model's tied logits): every id at the threshold is a candidate, and
     # only the lowest of them can be among the k; taking them all sorted the whole vocabulary
     rng = np.random.default_rng(levels)
     x = rng.integers(0, levels, 151936).astype(np.float32)
     x[[70000, 12, 151935]] = 30.0
+    sorted_sizes = []
+    lexsort = np.lexsort
+    monkeypatch.setattr(np, "lexsort", lambda keys: sorted_sizes.append(len(keys[0])) or lexsort(keys))
     for k in (1, 3, 40, 300):
         want = np.sort(np.argsort(-x, kind="stable")[:k])
         assert np.array_equal(top_k_ids(x, k), want), k
+        assert sorted_sizes[-1] <= k + 64, k          # not the ~150k ids at the threshold
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=lambda p: f"T{p.temperature}-k{p.top_k}-p{p.top_p}-m{p.min_p}")
