@@ -18,6 +18,11 @@ c(1)) over the replayed rounds' cost; drafting and the runtime's own work per ro
 (tenths of a millisecond against a 7-28 ms CPU step) unless ``--charge-python`` asks for the drafting
 step's time, scaled by ``--python-scale`` (a real run's Python runs with cold caches: 5-10x).
 
+What it ranks well: changes that move acceptance. What it does not: changes that trade the runtime's
+Python for copies found at the 1-2% level. Twice (docs/benchmarks.md, twenty-second session) it
+predicted gains that alternating benchmark runs did not show: rarer looks, and ``auto`` without the
+per-request suffix trie. Confirm such changes with the benchmark.
+
 Usage (the answers from copy_bound.py's ``--outputs``):
     python3 scripts/copy_bound.py -m qwen2.5-coder-1.5b-instruct --limit 16 -n 128 \\
         --prompts ../shared/bench/gsm8k.jsonl,../shared/bench/codeedit.jsonl --outputs answers.json
