@@ -297,3 +297,16 @@ def test_reset_recovers_from_a_prefill_that_failed_inside_a_decode(kv: KVCache, 
     assert_same_logits(kv.sync_to(PROMPT, logits_last=True), reference.logits(PROMPT))
     assert decoded(kv) == len(PROMPT)
     kv.check()
+
+
+def test_logits_without_the_package_s_library_handle(reference: Reference, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Context.logits reads the buffer's address through a function object of its own, made from
+    # llama_cpp's library handle (``_lib``); a llama-cpp-python that does not expose it gets the same
+    # rows through its own llama_get_logits
+    from ouroboros_local.llama import binding
+
+    want = reference.logits(PROMPT[:5])
+    monkeypatch.delattr(binding.lc, "_lib")
+    monkeypatch.setattr(binding, "_logits_address", binding._logits_address_function())
+    reference.ctx._logits_addr = None
+    assert np.array_equal(reference.logits(PROMPT[:5]), want)

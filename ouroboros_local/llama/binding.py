@@ -58,8 +58,13 @@ def backend_init() -> None:
 
 def _logits_address_function() -> Callable[[int], int | None]:
     """``llama_get_logits`` returning the buffer's address as an int: no pointer object to build and cast
-    in every round (a separate function object: llama_cpp's own keeps its restype)."""
-    fn = lc._lib["llama_get_logits"]
+    in every round (a separate function object: llama_cpp's own keeps its restype). Where the package
+    does not expose its library (``_lib``, llama-cpp-python 0.3.x), its function's result is cast."""
+    lib = getattr(lc, "_lib", None)
+    try:
+        fn = lib["llama_get_logits"]   # type: ignore[index]
+    except (TypeError, KeyError, AttributeError):
+        return lambda ctx: ctypes.cast(lc.llama_get_logits(ctx), ctypes.c_void_p).value
     fn.argtypes, fn.restype = [ctypes.c_void_p], ctypes.c_void_p
     return fn
 
