@@ -42,6 +42,7 @@ import time
 from collections import Counter
 from dataclasses import replace
 from functools import partial
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -239,13 +240,14 @@ def main() -> int:
     engine = Engine.load(args.model)
     curve, max_draft = engine.cost_model(), engine.config.max_draft
     engine.close()
+    gpu = json.loads(Path(args.gpu_clock).read_text()) if args.gpu_clock else None
     runs = []
     for seed in range(args.seeds):
         session = partial(replay, answers, curve=curve, noise=args.noise, seed=seed, limit=args.limit,
                           max_tokens=args.max_tokens, max_draft=max_draft, method=args.method,
                           learned={} if earlier else None, python_scale=args.python_scale,
                           charge_python=args.charge_python,
-                          gpu=json.loads(open(args.gpu_clock).read()) if args.gpu_clock else None)
+                          gpu=gpu)
         if earlier:
             session(earlier)
         runs.append(session(order))
