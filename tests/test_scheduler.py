@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from ouroboros_local.llama import Model
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
 from ouroboros_local.calibration import CalibrationCache, CostModel
 from ouroboros_local.proposers.base import Proposer
-from ouroboros_local.scheduler import MIN_GAIN, REFRESH_ROUNDS, Scheduler
+from ouroboros_local.scheduler import MAX_ALPHA, MIN_GAIN, REFRESH_ROUNDS, Scheduler, _upper_envelope
 from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model
@@ -608,8 +609,9 @@ def test_truncated_tree_keeps_ids_parents_and_labels() -> None:
 
 
 def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
-    """``_classes_pay`` (one vectorised pass over the first classes) decides as the rule reads: for each
-    first class, the best cut of a chain starting with it, weighted by how often the class comes first."""
+    """``_classes_pay`` (one envelope of lines for all the first classes) decides as the rule reads: for
+    each first class, the best cut of a chain starting with it, weighted by how often the class comes
+    first; the class estimates scaled by the request's record."""
     rng = np.random.default_rng(3)
     for trial in range(200):
         costs = CPU if trial % 2 else GPU
@@ -623,12 +625,18 @@ def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
         draft_cost = float(rng.choice([0.0, 0.05, 0.3]))
         limit = int(rng.integers(1, 9))
         acc = sched.estimate("x")
+        for _ in range(int(rng.integers(0, 6))):
+            acc.update(limit, int(rng.integers(0, limit + 1)))
+        if trial % 3 == 0:   # this request's drafts fared better or worse than the estimates
+            sched._request["x"] = [float(rng.random() * 8), float(rng.random() * 8)]
+        scale = sched.request_scale("x")
         base = acc.depth_alphas(limit)
         seconds = sched.round_seconds(limit)
         tokens = time = 0.0
         for cls, weight in table.first.items():
             q = base.copy()
             q[:1] = table.alphas([cls], base, explore=draft_cost <= 0)
+            q = np.minimum(q * scale, MAX_ALPHA) if scale != 1.0 else q
             expected = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
             cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
             k = int(np.argmax(expected / cost))
@@ -637,6 +645,21 @@ def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
         margin = MIN_GAIN if draft_cost > 0 else 1.0 - 1e-9   # a paid draft must promise MIN_GAIN
         want = tokens / time >= margin / seconds[0]
         assert sched._classes_pay("x", table, draft_cost, limit) == want, trial
+
+
+def test_the_upper_envelope_picks_the_highest_line_everywhere() -> None:
+    rng = np.random.default_rng(5)
+    for trial in range(300):
+        n = int(rng.integers(1, 18))
+        a, b = rng.random(n).tolist(), (rng.random(n) * 3).tolist()
+        if trial % 4 == 0:   # equal slopes and equal intercepts
+            b[n // 2] = b[0]
+            a[-1] = a[0]
+        starts, lengths = _upper_envelope(a, b)
+        assert starts == sorted(starts) and starts[0] == 0.0
+        for q in rng.random(40):
+            k = lengths[bisect_right(starts, q) - 1]
+            assert a[k] + q * b[k] >= max(ai + q * bi for ai, bi in zip(a, b)) - 1e-12, (trial, q)
 
 
 def branching(spec: list[tuple[int, str]]) -> TokenTree:
@@ -851,6 +874,53 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     assert not expensive._worth_a_look("x")
 
 
+class PeekedCopy(CopyDraft):
+    """A CopyDraft that tells its first node's class (``Proposer.first_class``) without proposing."""
+
+    def __init__(self, cls: str, peek: str | None = None) -> None:
+        super().__init__(cls)
+        self.peek = cls if peek is None else peek
+        self.peeked = 0
+
+    def first_class(self, committed):
+        self.peeked += 1
+        return self.peek
+
+
+def test_looks_at_a_class_trim_keeps_cutting_back_off_and_still_count_in_the_mix() -> None:
+    from ouroboros_local.scheduler import LOOK_BACKOFF_MAX, LOOK_EVERY
+
+    sched = stale_mix()
+    sched._probe_every["x"] = 1000                    # looks alone
+    table = sched.confidence["x"]
+    before = table.first["lo"]
+    doubtful = PeekedCopy("lo")
+    for _ in range(50 * LOOK_EVERY):
+        sched.draft(doubtful, [0], 8)
+    assert doubtful.peeked >= 45                      # a look every LOOK_EVERY idle rounds, as before
+    # proposed at the 1st, 2nd, 4th, 8th, 16th, 32nd, 48th look (every LOOK_BACKOFF_MAX-th at most)
+    assert 5 <= doubtful.asked <= 2 + doubtful.peeked // LOOK_BACKOFF_MAX + 4
+    # the skipped looks' class still counts in the mix (else the mix would promise more than drafting does)
+    assert table.first["lo"] > 0.8 * before + 30
+    sched.begin_request()                             # a new text: looked at sooner again (half the wait)
+    sched._kept_last.clear()
+    asked, peeked = doubtful.asked, doubtful.peeked
+    for _ in range(LOOK_BACKOFF_MAX * LOOK_EVERY):  # 16 looks: once at most before, twice now
+        sched.draft(doubtful, [0], 8)
+    assert doubtful.peeked - peeked >= LOOK_BACKOFF_MAX - 1 and doubtful.asked - asked >= 2
+
+    sure = PeekedCopy("hi")                           # a class trim keeps is looked at, then drafted
+    kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(3 * LOOK_EVERY)]
+    assert sum(k > 0 for k in kept) >= 2 * LOOK_EVERY and sure.asked == sum(k > 0 for k in kept)
+
+    nothing = PeekedCopy("hi", peek="")               # nothing to copy: never proposed
+    fresh = stale_mix()
+    fresh._probe_every["x"] = 1000
+    for _ in range(10 * LOOK_EVERY):
+        fresh.draft(nothing, [0], 8)
+    assert nothing.peeked >= 9 and nothing.asked == 0
+
+
 def test_a_request_starts_with_a_look() -> None:
     # a repeated request is copyable from its first token: waiting LOOK_EVERY idle rounds for the first
     # look cost 3 of the 5-9 target passes such a request takes on SmolLM2
@@ -1056,19 +1126,20 @@ def test_held_drafts_are_bounded_and_dropped_with_the_request() -> None:
     assert not sched._unverified
 
 
-def test_plain_steps_redraw_round_costs_every_few_rounds_and_drafted_rounds_at_once() -> None:
+def test_plain_steps_redraw_round_costs_once_they_drift_and_drafted_rounds_at_once() -> None:
     from ouroboros_local.scheduler import RoundCosts
 
     sched = Scheduler(CPU)
     for _ in range(RoundCosts.MIN_ROUNDS):
         sched.observe_round(1, 2 * CPU.cost(1))
     assert sched.round_seconds(4)[0] == pytest.approx(2 * CPU.cost(1))
-    for _ in range(RoundCosts.PLAIN_REFRESH - 1):      # an idle run: the table is not redrawn each round
-        sched.observe_round(1, 4 * CPU.cost(1))
-    assert sched.round_seconds(4)[0] == pytest.approx(2 * CPU.cost(1))
-    sched.observe_round(1, 4 * CPU.cost(1))
+    table = sched.round_costs.shared_table(4)
+    for _ in range(50):                                 # an idle run at a steady speed: never redrawn
+        sched.observe_round(1, 2 * CPU.cost(1) * (1 + RoundCosts.PLAIN_DRIFT / 2))
+        assert sched.round_costs.shared_table(4) is table
+    sched.observe_round(1, 4 * CPU.cost(1))            # the machine slowed down: shown at once
     slower = sched.round_seconds(4)[0]
-    assert slower > 2.5 * CPU.cost(1)
+    assert slower > 2.1 * CPU.cost(1)
     for _ in range(RoundCosts.MIN_ROUNDS):             # drafted rounds show at once
         sched.observe_round(5, 3 * CPU.cost(5))
     assert sched.round_seconds(4)[4] == pytest.approx(3 * CPU.cost(5))

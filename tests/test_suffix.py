@@ -489,3 +489,25 @@ def test_catching_up_is_not_counted_as_drafting_cost() -> None:
     assert tree.n_candidates and prop._seen == committed
     assert prop.catch_up_seconds > 0
     assert sched.draft_cost(prop.name) < prop.catch_up_seconds / (10 * tree.n_candidates)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_first_class_is_the_class_of_the_proposals_first_node(seed: int) -> None:
+    # a look asks first_class before it proposes (Scheduler._look_promising): with one trie to draft
+    # from it names the class of the proposal's first node, or "" where the proposal is empty
+    corpus = repetitive_corpus(seed, length=300)
+    pairs = [[started(SuffixProposer(**kw), corpus[:2]) for _ in range(2)] for kw in ({}, WIDE)]
+    for n in range(2, len(corpus)):
+        for a, b in pairs:
+            tree = b.propose(corpus[:n], 16)
+            assert a.first_class(corpus[:n]) == (tree.classes[1] if tree.n_candidates else ""), n
+
+
+def test_first_class_prefers_the_longer_match_of_the_global_trie() -> None:
+    cache = SuffixCache()
+    earlier = started(SuffixProposer(cache), [7, 8])
+    earlier._live = None
+    earlier.observe([7, 8, 1, 2, 3, 4, 5, 6], None)
+    earlier.end()                                     # the global trie holds 1 2 3 4 5 6 once
+    prop = started(SuffixProposer(cache), [1, 2, 9, 1, 2, 3, 4, 5])
+    assert prop.first_class([1, 2, 9, 1, 2, 3, 4, 5]) == node_class(5, 1.0, 1, 1)

@@ -92,6 +92,13 @@ class Proposer(ABC):
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         """Return a tree rooted at ``committed[-1]`` with at most ``budget`` candidate nodes."""
 
+    def first_class(self, committed: Sequence[int]) -> str | None:
+        """The confidence class the first node of a proposal after ``committed`` would have, where that is
+        much cheaper to find than the proposal (a copy's match length): "" when it would draft nothing,
+        None when it cannot tell without proposing. A scheduler skips looks at classes whose drafts it
+        keeps cutting to nothing (``Scheduler._look_promising``)."""
+        return None
+
     def draft_cost_floor(self, draft_costs: "CostModel") -> float | None:
         """Seconds one drafted token costs at least, from the draft model's calibrated curve: the
         scheduler's prior of this proposer's drafting cost before it has drafted (its ceiling). None

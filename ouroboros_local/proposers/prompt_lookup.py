@@ -164,6 +164,13 @@ class PromptLookupProposer(Proposer):
                     seen.append((phrase, "pool"))
                 yield phrase, "pool"
 
+    def first_class(self, committed: Sequence[int]) -> str | None:
+        """The class of the longest copy's first node (``label_chain``); "" when nothing is copyable."""
+        self.index.sync(committed)
+        for length, _ in self.index.continuations(1):
+            return f"{match_class(length)}d1"
+        return None if self.pool is not None else ""   # a pool's phrases: only a proposal tells
+
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         tree = TokenTree.rooted_at(committed[-1])
         max_nodes = min(budget, self.setup.max_tree_nodes)

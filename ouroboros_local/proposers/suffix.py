@@ -206,6 +206,29 @@ class SuffixProposer(Proposer):
             return (score, match, tree) if tree.n_candidates else None
         return None
 
+    def first_class(self, committed: Sequence[int]) -> str | None:
+        """The class of the first node of the longer, then more frequent, of the two tries' heads (the
+        proposal picks between their grown trees); "" when neither has one. The catch-up on the rounds
+        since the tries were last asked is timed apart, as in ``propose``."""
+        t0 = time.perf_counter()
+        self._sync(committed)
+        self.catch_up_seconds = time.perf_counter() - t0
+        head = self._head(self.local, self.local.active_states())
+        with self.cache.lock:
+            glob = self._head(self.cache.trie, self.matcher.states)
+        if glob is not None and (head is None or glob > head):
+            head = glob
+        return "" if head is None else node_class(*head, 1)
+
+    def _head(self, trie: SuffixTrie, states: list[State]) -> tuple[int, float, int] | None:
+        """(match, frequency, support) of the first node ``_candidate`` would draft from ``trie``."""
+        for match in range(len(states) - 1, self.min_match - 1, -1):
+            top = trie.continuations(states[match], 1)
+            if top:
+                _, frequency, support, _ = top[0]
+                return (match, frequency, support) if frequency >= self.min_prob else None
+        return None
+
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         self.catch_up_seconds = 0.0
         budget = min(budget, self.setup.max_tree_nodes)
