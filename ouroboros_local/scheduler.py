@@ -681,7 +681,10 @@ class Scheduler:
     def hopeless(self, source: str) -> bool:
         """Is ``source`` retired: would it gain less than MIN_GAIN even if every draft token were accepted?
         (Real acceptance is lower, so such a drafter never pays; a ceiling near 1 moves with the measured
-        round costs, and a bar at 1 would let it in and out.)"""
+        round costs, and a bar at 1 would let it in and out.) A drafter that runs no model never is
+        (RETIRE_MIN_COST): asked every round, the answer is given at once."""
+        if source in self._free:
+            return False
         ceiling = self.ceiling(source)
         if ceiling is None or ceiling >= MIN_GAIN:
             self.retired.pop(source, None)
