@@ -750,7 +750,8 @@ class Scheduler:
     # ---- confidence classes ---------------------------------------------------------------------
     def request_scale(self, source: str) -> float:
         """How this request's drafts from ``source`` fare against the class estimates: (accepted +
-        REQUEST_PRIOR) / (expected + REQUEST_PRIOR), within REQUEST_SCALE; the estimates are scaled by it.
+        REQUEST_PRIOR) / (expected + REQUEST_PRIOR), within REQUEST_SCALE; the estimates are scaled by it
+        (``_scaled_alpha``: below 1 in proportion, above 1 in odds).
 
         The class estimates are learned over every request, so they are right on average; one text may
         differ (a summary that paraphrases where most copy: copies of 3-grams accepted 40% of the time
@@ -765,7 +766,12 @@ class Scheduler:
     def _corrected(self, source: str, q: np.ndarray) -> np.ndarray:
         """Class estimates ``q`` of ``source``'s drafts, scaled by this request's record."""
         scale = self.request_scale(source)
-        return q if scale == 1.0 else np.minimum(q * scale, MAX_ALPHA)
+        if scale == 1.0:
+            return q
+        if scale < 1.0:
+            return np.minimum(q * scale, MAX_ALPHA)
+        odds = q / np.maximum(1.0 - q, 1e-12) * scale
+        return np.minimum(odds / (1.0 + odds), MAX_ALPHA)
 
     def _alphas(self, source: str, table: ConfidenceTable, classes: Sequence[str], base: np.ndarray,
                 explore: bool = True) -> np.ndarray:
@@ -1139,5 +1145,15 @@ def _best_beyond_margin(rates: Sequence[float]) -> int:
 
 
 def _scaled_alpha(q: float, scale: float) -> float:
-    """A class estimate ``q`` scaled by a request's record (``Scheduler.request_scale``), below certainty."""
-    return q if scale == 1.0 else min(q * scale, MAX_ALPHA)
+    """A class estimate ``q`` scaled by a request's record (``Scheduler.request_scale``), below certainty:
+    a request whose drafts fall short lowers it in proportion (a text unlike the rest stops drafting
+    soon); one whose drafts do better raises its odds. Multiplied, 0.8 became certain at 1.25: a request
+    whose short copies did a little better than their low estimates had its long, sure-looking chains
+    verified at 7-11 tokens, and the text rejected them (a 3% loss on SmolLM2's gsm8k answers). In odds,
+    0.8 becomes 0.83 and 0.3 becomes 0.35."""
+    if scale == 1.0:
+        return q
+    if scale < 1.0:
+        return min(q * scale, MAX_ALPHA)
+    odds = q / max(1.0 - q, 1e-12) * scale
+    return min(odds / (1.0 + odds), MAX_ALPHA)

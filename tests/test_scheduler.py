@@ -481,6 +481,20 @@ def test_a_requests_correction_is_bounded() -> None:
     assert sched._request["x"] == [1.0, pytest.approx(1.0)]
 
 
+def test_a_request_that_drafts_better_raises_the_odds_not_the_probability() -> None:
+    from ouroboros_local.scheduler import _scaled_alpha
+
+    assert _scaled_alpha(0.8, 1.25) == pytest.approx(5 / 6)          # odds 4 -> 5, not 0.8 * 1.25 = 1
+    assert _scaled_alpha(0.3, 1.25) == pytest.approx(0.349, abs=1e-3)
+    assert _scaled_alpha(0.8, 0.5) == pytest.approx(0.4)              # one that falls short: in proportion
+    assert _scaled_alpha(1.0, 1.25) == MAX_ALPHA and _scaled_alpha(0.9, 1.0) == 0.9
+    sched = trained(CPU, {"sure": 0.8})
+    sched._request["x"] = [100.0, 50.0]                               # a lucky request: scale 1.25
+    q = sched._alphas("x", sched.confidence["x"], ["sure"], np.array([0.5]))[0]
+    assert q == pytest.approx(_scaled_alpha(float(sched.confidence["x"].alpha("sure", 0.5)), 1.25))
+    assert sched._chain_expected("x", ["sure"] * 8)[-1] < 1 + 8 * 0.9   # not a near-certain chain
+
+
 def test_sampled_drafts_are_never_trimmed() -> None:
     sched = trained(CPU, {"doubt": 0.1})
     tree = labelled_chain(["doubt", "doubt"])
@@ -636,7 +650,10 @@ def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
         for cls, weight in table.first.items():
             q = base.copy()
             q[:1] = table.alphas([cls], base, explore=draft_cost <= 0)
-            q = np.minimum(q * scale, MAX_ALPHA) if scale != 1.0 else q
+            if scale < 1.0:
+                q = np.minimum(q * scale, MAX_ALPHA)
+            elif scale > 1.0:                               # raised in odds
+                q = np.minimum(q / (1 - q) * scale / (1 + q / (1 - q) * scale), MAX_ALPHA)
             expected = np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(q))))
             cost = seconds + draft_cost * np.maximum(np.arange(limit + 1), 1)
             k = int(np.argmax(expected / cost))
