@@ -171,8 +171,8 @@ class RoundCosts:
     def shared_table(self, n_max: int) -> np.ndarray:
         """The factors of sizes 1..max(n_max, 64), not to be written to; a new array each time it is
         redrawn: after a drafted round, or once the plain steps' factor drifted PLAIN_DRIFT from the one
-        drawn (redrawn after every plain step, or every 8, a run that does not draft spent 10-15 µs a round
-        on it and on the seconds derived from it, with the caches cold after the decode)."""
+        drawn (redrawn every 8 plain steps, a run that does not draft spent 10-15 µs a round on the table
+        and on the seconds derived from it, with the caches cold after the decode)."""
         cached = self._cache
         plain = self._plain_factor()
         if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
@@ -321,10 +321,7 @@ class Scheduler:
             peeked = proposer.first_class(committed)
             peek_catch_up = proposer.catch_up_seconds
             if not self._look_promising(name, peeked):
-                self._kept_last.discard(name)
-                self._unlooked[name] = 0
-                self._note_look(name, max(time.perf_counter() - t_look - peek_catch_up, 0.0))
-                self._plan_quiet(name, budget)
+                self._skip_look(name, budget, time.perf_counter() - t_look - peek_catch_up)
                 return TokenTree.rooted_at(committed[-1])
             k = min(budget, self.max_length)
         if k <= 0:
@@ -349,6 +346,14 @@ class Scheduler:
                                       0.0))
             self._note_look_outcome(name, peeked, kept=bool(tree.n_candidates))
         return tree
+
+    def _skip_look(self, source: str, budget: int, seconds: float) -> None:
+        """A look stopped before its proposal (``_look_promising``), after ``seconds``: idle until the
+        next one is due."""
+        self._kept_last.discard(source)
+        self._unlooked[source] = 0
+        self._note_look(source, max(seconds, 0.0))
+        self._plan_quiet(source, budget)
 
     def _look_promising(self, source: str, peeked: str | None) -> bool:
         """Should a look at ``source``, whose proposal would start with a node of class ``peeked``
