@@ -34,19 +34,13 @@ class Acceptance:
         return self.successes / (self.successes + self.failures)
 
     def depth_alphas(self, k: int) -> np.ndarray:
-        """alpha_at(0), ..., alpha_at(k - 1)."""
-        pooled = self.alpha
-        alphas = np.full(k, pooled)
-        known = min(k, len(self.depth_successes))
-        if known:
-            s = np.asarray(self.depth_successes[:known])
-            f = np.asarray(self.depth_failures[:known])
-            alphas[:known] = (s + self.prior * pooled) / (s + f + self.prior)
-        return alphas
+        """alpha_at(0), ..., alpha_at(k - 1) (``depth_list`` as a fresh array)."""
+        return np.array(self.depth_list(k), dtype=float)
 
     def depth_list(self, k: int) -> list[float]:
-        """``depth_alphas(k)`` as plain floats, kept until the next ``update``: the scheduler reads them
-        every round it prices a chain, where numpy's per-call cost on a few numbers is most of the work."""
+        """alpha_at(0), ..., alpha_at(k - 1) as plain floats, kept until the next ``update``: the scheduler
+        reads them every round it prices a chain, where numpy's per-call cost on a few numbers is most of
+        the work. Each depth's counts are shrunk towards the pooled alpha with ``prior`` observations."""
         cached = self.__dict__.get("_depth_list")   # not a dataclass field
         if cached is None or len(cached) < k:
             n, pooled, prior = max(k, 32), self.alpha, self.prior

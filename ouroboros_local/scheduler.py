@@ -771,12 +771,7 @@ class Scheduler:
     def _corrected(self, source: str, q: np.ndarray) -> np.ndarray:
         """Class estimates ``q`` of ``source``'s drafts, scaled by this request's record."""
         scale = self.request_scale(source)
-        if scale == 1.0:
-            return q
-        if scale < 1.0:
-            return np.minimum(q * scale, MAX_ALPHA)
-        odds = q / np.maximum(1.0 - q, 1e-12) * scale
-        return np.minimum(odds / (1.0 + odds), MAX_ALPHA)
+        return q if scale == 1.0 else np.array([_scaled_alpha(float(v), scale) for v in q])
 
     def _alphas(self, source: str, table: ConfidenceTable, classes: Sequence[str], base: np.ndarray,
                 explore: bool = True) -> np.ndarray:

@@ -195,15 +195,24 @@ class SuffixProposer(Proposer):
     def _candidate(self, trie: SuffixTrie, states: list[State], budget: int, root: int,
                    open_tail: bool) -> tuple[float, int, TokenTree] | None:
         """The tree from the longest match (>= min_match) that has a continuation."""
+        found = self._longest_match(trie, states)
+        if found is None:
+            return None
+        match = found[0]
         max_leaves = max(1, min(self.max_branches, self.setup.max_branches))
+        limit = min(budget, max(1, int(self.spec_factor * match) + self.spec_offset))
+        tree = TokenTree.rooted_at(root)
+        score = grow_tree(tree, trie, states[match], match, limit, self.max_depth, max_leaves,
+                          self.min_prob, self.setup.eog_tokens, open_tail)
+        return (score, match, tree) if tree.n_candidates else None
+
+    def _longest_match(self, trie: SuffixTrie, states: list[State]
+                       ) -> tuple[int, tuple[int, float, int, State]] | None:
+        """The longest match (>= min_match) that has a continuation, and its most frequent one."""
         for match in range(len(states) - 1, self.min_match - 1, -1):
-            if not trie.continuations(states[match], 1):
-                continue
-            limit = min(budget, max(1, int(self.spec_factor * match) + self.spec_offset))
-            tree = TokenTree.rooted_at(root)
-            score = grow_tree(tree, trie, states[match], match, limit, self.max_depth, max_leaves,
-                              self.min_prob, self.setup.eog_tokens, open_tail)
-            return (score, match, tree) if tree.n_candidates else None
+            top = trie.continuations(states[match], 1)
+            if top:
+                return match, top[0]
         return None
 
     def first_class(self, committed: Sequence[int]) -> str | None:
@@ -222,12 +231,11 @@ class SuffixProposer(Proposer):
 
     def _head(self, trie: SuffixTrie, states: list[State]) -> tuple[int, float, int] | None:
         """(match, frequency, support) of the first node ``_candidate`` would draft from ``trie``."""
-        for match in range(len(states) - 1, self.min_match - 1, -1):
-            top = trie.continuations(states[match], 1)
-            if top:
-                _, frequency, support, _ = top[0]
-                return (match, frequency, support) if frequency >= self.min_prob else None
-        return None
+        found = self._longest_match(trie, states)
+        if found is None:
+            return None
+        match, (_, frequency, support, _) = found
+        return (match, frequency, support) if frequency >= self.min_prob else None
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         self.catch_up_seconds = 0.0
