@@ -26,9 +26,10 @@
 #                                         --round-size 4 (rounds of one shape keep the CUDA graph)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
-# On an H200 (2026-11-26) start took 33 s (the machine's start), each stash ~5 s, the build 267 s,
-# bench smol 72 s and bench qwen05 188 s: 11 of a session's 15 minutes of device time. The 27 stashes
-# fit inside the build's time; then run bench qwen15 first (the same-family pair), then the others.
+# On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
+# bench smol 72 s and bench qwen05 188 s. The 27 stashes fit inside the build's time (all carried after
+# 193 s of device time); then one call `bench qwen15; bench smol` took 522 s: 12 of a session's 15
+# minutes in all. Issue the stashes back to back (the machine goes back after 30 s idle).
 # Branching suffix trees change the batch's shape: with --round-size, add
 # --method-options '{"suffix": {"max_branches": 1}}'.
 # The report's "py ms/round" is our Python only since c32bbd8: before it, the wait for the GPU (in
