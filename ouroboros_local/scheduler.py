@@ -89,6 +89,9 @@ CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft'
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
 LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
+DRY_LOOKS_EVERY_MAX = 16   # looks in a request that kept nothing: the idle rounds between looks double
+                           # after every DRY_LOOKS_PER_DOUBLING of them, up to this (``_look_every``)
+DRY_LOOKS_PER_DOUBLING = 2
 LOOK_BACKOFF_MAX = 16   # a first class whose looks were cut to nothing n times running: looked at every
                         # min(2^(n-1), this)-th time it comes (``_look_promising``)
 MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
@@ -269,6 +272,7 @@ class Scheduler:
         # now), and their idle rounds since the last look (``_worth_a_look``).
         self._kept_last: set[str] = set()
         self._unlooked: dict[str, int] = {}
+        self._dry_looks: dict[str, int] = {}   # this request's looks per source since one kept nodes
         self._look_seconds: dict[str, float] = {}
         # per labelling drafter, first class -> [its looks cut to nothing running, looks skipped since]
         # (``_look_promising``)
@@ -342,6 +346,7 @@ class Scheduler:
         else:
             self._kept_last.discard(name)
         if look:   # what one more look costs: the catch-up on the rounds since the last is owed anyway
+            self._note_dry(name, dry=not tree.n_candidates)
             self._note_look(name, max(time.perf_counter() - t_look - peek_catch_up - proposer.catch_up_seconds,
                                       0.0))
             self._note_look_outcome(name, peeked, kept=bool(tree.n_candidates))
@@ -352,8 +357,17 @@ class Scheduler:
         next one is due."""
         self._kept_last.discard(source)
         self._unlooked[source] = 0
+        self._note_dry(source, dry=True)
         self._note_look(source, max(seconds, 0.0))
         self._plan_quiet(source, budget)
+
+    def _note_dry(self, source: str, dry: bool) -> None:
+        """A look at ``source`` kept nothing (``dry``: skipped, or cut to nothing by ``trim``) or kept
+        nodes (``_look_every``)."""
+        if not dry:
+            self._dry_looks[source] = -1          # the text copies: no backoff for the rest of the request
+        elif self._dry_looks.get(source, 0) >= 0:
+            self._dry_looks[source] = self._dry_looks.get(source, 0) + 1
 
     def _look_promising(self, source: str, peeked: str | None) -> bool:
         """Should a look at ``source``, whose proposal would start with a node of class ``peeked``
@@ -504,10 +518,19 @@ class Scheduler:
         return bool(self._timed_rounds.get(source)) and self._cheap(self._least_costs[source], self.max_length)
 
     def _look_every(self, source: str) -> int:
-        """Idle rounds between looks at ``source``: LOOK_EVERY, or more where its looks cost more than
-        LOOK_SHARE of that many steps."""
+        """Idle rounds between looks at ``source``: LOOK_EVERY, doubled after every
+        DRY_LOOKS_PER_DOUBLING looks in this request that kept nothing (up to DRY_LOOKS_EVERY_MAX), or
+        more where its looks cost more than LOOK_SHARE of that many steps.
+
+        A look costs more than its proposal: the peek, the "does drafting pay" check, the trim, the
+        scoring of what it held (~75 µs a round for auto's two drafters on SmolLM2 here, ~1.2% of a step;
+        on an H200 auto's extra Python was 3-5% of SmolLM2's step, the whole gap to plain decoding). On
+        text with nothing to copy, looks keep finding nothing; a request whose looks keep nodes is looked
+        at every LOOK_EVERY rounds again (and every round while they do)."""
         look = self._look_seconds.get(source, 0.0)
-        return max(LOOK_EVERY, math.ceil(look / (LOOK_SHARE * self.costs.cost(1))))
+        doublings = min(max(self._dry_looks.get(source, 0), 0) // DRY_LOOKS_PER_DOUBLING, 8)
+        every = min(LOOK_EVERY << doublings, DRY_LOOKS_EVERY_MAX)
+        return max(every, math.ceil(look / (LOOK_SHARE * self.costs.cost(1))))
 
     def _plan_quiet(self, source: str, budget: int) -> None:
         """After an idle round of ``source``: the rounds after it that will be idle too, whatever
@@ -565,6 +588,7 @@ class Scheduler:
         # every cheap labelling drafter is looked at in the request's first round (``_worth_a_look``)
         self._kept_last = set(self.confidence)
         self._unlooked.clear()
+        self._dry_looks.clear()
         # a new text may copy where the last did not: classes cut to nothing are looked at sooner again
         for records in self._look_records.values():
             for record in records.values():

@@ -909,6 +909,7 @@ def test_looks_at_a_class_trim_keeps_cutting_back_off_and_still_count_in_the_mix
 
     sched = stale_mix()
     sched._probe_every["x"] = 1000                    # looks alone
+    sched._dry_looks["x"] = -1                        # in a request whose looks kept nodes (no dry backoff)
     table = sched.confidence["x"]
     before = table.first["lo"]
     doubtful = PeekedCopy("lo")
@@ -921,6 +922,7 @@ def test_looks_at_a_class_trim_keeps_cutting_back_off_and_still_count_in_the_mix
     assert table.first["lo"] > 0.8 * before + 30
     sched.begin_request()                             # a new text: looked at sooner again (half the wait)
     sched._kept_last.clear()
+    sched._dry_looks["x"] = -1
     asked, peeked = doubtful.asked, doubtful.peeked
     for _ in range(LOOK_BACKOFF_MAX * LOOK_EVERY):  # 16 looks: once at most before, twice now
         sched.draft(doubtful, [0], 8)
@@ -930,12 +932,45 @@ def test_looks_at_a_class_trim_keeps_cutting_back_off_and_still_count_in_the_mix
     kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(3 * LOOK_EVERY)]
     assert sum(k > 0 for k in kept) >= 2 * LOOK_EVERY and sure.asked == sum(k > 0 for k in kept)
 
-    nothing = PeekedCopy("hi", peek="")               # nothing to copy: never proposed
+    nothing = PeekedCopy("hi", peek="")               # nothing to copy: looked at, never proposed
     fresh = stale_mix()
     fresh._probe_every["x"] = 1000
     for _ in range(10 * LOOK_EVERY):
         fresh.draft(nothing, [0], 8)
-    assert nothing.peeked >= 9 and nothing.asked == 0
+    assert nothing.peeked >= 4 and nothing.asked == 0
+
+
+def test_looks_back_off_in_a_request_where_none_kept_anything() -> None:
+    # on SmolLM2 the looks (the peek, the "does drafting pay" check, the trim, the scoring) cost auto
+    # ~75 µs a round on text with nothing to copy; on an H200 its extra Python was the whole gap to
+    # plain decoding
+    from ouroboros_local.scheduler import DRY_LOOKS_EVERY_MAX, LOOK_EVERY
+
+    sched = stale_mix()
+    sched._probe_every["x"] = 1000                    # looks alone
+    nothing = PeekedCopy("hi", peek="")               # nothing to copy: every look is dry
+    rounds = 40 * LOOK_EVERY
+    for _ in range(rounds):
+        sched.draft(nothing, [0], 8)
+    # every 4, 4, 8, 8, then 16 rounds: 12 looks in 160 rounds, not 40
+    assert 0 < nothing.peeked <= rounds // DRY_LOOKS_EVERY_MAX + 4 and nothing.asked == 0
+
+    sched.begin_request()                             # a new text: every LOOK_EVERY rounds again
+    sched._kept_last.clear()
+    peeked = nothing.peeked
+    for _ in range(2 * LOOK_EVERY):
+        sched.draft(nothing, [0], 8)
+    assert nothing.peeked - peeked == 2
+
+    # a request whose looks kept nodes is looked at every LOOK_EVERY rounds, dry looks or not
+    sched.begin_request()
+    copies = PeekedCopy("hi")
+    assert sched.draft(copies, [0], 8).n_candidates > 0
+    copies.peek = ""                                  # then nothing to copy
+    peeked = copies.peeked
+    for _ in range(rounds):
+        sched.draft(copies, [0], 8)
+    assert copies.peeked - peeked >= rounds // LOOK_EVERY - 1
 
 
 def test_a_request_starts_with_a_look() -> None:
