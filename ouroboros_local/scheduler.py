@@ -225,6 +225,7 @@ class _QuietRounds:
     raises: int        # news that could make drafting pay (``Scheduler._raises``)
     looks: bool        # each round counts towards the next look (``_worth_a_look``)
     held: bool         # a probe is due but the probe budget holds it back: asked each round
+    retired: bool = False   # ``hopeless``: no idle rounds counted towards a probe
 
 
 class Scheduler:
@@ -316,7 +317,13 @@ class Scheduler:
         name = proposer.name
         if name in self._unverified:
             self._score_unverified(name, committed)
-        if self._quiet_round(name, budget) or self.hopeless(name):
+        if self._quiet_round(name, budget):
+            return TokenTree.rooted_at(committed[-1])
+        if self.hopeless(name):
+            # its ceiling is re-priced every REFRESH_ROUNDS rounds (``ceiling``), per method and request:
+            # idle until then (on an H200, auto asked a retired draft model ~4 µs a round for nothing)
+            self._quiet[name] = _QuietRounds(REFRESH_ROUNDS - 1, self._epoch, self._raises.get(name, 0),
+                                             looks=False, held=False, retired=True)
             return TokenTree.rooted_at(committed[-1])
         k = self.best_length(name, self.draft_cost(name), limit=budget)
         look = k <= 0 and self._worth_a_look(name)
@@ -566,7 +573,8 @@ class Scheduler:
             del self._quiet[source]
             return False
         quiet.left -= 1
-        self._idle[source] += 1
+        if not quiet.retired:
+            self._idle[source] += 1
         if quiet.looks:
             self._unlooked[source] += 1
         return True

@@ -235,9 +235,13 @@ class DraftModelProposer(Proposer):
 
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         # Drop the draft's cells past what the target accepted; the next propose() decodes the
-        # missing tokens (a corrected token, the bonus) in one batch.
-        self._agreed = common_prefix(self.kv.cached, committed, self._agreed)
-        self.kv.truncate(self._agreed)
+        # missing tokens (a corrected token, the bonus) in one batch. A round it did not draft in left
+        # nothing to drop (most rounds of auto where the draft does not pay).
+        cached, agreed = self.kv.cached, self._agreed
+        if (len(cached) != agreed or agreed > len(committed)
+                or (agreed and cached[agreed - 1] != committed[agreed - 1])):
+            self._agreed = common_prefix(cached, committed, agreed)
+            self.kv.truncate(self._agreed)
         self._catch_up.observed()
         # learn only from rounds whose tree this proposer made (method "auto" lets every
         # candidate observe every round)
