@@ -273,7 +273,8 @@ class Scheduler:
         # now), and their idle rounds since the last look (``_worth_a_look``).
         self._kept_last: set[str] = set()
         self._unlooked: dict[str, int] = {}
-        self._dry_looks: dict[str, int] = {}   # this request's looks per source since one kept nodes
+        # this request's looks per source that kept nothing; -1 once one kept nodes (``_look_every``)
+        self._dry_looks: dict[str, int] = {}
         self._look_seconds: dict[str, float] = {}
         # per labelling drafter, first class -> [its looks cut to nothing running, looks skipped since]
         # (``_look_promising``)
@@ -321,7 +322,7 @@ class Scheduler:
             return TokenTree.rooted_at(committed[-1])
         if self.hopeless(name):
             # its ceiling is re-priced every REFRESH_ROUNDS rounds (``ceiling``), per method and request:
-            # idle until then (on an H200, auto asked a retired draft model ~4 µs a round for nothing)
+            # idle until then (the 0.5B draft, retired on an H200, was checked every round of auto)
             self._quiet[name] = _QuietRounds(REFRESH_ROUNDS - 1, self._epoch, self._raises.get(name, 0),
                                              looks=False, held=False, retired=True)
             return TokenTree.rooted_at(committed[-1])

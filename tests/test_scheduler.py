@@ -749,6 +749,26 @@ def test_a_draft_model_that_cannot_pay_even_when_always_right_is_never_asked() -
     assert sched.best_rate("d", sched.draft_cost("d"), 8) == 0.0   # auto never waits for it
 
 
+def test_a_retired_drafter_is_not_even_checked_until_its_ceiling_is_re_priced() -> None:
+    # on an H200 the 0.5B draft was retired; auto still checked its ceiling every round (~7 µs a check)
+    from ouroboros_local.scheduler import REFRESH_ROUNDS
+
+    sched = Scheduler(QWEN_CPU, draft_costs=DRAFT_CPU)
+    draft = ChainDraft()
+    sched.enroll(draft)
+    checks: list[str] = []
+    check = sched.hopeless
+    sched.hopeless = lambda source: checks.append(source) or check(source)
+    for _ in range(4 * REFRESH_ROUNDS):
+        sched.draft(draft, [0, 5], budget=8)
+        sched.observe_round(1, QWEN_CPU.cost(1))
+    assert draft.asked == 0 and len(checks) == 4          # once per REFRESH_ROUNDS rounds
+    assert sched.retired
+    sched.begin_request()                                  # a new request checks at once
+    sched.draft(draft, [0, 5], budget=8)
+    assert len(checks) == 5 and draft.asked == 0
+
+
 def test_a_draft_model_that_can_pay_is_not_retired() -> None:
     # the same draft beside a GPU-like flat curve: always right it would be several times faster
     flat = CostModel(sizes=[1, 8, 16], seconds=[0.035, 0.037, 0.040])
