@@ -49,6 +49,10 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                    help="every round of a drafting method decodes K tokens, a plain step too, a short draft "
                         "filled with guesses: an unchanged shape keeps llama.cpp's graph (on a GPU, its "
                         "CUDA graph). Default 0: each round takes its draft's size")
+    g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                   help="draft while the target decodes a plain step, that step checking the draft's first "
+                        "token (default auto: on when the target runs on a GPU, where the draft's Python then "
+                        "costs nothing; on a CPU it would cost a token per draft)")
     g.add_argument("--learned", action=argparse.BooleanOptionalAction, default=None,
                    help="start from the acceptance estimates earlier runs learned with these models, and save "
                         "them at the end (default: on; bench: off, for runs that do not depend on earlier ones)")
@@ -116,7 +120,8 @@ def _engine_from_args(args: argparse.Namespace):
                           draft_gpu_layers=_gpu_layers(args.draft_gpu_layers), main_gpu=args.main_gpu,
                           type_k=args.cache_type_k, type_v=args.cache_type_v,
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
-                          learned=args.learned is not False, round_size=args.round_size)
+                          learned=args.learned is not False, round_size=args.round_size,
+                          overlap={"auto": None, "on": True, "off": False}[args.overlap])
     engine = Engine.load(args.model, args.draft, config=config, progress=True)
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")

@@ -23,7 +23,7 @@ from .calibration import cached_or_measured
 from .errors import ContextOverflowError, MethodOptionError, ParameterError, PoolError
 from .history import History
 from .kv import KVCache
-from .llama import Context, ContextParams, Model, TextStream
+from .llama import Context, ContextParams, Model, TextStream, supports_gpu_offload
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
 from .proposers import create_method, method_names
@@ -33,7 +33,7 @@ from .calibration import CalibrationCache, CostModel, calibration_key, measure_c
 from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
 from .scheduler import Scheduler
 from .tree import TokenTree
-from .verify import VerifyResult, is_plain_step, verify_round, verify_step
+from .verify import VerifyResult, first_level, is_plain_step, joined, verify_round, verify_step
 
 
 log = logging.getLogger("ouroboros_local")
@@ -63,6 +63,10 @@ class EngineConfig:
     # drafts are cut to it and a shorter chain is filled with guesses (``filled``). A decode of an
     # unchanged shape reuses llama.cpp's graph, and on a CUDA build its CUDA graph (docs/design.md#cost-model)
     round_size: int = 0
+    # draft while the target decodes a plain step (the draft's first level is checked by that step, the
+    # rest verified next round): free on a GPU, where llama_decode returns before the decode ends, and a
+    # token later on a CPU, where it does not. None: on when the target's layers are on a GPU
+    overlap: bool | None = None
 
 
 @dataclass
@@ -423,6 +427,13 @@ class Engine:
         llama_at_t1 = llama_decode_clock()   # this thread's seconds decoding in llama.cpp
         stats.prefill_seconds = t1 - t0
         context_full = False
+        overlap = self._overlaps(proposer, round_size)
+        if self._scheduler is not None:
+            self._scheduler.looks_hidden = overlap
+        ahead = overlap           # this round decodes a plain step while its draft is made
+        carried: tuple[TokenTree, int] | None = None   # a draft and the child the last plain step accepted
+        observe_later: Callable[[], None] | None = None
+        ahead_drafts = ahead_carried = 0   # drafts made during a plain step, and those it accepted a token of
         try:
             while out.finish is None:
                 if is_cancelled():
@@ -435,40 +446,79 @@ class Engine:
                 budget = max(0, min(setup.max_tree_nodes, max_tokens - len(out.tokens) - 1, room - 1))
                 if round_size > 1:
                     budget = min(budget, round_size - 1)   # every round the same size: no larger tree
-                tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget, room)
-                if tree is None:   # the end of the context: plain steps, which always fit, to the end
-                    context_full, tree = True, TokenTree.rooted_at(committed[-1])
-                if tree.tokens[0] != committed[-1]:
-                    raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
-                proposed = tree
-                if round_size > 1 and not context_full:
-                    tree = filled(tree, min(round_size, budget + 1), committed)
-                t_verify = time.perf_counter()
-                result = self._verify(tree, sampling, rng)
-                round_seconds = time.perf_counter() - t_verify
+                drafted = 0
+                if ahead:
+                    # On a GPU llama_decode returns before the decode ends: the last round is observed and
+                    # this one's draft made while the root decodes alone; the step checks the draft's
+                    # first level, and the next round verifies the subtree below the child it accepted.
+                    tree = proposed = TokenTree.rooted_at(committed[-1])
+                    t_verify = time.perf_counter()
+                    self.kv.begin_step(tree.tokens[0])
+                    if observe_later is not None:
+                        observe_later()
+                        observe_later = None
+                    draft = self._propose_in_room(proposer, sched, committed, budget, room)
+                    result = verify_step(tree, self.kv.step_logits(), sampling, rng)
+                    round_seconds = time.perf_counter() - t_verify
+                    seen: VerifyResult | None = result
+                    context_full = draft is None
+                    if draft is not None and draft.n_candidates:
+                        if draft.tokens[0] != committed[-1]:
+                            raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+                        drafted, proposed = draft.n_candidates, draft
+                        seen, child = first_level(draft, result)
+                        ahead_drafts += 1
+                        if child is not None:
+                            carried = (draft, child)
+                            ahead_carried += 1
+                else:
+                    if carried is not None:
+                        proposed, child = carried
+                        tree = proposed.below(child)
+                    else:
+                        tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget,
+                                                                                room)
+                        if tree is None:   # the end of the context: plain steps, which always fit, to the end
+                            context_full, tree = True, TokenTree.rooted_at(committed[-1])
+                        if tree.tokens[0] != committed[-1]:
+                            raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+                        proposed = tree
+                        drafted = tree.n_candidates
+                        if round_size > 1 and not context_full:
+                            tree = filled(tree, min(round_size, budget + 1), committed)
+                    t_verify = time.perf_counter()
+                    result = self._verify(tree, sampling, rng)
+                    round_seconds = time.perf_counter() - t_verify
+                    if carried is not None:
+                        seen, carried = joined(proposed, child, result), None
+                    else:
+                        seen = result if proposed is tree else _as_proposed(result, proposed)
                 stats.target_passes += 1
                 if self.check_kv:
                     self.kv.check()
-                stats.drafted += proposed.n_candidates
-                stats.accepted += len(result.accepted)
+                stats.drafted += drafted
+                stats.accepted += len(result.accepted)   # a token a plain step checked is that pass's own
                 committed.extend(result.tokens)
                 event = out.take(result.tokens)
-                seen = result if proposed is tree else _as_proposed(result, proposed)
-                if sched is not None:
-                    sched.learn(proposer.name, proposed, len(seen.accepted), seen.path)
+                if sched is not None and seen is not None:
+                    sched.learn(proposer.name, seen.tree, len(seen.accepted), seen.path)
                 if event is not None:
                     yield event
                 if out.finish is not None:
                     break
-                t_observe = time.perf_counter()   # the consumer's time at the yield above is not ours
-                proposer.observe(committed, seen)
-                result.release()   # its logits rows are overwritten by the next decode
-                if costs_learner is not None:
-                    round_seconds += time.perf_counter() - t_observe
-                    costs_learner.observe_round(len(tree.tokens) + len(tree.extras), round_seconds)  # batch size
+                # the next round is a plain step that decodes while this one is observed, if nothing is carried
+                ahead = overlap and carried is None and is_plain_step(tree) and not context_full
+                observe = self._observer(proposer, committed, seen, result, costs_learner, tree, round_seconds)
+                if ahead:
+                    result.release()   # what it read is known; a row read later would be the next decode's
+                    observe_later = observe
+                else:
+                    observe(time.perf_counter())
         finally:
             proposer.end()
             stats.extra.update(proposer.stats())
+            if overlap:
+                stats.extra["overlap"] = {"drafts": ahead_drafts, "carried": ahead_carried}
             if sched is not None and proposer.name in sched.retired:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
@@ -481,6 +531,31 @@ class Engine:
         stats.finalize()
         final = GenerationResult(text=out.matcher.text, tokens=out.tokens, stats=stats)
         yield StreamEvent(text=text_tail, tokens=[], result=final)
+
+    def _overlaps(self, proposer: Proposer, round_size: int) -> bool:
+        """Does this generation draft while a plain step decodes (``EngineConfig.overlap``)?"""
+        if round_size > 1 or not proposer.drafts_ahead:
+            return False
+        if self.config.overlap is None:
+            return self.config.gpu_layers != 0 and supports_gpu_offload()
+        return self.config.overlap
+
+    @staticmethod
+    def _observer(proposer: Proposer, committed: list[int], seen: VerifyResult | None, result: VerifyResult,
+                  costs_learner: Scheduler | None, tree: TokenTree,
+                  round_seconds: float) -> Callable[[float | None], None]:
+        """The end of a round: the proposer observes it (``seen``; None while a carried draft waits for
+        the rest of its verification), then its logits rows are released and what it cost is learned.
+        Called with the time the observing began (it counts towards the round), or with None during the
+        next round's decode (``EngineConfig.overlap``), where it costs the round nothing."""
+        def observe(t_observe: float | None = None) -> None:
+            if seen is not None:
+                proposer.observe(committed, seen)
+            result.release()   # its logits rows are overwritten by the next decode
+            if costs_learner is not None:
+                seconds = round_seconds + (time.perf_counter() - t_observe if t_observe is not None else 0.0)
+                costs_learner.observe_round(len(tree.tokens) + len(tree.extras), seconds)  # batch size
+        return observe
 
     @staticmethod
     def _propose_in_room(proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,

@@ -116,6 +116,16 @@ class KVCache:
         """Decode ``token`` at position n_past on sequence 0 and keep it (a plain step, which never needs
         rolling back); returns its logits (one row). The same cells as ``decode_layout`` + ``commit_tree`` of
         a tree that is the root alone, without the layout."""
+        self.begin_step(token)
+        return self.ctx.logits(1)
+
+    def step_logits(self) -> np.ndarray:
+        """The logits row of the step ``begin_step`` began (waits for it)."""
+        return self.ctx.logits(1)
+
+    def begin_step(self, token: int) -> None:
+        """``decode_step`` without waiting for its logits (``ctx.logits(1)`` waits): on a GPU the decode
+        runs while the caller works."""
         p = len(self.cached)
         if p >= self.ctx.n_ctx:
             raise ContextOverflowError(f"the context of {self.ctx.n_ctx} tokens is full")
@@ -125,7 +135,6 @@ class KVCache:
         self.ctx.decode(self.batch)
         self.cached.append(int(token))
         self.synced[0] = p + 1
-        return self.ctx.logits(1)
 
     def commit_tree(self, root_token: int, accepted: Sequence[int], winner_seq: int, n_seqs: int,
                     n_cells: int | None = None) -> None:

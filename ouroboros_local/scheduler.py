@@ -276,6 +276,9 @@ class Scheduler:
         # this request's looks per source that kept nothing; -1 once one kept nodes (``_look_every``)
         self._dry_looks: dict[str, int] = {}
         self._look_seconds: dict[str, float] = {}
+        # Looks are made while the target decodes a plain step (``EngineConfig.overlap``, on a GPU): they
+        # cost no time, so a cheap drafter is looked at every round (``_look_every``).
+        self.looks_hidden = False
         # per labelling drafter, first class -> [its looks cut to nothing running, looks skipped since]
         # (``_look_promising``)
         self._look_records: dict[str, dict[str, list[int]]] = {}
@@ -528,13 +531,16 @@ class Scheduler:
     def _look_every(self, source: str) -> int:
         """Idle rounds between looks at ``source``: LOOK_EVERY, doubled after every
         DRY_LOOKS_PER_DOUBLING looks in this request that kept nothing (up to DRY_LOOKS_EVERY_MAX), or
-        more where its looks cost more than LOOK_SHARE of that many steps.
+        more where its looks cost more than LOOK_SHARE of that many steps; 1 while looks are hidden in
+        a plain step's decode (``looks_hidden``).
 
         A look costs more than its proposal: the peek, the "does drafting pay" check, the trim, the
         scoring of what it held (~75 µs a round for auto's two drafters on SmolLM2 here, ~1.2% of a step;
         on an H200 auto's extra Python was 3-5% of SmolLM2's step, the whole gap to plain decoding). On
         text with nothing to copy, looks keep finding nothing; a request whose looks keep nodes is looked
         at every LOOK_EVERY rounds again (and every round while they do)."""
+        if self.looks_hidden:
+            return 1
         look = self._look_seconds.get(source, 0.0)
         doublings = min(max(self._dry_looks.get(source, 0), 0) // DRY_LOOKS_PER_DOUBLING, 8)
         every = min(LOOK_EVERY << doublings, DRY_LOOKS_EVERY_MAX)

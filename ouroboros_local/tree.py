@@ -160,6 +160,29 @@ class TokenTree:
             getattr(out, attr).update({new_id[i]: v for i, v in getattr(self, attr).items() if i in new_id})
         return out
 
+    def descendants(self, node: int) -> list[int]:
+        """``node`` and every node below it, ascending (parents come first, so one pass finds them)."""
+        inside = {node}
+        parents = self.parents
+        for i in range(node + 1, len(parents)):
+            if parents[i] in inside:
+                inside.add(i)
+        return sorted(inside)
+
+    def below(self, node: int) -> "TokenTree":
+        """A copy of the subtree under ``node``, which becomes its root; labels and draft distributions go
+        with their nodes (the new root's own are dropped: a root is no candidate)."""
+        keep = self.descendants(node)
+        new_id = {old: new for new, old in enumerate(keep)}
+        base = self.depths[node]
+        out = TokenTree(tokens=[self.tokens[i] for i in keep],
+                        parents=[-1] + [new_id[self.parents[i]] for i in keep[1:]],
+                        depths=[self.depths[i] - base for i in keep])
+        for attr in ("draft_probs", "sources", "classes"):
+            getattr(out, attr).update({new_id[i]: v for i, v in getattr(self, attr).items()
+                                       if i in new_id and i != node})
+        return out
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node`` (inclusive)."""
         path = []

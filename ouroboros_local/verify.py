@@ -69,6 +69,40 @@ class Predictions:
         self._rows = None
 
 
+class JoinedPredictions(Predictions):
+    """The target's argmax at the nodes of a draft verified in two rounds (``joined``): the root by a
+    plain step whose token was ``root``, then the subtree below the child with that token (its nodes
+    ``rest_nodes``, predicted by ``rest``). Nodes beside that subtree were never decoded."""
+
+    def __init__(self, n_nodes: int, root: int, rest: "Predictions | np.ndarray | None" = None,
+                 rest_nodes: list[int] = ()):
+        self._n = n_nodes
+        self._root = root
+        self._rest = rest
+        self._at = {node: j for j, node in enumerate(rest_nodes)}
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, node: int) -> int:
+        if node == 0:
+            return self._root
+        j = self._at.get(node)
+        if j is None or self._rest is None:
+            raise RuntimeError(f"node {node} was never decoded: the target's first token ruled its branch out")
+        return self._rest[j]
+
+    def tolist(self) -> list[int]:
+        return [self[i] for i in range(self._n)]
+
+    def computed_rows(self) -> int:
+        return 1 + (self._rest.computed_rows() if isinstance(self._rest, Predictions) else 0)
+
+    def release(self) -> None:
+        if isinstance(self._rest, Predictions):
+            self._rest.release()
+
+
 @dataclass
 class VerifyResult:
     tree: TokenTree
@@ -198,3 +232,29 @@ def verify_round(tree: TokenTree, decode: Callable[[BatchLayout], np.ndarray], p
                           predictions=predictions, extra_logits=extra_logits, winner_seq=winner,
                           accepted_by_source=by_source)
     return result, lay
+
+
+def first_level(tree: TokenTree, step: VerifyResult) -> tuple[VerifyResult | None, int | None]:
+    """A plain step of ``tree``'s root (``step``) as the first level of ``tree``'s verification: the
+    child carrying the step's token, whose subtree the next round verifies (``joined``), or, when no
+    child does, ``tree``'s whole verification (its root's token and nothing accepted, as
+    ``verify_round`` would find greedily; a sampled token chosen by sample-and-match)."""
+    child = tree.child_with_token(0, step.bonus)
+    if child is not None:
+        return None, child
+    return VerifyResult(tree=tree, path=[0], accepted=[], bonus=step.bonus,
+                        predictions=JoinedPredictions(len(tree.tokens), step.bonus)), None
+
+
+def joined(tree: TokenTree, child: int, rest: VerifyResult) -> VerifyResult:
+    """``tree``'s verification in two rounds, as one: a plain step of its root gave ``child``'s token, and
+    ``rest`` verified ``tree.below(child)``."""
+    nodes = tree.descendants(child)
+    path = [0] + [nodes[j] for j in rest.path]
+    by_source = dict(rest.accepted_by_source)
+    source = tree.sources.get(child)
+    if source:
+        by_source[source] = by_source.get(source, 0) + 1
+    predictions = JoinedPredictions(len(tree.tokens), tree.tokens[child], rest.predictions, nodes)
+    return VerifyResult(tree=tree, path=path, accepted=[tree.tokens[i] for i in path[1:]], bonus=rest.bonus,
+                        predictions=predictions, accepted_by_source=by_source)

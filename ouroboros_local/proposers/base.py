@@ -83,6 +83,10 @@ class Proposer(ABC):
     # decode, see ``CatchUp``; the suffix tries' appends): a scheduler keeps them out of the proposer's
     # per-token drafting cost.
     catch_up_seconds: float = 0.0
+    # True when a proposal may be made while the target decodes the root alone, its first level checked
+    # by that step and the rest verified next round (``EngineConfig.overlap``): no extras ride along, and
+    # ``observe`` reads no predictions beyond the accepted path (a ``JoinedPredictions`` has no others).
+    drafts_ahead: bool = False
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         """Start a generation whose committed tokens are ``prompt``."""
@@ -158,6 +162,7 @@ class NoDraft(Proposer):
     """Vanilla decoding: the tree is the root alone, so each pass yields exactly one token."""
 
     name = "vanilla"
+    drafts_ahead = True
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         return TokenTree.rooted_at(committed[-1])

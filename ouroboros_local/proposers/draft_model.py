@@ -151,6 +151,12 @@ class DraftModelProposer(Proposer):
     def draft_cost_floor(self, draft_costs: "CostModel") -> float | None:
         return draft_costs.cost(1)    # one draft decode per drafted token
 
+    @property
+    def drafts_ahead(self) -> bool:   # type: ignore[override]
+        # a sampled draft would meet the step's token by sample-and-match: lossless, but accepted less
+        # often than by its own rule (min(1, p/q))
+        return self.greedy_draft or self.setup.sampling.greedy
+
     def _reset_counters(self) -> None:
         self.draft_steps = 0
         self.rounds = 0

@@ -34,6 +34,10 @@ class AutoProposer(Proposer):
             sched.enroll(proposer)
         self.rounds = {}
 
+    @property
+    def drafts_ahead(self) -> bool:   # type: ignore[override]
+        return all(p.drafts_ahead for p in self.candidates)
+
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         self._last = None
         sched = self.scheduler

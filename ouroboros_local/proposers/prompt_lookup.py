@@ -121,6 +121,7 @@ class PromptLookupProposer(Proposer):
     adaptive = True  # a chain (or shallow tree) first: the engine may cap its length by the cost model
     confidence_classes = True
     free_drafts = True
+    drafts_ahead = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 16, max_branches: int = 1,
                  pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4):

@@ -128,6 +128,7 @@ class SuffixProposer(Proposer):
     adaptive = True              # best-first: the likeliest path first, so small budgets stay sensible
     confidence_classes = True
     free_drafts = True
+    drafts_ahead = True
 
     def __init__(self, cache: SuffixCache | None = None, *, max_depth: int = 16, max_branches: int = 4,
                  min_match: int = 2, spec_factor: float = 1.0, spec_offset: int = 4, min_prob: float = 0.1):

@@ -1,0 +1,124 @@
+"""Drafting while the target decodes a plain step (EngineConfig.overlap): the step checks the draft's
+first level, the next round verifies the rest; outputs unchanged, sampling still follows the target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ouroboros_local.engine import Engine
+from ouroboros_local.proposers import method_names
+from ouroboros_local.sampling import SamplingParams
+from ouroboros_local.testing.engines import tiny_engine
+from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target,
+                                              assert_greedy_equals_vanilla)
+from ouroboros_local.tree import TokenTree
+from ouroboros_local.verify import Predictions, first_level, joined, verify_step
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+           "The quick brown fox jumps over the lazy dog. The quick brown"]
+
+
+@pytest.fixture(scope="module")
+def overlap_engine(tiny_target, tiny_draft):
+    engine = tiny_engine(tiny_target, tiny_draft, overlap=True)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "vanilla"])
+def test_every_method_is_greedy_lossless_when_drafting_during_the_step(overlap_engine: Engine,
+                                                                        method: str) -> None:
+    assert_greedy_equals_vanilla(overlap_engine, PROMPTS, method, max_tokens=40)
+
+
+def test_a_draft_made_during_the_step_is_carried_into_the_next_round(overlap_engine: Engine) -> None:
+    first = overlap_engine.generate(PROMPTS[1], max_tokens=40, method="suffix")
+    again = overlap_engine.generate(PROMPTS[1], max_tokens=40, method="suffix")   # copyable from the start
+    assert again.tokens == first.tokens
+    ahead = again.stats.extra["overlap"]
+    assert ahead["carried"] >= 1 and ahead["drafts"] >= ahead["carried"]
+    # the carried draft was verified in the next round: fewer target passes than tokens
+    assert again.stats.target_passes + again.stats.accepted == len(again.tokens)
+    assert again.stats.target_passes < len(again.tokens) / 2
+
+
+def test_overlap_is_off_on_a_cpu_for_proposers_with_extras_and_in_rounds_of_one_size(tiny_target) -> None:
+    with tiny_engine(tiny_target) as engine:   # no GPU layers: llama_decode waits for the decode
+        assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
+    with tiny_engine(tiny_target, overlap=True) as engine:
+        assert "overlap" in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
+        # lookahead's window rides along with every round
+        assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="lookahead").stats.extra
+    with tiny_engine(tiny_target, overlap=True, round_size=4) as engine:   # a plain step is 4 tokens there
+        assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "auto"])
+def test_drafts_checked_by_the_step_sample_the_target_distribution(overlap_engine: Engine, tiny_target,
+                                                                   method: str) -> None:
+    # the prompt, its greedy answer, the prompt again: a lookup copies that answer, which the target
+    # samples often (its first token in ~3 of 4 answers here), so steps accept and carry drafts
+    prompt = overlap_engine.prompt_tokens(PROMPTS[1])
+    prompt = prompt + overlap_engine.generate(prompt, max_tokens=8).tokens + prompt
+    params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+    answers = assert_first_pairs_follow_the_target(overlap_engine, tiny_target, prompt, params, 400,
+                                                   method=method)
+    assert sum(a.stats.extra["overlap"]["carried"] for a in answers) > 100
+
+
+def test_seeded_auto_equals_seeded_vanilla_when_drafting_during_the_step(overlap_engine: Engine) -> None:
+    for seed in range(3):
+        sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+        base = overlap_engine.generate(PROMPTS[seed % 2], max_tokens=30, method="vanilla", sampling=sp)
+        res = overlap_engine.generate(PROMPTS[seed % 2], max_tokens=30, method="auto", sampling=sp)
+        assert res.tokens == base.tokens
+
+
+def _step(token: int, vocab: int = 10) -> "VerifyResult":
+    rows = np.zeros((1, vocab), dtype=np.float32)
+    rows[0, token] = 1.0
+    return verify_step(TokenTree.rooted_at(0), rows, SamplingParams(), np.random.default_rng(0))
+
+
+def test_the_two_rounds_of_a_carried_draft_are_one_verification() -> None:
+    draft = TokenTree.rooted_at(0)
+    draft.add_path(0, [1, 2, 3], source="a")
+    draft.add_path(0, [4, 5], source="b")        # nodes 4, 5: a branch the step rules out
+    draft.add_path(1, [6], source="a")           # node 6: a second child of node 1
+    draft.classes.update({1: "x1", 2: "x2", 6: "x6"})
+    rejected, child = first_level(draft, _step(7))
+    assert child is None and rejected.tree is draft and rejected.path == [0] and rejected.tokens == [7]
+    assert rejected.predictions[0] == 7
+    with pytest.raises(RuntimeError, match="never decoded"):
+        rejected.predictions[1]
+    step = _step(1)
+    assert first_level(draft, step) == (None, 1)
+    rest = draft.below(1)
+    assert rest.tokens == [1, 2, 3, 6] and rest.parents == [-1, 0, 1, 0] and rest.depths == [0, 1, 2, 1]
+    assert rest.classes == {1: "x2", 3: "x6"} and 0 not in rest.sources
+    rows = np.zeros((len(rest.tokens), 10), dtype=np.float32)
+    for node, token in enumerate([2, 9, 0, 0]):   # the target writes 2 after 1, then 9 after 2
+        rows[node, token] = 1.0
+    path = [0, 1]
+    second = verify_step(rest, rows, SamplingParams(), np.random.default_rng(0))
+    second.path, second.accepted, second.bonus = path, [2], 9
+    second.predictions = Predictions(rows)
+    second.accepted_by_source = {"a": 1}
+    whole = joined(draft, 1, second)
+    assert whole.tree is draft and whole.path == [0, 1, 2] and whole.tokens == [1, 2, 9]
+    assert whole.accepted_by_source == {"a": 2}
+    assert [whole.predictions[i] for i in (0, 1, 2)] == [1, 2, 9] and len(whole.predictions) == 7
+    with pytest.raises(RuntimeError, match="never decoded"):
+        whole.predictions[4]
+
+
+def test_looks_hidden_in_the_step_come_every_round() -> None:
+    from ouroboros_local.calibration import CostModel
+    from ouroboros_local.scheduler import Scheduler
+
+    sched = Scheduler(CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 2.0, 3.0, 4.0, 6.0]))
+    sched._dry_looks["x"] = 6          # a request whose looks keep coming up dry: they thin out
+    assert sched._look_every("x") > 4
+    sched.looks_hidden = True          # unless they cost nothing
+    assert sched._look_every("x") == 1
