@@ -428,8 +428,6 @@ class Engine:
         stats.prefill_seconds = t1 - t0
         context_full = False
         overlap = self._overlaps(proposer, round_size)
-        if self._scheduler is not None:
-            self._scheduler.looks_hidden = overlap
         ahead = overlap           # this round decodes a plain step while its draft is made
         carried: tuple[TokenTree, int] | None = None   # a draft and the child the last plain step accepted
         observe_later: Callable[[], None] | None = None
@@ -457,7 +455,7 @@ class Engine:
                     if observe_later is not None:
                         observe_later()
                         observe_later = None
-                    draft = self._propose_in_room(proposer, sched, committed, budget, room)
+                    draft = self._propose_hidden(proposer, sched, committed, budget, room)
                     result = verify_step(tree, self.kv.step_logits(), sampling, rng)
                     round_seconds = time.perf_counter() - t_verify
                     seen: VerifyResult | None = result
@@ -556,6 +554,18 @@ class Engine:
                 seconds = round_seconds + (time.perf_counter() - t_observe if t_observe is not None else 0.0)
                 costs_learner.observe_round(len(tree.tokens) + len(tree.extras), seconds)  # batch size
         return observe
+
+    def _propose_hidden(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
+                        room: int) -> TokenTree | None:
+        """``_propose_in_room`` while a plain step decodes: the scheduler's looks cost no time there."""
+        looks = self._scheduler
+        if looks is None:
+            return self._propose_in_room(proposer, sched, committed, budget, room)
+        looks.looks_hidden = True
+        try:
+            return self._propose_in_room(proposer, sched, committed, budget, room)
+        finally:
+            looks.looks_hidden = False
 
     @staticmethod
     def _propose_in_room(proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,

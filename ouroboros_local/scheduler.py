@@ -276,8 +276,9 @@ class Scheduler:
         # this request's looks per source that kept nothing; -1 once one kept nodes (``_look_every``)
         self._dry_looks: dict[str, int] = {}
         self._look_seconds: dict[str, float] = {}
-        # Looks are made while the target decodes a plain step (``EngineConfig.overlap``, on a GPU): they
-        # cost no time, so a cheap drafter is looked at every round (``_look_every``).
+        # Set while a draft is asked during a plain step's decode (``EngineConfig.overlap``, on a GPU):
+        # looks cost no time there, so a cheap drafter is looked at every such round (``_look_every``);
+        # the rounds drafted before their decode keep the usual spacing.
         self.looks_hidden = False
         # per labelling drafter, first class -> [its looks cut to nothing running, looks skipped since]
         # (``_look_promising``)

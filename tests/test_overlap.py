@@ -43,6 +43,22 @@ def test_a_draft_made_during_the_step_is_carried_into_the_next_round(overlap_eng
     assert again.stats.target_passes < len(again.tokens) / 2
 
 
+def test_looks_are_free_only_while_the_step_decodes(overlap_engine: Engine, monkeypatch) -> None:
+    seen = []
+    propose = Engine._propose_in_room
+
+    def spy(proposer, sched, committed, budget, room):
+        seen.append(overlap_engine.scheduler().looks_hidden)
+        return propose(proposer, sched, committed, budget, room)
+
+    monkeypatch.setattr(overlap_engine, "_propose_in_room", spy)
+    overlap_engine.generate(PROMPTS[1], max_tokens=40, method="suffix")
+    again = overlap_engine.generate(PROMPTS[1], max_tokens=40, method="suffix")
+    assert again.stats.extra["overlap"]["carried"] >= 1
+    assert True in seen and False in seen          # drafts asked during a step, and before a decode
+    assert overlap_engine.scheduler().looks_hidden is False
+
+
 def test_overlap_is_off_on_a_cpu_for_proposers_with_extras_and_in_rounds_of_one_size(tiny_target) -> None:
     with tiny_engine(tiny_target) as engine:   # no GPU layers: llama_decode waits for the decode
         assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
