@@ -30,6 +30,11 @@
 # bench smol 72 s and bench qwen05 188 s. The 27 stashes fit inside the build's time (all carried after
 # 193 s of device time); then one call `bench qwen15; bench smol` took 522 s: 12 of a session's 15
 # minutes in all. Issue the stashes back to back (the machine goes back after 30 s idle).
+# The third H200 run (2026-11-26, twenty-fifth session): start 32 s, all 27 stashes carried at 175 s, then
+# `LABEL=smol-off ... bench smol --overlap off --peers ""; LABEL=smol-on ... bench smol; LABEL=q15-on ...
+# bench qwen15 --methods vanilla,prompt-lookup,auto --peers ""` and the same with --overlap off: 294 s,
+# the build's wait included; a bench of vanilla and auto alone took ~20 s (SmolLM2) and ~25 s (1.5B).
+# Side by side: runs alternating --overlap off and on (its default on a GPU), as in docs/reports/h200-c.
 # Branching suffix trees change the batch's shape: with --round-size, add
 # --method-options '{"suffix": {"max_branches": 1}}'.
 # The report's "py ms/round" is our Python only since c32bbd8: before it, the wait for the GPU (in
