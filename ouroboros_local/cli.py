@@ -51,8 +51,8 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                         "CUDA graph). Default 0: each round takes its draft's size")
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="draft while the target decodes a plain step, that step checking the draft's first "
-                        "token (default auto: on when the target runs on a GPU, where the draft's Python then "
-                        "costs nothing; on a CPU it would cost a token per draft)")
+                        "token (default auto: on where llama_decode returns before a step ends, as on a GPU, "
+                        "so the draft's Python costs nothing; on a CPU it would cost a pass per draft)")
     g.add_argument("--learned", action=argparse.BooleanOptionalAction, default=None,
                    help="start from the acceptance estimates earlier runs learned with these models, and save "
                         "them at the end (default: on; bench: off, for runs that do not depend on earlier ones)")

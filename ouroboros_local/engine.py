@@ -38,6 +38,11 @@ from .verify import VerifyResult, first_level, is_plain_step, joined, verify_rou
 
 log = logging.getLogger("ouroboros_local")
 
+# ``EngineConfig.overlap`` left to None drafts during plain steps where at least this share of a step is
+# spent waiting for its logits after llama_decode returned: time the draft's Python can use. A CUDA
+# build on an H200 waited 0.93 of SmolLM2's step; a CPU build computes inside llama_decode (~0).
+ASYNC_WAIT_SHARE = 0.5
+
 
 @dataclass
 class EngineConfig:
@@ -65,7 +70,8 @@ class EngineConfig:
     round_size: int = 0
     # draft while the target decodes a plain step (the draft's first level is checked by that step, the
     # rest verified next round): free on a GPU, where llama_decode returns before the decode ends, and a
-    # token later on a CPU, where it does not. None: on when the target's layers are on a GPU
+    # pass more per draft on a CPU, where it does not. None: where plain steps were seen to wait for their
+    # logits after llama_decode returned (ASYNC_WAIT_SHARE), and until one is timed, on a GPU
     overlap: bool | None = None
 
 
@@ -531,12 +537,17 @@ class Engine:
         yield StreamEvent(text=text_tail, tokens=[], result=final)
 
     def _overlaps(self, proposer: Proposer, round_size: int) -> bool:
-        """Does this generation draft while a plain step decodes (``EngineConfig.overlap``)?"""
+        """Does this generation draft while a plain step decodes (``EngineConfig.overlap``)? By default
+        where llama_decode has been seen to return well before its decode ends (``ASYNC_WAIT_SHARE``),
+        and before any step was timed, where the target's layers are on a GPU."""
         if round_size > 1 or not proposer.drafts_ahead:
             return False
-        if self.config.overlap is None:
+        if self.config.overlap is not None:
+            return self.config.overlap
+        share = self.target_ctx.step_wait_share()
+        if share is None:
             return self.config.gpu_layers != 0 and supports_gpu_offload()
-        return self.config.overlap
+        return share >= ASYNC_WAIT_SHARE
 
     @staticmethod
     def _observer(proposer: Proposer, committed: list[int], seen: VerifyResult | None, result: VerifyResult,

@@ -138,3 +138,16 @@ def test_looks_hidden_in_the_step_come_every_round() -> None:
     assert sched._look_every("x") > 4
     sched.looks_hidden = True          # unless they cost nothing
     assert sched._look_every("x") == 1
+
+
+def test_by_default_overlap_follows_what_a_step_was_seen_to_wait_for(tiny_target) -> None:
+    with tiny_engine(tiny_target) as engine:
+        engine.generate(PROMPTS[0], max_tokens=12, method="vanilla")
+        share = engine.target_ctx.step_wait_share()
+        assert share is not None and share < 0.5          # a CPU computes inside llama_decode
+        pl = engine.generate(PROMPTS[0], max_tokens=4, method="prompt-lookup")
+        assert "overlap" not in pl.stats.extra
+        engine.target_ctx.step_seconds = [0.1, 0.9]         # as a GPU's queued decodes would look
+        assert "overlap" in engine.generate(PROMPTS[0], max_tokens=4, method="prompt-lookup").stats.extra
+        engine.config.overlap = False                      # an explicit setting wins
+        assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=4, method="prompt-lookup").stats.extra
