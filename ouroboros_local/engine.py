@@ -450,57 +450,20 @@ class Engine:
                 budget = max(0, min(setup.max_tree_nodes, max_tokens - len(out.tokens) - 1, room - 1))
                 if round_size > 1:
                     budget = min(budget, round_size - 1)   # every round the same size: no larger tree
-                drafted = 0
                 if ahead:
-                    # On a GPU llama_decode returns before the decode ends: the last round is observed and
-                    # this one's draft made while the root decodes alone; the step checks the draft's
-                    # first level, and the next round verifies the subtree below the child it accepted.
-                    tree = proposed = TokenTree.rooted_at(committed[-1])
-                    t_verify = time.perf_counter()
-                    self.kv.begin_step(tree.tokens[0])
-                    if observe_later is not None:
-                        observe_later()
-                        observe_later = None
-                    draft = self._propose_hidden(proposer, sched, committed, budget, room)
-                    result = verify_step(tree, self.kv.step_logits(), sampling, rng)
-                    round_seconds = time.perf_counter() - t_verify
-                    seen: VerifyResult | None = result
-                    context_full = draft is None
-                    if draft is not None and draft.n_candidates:
-                        if draft.tokens[0] != committed[-1]:
-                            raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
-                        drafted, proposed = draft.n_candidates, draft
-                        seen, child = first_level(draft, result)
-                        ahead_drafts += 1
-                        if child is not None:
-                            carried = (draft, child)
-                            ahead_carried += 1
+                    step = self._step_ahead(proposer, sched, committed, budget, room, sampling, rng, observe_later)
+                    observe_later = None
+                    ahead_drafts += step.drafted > 0
+                    ahead_carried += step.carried is not None
                 else:
-                    if carried is not None:
-                        proposed, child = carried
-                        tree = proposed.below(child)
-                    else:
-                        tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget,
-                                                                                room)
-                        if tree is None:   # the end of the context: plain steps, which always fit, to the end
-                            context_full, tree = True, TokenTree.rooted_at(committed[-1])
-                        if tree.tokens[0] != committed[-1]:
-                            raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
-                        proposed = tree
-                        drafted = tree.n_candidates
-                        if round_size > 1 and not context_full:
-                            tree = filled(tree, min(round_size, budget + 1), committed)
-                    t_verify = time.perf_counter()
-                    result = self._verify(tree, sampling, rng)
-                    round_seconds = time.perf_counter() - t_verify
-                    if carried is not None:
-                        seen, carried = joined(proposed, child, result), None
-                    else:
-                        seen = result if proposed is tree else _as_proposed(result, proposed)
+                    step = self._round(proposer, sched, committed, budget, room, sampling, rng, carried,
+                                       context_full, round_size)
+                tree, result, seen, carried, context_full = (step.tree, step.result, step.seen, step.carried,
+                                                             step.context_full)
                 stats.target_passes += 1
                 if self.check_kv:
                     self.kv.check()
-                stats.drafted += drafted
+                stats.drafted += step.drafted
                 stats.accepted += len(result.accepted)   # a token a plain step checked is that pass's own
                 committed.extend(result.tokens)
                 event = out.take(result.tokens)
@@ -512,7 +475,7 @@ class Engine:
                     break
                 # the next round is a plain step that decodes while this one is observed, if nothing is carried
                 ahead = overlap and carried is None and is_plain_step(tree) and not context_full
-                observe = self._observer(proposer, committed, seen, result, costs_learner, tree, round_seconds)
+                observe = self._observer(proposer, committed, seen, result, costs_learner, tree, step.seconds)
                 if ahead:
                     result.release()   # what it read is known; a row read later would be the next decode's
                     observe_later = observe
@@ -535,6 +498,57 @@ class Engine:
         stats.finalize()
         final = GenerationResult(text=out.matcher.text, tokens=out.tokens, stats=stats)
         yield StreamEvent(text=text_tail, tokens=[], result=final)
+
+    def _step_ahead(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
+                    room: int, sampling: SamplingParams, rng: np.random.Generator,
+                    observe_last: Callable[[], None] | None) -> "_Round":
+        """A plain step of the root, decoding while the last round is observed (``observe_last``) and
+        this round's draft is made (``EngineConfig.overlap``): on a GPU, llama_decode returns before the
+        decode ends. The step checks the draft's first level; the subtree below the child it accepted is
+        carried to the next round (``_Round.carried``)."""
+        tree = TokenTree.rooted_at(committed[-1])
+        t0 = time.perf_counter()
+        self.kv.begin_step(tree.tokens[0])
+        if observe_last is not None:
+            observe_last()
+        draft = self._propose_hidden(proposer, sched, committed, budget, room)
+        result = verify_step(tree, self.kv.step_logits(), sampling, rng)
+        step = _Round(tree, result, result, time.perf_counter() - t0, context_full=draft is None)
+        if draft is not None and draft.n_candidates:
+            if draft.tokens[0] != tree.tokens[0]:
+                raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+            step.seen, child = first_level(draft, result)
+            step.drafted = draft.n_candidates
+            if child is not None:
+                step.carried = (draft, child)
+        return step
+
+    def _round(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int, room: int,
+               sampling: SamplingParams, rng: np.random.Generator, carried: tuple[TokenTree, int] | None,
+               context_full: bool, round_size: int) -> "_Round":
+        """A round drafted before its decode: the rest of a carried draft, or the proposer's tree (the root
+        alone once the context is full; filled to ``round_size``), verified in one decode."""
+        drafted = 0
+        if carried is not None:
+            proposed, child = carried
+            tree = proposed.below(child)
+        else:
+            tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget, room)
+            if tree is None:   # the end of the context: plain steps, which always fit, to the end
+                context_full, tree = True, TokenTree.rooted_at(committed[-1])
+            if tree.tokens[0] != committed[-1]:
+                raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+            proposed, drafted = tree, tree.n_candidates
+            if round_size > 1 and not context_full:
+                tree = filled(tree, min(round_size, budget + 1), committed)
+        t0 = time.perf_counter()
+        result = self._verify(tree, sampling, rng)
+        seconds = time.perf_counter() - t0
+        if carried is not None:
+            seen = joined(proposed, child, result)
+        else:
+            seen = result if proposed is tree else _as_proposed(result, proposed)
+        return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full)
 
     def _overlaps(self, proposer: Proposer, round_size: int) -> bool:
         """Does this generation draft while a plain step decodes (``EngineConfig.overlap``)? By default
@@ -595,6 +609,21 @@ class Engine:
         result, lay = verify_round(tree, self.kv.decode_layout, sampling, rng)
         self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         return result
+
+
+@dataclass
+class _Round:
+    """One target pass of the loop: the tree decoded, its verification, what the proposer observes of it
+    (``seen``: its own tree's verdict; None while a carried draft waits for the rest of its
+    verification), and what the round leaves for the next."""
+
+    tree: TokenTree
+    result: VerifyResult
+    seen: VerifyResult | None
+    seconds: float                 # the decode and verification (a plain step's: with the work done during it)
+    drafted: int = 0               # candidates proposed this round
+    context_full: bool = False
+    carried: tuple[TokenTree, int] | None = None   # a draft and the child this plain step accepted
 
 
 class _Output:

@@ -24,6 +24,12 @@
 #                                         bench FLAGS into $OUT/$LABEL.tgz (LABEL defaults to NAME), print
 #                                         its table. Next on a GPU: LABEL=smol-r4 ... bench smol
 #                                         --round-size 4 (rounds of one shape keep the CUDA graph)
+#   scripts/gpu_check.sh ab NAME REPEATS 'FLAGS A' 'FLAGS B' [FLAGS...]
+#                                         two settings side by side: bench NAME REPEATS times each, in
+#                                         the order A B B A ..., each arm's speed-ups per set as mean
+#                                         (lowest-highest). Next on a GPU: ab smol 3 '--overlap off' ''
+#                                         --methods vanilla,auto --peers '' (~20 s a run), and the same
+#                                         for qwen15 (~25 s a run)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -216,6 +222,30 @@ case "${1:-}" in
     cp "$OUT/$NAME.log" "$OUT/$NAME/" 2>/dev/null
     tar czf "$OUT/$NAME.tgz" -C "$OUT" "$NAME" && rm -rf "${OUT:?}/$NAME" "$OUT/$NAME.log"
     exit $rc
+    ;;
+  ab)
+    # two settings side by side, runs in the order A B B A A B ...: each arm's speed-ups per set, mean
+    # (lowest-highest), printed and written to $OUT/NAME-ab.md (scripts/ab_summary.py)
+    setup_env; wait_for_build; assemble
+    SET="${2:?ab NAME REPEATS 'FLAGS A' 'FLAGS B' [COMMON FLAGS...]}"
+    REPEATS="${3:-2}"
+    read -ra ARM_A <<< "${4:-}"
+    read -ra ARM_B <<< "${5:-}"
+    COMMON=("${@:6}")
+    RUNS=()
+    for i in $(seq 1 "$REPEATS"); do
+      order="a b"; [ $((i % 2)) -eq 0 ] && order="b a"
+      for arm in $order; do
+        NAME="$SET-$arm$i"
+        if [ "$arm" = a ]; then EXTRA=("${COMMON[@]}" "${ARM_A[@]}"); else EXTRA=("${COMMON[@]}" "${ARM_B[@]}"); fi
+        bench_set "$SET" > "$OUT/$NAME.log" 2>&1 || tail -5 "$OUT/$NAME.log"
+        cp "$OUT/$NAME.log" "$OUT/$NAME/" 2>/dev/null
+        RUNS+=("$NAME")
+      done
+    done
+    echo "a: ${ARM_A[*]:-(defaults)}   b: ${ARM_B[*]:-(defaults)}   common: ${COMMON[*]:-}" | tee "$OUT/$SET-ab.md"
+    $PY scripts/ab_summary.py "$OUT" "${RUNS[@]}" | tee -a "$OUT/$SET-ab.md"
+    for r in "${RUNS[@]}"; do tar czf "$OUT/$r.tgz" -C "$OUT" "$r" && rm -rf "${OUT:?}/$r" "$OUT/$r.log"; done
     ;;
   test)
     setup_env; wait_for_build

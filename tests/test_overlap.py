@@ -13,7 +13,7 @@ from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target,
                                               assert_greedy_equals_vanilla)
 from ouroboros_local.tree import TokenTree
-from ouroboros_local.verify import Predictions, first_level, joined, verify_step
+from ouroboros_local.verify import Predictions, VerifyResult, first_level, joined, verify_step
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
@@ -91,7 +91,7 @@ def test_seeded_auto_equals_seeded_vanilla_when_drafting_during_the_step(overlap
         assert res.tokens == base.tokens
 
 
-def _step(token: int, vocab: int = 10) -> "VerifyResult":
+def _step(token: int, vocab: int = 10) -> VerifyResult:
     rows = np.zeros((1, vocab), dtype=np.float32)
     rows[0, token] = 1.0
     return verify_step(TokenTree.rooted_at(0), rows, SamplingParams(), np.random.default_rng(0))

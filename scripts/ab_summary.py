@@ -1,0 +1,64 @@
+#!/usr/bin/env python3
+"""Speed-ups over vanilla, per set and method, mean (lowest-highest) over several `bench` runs of two
+settings side by side (`scripts/gpu_check.sh ab` names them NAME-a1, NAME-b1, NAME-b2, NAME-a2, ...).
+
+    scripts/ab_summary.py OUT_DIR RUN [RUN...]     # each RUN a folder holding bench's results.json
+
+A run's speed-up on a set is vanilla's seconds per token over the method's, both summed over the set's
+prompts in that run (the ratio measured side by side in one process)."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+
+def speedups(results: Path) -> dict[tuple[str, str], float]:
+    """(set, method) -> vanilla's seconds per token over the method's, in one run."""
+    sums: dict[tuple[str, str], Counter] = defaultdict(Counter)
+    for rec in json.loads(results.read_text())["records"]:
+        if rec.get("error") or not rec.get("timed_tokens"):
+            continue
+        c = sums[rec["set"], rec["label"]]
+        c["tokens"] += rec["timed_tokens"]
+        c["seconds"] += rec["decode_seconds"]
+    out = {}
+    for (name, label), c in sums.items():
+        base = sums.get((name, "vanilla"))
+        if label != "vanilla" and base and c["seconds"] > 0:
+            out[name, label] = (base["seconds"] / base["tokens"]) / (c["seconds"] / c["tokens"])
+    return out
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 2:
+        print(__doc__)
+        return 2
+    root, runs = Path(argv[0]), argv[1:]
+    per_arm: dict[str, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
+    sets: list[str] = []
+    for run in runs:
+        arm = re.sub(r"\d+$", "", run)       # NAME-a1 -> NAME-a
+        for (name, label), value in speedups(root / run / "results.json").items():
+            per_arm[arm][name, label].append(value)
+            if name not in sets:
+                sets.append(name)
+    print("| method | setting | " + " | ".join(sets) + " |")
+    print("|---|---|" + "---:|" * len(sets))
+    labels = sorted({label for arm in per_arm.values() for _, label in arm})
+    for label in labels:
+        for arm, values in per_arm.items():
+            cells = []
+            for name in sets:
+                v = values.get((name, label))
+                cells.append(f"{statistics.mean(v):.2f}x ({min(v):.2f}-{max(v):.2f})" if v else "–")
+            print(f"| {label} | {arm} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
