@@ -481,6 +481,8 @@ class Engine:
                     observe_later = observe
                 else:
                     observe(time.perf_counter())
+            if observe_later is not None:   # cancelled, or the context full, before the next step began
+                observe_later()
         finally:
             proposer.end()
             stats.extra.update(proposer.stats())

@@ -151,3 +151,17 @@ def test_by_default_overlap_follows_what_a_step_was_seen_to_wait_for(tiny_target
         assert "overlap" in engine.generate(PROMPTS[0], max_tokens=4, method="prompt-lookup").stats.extra
         engine.config.overlap = False                      # an explicit setting wins
         assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=4, method="prompt-lookup").stats.extra
+
+
+def test_a_round_observed_during_the_next_step_is_observed_when_no_step_follows(overlap_engine: Engine,
+                                                                               monkeypatch) -> None:
+    """Cancelled before the next round: the last round, whose observing waited for that round's decode,
+    is observed all the same (a proposer feeding a shared pool must not miss the answer's end)."""
+    from ouroboros_local.proposers.base import NoDraft
+
+    seen = []
+    monkeypatch.setattr(NoDraft, "observe", lambda self, committed, result: seen.append(len(committed)))
+    rounds = iter(range(10**6))
+    res = overlap_engine.generate(PROMPTS[0], max_tokens=20, method="vanilla", cancel=lambda: next(rounds) >= 3)
+    assert res.stats.finish_reason == "cancelled" and len(res.tokens) == 3
+    assert len(seen) == 3 and seen[-1] == len(overlap_engine.prompt_tokens(PROMPTS[0])) + 3
