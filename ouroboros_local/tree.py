@@ -150,38 +150,32 @@ class TokenTree:
         return self.subtree([i for i, d in enumerate(self.depths) if d <= max_depth])
 
     def subtree(self, keep: Sequence[int]) -> "TokenTree":
-        """A copy holding only the nodes ``keep`` (ascending, the root and every kept node's parent
-        included), renumbered in the same order; labels and draft distributions go with their nodes."""
+        """A copy holding only the nodes ``keep`` (ascending: the new root first, then nodes whose parents
+        are kept), renumbered in the same order, depths counted from the new root; labels and draft
+        distributions go with their nodes (the new root's own are dropped: a root is no candidate)."""
         new_id = {old: new for new, old in enumerate(keep)}
-        out = TokenTree(tokens=[self.tokens[i] for i in keep],
-                        parents=[new_id[self.parents[i]] if i else -1 for i in keep],
-                        depths=[self.depths[i] for i in keep])
-        for attr in ("draft_probs", "sources", "classes"):
-            getattr(out, attr).update({new_id[i]: v for i, v in getattr(self, attr).items() if i in new_id})
-        return out
-
-    def descendants(self, node: int) -> list[int]:
-        """``node`` and every node below it, ascending (parents come first, so one pass finds them)."""
-        inside = {node}
-        parents = self.parents
-        for i in range(node + 1, len(parents)):
-            if parents[i] in inside:
-                inside.add(i)
-        return sorted(inside)
-
-    def below(self, node: int) -> "TokenTree":
-        """A copy of the subtree under ``node``, which becomes its root; labels and draft distributions go
-        with their nodes (the new root's own are dropped: a root is no candidate)."""
-        keep = self.descendants(node)
-        new_id = {old: new for new, old in enumerate(keep)}
-        base = self.depths[node]
+        root = keep[0]
+        base = self.depths[root]
         out = TokenTree(tokens=[self.tokens[i] for i in keep],
                         parents=[-1] + [new_id[self.parents[i]] for i in keep[1:]],
                         depths=[self.depths[i] - base for i in keep])
         for attr in ("draft_probs", "sources", "classes"):
             getattr(out, attr).update({new_id[i]: v for i, v in getattr(self, attr).items()
-                                       if i in new_id and i != node})
+                                       if i in new_id and i != root})
         return out
+
+    def descendants(self, node: int) -> list[int]:
+        """``node`` and every node below it, ascending (parents come first, so one pass finds them)."""
+        out, inside, parents = [node], {node}, self.parents
+        for i in range(node + 1, len(parents)):
+            if parents[i] in inside:
+                inside.add(i)
+                out.append(i)
+        return out
+
+    def below(self, node: int) -> "TokenTree":
+        """A copy of the subtree under ``node``, which becomes its root (``subtree``)."""
+        return self.subtree(self.descendants(node))
 
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to ``node`` (inclusive)."""
