@@ -4,8 +4,9 @@ settings side by side (`scripts/gpu_check.sh ab` names them NAME-a1, NAME-b1, NA
 
     scripts/ab_summary.py OUT_DIR RUN [RUN...]     # each RUN a folder holding bench's results.json
 
-A run's speed-up on a set is vanilla's seconds per token over the method's, both summed over the set's
-prompts in that run (the ratio measured side by side in one process)."""
+A run's speed-up on a set is the one bench wrote in its summary: vanilla's seconds per token over the
+method's, both summed over the set's prompts in that run (the ratio measured side by side in one
+process)."""
 
 from __future__ import annotations
 
@@ -13,25 +14,16 @@ import json
 import re
 import statistics
 import sys
-from collections import Counter, defaultdict
+from collections import defaultdict
 from pathlib import Path
 
 
 def speedups(results: Path) -> dict[tuple[str, str], float]:
-    """(set, method) -> vanilla's seconds per token over the method's, in one run."""
-    sums: dict[tuple[str, str], Counter] = defaultdict(Counter)
-    for rec in json.loads(results.read_text())["records"]:
-        if rec.get("error") or not rec.get("timed_tokens"):
-            continue
-        c = sums[rec["set"], rec["label"]]
-        c["tokens"] += rec["timed_tokens"]
-        c["seconds"] += rec["decode_seconds"]
-    out = {}
-    for (name, label), c in sums.items():
-        base = sums.get((name, "vanilla"))
-        if label != "vanilla" and base and c["seconds"] > 0:
-            out[name, label] = (base["seconds"] / base["tokens"]) / (c["seconds"] / c["tokens"])
-    return out
+    """(set, method) -> the run's speed-up over vanilla, as bench's summary has it (the "all" row left
+    out)."""
+    summary = json.loads(results.read_text())["summary"]
+    return {(name, label): row["speedup"] for name, rows in summary.items() if name != "all"
+            for label, row in rows.items() if label != "vanilla" and row.get("speedup") is not None}
 
 
 def main(argv: list[str]) -> int:
