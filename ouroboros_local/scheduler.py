@@ -84,6 +84,7 @@ MIN_GAIN = 1.05         # a one-token draft must promise this much over plain de
                         # on a CPU whose curve is steep a wrong "pays" costs more than a wrong "does not"
 CATCH_UP_MIN = 16       # a draft model this many tokens behind must first be shown to repay its catch-up
 CATCH_UP_REPAY_ROUNDS = 64   # ... within this many drafted rounds (or fit the probe budget)
+PROBE_REQUEST_SHARE = 0.25   # ... and a probe's catch-up at most this share of the request's time so far
 CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft's per-token cost in a batch
                              # this size (its calibrated curve; without one, the target's scaled by size)
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
@@ -308,6 +309,7 @@ class Scheduler:
         self._catch_up_costs: dict[str, float] = {}
         self._probe_spent: dict[str, float] = {}
         self._elapsed: dict[str, float] = {}
+        self._request_began: dict[str, float] = {}   # each method's elapsed seconds when its request began
         # This request's record per proposer: [tokens accepted, tokens the class estimates expected] over
         # the draft nodes verification tried (``request_scale``).
         self._request: dict[str, list[float]] = {}
@@ -601,6 +603,7 @@ class Scheduler:
         """A new generation starts: what the last one's drafts did no longer corrects the estimates."""
         self._request.clear()
         self._unverified.clear()
+        self._request_began[self._method] = self._elapsed.get(self._method, 0.0)
         # every cheap labelling drafter is looked at in the request's first round (``_worth_a_look``)
         self._kept_last = set(self.confidence)
         self._unlooked.clear()
@@ -694,11 +697,14 @@ class Scheduler:
         Yes when drafting's expected saving over CATCH_UP_REPAY_ROUNDS rounds covers the catch-up's
         expected seconds. Otherwise only as a probe within the probe budget, the catch-up included (a
         probe of a draft that does not pay, or a first draft on promise alone, e.g. the prior's): a draft
-        that never paid must not spend seconds reading a long prompt for one two-token probe."""
+        that never paid must not spend seconds reading a long prompt for one two-token probe. Nor may
+        such a probe cost more than PROBE_REQUEST_SHARE of the time its request has run: the budget is
+        the whole run's, and the 0.5B draft's first probe in a benchmark of the 1.5B target, after five
+        sets, read a 45-token prompt on an 8-token answer (0.40x on it, 0.92x on its set)."""
         seconds = behind * self.catch_up_cost(source)
         if source not in self._probing and seconds <= CATCH_UP_REPAY_ROUNDS * self._round_saving(source):
             return True
-        if self._probe_affordable(seconds):
+        if self._probe_affordable(seconds) and seconds <= PROBE_REQUEST_SHARE * self._request_elapsed():
             self._probing.add(source)   # charged to the probe budget (``note_draft``, ``update``)
             return True
         self._probing.discard(source)
@@ -752,6 +758,10 @@ class Scheduler:
         k = int(np.argmax(rates))
         tokens = float(acc.expected_all(self.max_length)[k])
         return max(tokens / rates[0] - tokens / rates[k], (MIN_GAIN - 1.0) / rates[0])
+
+    def _request_elapsed(self) -> float:
+        """Seconds this method's current request has run (its rounds and drafting)."""
+        return self._elapsed.get(self._method, 0.0) - self._request_began.get(self._method, 0.0)
 
     def _add_elapsed(self, seconds: float) -> None:
         self._elapsed[self._method] = self._elapsed.get(self._method, 0.0) + seconds

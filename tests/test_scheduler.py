@@ -202,6 +202,29 @@ def test_a_probe_does_not_read_a_long_prompt_the_probe_budget_cannot_pay_for() -
     assert scheduler_module.CATCH_UP_MIN <= 773
 
 
+def test_a_probe_does_not_read_the_prompt_before_its_request_has_run_four_times_as_long() -> None:
+    # the 0.5B draft's first probe in a benchmark of the 1.5B target, after five sets, read a 45-token
+    # prompt on an 8-token answer: the run's probe budget allowed it, one short request paid for it all
+    sched = scheduler_with(CPU, 0.01)
+    sched.acceptance["d"] = sched.acceptance.pop("x")
+    sched.use_method("auto")
+    draft = BehindDraft(40)
+    catch_up = 40 * sched.catch_up_cost("d")
+    sched.observe_round(1, 1000 * catch_up)     # an earlier request: the probe budget covers the catch-up
+    sched.begin_request()
+    for _ in range(16):                         # probes fall due every 8 rounds
+        sched.draft(draft, [0, 5], budget=8)
+        sched.observe_round(1, CPU.cost(1))
+    assert draft.asked == 0 and 16 * CPU.cost(1) < 4 * catch_up
+    sched.observe_round(1, 4 * catch_up)        # the request has now run four times the catch-up
+    for _ in range(16):
+        if draft.asked:
+            break
+        sched.draft(draft, [0, 5], budget=8)
+        sched.observe_round(1, CPU.cost(1))
+    assert draft.asked == 1 and "d" in sched._probing
+
+
 def test_a_draft_that_pays_catches_up_when_its_saving_repays_it() -> None:
     sched = Scheduler(CPU, draft_scale=0.5)    # 100 tokens: ~30 steps; 64 rounds save ~58
     sched.acceptance["d"] = Acceptance(successes=950, failures=50)
