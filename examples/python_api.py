@@ -9,6 +9,7 @@ sampling it follows the same distribution. Only the speed differs.
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ouroboros_local import Engine, EngineConfig, SamplingParams
@@ -16,8 +17,12 @@ from ouroboros_local.server import default_method
 
 
 def main(argv: list[str]) -> int:
-    target = argv[0] if argv else "smollm2-135m-instruct"
-    draft = argv[1] if len(argv) > 1 else None
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("target", nargs="?", default="smollm2-135m-instruct",
+                   help="GGUF path, catalogue name or hf:// spec (default: %(default)s)")
+    p.add_argument("draft", nargs="?", help="an optional draft model, given the same way")
+    args = p.parse_args(argv)
+    target, draft = args.target, args.draft
     config = EngineConfig(n_ctx=2048)            # threads, gpu_layers, flash_attn, ... live here too
     with Engine.load(target, draft, config=config) as engine:
         method = default_method(engine.draft is not None)   # the fastest lossless method for the pair
