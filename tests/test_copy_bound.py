@@ -41,3 +41,10 @@ def test_replay_bounds() -> None:
     policy = copy_bound.fit(answers, LINEAR)
     assert all(k == 0 for k in policy.values())                # when nothing pays, the fit drafts nothing
     assert max(copy_bound.fit(answers, FLAT).values()) == copy_bound.MAX_DRAFT
+
+
+def test_fit_drafts_up_to_the_longest_draft_asked() -> None:
+    prompt = list(range(100, 160))
+    answers = [copy_bound.copy_events(prompt, list(range(101, 151)))]  # a 50-token copy
+    assert max(copy_bound.fit(answers, FLAT).values()) == copy_bound.MAX_DRAFT
+    assert max(copy_bound.fit(answers, FLAT, max_draft=15).values()) == 15
