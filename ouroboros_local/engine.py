@@ -517,8 +517,6 @@ class Engine:
         result = verify_step(tree, self.kv.step_logits(), sampling, rng)
         step = _Round(tree, result, result, time.perf_counter() - t0, context_full=draft is None)
         if draft is not None and draft.n_candidates:
-            if draft.tokens[0] != tree.tokens[0]:
-                raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
             step.seen, child = first_level(draft, result)
             step.drafted = draft.n_candidates
             if child is not None:
@@ -538,8 +536,6 @@ class Engine:
             tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget, room)
             if tree is None:   # the end of the context: plain steps, which always fit, to the end
                 context_full, tree = True, TokenTree.rooted_at(committed[-1])
-            if tree.tokens[0] != committed[-1]:
-                raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
             proposed, drafted = tree, tree.n_candidates
             if round_size > 1 and not context_full:
                 tree = filled(tree, min(round_size, budget + 1), committed)
@@ -597,12 +593,15 @@ class Engine:
     @staticmethod
     def _propose_in_room(proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                          room: int) -> TokenTree | None:
-        """The proposer's tree (priced by ``sched`` when given), or None when it no longer fits the context
-        (a lookahead window's extra tokens take cells too) or a draft model's own context is full."""
+        """The proposer's tree (priced by ``sched`` when given; its root checked), or None when it no longer
+        fits the context (a lookahead window's extra tokens take cells too) or a draft model's own context
+        is full."""
         try:
             tree = sched.draft(proposer, committed, budget) if sched else proposer.propose(committed, budget)
         except ContextOverflowError:
             return None
+        if tree.tokens[0] != committed[-1]:
+            raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
         return tree if len(tree.tokens) + len(tree.extras) <= room + 1 else None
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:

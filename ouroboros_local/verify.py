@@ -14,7 +14,7 @@ distributed exactly as the target's processed distribution given the accepted pr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -75,7 +75,7 @@ class JoinedPredictions(Predictions):
     ``rest_nodes``, predicted by ``rest``). Nodes beside that subtree were never decoded."""
 
     def __init__(self, n_nodes: int, root: int, rest: "Predictions | np.ndarray | None" = None,
-                 rest_nodes: list[int] = ()):
+                 rest_nodes: Sequence[int] = ()):
         self._n = n_nodes
         self._root = root
         self._rest = rest

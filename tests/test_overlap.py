@@ -59,6 +59,22 @@ def test_looks_are_free_only_while_the_step_decodes(overlap_engine: Engine, monk
     assert overlap_engine.scheduler().looks_hidden is False
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_tree_rooted_elsewhere_is_refused_in_both_kinds_of_round(tiny_target, monkeypatch,
+                                                                   overlap: bool) -> None:
+    from ouroboros_local.proposers.prompt_lookup import PromptLookupProposer
+
+    def elsewhere(self, committed, budget):
+        tree = TokenTree.rooted_at(committed[-1] + 1)
+        tree.add(0, 5)
+        return tree
+
+    monkeypatch.setattr(PromptLookupProposer, "propose", elsewhere)
+    with tiny_engine(tiny_target, overlap=overlap) as engine:
+        with pytest.raises(RuntimeError, match="tree root is not the last committed token"):
+            engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup", options={"adaptive": False})
+
+
 def test_overlap_is_off_on_a_cpu_for_proposers_with_extras_and_in_rounds_of_one_size(tiny_target) -> None:
     with tiny_engine(tiny_target) as engine:   # no GPU layers: llama_decode waits for the decode
         assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
