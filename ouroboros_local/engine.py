@@ -32,6 +32,7 @@ from .sampling import SamplingParams
 from .calibration import CalibrationCache, CostModel, calibration_key, measure_costs, measure_round
 from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
 from .scheduler import Scheduler
+from .time_split import TimeSplit
 from .tree import TokenTree
 from .verify import VerifyResult, first_level, is_plain_step, joined, verify_round, verify_step
 
@@ -438,6 +439,7 @@ class Engine:
         carried: tuple[TokenTree, int] | None = None   # a draft and the child the last plain step accepted
         observe_later: Callable[[], None] | None = None
         ahead_drafts = ahead_carried = 0   # drafts made during a plain step, and those it accepted a token of
+        split = TimeSplit()
         try:
             while out.finish is None:
                 if is_cancelled():
@@ -450,6 +452,7 @@ class Engine:
                 budget = max(0, min(setup.max_tree_nodes, max_tokens - len(out.tokens) - 1, room - 1))
                 if round_size > 1:
                     budget = min(budget, round_size - 1)   # every round the same size: no larger tree
+                was_carried = carried is not None
                 if ahead:
                     step = self._step_ahead(proposer, sched, committed, budget, room, sampling, rng, observe_later)
                     observe_later = None
@@ -458,6 +461,7 @@ class Engine:
                 else:
                     step = self._round(proposer, sched, committed, budget, room, sampling, rng, carried,
                                        context_full, round_size)
+                split.add_round(is_plain_step(step.tree), ahead, was_carried, step.seconds, step.propose_seconds)
                 tree, result, seen, carried, context_full = (step.tree, step.result, step.seen, step.carried,
                                                              step.context_full)
                 stats.target_passes += 1
@@ -480,7 +484,9 @@ class Engine:
                     result.release()   # what it read is known; a row read later would be the next decode's
                     observe_later = observe
                 else:
-                    observe(time.perf_counter())
+                    t_observe = time.perf_counter()
+                    observe(t_observe)
+                    split.add_observe(time.perf_counter() - t_observe)
             if observe_later is not None:   # cancelled, or the context full, before the next step began
                 observe_later()
         finally:
@@ -492,6 +498,7 @@ class Engine:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
         stats.decode_seconds = time.perf_counter() - t1
+        stats.extra["time_split"] = split.to_dict(stats.decode_seconds)
         stats.extra["graphs_rebuilt"] = ((self.target_ctx.decodes - decodes_before)
                                          - (self.target_ctx.graphs_reused() - reused_before))
         _add_python_time(stats, llama_decode_clock() - llama_at_t1)
@@ -529,6 +536,7 @@ class Engine:
         """A round drafted before its decode: the rest of a carried draft, or the proposer's tree (the root
         alone once the context is full; filled to ``round_size``), verified in one decode."""
         drafted = 0
+        t_start = time.perf_counter()
         if carried is not None:
             proposed, child = carried
             tree = proposed.below(child)
@@ -546,7 +554,8 @@ class Engine:
             seen = joined(proposed, child, result)
         else:
             seen = result if proposed is tree else _as_proposed(result, proposed)
-        return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full)
+        return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full,
+                      propose_seconds=t0 - t_start)
 
     def _overlaps(self, proposer: Proposer, round_size: int) -> bool:
         """Does this generation draft while a plain step decodes (``EngineConfig.overlap``)? By default
@@ -625,6 +634,7 @@ class _Round:
     drafted: int = 0               # candidates proposed this round
     context_full: bool = False
     carried: tuple[TokenTree, int] | None = None   # a draft and the child this plain step accepted
+    propose_seconds: float = 0.0   # the proposal before the decode, in the open (a plain step's is in ``seconds``)
 
 
 class _Output:

@@ -339,3 +339,57 @@ def test_plain_batch_metadata_is_rewritten_after_a_general_fill() -> None:
         assert (batch._n_seq[0], batch._seq[0, 0], batch._logits[0], batch.n_tokens) == (1, 0, 1, 1)
     finally:
         batch.free()
+
+
+# ---- where the decode time goes --------------------------------------------------------------------
+def test_time_split_names_each_kind_of_round() -> None:
+    from ouroboros_local.calibration import SWITCH_STEPS
+    from ouroboros_local.time_split import TimeSplit
+
+    split = TimeSplit()
+    split.add_round(plain=True, ahead=False, carried=False, seconds=1.0, propose_seconds=0.1)
+    split.add_round(plain=False, ahead=False, carried=False, seconds=3.0, propose_seconds=0.2)
+    for _ in range(SWITCH_STEPS):   # a drafted round's wake
+        split.add_round(plain=True, ahead=True, carried=False, seconds=2.0, propose_seconds=0.0)
+    split.add_round(plain=True, ahead=True, carried=False, seconds=1.5, propose_seconds=0.0)
+    split.add_round(plain=False, ahead=False, carried=True, seconds=4.0, propose_seconds=0.0)
+    split.add_observe(0.05)
+    out = split.to_dict(decode_seconds=20.0)
+    assert out["plain"] == [1, 1.0] and out["drafted"] == [1, 3.0] and out["carried"] == [1, 4.0]
+    assert out["after_draft"] == [SWITCH_STEPS, 2.0 * SWITCH_STEPS] and out["ahead"] == [1, 1.5]
+    assert out["propose"][1] == pytest.approx(0.3) and out["observe"][1] == pytest.approx(0.05)
+    assert sum(s for _, s in out.values()) == pytest.approx(20.0)   # ``other`` is the rest
+
+
+def test_time_split_accounts_for_every_round_and_the_decode_time(tiny_target, tiny_draft) -> None:
+    from test_engine import make_engine
+
+    with make_engine(tiny_target, tiny_draft) as engine:
+        for method in ("vanilla", "speculative"):
+            stats = engine.generate([1, 5, 9, 13], max_tokens=24, method=method).stats
+            split = stats.extra["time_split"]
+            assert sum(n for n, _ in split.values()) == stats.target_passes
+            assert sum(s for _, s in split.values()) == pytest.approx(stats.decode_seconds, abs=1e-5)
+            drafted = split["drafted"][0] + split["carried"][0]
+            if method == "vanilla":
+                assert drafted == 0 and split["after_draft"][0] == 0
+            else:
+                assert drafted > 0 and split["propose"][1] > 0
+
+
+def test_bench_pools_the_time_split_per_100_tokens() -> None:
+    from ouroboros_local.bench.report import _time_split_lines, time_split_per_100_tokens
+
+    def rec(tokens: int, plain: float, drafted: float) -> dict:
+        return {"timed_tokens": tokens, "extra": {"time_split": {"plain": [tokens, plain], "drafted": [1, drafted],
+                                                                 "other": [0, 0.001]}}}
+    pooled = time_split_per_100_tokens([rec(100, 0.5, 0.02), rec(300, 1.5, 0.06)])
+    assert pooled["plain"] == {"ms": pytest.approx(500.0), "rounds": pytest.approx(100.0)}
+    assert pooled["drafted"]["ms"] == pytest.approx(20.0) and pooled["drafted"]["rounds"] == pytest.approx(0.5)
+    assert pooled["carried"]["ms"] == 0.0 and pooled["other"]["ms"] == pytest.approx(0.5)
+    assert time_split_per_100_tokens([{"timed_tokens": 10, "extra": {}}]) is None   # a peer: not measured
+    md = "\n".join(_time_split_lines({"s": {"auto": {"label": "auto", "time_split": pooled},
+                                            "peer": {"label": "peer", "time_split": None}}}))
+    row = next(line for line in md.splitlines() if line.startswith("| s | auto |"))
+    assert "500.0 (100.0)" in row and row.endswith("| 520.5 |")
+    assert "| s | peer |" not in md

@@ -10,6 +10,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..time_split import DECODE_PARTS, PARTS
+
 SCHEMA = "ouroboros-local-bench/1"
 
 # Top-level keys of results.json (stable; tests assert this set).
@@ -22,7 +24,7 @@ SUMMARY_KEYS = ("label", "kind", "method", "prompts", "errors", "tokens", "timed
                 "speedup", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes", "drafted",
                 "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
                 "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs", "speedup_ci",
-                "python_ms_per_round", "graph_rebuilds_per_100_passes")
+                "python_ms_per_round", "graph_rebuilds_per_100_passes", "time_split")
 
 CI_LEVEL = 0.90          # speedup_ci: a paired bootstrap interval over the set's prompts
 CI_RESAMPLES = 2000
@@ -99,6 +101,20 @@ def graph_rebuilds_per_100_passes(records: Sequence[Mapping[str, Any]]) -> float
     return 100.0 * sum(r["extra"]["graphs_rebuilt"] for r in counted) / passes if passes else None
 
 
+def time_split_per_100_tokens(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]] | None:
+    """Our methods' extra.time_split pooled over prompts: {part: {"ms": milliseconds per 100 timed
+    tokens, "rounds": rounds per 100 timed tokens}} (parts as in time_split.PARTS); None for peers."""
+    timed = [r for r in records if (r.get("extra") or {}).get("time_split") and r.get("timed_tokens")]
+    tokens = sum(r["timed_tokens"] for r in timed)
+    if not tokens:
+        return None
+    out: dict[str, dict[str, float]] = {}
+    for part in PARTS:
+        rows = [r["extra"]["time_split"].get(part, [0, 0.0]) for r in timed]
+        out[part] = {"ms": 1e5 * sum(s for _, s in rows) / tokens, "rounds": 100.0 * sum(n for n, _ in rows) / tokens}
+    return out
+
+
 def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping[str, Any]],
               model_bytes: int | None, reference: str = "vanilla") -> dict[str, dict[str, dict[str, Any]]]:
     """summary[set][label] = aggregated numbers (see SUMMARY_KEYS); an "all" set when there are several."""
@@ -145,6 +161,7 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
             s["speedup_geomean"] = _geomean(ratios)
             s["python_ms_per_round"] = python_ms_per_round(ok)
             s["graph_rebuilds_per_100_passes"] = graph_rebuilds_per_100_passes(ok)
+            s["time_split"] = time_split_per_100_tokens(ok)
             pairs = [_speed_pair(r, ref_runs[(r["set"], r["id"])]) for r in ok if (r["set"], r["id"]) in ref_runs]
             s["speedup_ci"] = bootstrap_speedup([p for p in pairs if p]) if label != reference else None
             compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
@@ -282,6 +299,7 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                          f"{_f(s.get('python_ms_per_round'), '{:.3f}')} | "
                          f"{_f(s.get('graph_rebuilds_per_100_passes'), '{:.1f}')} |")
         lines.append("")
+    lines += _time_split_lines(payload.get("summary") or {})
     mism = payload.get("mismatches") or []
     if mism:
         lines += ["## Outputs that differ from vanilla", "",
@@ -303,6 +321,37 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+_PART_HEADINGS = {"plain": "plain", "after_draft": "plain after a draft", "ahead": "plain, drafting",
+                  "drafted": "drafted", "carried": "carried", "propose": "propose", "observe": "observe",
+                  "other": "other"}
+
+
+def _time_split_lines(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
+    """One table: per set and method, milliseconds of decode time per 100 tokens by part, and the
+    rounds per 100 tokens of each kind of decode."""
+    rows = [(set_name, s) for set_name, by_label in summary.items() for s in by_label.values()
+            if s.get("time_split")]
+    if not rows:
+        return []
+    heads = [_PART_HEADINGS[p] for p in PARTS]
+    lines = ["## Where the decode time goes", "",
+             "Milliseconds per 100 tokens (rounds per 100 tokens in brackets): decodes with their verification "
+             "(plain steps; the plain steps after a round of another shape, which on a GPU run without their "
+             "CUDA graph; plain steps that drafted while decoding; rounds drafted before their decode; the rest "
+             "of a draft a plain step began), then our Python in the open: asking the proposer and the "
+             "scheduler before a decode, observing a round after it, and the rest (the loop, the output).", "",
+             "| set | method | " + " | ".join(heads) + " | total |",
+             "|---|---|" + "---:|" * (len(heads) + 1)]
+    for set_name, s in rows:
+        split = s["time_split"]
+        cells = [f"{split[p]['ms']:.1f}" + (f" ({split[p]['rounds']:.1f})" if p in DECODE_PARTS and split[p]["rounds"]
+                                           else "") for p in PARTS]
+        total = sum(split[p]["ms"] for p in PARTS)
+        lines.append(f"| {set_name} | {s['label']} | " + " | ".join(cells) + f" | {total:.1f} |")
+    lines.append("")
+    return lines
 
 
 # ---- re-rendering -------------------------------------------------------------------------------
