@@ -27,7 +27,8 @@
 #   scripts/gpu_check.sh ab NAME REPEATS 'FLAGS A' 'FLAGS B' [FLAGS...]
 #                                         two settings side by side: bench NAME REPEATS times each, in
 #                                         the order A B B A ..., each arm's speed-ups per set as mean
-#                                         (lowest-highest). Next on a GPU: ab smol 3 '--overlap off' ''
+#                                         (lowest-highest), then where the decode time goes (ms per 100
+#                                         tokens by kind of round). Next on a GPU: ab smol 3 '--overlap off' ''
 #                                         --methods vanilla,auto --peers '' (~20 s a run), and the same
 #                                         for qwen15 (~25 s a run)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
