@@ -408,8 +408,8 @@ class Engine:
         rng = sampling.rng()
         eog = self.target.eog_tokens
         cfg = self.config
-        setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=cfg.n_batch - 1,
-                             max_branches=cfg.n_seq_max, eog_tokens=eog,
+        setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=self.target_ctx.n_batch - 1,
+                             max_branches=self.target_ctx.n_seq_max, eog_tokens=eog,
                              extend_pays=sched.extend_rule() if sched is not None else None)
         # once a method has calibrated the cost curve, every round (any method's) refines what rounds cost
         costs_learner = self._scheduler if cfg.adaptive else None

@@ -130,6 +130,40 @@ def test_speculative_without_draft_is_refused(tiny_target) -> None:
             engine.generate("x", method="speculative")
 
 
+SMALL_BATCH_SCRIPT = """
+import sys
+from ouroboros_local.errors import ParameterError
+from ouroboros_local.testing.engines import tiny_engine
+target, draft, n_ctx, n_batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+with tiny_engine(target, draft, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=16) as engine:
+    print(engine.target_ctx.n_batch, engine.target_ctx.n_seq_max, engine.draft_kv().ctx.n_seq_max)
+    base = engine.generate("one two three one two three one", max_tokens=24, method="vanilla").tokens
+    for method in ("auto", "speculative", "prompt-lookup", "suffix", "ouroboros"):
+        try:
+            tokens = engine.generate("one two three one two three one", max_tokens=24, method=method).tokens
+        except ParameterError as exc:   # a window that does not fit the batch says so
+            assert method == "ouroboros" and "batch" in str(exc), (method, exc)
+            continue
+        assert tokens == base, method
+"""
+
+
+@pytest.mark.parametrize("n_ctx, n_batch", [(512, 8), (4, 64), (512, 1)])
+def test_a_batch_smaller_than_the_sequences_runs(tiny_target, tiny_draft, n_ctx: int, n_batch: int) -> None:
+    """More sequences than a batch holds outputs made llama.cpp abort the process (`-b 8`, or `-c 8`,
+    which cuts the batch to the context, with the default 16 sequences): now the context takes as many
+    as its batch holds, and the rounds fit the batch llama.cpp gave it. In a subprocess: an abort there
+    fails this test instead of killing the test run."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", SMALL_BATCH_SCRIPT, str(tiny_target), str(tiny_draft), str(n_ctx),
+                          str(n_batch)], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    batch, seqs, draft_seqs = map(int, run.stdout.split()[-3:])
+    assert batch == min(n_ctx, n_batch) and seqs == draft_seqs == min(16, batch)
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft, adaptive: bool) -> None:
     """Every method stops cleanly at a full context, lookahead's window and a draft model's context too

@@ -319,7 +319,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "tolerance_margin": args.tolerance_margin, "warmup": not args.no_warmup,
                 "reset_pool": args.reset_pool, "prefill": "warm" if args.warm_prefill else "cold",
                 "threads": threads, "n_ctx": n_ctx,
-                "n_batch": engine.config.n_batch, "n_seq_max": engine.config.n_seq_max,
+                "n_batch": engine.target_ctx.n_batch, "n_seq_max": engine.target_ctx.n_seq_max,
                 "gpu_layers": gpu_layers, "draft_gpu_layers": engine.config.draft_gpu_layers,
                 "flash_attn": engine.config.flash_attn, "order": "rotated per prompt",
                 "engine_config": dataclasses.asdict(engine.config),

@@ -497,7 +497,10 @@ class Context(_Native):
         cp.n_ctx = params.n_ctx
         cp.n_batch = params.n_batch
         cp.n_ubatch = params.n_batch  # one verification = one ubatch (uses n_threads_batch)
-        cp.n_seq_max = params.n_seq_max
+        # llama.cpp aborts the process (an assertion in output_reserve) when there are more sequences
+        # than a batch holds outputs (n_batch, cut to n_ctx): `-b 8` or `-c 8` with the default 16
+        # sequences. A batch never uses more sequences than it has tokens, so fewer lose nothing.
+        cp.n_seq_max = max(1, min(params.n_seq_max, params.n_batch, params.n_ctx))
         cp.n_threads = threads
         cp.n_threads_batch = params.n_threads_batch or threads
         try:

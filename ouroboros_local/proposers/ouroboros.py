@@ -84,7 +84,8 @@ class OuroborosProposer(Proposer):
         ctx = kv.ctx
         if self.window.W > ctx.n_seq_max:
             raise ParameterError(f"ouroboros window W={window} needs {window} sequence ids; the draft "
-                                 f"context has {ctx.n_seq_max} (lower the window or raise n_seq_max)")
+                                 f"context has {ctx.n_seq_max} (at most its batch of {ctx.n_batch} tokens): "
+                                 "lower the window, or raise --seqs and --batch-size")
         if self.window.n_nodes + 1 > ctx.n_batch:
             raise ParameterError(f"ouroboros window W={window}, N={level} needs {self.window.n_nodes + 1} "
                                  f"batch tokens; the batch holds {ctx.n_batch}")
