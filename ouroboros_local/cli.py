@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from .cpu_load import usable_cores
 from .errors import OuroborosError, ParameterError
 from .options import ALL as ALL_OPTIONS
 
@@ -122,6 +123,13 @@ def _engine_from_args(args: argparse.Namespace):
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
                           learned=args.learned is not False, round_size=args.round_size,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
+    if args.threads is not None and args.threads < 0:
+        raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
+    cores = usable_cores()
+    if args.threads and args.threads > cores:
+        say(f"note: -t {args.threads} is more threads than the {cores} cores this process may use: llama.cpp's "
+            "threads wait for each other at every step, so threads sharing a core slow decoding down, "
+            "often many times over")
     engine = Engine.load(args.model, args.draft, config=config, progress=True)
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")

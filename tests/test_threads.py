@@ -150,3 +150,17 @@ def test_doctor_reports_the_load_and_the_thread_choice(monkeypatch) -> None:
     assert "1.0 of 2 usable cores busy" in lines[0]
     assert lines[1].startswith("threads: 1 by default, the idle cores")
     assert lines[2].startswith("OpenMP waiting: OMP_WAIT_POLICY=")
+
+
+def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monkeypatch, capsys) -> None:
+    """-t above the usable cores runs (llama.cpp allows it) but says why it may crawl: on 2 cores,
+    -t 64 decoded SmolLM2 at 4 tok/s against 160; a negative count is a parameter error (status 2)."""
+    from ouroboros_local import cli
+
+    monkeypatch.setattr(cli, "usable_cores", lambda: 2)
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "-t", "3"]) == 0
+    assert "-t 3 is more threads than the 2 cores" in capsys.readouterr().err
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "-t", "2"]) == 0
+    assert "more threads than" not in capsys.readouterr().err
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "-t", "-1"]) == 2
+    assert "--threads must be >= 0" in capsys.readouterr().err
