@@ -450,3 +450,31 @@ def test_each_contender_keeps_its_own_learned_state() -> None:
         b.run(prompt, 4)
     assert seen == [{}, {}, {"suffix": 1}, {"auto": 1}]      # warm across its own prompts, blind to others'
     assert engine.history is outside and outside.kept("runs", dict) == {"outside": True}   # put back
+
+
+def test_bench_learns_first_on_the_prompts_after_the_limit(tiny_target: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """--learn-first K: our drafting methods answer the K prompts after --limit's untimed (vanilla and
+    peers do not), then the timed prompts run as usual; only those are recorded."""
+    rows = [{"id": f"p{i}", "task": "raw", "turns": [f"def add{i}(a, b):\n    return a + b\n\ndef add{i}(a, b):\n"],
+             "source": "test", "meta": {}} for i in range(4)]
+    pfile = write_jsonl(tmp_path / "tiny.jsonl", rows)
+    calls: list[tuple[str, str]] = []
+    run = runner.EngineContender.run
+
+    def counted(self, prompt, max_tokens):
+        calls.append((self.label, prompt.id))
+        return run(self, prompt, max_tokens)
+
+    monkeypatch.setattr(runner.EngineContender, "run", counted)
+    common = ["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla,suffix", "-n", "8",
+              "-c", "512", "-b", "64", "--seqs", "8", "-t", "1", "--no-progress", "--no-bandwidth", "--no-warmup",
+              "--peers", ""]
+    out = tmp_path / "out"
+    assert main([*common, "--limit", "1", "--learn-first", "2", "--out", str(out)]) == 0
+    assert calls == [("suffix", "p1"), ("suffix", "p2"), ("vanilla", "p0"), ("suffix", "p0")]
+    data = json.loads((out / "results.json").read_text())
+    assert [(r["label"], r["id"]) for r in data["records"]] == [("vanilla", "p0"), ("suffix", "p0")]
+    assert data["settings"]["learn_first"] == 2 and any("warm start" in n for n in data["notes"])
+    assert main([*common, "--learn-first", "2", "--out", str(out)]) == 2          # no --limit: nothing to learn from
+    assert main([*common, "--limit", "1", "--learn-first", "-1", "--out", str(out)]) == 2

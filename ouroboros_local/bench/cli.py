@@ -2,7 +2,7 @@
 
     ouroboros-local bench -m TARGET [-d DRAFT] --prompts FILE[,FILE...] [--task T]
         [--methods vanilla,prompt-lookup,...|all] [--peers llama-cpp-python-pld,llama.cpp]
-        [--llama-cpp-bin DIR] [--limit N] [-n N] [--out DIR] [--sweep [METHOD[,METHOD...]:]NAME=v1,v2,...]
+        [--llama-cpp-bin DIR] [--limit N [--learn-first K]] [-n N] [--out DIR] [--sweep [METHOD[,METHOD...]:]NAME=v1,v2,...]
 
 Writes DIR/results.json, DIR/results.md and DIR/speedup.png (DIR/sweep.png with --sweep).
 See docs/benchmarks.md.
@@ -50,6 +50,10 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g.add_argument("--llama-cpp-bin", default=None, metavar="DIR",
                    help="directory with llama.cpp's binaries (scripts/build_llama_cpp.sh); default: PATH")
     g.add_argument("--limit", type=int, default=None, help="first N prompts of each set")
+    g.add_argument("--learn-first", type=int, default=0, metavar="K",
+                   help="before timing, each of our drafting methods answers the K prompts after --limit's "
+                        "in each set, untimed: its estimates and history start where a user's would "
+                        "after such requests (with --learned: also from earlier runs' estimates)")
     g.add_argument("-n", "--max-tokens", type=int, default=None,
                    help="max new tokens (default per task: humaneval 192, cnndm 128, gsm8k 256, "
                         "mt_bench 256, wmt 128, raw 128)")
@@ -183,7 +187,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     labels = [v[0] for v in variants_from_args]
     if len(set(labels)) < len(labels) or set(labels) & set(methods):
         raise ParameterError("--variant labels must differ from each other and from the methods")
-    sets = prompts_mod.load_sets(args.prompts, task=args.task, limit=args.limit, fewshot=args.fewshot)
+    learn_n = args.learn_first
+    if learn_n < 0:
+        raise ParameterError("--learn-first must be >= 0")
+    if learn_n and args.limit is None:
+        raise ParameterError("--learn-first needs --limit: the prompts after the first --limit of each set "
+                             "are the ones learned from")
+    sets = prompts_mod.load_sets(args.prompts, task=args.task,
+                                 limit=args.limit + learn_n if learn_n else args.limit, fewshot=args.fewshot)
+    learn_sets = [dataclasses.replace(ps, items=ps.items[args.limit:]) for ps in sets] if learn_n else []
+    sets = [dataclasses.replace(ps, items=ps.items[:args.limit]) for ps in sets] if learn_n else sets
     peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)
     notes: list[str] = []
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
@@ -220,6 +233,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         built = fits
         if not built:
             raise ParameterError("no prompt fits the context; use a larger --ctx-size")
+        learn_built = [b for b in prompts_mod.build_prompts(learn_sets, tokenize, chat, template if chat else None,
+                                                            args.max_tokens)
+                       if len(b.tokens) + b.max_tokens + 1 <= n_ctx] if learn_sets else []
+        if learn_n:
+            notes.append(f"warm start: each of our drafting methods first answered {len(learn_built)} other "
+                         f"prompt(s) (up to {learn_n} after the first {args.limit} of each set), untimed")
+            log(f"bench: {notes[-1]}")
         warm_tokens = tokenize("warm up", True)
         warm = prompts_mod.BuiltPrompt(set_name="warmup", id="warmup", task="raw", text="warm up",
                                        tokens=warm_tokens, chat=False, max_tokens=8)
@@ -291,7 +311,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         run = runner.run_benchmark(built, contenders, engine=engine, warmup_prompt=warm,
                                    warmup=not args.no_warmup, greedy=sampling.greedy,
                                    tolerance_margin=args.tolerance_margin, progress=not args.no_progress,
-                                   save_text=args.save_text, log=log)
+                                   save_text=args.save_text, log=log, learn_prompts=learn_built)
 
         if run.interrupted:
             notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
@@ -311,7 +331,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "settings": {
                 "target": args.model, "draft": args.draft, "prompts": args.prompts, "task": args.task,
                 "methods": methods, "peers": peer_labels, "llama_cpp_bin": args.llama_cpp_bin,
-                "limit": args.limit, "max_tokens": args.max_tokens, "chat": chat, "fewshot": args.fewshot,
+                "limit": args.limit, "learn_first": learn_n, "max_tokens": args.max_tokens, "chat": chat, "fewshot": args.fewshot,
                 "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
                              "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed},
                 "sampling_desc": _sampling_desc(sampling), "method_options": method_opts,

@@ -208,14 +208,38 @@ class BenchRun:
     interrupted: bool = False     # Ctrl-C: the records hold the prompts completed before it
 
 
-def _progress(total: int, enabled: bool):
+def _progress(total: int, enabled: bool, desc: str = "bench"):
     if not enabled:
         return None
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         return None
-    return tqdm(total=total, desc="bench", unit="gen", file=sys.stderr, dynamic_ncols=True, leave=True)
+    return tqdm(total=total, desc=desc, unit="gen", file=sys.stderr, dynamic_ncols=True, leave=True)
+
+
+def learn_first(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender], progress: bool,
+                log: Callable[[str], None]) -> int:
+    """Each of our drafting methods answers ``prompts`` untimed and unrecorded (``bench --learn-first``):
+    the scheduler's estimates and each method's history then start where a user's would after such
+    requests, not from the priors. Returns the answers made."""
+    learners = [c for c in contenders if c.kind == "ours" and c.label != REFERENCE]
+    bar = _progress(len(prompts) * len(learners), progress, desc="learning")
+    made = 0
+    try:
+        for i, prompt in enumerate(prompts):
+            for c in rotate(learners, i):
+                try:
+                    c.run(prompt, prompt.max_tokens)
+                    made += 1
+                except (OuroborosError, OSError, RuntimeError, ValueError) as exc:
+                    log(f"bench: {c.label} failed while learning on {prompt.set_name}/{prompt.id}: {exc}")
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return made
 
 
 def rotate(items: Sequence[Any], k: int) -> list[Any]:
@@ -237,8 +261,10 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                   engine: "Engine | None" = None, warmup_prompt: BuiltPrompt | None = None,
                   warmup: bool = True, greedy: bool = True, tolerance_margin: float | None = None,
                   progress: bool = True, save_text: bool = False,
-                  log: Callable[[str], None] | None = None) -> BenchRun:
-    """Run every contender on every prompt (rotating order), compare with the reference, return records."""
+                  log: Callable[[str], None] | None = None,
+                  learn_prompts: Sequence[BuiltPrompt] = ()) -> BenchRun:
+    """Run every contender on every prompt (rotating order), compare with the reference, return records;
+    our drafting methods first answer ``learn_prompts`` untimed (``learn_first``)."""
     log = log or (lambda msg: print(msg, file=sys.stderr))
     labels = [c.label for c in contenders]
     if len(set(labels)) != len(labels):
@@ -260,6 +286,8 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                 continue
         active.append(c)
     run.contenders = [c.describe() for c in active]
+    if learn_prompts:
+        learn_first(learn_prompts, active, progress, log)
 
     bar = _progress(len(prompts) * len(active), progress)
     try:
