@@ -2,7 +2,8 @@
 
     ouroboros-local bench -m TARGET [-d DRAFT] --prompts FILE[,FILE...] [--task T]
         [--methods vanilla,prompt-lookup,...|all] [--peers llama-cpp-python-pld,llama.cpp]
-        [--llama-cpp-bin DIR] [--limit N [--learn-first K]] [-n N] [--out DIR] [--sweep [METHOD[,METHOD...]:]NAME=v1,v2,...]
+        [--llama-cpp-bin DIR] [--limit N [--learn-first K]] [-n N] [--out DIR]
+        [--sweep [METHOD[,METHOD...]:]NAME=v1,v2,...]
 
 Writes DIR/results.json, DIR/results.md and DIR/speedup.png (DIR/sweep.png with --sweep).
 See docs/benchmarks.md.
@@ -331,7 +332,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             "settings": {
                 "target": args.model, "draft": args.draft, "prompts": args.prompts, "task": args.task,
                 "methods": methods, "peers": peer_labels, "llama_cpp_bin": args.llama_cpp_bin,
-                "limit": args.limit, "learn_first": learn_n, "max_tokens": args.max_tokens, "chat": chat, "fewshot": args.fewshot,
+                "limit": args.limit, "learn_first": learn_n, "max_tokens": args.max_tokens, "chat": chat,
+                "fewshot": args.fewshot,
                 "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
                              "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed},
                 "sampling_desc": _sampling_desc(sampling), "method_options": method_opts,
