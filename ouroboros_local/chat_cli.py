@@ -118,7 +118,9 @@ class ChatSession:
                  f"{t.tokens} tokens in {t.decode_seconds:.2f}s ({tps:.1f} tok/s)",
                  f"prefill {t.prefill_seconds:.2f}s"]
         if t.target_passes:
-            parts.append(f"{t.target_passes} target passes ({t.tokens / t.target_passes:.2f} tok/pass)")
+            # as each answer's line counts it (GenerationStats.tokens_per_pass): accepted draft tokens per
+            # pass plus the pass's own; tokens / passes reads below 1 where an answer's last pass emits nothing
+            parts.append(f"{t.target_passes} target passes ({t.accepted / t.target_passes + 1:.2f} tok/pass)")
         if t.drafted:
             parts.append(f"accepted {t.accepted}/{t.drafted} drafted ({100.0 * t.accepted / t.drafted:.0f}%)")
         parts.append(f"context {self.context_used}/{self.n_ctx} tokens, {len(self.messages)} messages")

@@ -65,6 +65,9 @@ def test_session_history_matches_template_over_whole_conversation(engine):
     assert session.context_used == len(chat_tokens(engine, history)) + second.stats.tokens
     summary = session.summary()
     assert "2 answers" in summary and "context" in summary
+    # the session's tokens per pass as each answer counts it (accepted per pass + 1), never below 1
+    t = session.totals
+    assert f"({t.accepted / t.target_passes + 1:.2f} tok/pass)" in summary
     assert STATS_LINE.match(ChatSession.turn_line(second))
 
     session.reset()
