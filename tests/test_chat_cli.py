@@ -68,6 +68,10 @@ def test_session_history_matches_template_over_whole_conversation(engine):
     # the session's tokens per pass as each answer counts it (accepted per pass + 1), never below 1
     t = session.totals
     assert f"({t.accepted / t.target_passes + 1:.2f} tok/pass)" in summary
+    t.tokens, t.target_passes, t.accepted = 9, 10, 0   # an answer ended by an end-of-generation token
+    assert "10 target passes (1.00 tok/pass)" in session.summary()
+    t.tokens, t.target_passes, t.accepted = 30, 10, 21
+    assert "10 target passes (3.10 tok/pass)" in session.summary()
     assert STATS_LINE.match(ChatSession.turn_line(second))
 
     session.reset()
