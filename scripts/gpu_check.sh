@@ -47,10 +47,10 @@
 # The report's "py ms/round" is our Python only since c32bbd8: before it, the wait for the GPU (in
 # llama_get_logits; llama_decode only queues the work) was counted too, ~1.25 ms of the H200's 1.35 ms step.
 # Since 18e43c0 every bench report ends with "Where the decode time goes" (ms per 100 tokens by kind of
-# round) and `ab` prints it per setting. Next on a GPU, after the stashes: `ab qwen15 3 '' '--round-size 4
-# --method-options {"suffix":{"max_branches":1}}' --methods vanilla,auto --peers ''` (the 1.5B's gsm8k,
-# 0.92x after the code edits on the H200: do its drafted rounds, their wakes or the Python in the open
-# cost it?), then the same for smol.
+# round) and `ab` prints it per setting. Next on a GPU, after the stashes: `ab qwen15 3 '' '--round-size 4'
+# --methods vanilla,auto --peers ''` (auto's suffix tries draft chains, so its rounds keep one shape; the
+# 1.5B's gsm8k, 0.92x after the code edits on the H200: do its drafted rounds, their wakes or the Python
+# in the open cost it?), then the same for smol.
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
