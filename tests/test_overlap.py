@@ -41,6 +41,11 @@ def test_a_draft_made_during_the_step_is_carried_into_the_next_round(overlap_eng
     # the carried draft was verified in the next round: fewer target passes than tokens
     assert again.stats.target_passes + again.stats.accepted == len(again.tokens)
     assert again.stats.target_passes < len(again.tokens) / 2
+    # the time split names both halves: plain steps that drafted while decoding, and the carried rest
+    split = again.stats.extra["time_split"]
+    assert split["ahead"][0] >= 1 and split["carried"][0] == ahead["carried"]
+    assert sum(n for n, _ in split.values()) == again.stats.target_passes
+    assert sum(t for _, t in split.values()) == pytest.approx(again.stats.decode_seconds, abs=1e-5)
 
 
 def test_looks_are_free_only_while_the_step_decodes(overlap_engine: Engine, monkeypatch) -> None:
