@@ -54,31 +54,29 @@ def main(argv: list[str]) -> int:
 
 
 def print_time_split(root: Path, runs: list[str]) -> None:
-    """Where the decode time goes (bench's table), milliseconds per 100 tokens over all sets, averaged
-    over each setting's runs: which part makes a setting slower."""
+    """Where the decode time goes (bench's table), milliseconds per 100 tokens per set, averaged over
+    each setting's runs: which part makes a setting slower, and on which text."""
     from ouroboros_local.time_split import PARTS
 
-    per_arm: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    # (set, method) -> setting -> the runs' splits
+    splits: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for run in runs:
         summary = json.loads((root / run / "results.json").read_text())["summary"]
-        rows = summary.get("all") or next(iter(summary.values()))
-        for label, row in rows.items():
-            if row.get("time_split"):
-                per_arm[re.sub(r"\d+$", "", run)][label].append(row["time_split"])
-    if not per_arm:
-        return
-    print("\nms per 100 tokens, all sets (mean over runs):\n")
-    print("| method | setting | " + " | ".join(PARTS) + " | total |")
-    print("|---|---|" + "---:|" * (len(PARTS) + 1))
-    labels = sorted({label for arm in per_arm.values() for label in arm})
-    for label in labels:
-        for arm, by_label in per_arm.items():
-            splits = by_label.get(label)
-            if not splits:
+        for name, rows in summary.items():
+            if name == "all" and len(summary) > 1:
                 continue
-            ms = [statistics.mean(split[part]["ms"] for split in splits) for part in PARTS]
-            print(f"| {label} | {arm} | " + " | ".join(f"{v:.1f}" for v in ms) + f" | {sum(ms):.1f} |")
-
+            for label, row in rows.items():
+                if row.get("time_split"):
+                    splits[name, label][re.sub(r"\d+$", "", run)].append(row["time_split"])
+    if not splits:
+        return
+    print("\nms per 100 tokens (mean over runs):\n")
+    print("| set | method | setting | " + " | ".join(PARTS) + " | total |")
+    print("|---|---|---|" + "---:|" * (len(PARTS) + 1))
+    for (name, label), by_arm in splits.items():
+        for arm, runs_split in by_arm.items():
+            ms = [statistics.mean(split[part]["ms"] for split in runs_split) for part in PARTS]
+            print(f"| {name} | {label} | {arm} | " + " | ".join(f"{v:.1f}" for v in ms) + f" | {sum(ms):.1f} |")
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))

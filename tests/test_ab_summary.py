@@ -32,6 +32,7 @@ def test_each_setting_gets_its_mean_speedup_and_time_split(tmp_path: Path, capsy
     assert ab_summary.main([str(tmp_path), "s-a1", "s-b1", "s-b2", "s-a2"]) == 0
     out = capsys.readouterr().out
     assert "| auto | s-a | 0.92x (0.90-0.94) |" in out and "| auto | s-b | 1.01x (1.00-1.02) |" in out
-    split_a = next(line for line in out.splitlines() if line.startswith("| auto | s-a | 600.0"))
+    split_a = next(line for line in out.splitlines() if line.startswith("| gsm8k | auto | s-a | 600.0"))
     assert "| 25.0 |" in split_a and split_a.endswith("| 625.0 |")      # propose: the mean of 20 and 30
-    assert next(line for line in out.splitlines() if line.startswith("| auto | s-b | 600.0")).endswith("| 603.0 |")
+    split_b = next(line for line in out.splitlines() if line.startswith("| gsm8k | auto | s-b | 600.0"))
+    assert split_b.endswith("| 603.0 |")
