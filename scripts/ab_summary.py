@@ -78,5 +78,6 @@ def print_time_split(root: Path, runs: list[str]) -> None:
             ms = [statistics.mean(split[part]["ms"] for split in runs_split) for part in PARTS]
             print(f"| {name} | {label} | {arm} | " + " | ".join(f"{v:.1f}" for v in ms) + f" | {sum(ms):.1f} |")
 
+
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
