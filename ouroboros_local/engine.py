@@ -461,7 +461,8 @@ class Engine:
                 else:
                     step = self._round(proposer, sched, committed, budget, room, sampling, rng, carried,
                                        context_full, round_size)
-                split.add_round(is_plain_step(step.tree), ahead, was_carried, step.seconds, step.propose_seconds)
+                split.add_round(len(step.tree.tokens) + len(step.tree.extras), step.drafted > 0 and not ahead, ahead,
+                                was_carried, step.seconds, step.propose_seconds)
                 tree, result, seen, carried, context_full = (step.tree, step.result, step.seen, step.carried,
                                                              step.context_full)
                 stats.target_passes += 1

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from .calibration import SWITCH_STEPS
 
-# decodes, each with its verification: plain steps (``after_draft``: the SWITCH_STEPS after a round of
-# another shape; ``ahead``: the rest of those a draft was made during), rounds drafted before their
-# decode, and the rest of a draft that a plain step began (``carried``)
+# decodes, each with its verification: rounds that verified no draft (``plain``; ``after_draft``: the
+# SWITCH_STEPS one-token steps after a larger decode; ``ahead``: the rest of those that drafted while they
+# decoded), rounds that verified a draft made before their decode, and the rest of a draft that a plain
+# step began (``carried``). A round filled to ``--round-size`` with guesses but no draft is ``plain``.
 DECODE_PARTS = ("plain", "after_draft", "ahead", "drafted", "carried")
 # Python in the open: asking the proposer (and the scheduler) before a decode, and observing a round after it
 PYTHON_PARTS = ("propose", "observe")
@@ -22,20 +23,22 @@ class TimeSplit:
     def __init__(self) -> None:
         self.rounds = dict.fromkeys(DECODE_PARTS, 0)
         self.seconds = dict.fromkeys(DECODE_PARTS + PYTHON_PARTS, 0.0)
-        self._wake = 0   # plain steps still to come in the wake of a round of another shape
+        self._wake = 0   # one-token steps still to come in the wake of a larger decode
 
-    def add_round(self, plain: bool, ahead: bool, carried: bool, seconds: float, propose_seconds: float) -> None:
-        """A round: a plain step (``ahead``: one that drafted during its decode) or a drafted one
-        (``carried``: the rest of a draft a plain step began), its decode and verification taking
-        ``seconds`` and the proposal before it ``propose_seconds``."""
-        if not plain:
-            part = "carried" if carried else "drafted"
-            self._wake = SWITCH_STEPS
-        elif self._wake:
+    def add_round(self, size: int, drafted: bool, ahead: bool, carried: bool, seconds: float,
+                  propose_seconds: float) -> None:
+        """A round that decoded ``size`` tokens and verified a draft made before it (``drafted``), the
+        rest of a carried draft (``carried``), or no draft (``ahead``: it drafted while decoding), its
+        decode and verification taking ``seconds`` and the proposal before it ``propose_seconds``."""
+        if carried:
+            part = "carried"
+        elif drafted:
+            part = "drafted"
+        elif self._wake and size == 1:
             part = "after_draft"
-            self._wake -= 1
         else:
             part = "ahead" if ahead else "plain"
+        self._wake = SWITCH_STEPS if size > 1 else max(self._wake - 1, 0)
         self.rounds[part] += 1
         self.seconds[part] += seconds
         self.seconds["propose"] += propose_seconds

@@ -347,15 +347,19 @@ def test_time_split_names_each_kind_of_round() -> None:
     from ouroboros_local.time_split import TimeSplit
 
     split = TimeSplit()
-    split.add_round(plain=True, ahead=False, carried=False, seconds=1.0, propose_seconds=0.1)
-    split.add_round(plain=False, ahead=False, carried=False, seconds=3.0, propose_seconds=0.2)
-    for _ in range(SWITCH_STEPS):   # a drafted round's wake
-        split.add_round(plain=True, ahead=True, carried=False, seconds=2.0, propose_seconds=0.0)
-    split.add_round(plain=True, ahead=True, carried=False, seconds=1.5, propose_seconds=0.0)
-    split.add_round(plain=False, ahead=False, carried=True, seconds=4.0, propose_seconds=0.0)
+    split.add_round(1, drafted=False, ahead=False, carried=False, seconds=1.0, propose_seconds=0.1)
+    split.add_round(4, drafted=True, ahead=False, carried=False, seconds=3.0, propose_seconds=0.2)
+    for _ in range(SWITCH_STEPS):   # a drafted round's wake, whether its steps draft or not
+        split.add_round(1, drafted=False, ahead=True, carried=False, seconds=2.0, propose_seconds=0.0)
+    split.add_round(1, drafted=False, ahead=True, carried=False, seconds=1.5, propose_seconds=0.0)
+    split.add_round(3, drafted=False, ahead=False, carried=True, seconds=4.0, propose_seconds=0.0)
+    # rounds of one size (--round-size): a round filled with guesses but no draft is plain, and no
+    # round is in a wake, the shape never changing back to one token
+    split.add_round(4, drafted=False, ahead=False, carried=False, seconds=0.5, propose_seconds=0.0)
+    split.add_round(4, drafted=False, ahead=False, carried=False, seconds=0.5, propose_seconds=0.0)
     split.add_observe(0.05)
     out = split.to_dict(decode_seconds=20.0)
-    assert out["plain"] == [1, 1.0] and out["drafted"] == [1, 3.0] and out["carried"] == [1, 4.0]
+    assert out["plain"] == [3, 2.0] and out["drafted"] == [1, 3.0] and out["carried"] == [1, 4.0]
     assert out["after_draft"] == [SWITCH_STEPS, 2.0 * SWITCH_STEPS] and out["ahead"] == [1, 1.5]
     assert out["propose"][1] == pytest.approx(0.3) and out["observe"][1] == pytest.approx(0.05)
     assert sum(s for _, s in out.values()) == pytest.approx(20.0)   # ``other`` is the rest

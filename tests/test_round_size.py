@@ -50,6 +50,18 @@ def test_rounds_of_one_size_reuse_the_graph(tiny_target) -> None:
     assert rebuilt[4][0] < rebuilt[0][0]
 
 
+def test_the_time_split_counts_filled_rounds_without_a_draft_as_plain(round_engine: Engine) -> None:
+    """A round filled with guesses but no draft is a plain step of four tokens, and a one-token step
+    follows a larger decode only where the token budget shortens the request's last rounds."""
+    from ouroboros_local.calibration import SWITCH_STEPS
+
+    res = round_engine.generate(PROMPTS[0] * 3, max_tokens=48, method="prompt-lookup", options={"max_ngram": 3})
+    split = res.stats.extra["time_split"]
+    assert split["drafted"][0] >= 1 and split["plain"][0] >= 1 and split["carried"][0] == 0
+    assert split["after_draft"][0] <= SWITCH_STEPS
+    assert split["plain"][0] + split["drafted"][0] + split["after_draft"][0] == res.stats.target_passes
+
+
 def test_a_chain_is_filled_from_the_context_and_a_tree_is_left_alone() -> None:
     chain = TokenTree.rooted_at(5)
     chain.add_path(0, [6], source="prompt-lookup")

@@ -338,10 +338,11 @@ def _time_split_lines(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
     heads = [_PART_HEADINGS[p] for p in PARTS]
     lines = ["## Where the decode time goes", "",
              "Milliseconds per 100 tokens (rounds per 100 tokens in brackets): decodes with their verification "
-             "(plain steps; the plain steps after a round of another shape, which on a GPU run without their "
-             "CUDA graph; plain steps that drafted while decoding; rounds drafted before their decode; the rest "
-             "of a draft a plain step began), then our Python in the open: asking the proposer and the "
-             "scheduler before a decode, observing a round after it, and the rest (the loop, the output).", "",
+             "(rounds that verified no draft, filled to --round-size or not; the one-token steps after a larger "
+             "decode, which on a GPU run without their CUDA graph; plain steps that drafted while decoding; "
+             "rounds that verified a draft made before their decode; the rest of a draft a plain step began), "
+             "then our Python in the open: asking the proposer and the scheduler before a decode, observing a "
+             "round after it, and the rest (the loop, the output).", "",
              "| set | method | " + " | ".join(heads) + " | total |",
              "|---|---|" + "---:|" * (len(heads) + 1)]
     for set_name, s in rows:
