@@ -164,6 +164,12 @@ def test_a_batch_smaller_than_the_sequences_runs(tiny_target, tiny_draft, n_ctx:
     assert batch == min(n_ctx, n_batch) and seqs == draft_seqs == min(16, batch)
 
 
+def test_a_context_of_the_trained_size_keeps_its_sequences(tiny_target) -> None:
+    """n_ctx=0 asks llama.cpp for the model's trained context: the sequences are not cut to it."""
+    with make_engine(tiny_target, n_ctx=0, n_batch=64, n_seq_max=8) as engine:
+        assert engine.target_ctx.n_ctx > 0 and engine.target_ctx.n_seq_max == 8
+
+
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft, adaptive: bool) -> None:
     """Every method stops cleanly at a full context, lookahead's window and a draft model's context too

@@ -500,7 +500,8 @@ class Context(_Native):
         # llama.cpp aborts the process (an assertion in output_reserve) when there are more sequences
         # than a batch holds outputs (n_batch, cut to n_ctx): `-b 8` or `-c 8` with the default 16
         # sequences. A batch never uses more sequences than it has tokens, so fewer lose nothing.
-        cp.n_seq_max = max(1, min(params.n_seq_max, params.n_batch, params.n_ctx))
+        outputs = params.n_batch if params.n_ctx <= 0 else min(params.n_batch, params.n_ctx)   # 0: trained size
+        cp.n_seq_max = max(1, min(params.n_seq_max, outputs))
         cp.n_threads = threads
         cp.n_threads_batch = params.n_threads_batch or threads
         try:
