@@ -125,8 +125,7 @@ def _engine_from_args(args: argparse.Namespace):
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
     if args.threads is not None and args.threads < 0:
         raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
-    cores = usable_cores()
-    if args.threads and args.threads > cores:
+    if args.threads and args.threads > (cores := usable_cores()):
         say(f"note: -t {args.threads} is more threads than the {cores} cores this process may use: llama.cpp's "
             "threads wait for each other at every step, so threads sharing a core slow decoding down, "
             "often many times over")

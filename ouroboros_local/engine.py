@@ -461,8 +461,8 @@ class Engine:
                 else:
                     step = self._round(proposer, sched, committed, budget, room, sampling, rng, carried,
                                        context_full, round_size)
-                split.add_round(len(step.tree.tokens) + len(step.tree.extras), step.drafted > 0 and not ahead, ahead,
-                                was_carried, step.seconds, step.propose_seconds)
+                split.add_round(step.tree.batch_size, step.drafted > 0 and not ahead, ahead, was_carried,
+                                step.seconds, step.propose_seconds)
                 tree, result, seen, carried, context_full = (step.tree, step.result, step.seen, step.carried,
                                                              step.context_full)
                 stats.target_passes += 1
@@ -585,7 +585,7 @@ class Engine:
             result.release()   # its logits rows are overwritten by the next decode
             if costs_learner is not None:
                 seconds = round_seconds + (time.perf_counter() - t_observe if t_observe is not None else 0.0)
-                costs_learner.observe_round(len(tree.tokens) + len(tree.extras), seconds)  # batch size
+                costs_learner.observe_round(tree.batch_size, seconds)
         return observe
 
     def _propose_hidden(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
@@ -612,7 +612,7 @@ class Engine:
             return None
         if tree.tokens[0] != committed[-1]:
             raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
-        return tree if len(tree.tokens) + len(tree.extras) <= room + 1 else None
+        return tree if tree.batch_size <= room + 1 else None
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
         if is_plain_step(tree):   # no layout, no walk: what one round of plain decoding must cost

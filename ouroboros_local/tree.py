@@ -75,6 +75,11 @@ class TokenTree:
         """Number of non-root nodes (drafted tokens)."""
         return len(self.tokens) - 1
 
+    @property
+    def batch_size(self) -> int:
+        """Tokens one decode of this tree takes, each a KV cell: its nodes and the extras."""
+        return len(self.tokens) + len(self.extras)
+
     def child_with_token(self, parent: int, token: int) -> int | None:
         """The lowest-numbered child of ``parent`` with ``token``, or None (O(1) amortised)."""
         if self._indexed < len(self.tokens):

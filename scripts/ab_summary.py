@@ -18,10 +18,14 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def speedups(results: Path) -> dict[tuple[str, str], float]:
+def setting(run: str) -> str:
+    """The setting a run belongs to: NAME-a1 -> NAME-a."""
+    return re.sub(r"\d+$", "", run)
+
+
+def speedups(summary: dict) -> dict[tuple[str, str], float]:
     """(set, method) -> the run's speed-up over vanilla, as bench's summary has it (the "all" row left
     out)."""
-    summary = json.loads(results.read_text())["summary"]
     return {(name, label): row["speedup"] for name, rows in summary.items() if name != "all"
             for label, row in rows.items() if label != "vanilla" and row.get("speedup") is not None}
 
@@ -31,12 +35,12 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     root, runs = Path(argv[0]), argv[1:]
+    summaries = {run: json.loads((root / run / "results.json").read_text())["summary"] for run in runs}
     per_arm: dict[str, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     sets: list[str] = []
-    for run in runs:
-        arm = re.sub(r"\d+$", "", run)       # NAME-a1 -> NAME-a
-        for (name, label), value in speedups(root / run / "results.json").items():
-            per_arm[arm][name, label].append(value)
+    for run, summary in summaries.items():
+        for (name, label), value in speedups(summary).items():
+            per_arm[setting(run)][name, label].append(value)
             if name not in sets:
                 sets.append(name)
     print("| method | setting | " + " | ".join(sets) + " |")
@@ -49,25 +53,24 @@ def main(argv: list[str]) -> int:
                 v = values.get((name, label))
                 cells.append(f"{statistics.mean(v):.2f}x ({min(v):.2f}-{max(v):.2f})" if v else "–")
             print(f"| {label} | {arm} | " + " | ".join(cells) + " |")
-    print_time_split(root, runs)
+    print_time_split(summaries)
     return 0
 
 
-def print_time_split(root: Path, runs: list[str]) -> None:
+def print_time_split(summaries: dict[str, dict]) -> None:
     """Where the decode time goes (bench's table), milliseconds per 100 tokens per set, averaged over
     each setting's runs: which part makes a setting slower, and on which text."""
     from ouroboros_local.time_split import PARTS
 
     # (set, method) -> setting -> the runs' splits
     splits: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
-    for run in runs:
-        summary = json.loads((root / run / "results.json").read_text())["summary"]
+    for run, summary in summaries.items():
         for name, rows in summary.items():
             if name == "all" and len(summary) > 1:
                 continue
             for label, row in rows.items():
                 if row.get("time_split"):
-                    splits[name, label][re.sub(r"\d+$", "", run)].append(row["time_split"])
+                    splits[name, label][setting(run)].append(row["time_split"])
     if not splits:
         return
     print("\nms per 100 tokens (mean over runs):\n")

@@ -178,7 +178,7 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
                 if charge_python:   # the drafting step's own time, as the scheduler sees it
                     replayed += python_scale * (time.perf_counter() - t0)
                 result, _ = verify_round(tree, decode, setup.sampling, setup.rng)
-                n = len(tree.tokens) + len(tree.extras)
+                n = tree.batch_size
                 seconds = clock(n) * float(np.exp(rng.normal(0.0, noise)))
                 replayed += seconds
                 counts.update(rounds=1, drafted=tree.n_candidates, accepted=len(result.accepted))

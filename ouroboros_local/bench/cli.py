@@ -225,7 +225,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         built = prompts_mod.build_prompts(sets, tokenize, chat, template if chat else None, args.max_tokens)
         n_ctx = engine.target_ctx.n_ctx
-        fits = [b for b in built if len(b.tokens) + b.max_tokens + 1 <= n_ctx]
+
+        def fits_context(b: prompts_mod.BuiltPrompt) -> bool:
+            return len(b.tokens) + b.max_tokens + 1 <= n_ctx
+
+        fits = [b for b in built if fits_context(b)]
         if len(fits) < len(built):
             dropped = [f"{b.set_name}/{b.id}" for b in built if b not in fits]
             notes.append(f"{len(dropped)} prompt(s) longer than the context ({n_ctx}) minus the max new tokens "
@@ -236,7 +240,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ParameterError("no prompt fits the context; use a larger --ctx-size")
         learn_built = [b for b in prompts_mod.build_prompts(learn_sets, tokenize, chat, template if chat else None,
                                                             args.max_tokens)
-                       if len(b.tokens) + b.max_tokens + 1 <= n_ctx] if learn_sets else []
+                       if fits_context(b)] if learn_sets else []
         if learn_n:
             notes.append(f"warm start: each of our drafting methods first answered {len(learn_built)} other "
                          f"prompt(s) (up to {learn_n} after the first {args.limit} of each set), untimed")
