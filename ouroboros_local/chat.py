@@ -63,10 +63,12 @@ ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the system ro
 
 
 def _text_part(i: int, part: Any) -> str:
-    if not isinstance(part, dict) or part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+    if not isinstance(part, dict) or part.get("type", "text") != "text":
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
         raise ParameterError(f"message {i}: content part {kind!r} is not supported (this server takes "
                              "text parts only)")
+    if not isinstance(part.get("text"), str):
+        raise ParameterError(f"message {i}: a text part needs a string 'text'")
     return part["text"]
 
 

@@ -12,6 +12,7 @@ from typing import Any, Sequence
 from .cpu_load import usable_cores
 from .errors import OuroborosError, ParameterError
 from .options import ALL as ALL_OPTIONS
+from .text_input import read_stdin, read_text
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_METHOD = "auto"
@@ -65,7 +66,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=40)
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--min-p", type=float, default=0.05)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None,
+                   help="seed of the sampler (default, or -1 as in llama.cpp: a random one)")
 
 
 def _add_method_args(p: argparse.ArgumentParser) -> None:
@@ -160,7 +162,7 @@ def _sampling_from_args(args: argparse.Namespace):
     from .sampling import SamplingParams
 
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed).validated()
+                          min_p=args.min_p, seed=None if args.seed == -1 else args.seed).validated()
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -169,10 +171,10 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.file is not None:
         path = Path(args.file)
         if str(path) == "-":
-            return sys.stdin.read()
+            return read_stdin()
         if not path.is_file():
             raise ParameterError(f"prompt file not found: {path}")
-        return path.read_text(encoding="utf-8")
+        return read_text(path)
     if args.prompt is None:
         raise ParameterError("a prompt is needed: -p TEXT or -f FILE")
     return args.prompt

@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, TypeVar
 
+from .errors import PoolError
 from .pool import PhrasePool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,7 +53,13 @@ class History:
         return self._method_state[key]
 
     def persist(self, path: str, state: Persistable) -> None:
-        """Save ``state`` to ``path`` after each generation from now on (the latest state for a path wins)."""
+        """Save ``state`` to ``path`` after each generation from now on (the latest state for a path wins).
+        A folder that cannot take the file is refused now, not after the first answer (whose chat turn
+        would be lost with the save's error)."""
+        if path not in self._files:
+            folder = Path(path).parent
+            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+                raise PoolError(f"cannot save history to {path}: {folder} is not a writable folder")
         self._files[path] = state
 
     def fingerprint(self) -> str:

@@ -47,8 +47,9 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "in [0, 1)")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
             raise bad("top_k", self.top_k, "an integer >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise bad("seed", self.seed, "an integer")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or self.seed < 0):
+            raise bad("seed", self.seed, "an integer >= 0")
         return replace(self, temperature=float(self.temperature), top_p=float(self.top_p),
                        min_p=float(self.min_p))
 

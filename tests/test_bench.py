@@ -80,6 +80,15 @@ def test_load_sets(tmp_path: Path) -> None:
     txt = tmp_path / "p.txt"
     txt.write_text("hello\n")
     assert prompts.load_sets(str(txt))[0].items[0].turns == ["hello\n"]
+    # a file in another encoding names its line; a JSON string may hold U+2028 (a line break to
+    # str.splitlines, not to JSONL)
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes('{"id": "a", "turns": ["ok"]}\n{"id": "b", "turns": ["caf\u00e9"]}\n'.encode("latin-1"))
+    with pytest.raises(ParameterError, match=r"latin.jsonl:2: not UTF-8 text \(byte 0xe9"):
+        prompts.load_sets(str(latin))
+    sep = tmp_path / "sep.jsonl"
+    sep.write_text('{"id": "a", "turns": ["one\u2028two"]}\n', encoding="utf-8")
+    assert prompts.load_sets(str(sep))[0].items[0].turns == ["one\u2028two"]
     assert prompts.looks_like_chat_model("Qwen2.5 Coder 1.5B Instruct", True)
     assert not prompts.looks_like_chat_model("Qwen2.5 Coder 1.5B", True)
     assert not prompts.looks_like_chat_model("x-instruct", False)

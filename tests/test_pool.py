@@ -202,6 +202,18 @@ def test_missing_file_is_a_pool_error(tmp_path) -> None:
         PhrasePool.load(tmp_path / "nope.bin", FP)
 
 
+def test_a_history_file_in_a_missing_folder_is_refused_before_any_answer(tmp_path) -> None:
+    """Saved after each answer, such a file once failed only then: the chat turn was lost with it."""
+    from ouroboros_local.history import History
+
+    history = History()
+    with pytest.raises(PoolError, match="is not a writable folder"):
+        history.pool(4, 8, str(tmp_path / "missing" / "h.pool"))
+    history.pool(4, 8, str(tmp_path / "h.pool"))
+    history.save()   # a folder that exists takes the file
+    assert (tmp_path / "h.pool").is_file()
+
+
 def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch) -> None:
     path = tmp_path / "pool.bin"
     old = sample_pool()

@@ -381,6 +381,12 @@ BAD_REQUESTS = [
      {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
                                                  {"type": "image_url", "image_url": {"url": "x"}}]}]}, 400,
      "messages"),
+    # JSON may escape half of a UTF-16 pair, which is not text (once a 500 from the encoder)
+    ("lone surrogate in a message", "/v1/chat/completions",
+     b'{"messages": [{"role": "user", "content": "a \\ud800 b"}]}', 400, "messages"),
+    ("lone surrogate in a prompt", "/v1/completions", b'{"prompt": "\\udfff"}', 400, "prompt"),
+    ("text part without text", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "text", "txt": "hi"}]}]}, 400, "messages"),
     ("n = 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("penalty", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),

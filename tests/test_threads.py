@@ -164,3 +164,26 @@ def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monk
     assert "more threads than" not in capsys.readouterr().err
     assert cli.main(["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "-t", "-1"]) == 2
     assert "--threads must be >= 0" in capsys.readouterr().err
+
+
+def test_text_that_is_not_utf8_is_a_parameter_error(tiny_target, tmp_path, capsys) -> None:
+    """A prompt file in another encoding, or an argument holding a byte that is not UTF-8 (Python keeps
+    it as U+DCxx), ends with a one-line error (status 2), not a UnicodeError traceback."""
+    from ouroboros_local import cli
+
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9\n".encode("latin-1"))
+    assert cli.main(["generate", "-m", str(tiny_target), "-f", str(latin), "-n", "2"]) == 2
+    assert "latin.txt:1: not UTF-8 text (byte 0xe9 at offset 3)" in capsys.readouterr().err
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "caf\udce9", "-n", "2"]) == 2
+    assert "holds the byte 0xe9, which is not UTF-8" in capsys.readouterr().err
+
+
+def test_seed_minus_one_is_random_as_in_llama_cpp(tiny_target, capsys) -> None:
+    """--seed -1 is llama.cpp's "random seed" (once a numpy traceback); other negatives are refused."""
+    from ouroboros_local import cli
+
+    args = ["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "--temp", "0.8"]
+    assert cli.main(args + ["--seed", "-1"]) == 0
+    assert cli.main(args + ["--seed", "-2"]) == 2
+    assert "seed must be an integer >= 0" in capsys.readouterr().err

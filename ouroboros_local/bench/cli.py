@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import ParameterError
+from ..text_input import read_text
 from .prompts import TASKS
 
 DEFAULT_METHODS = "all"
@@ -107,7 +108,7 @@ def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
         path = Path(text[1:])
         if not path.is_file():
             raise ParameterError(f"--method-options file not found: {path}")
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path)
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:

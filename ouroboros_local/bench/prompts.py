@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from ..errors import ParameterError
+from ..text_input import read_text
 
 TASKS = ("humaneval", "cnndm", "gsm8k", "mt_bench", "wmt", "raw")
 
@@ -95,34 +96,33 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
     if not p.is_file():
         raise ParameterError(f"prompt file not found: {p}")
     if p.suffix.lower() not in (".jsonl", ".json"):
-        return [PromptItem(id=p.stem, task="raw", turns=[p.read_text(encoding="utf-8")], source=str(p))]
+        return [PromptItem(id=p.stem, task="raw", turns=[read_text(p)], source=str(p))]
     items: list[PromptItem] = []
     seen: set[str] = set()
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ParameterError(f"{p}:{lineno}: not valid JSON ({exc.msg})") from None
-            if not isinstance(obj, dict):
-                raise ParameterError(f"{p}:{lineno}: each line must be a JSON object")
-            turns = obj.get("turns")
-            if isinstance(turns, str):
-                turns = [turns]
-            if (not isinstance(turns, list) or not turns
-                    or not all(isinstance(t, str) for t in turns)):
-                raise ParameterError(f"{p}:{lineno}: 'turns' must be a non-empty list of strings")
-            item_id = str(obj.get("id", f"{p.stem}-{lineno}"))
-            if item_id in seen:
-                raise ParameterError(f"{p}:{lineno}: duplicate id {item_id!r}")
-            seen.add(item_id)
-            meta = obj.get("meta") or {}
-            if not isinstance(meta, dict):
-                raise ParameterError(f"{p}:{lineno}: 'meta' must be an object")
-            items.append(PromptItem(id=item_id, task=str(obj.get("task", "raw")), turns=list(turns),
-                                    source=str(obj.get("source", "")), meta=meta))
+    for lineno, line in enumerate(read_text(p).split("\n"), 1):   # not splitlines: JSON strings may hold U+2028
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ParameterError(f"{p}:{lineno}: not valid JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ParameterError(f"{p}:{lineno}: each line must be a JSON object")
+        turns = obj.get("turns")
+        if isinstance(turns, str):
+            turns = [turns]
+        if (not isinstance(turns, list) or not turns
+                or not all(isinstance(t, str) for t in turns)):
+            raise ParameterError(f"{p}:{lineno}: 'turns' must be a non-empty list of strings")
+        item_id = str(obj.get("id", f"{p.stem}-{lineno}"))
+        if item_id in seen:
+            raise ParameterError(f"{p}:{lineno}: duplicate id {item_id!r}")
+        seen.add(item_id)
+        meta = obj.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise ParameterError(f"{p}:{lineno}: 'meta' must be an object")
+        items.append(PromptItem(id=item_id, task=str(obj.get("task", "raw")), turns=list(turns),
+                                source=str(obj.get("source", "")), meta=meta))
     if not items:
         raise ParameterError(f"{p}: no prompts")
     return items

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..cpu_load import busy_cores_now, idle_threads, usable_cores  # noqa: F401 (re-exported)
 from ..errors import ContextOverflowError, ModelError, OuroborosError
+from ..text_input import utf8_bytes
 
 try:
     from llama_cpp import llama_cpp as lc
@@ -190,7 +191,7 @@ class Model(_Native):
         params.vocab_only = bool(vocab_only)
         params.main_gpu = int(main_gpu)
         self.n_gpu_layers = int(n_gpu_layers)
-        ptr = lc.llama_model_load_from_file(str(self.path).encode(), params)
+        ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
         if not ptr:
             detail = last_log_error()
             raise ModelError(f"llama.cpp could not load {self.path}" + (f": {detail}" if detail else ""))
@@ -263,7 +264,7 @@ class Model(_Native):
         return self._eog
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
-        data = text.encode("utf-8")
+        data = utf8_bytes(text)
         cap = len(data) + 16
         while True:
             buf = (lc.llama_token * cap)()
@@ -627,6 +628,6 @@ def quantize(src: str | Path, dst: str | Path, ftype: int, n_threads: int | None
     params.ftype = ftype
     params.nthread = n_threads or default_threads()
     params.allow_requantize = True   # the source is usually already quantized (a Q4 GGUF)
-    rc = lc.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    rc = lc.llama_model_quantize(os.fsencode(src), os.fsencode(dst), ctypes.byref(params))
     if rc != 0:
         raise ModelError(f"quantization of {src} failed (code {rc})")

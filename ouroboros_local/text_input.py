@@ -1,0 +1,44 @@
+"""Text a user hands us (prompt files, stdin, arguments, request bodies) must be UTF-8: anything else is
+a one-line ParameterError that says where it broke, never a UnicodeError traceback (a latin-1 file, a
+terminal in another encoding, a JSON string holding half of a UTF-16 pair)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .errors import ParameterError
+
+_FIX = "save or send it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+
+
+def decode_utf8(raw: bytes, name: str) -> str:
+    """``raw`` as text; ``name`` (a path, "<stdin>") heads the error, with the line of the bad byte."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ParameterError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
+                             f"{exc.start}); {_FIX}") from None
+
+
+def read_text(path: str | Path) -> str:
+    """A UTF-8 text file's contents (``decode_utf8``'s error otherwise)."""
+    return decode_utf8(Path(path).read_bytes(), str(path))
+
+
+def read_stdin() -> str:
+    return decode_utf8(sys.stdin.buffer.read(), "<stdin>")
+
+
+def utf8_bytes(text: str) -> bytes:
+    """``text`` encoded for llama.cpp. Python strings may hold what UTF-8 cannot encode: a byte that
+    was not UTF-8 in an argument or a line read from the terminal (kept as U+DC80-U+DCFF), or a lone
+    surrogate from a JSON escape such as "\\ud800"."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        code = ord(text[exc.start])
+        what = (f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF
+                else f"U+{code:04X}, half of a UTF-16 surrogate pair")
+        raise ParameterError(f"the text is not valid Unicode: it holds {what}; {_FIX}") from None
