@@ -14,6 +14,7 @@ takes 0.068 s, and ``auto`` then ran below plain decoding on every later start).
 from __future__ import annotations
 
 import logging
+import math
 
 import hashlib
 import json
@@ -21,7 +22,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
@@ -253,25 +254,37 @@ class CalibrationCache:
 
     def _read(self) -> dict:
         try:
-            return json.loads(self.path.read_text())
+            data = json.loads(self.path.read_text())
         except (OSError, ValueError):
             return {}
+        return data if isinstance(data, dict) else {}   # a file edited by hand is re-measured, not fatal
 
     def get(self, key: str) -> CostModel | None:
         raw = self._read().get(key)
-        if not raw:
+        if not isinstance(raw, dict) or not _is_curve(raw.get("sizes"), raw.get("seconds")):
             return None
         try:
-            model = CostModel(**raw)
+            return CostModel(**raw)
         except TypeError:
             return None
-        return model if model.seconds and model.seconds[0] > 0 else None
 
     def put(self, model: CostModel) -> None:
         data = self._read()
         data[model.key] = model.to_dict()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(data, indent=1).encode(), "cost curve")
+
+
+def _is_curve(sizes: Any, seconds: Any) -> bool:
+    """Sizes rising from 1 with a positive finite time each: what ``CostModel.cost`` interpolates."""
+    if not isinstance(sizes, list) or not isinstance(seconds, list) or not sizes or len(sizes) != len(seconds):
+        return False
+    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or sizes[0] != 1:
+        return False
+    if any(b <= a for a, b in zip(sizes, sizes[1:])):
+        return False
+    return all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
+               for t in seconds)
 
 
 def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh: bool = False,

@@ -126,9 +126,20 @@ def test_old_and_broken_cache_entries(tmp_path) -> None:
     data["zero"] = {"sizes": [1], "seconds": [0.0]}
     data["junk"] = {"sizes": [1], "seconds": [0.1], "colour": "red"}
     cache.path.write_text(json.dumps(data))
+    # entries edited by hand: once an AttributeError or TypeError at every start
+    data["text"] = {"sizes": [1, 2], "seconds": ["0.1", "0.2"]}
+    data["unsorted"] = {"sizes": [1, 4, 2], "seconds": [0.1, 0.3, 0.2]}
+    data["short"] = {"sizes": [1, 2], "seconds": [0.1]}
+    data["list"] = [1, 2]
+    cache.path.write_text(json.dumps(data))
     old = cache.get("ok")
     assert old.seconds == [0.05] and old.busy_cores is None and not old.provisional
-    assert cache.get("zero") is None and cache.get("junk") is None
+    for key in ("zero", "junk", "text", "unsorted", "short", "list", "missing"):
+        assert cache.get(key) is None, key
+    cache.path.write_text("[1, 2]")   # not an object at all: nothing cached, and the next put repairs it
+    assert cache.get("ok") is None
+    cache.put(CostModel(sizes=[1], seconds=[0.05], key="ok"))
+    assert cache.get("ok").seconds == [0.05]
 
 
 class FakeClock:
