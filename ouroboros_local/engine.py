@@ -346,7 +346,12 @@ class Engine:
                 text = self.apply_chat_template([{"role": "user", "content": prompt}])
                 return self.tokenize(text, add_special=False, parse_special=True)
             return self.tokenize(prompt)
-        return [int(t) for t in prompt]
+        tokens = [int(t) for t in prompt]
+        n_vocab = self.target.n_vocab
+        if tokens and not 0 <= min(tokens) <= max(tokens) < n_vocab:   # llama.cpp says only "failed to decode"
+            bad = next(t for t in tokens if not 0 <= t < n_vocab)
+            raise ParameterError(f"prompt token {bad} is not in the vocabulary (0..{n_vocab - 1})")
+        return tokens
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
@@ -357,11 +362,11 @@ class Engine:
         return result
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
-               sampling: SamplingParams | None = None, stop: Sequence[str] = (), chat: bool = False,
+               sampling: SamplingParams | dict[str, Any] | None = None, stop: Sequence[str] = (), chat: bool = False,
                options: dict[str, Any] | None = None,
                cancel: Callable[[], bool] | threading.Event | None = None) -> Iterator[StreamEvent]:
         """Yield text pieces as they are accepted; the last event carries the GenerationResult."""
-        sampling = (sampling or SamplingParams()).validated()
+        sampling = _sampling_params(sampling)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
         if method not in method_names():
@@ -738,6 +743,21 @@ def resolve_and_check(target: str | Path, draft: str | Path | None, progress: bo
     models.validate_gguf(draft_path)
     report = models.check_pair(target_path, draft_path)
     return target_path, draft_path, report.compatible, report.reason
+
+
+def _sampling_params(sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    """``sampling`` checked; a dict of SamplingParams' fields is taken too."""
+    if sampling is None:
+        return SamplingParams().validated()
+    if isinstance(sampling, dict):
+        try:
+            sampling = SamplingParams(**sampling)
+        except TypeError:
+            fields = ", ".join(SamplingParams.__dataclass_fields__)
+            raise ParameterError(f"sampling takes the fields {fields} (got {', '.join(map(str, sampling))})") from None
+    if not isinstance(sampling, SamplingParams):
+        raise ParameterError(f"sampling must be a SamplingParams or a dict (got {type(sampling).__name__})")
+    return sampling.validated()
 
 
 def _cancel_check(cancel: Callable[[], bool] | threading.Event | None) -> Callable[[], bool]:

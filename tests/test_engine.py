@@ -120,6 +120,19 @@ def test_bad_parameters_raise_clear_errors(pair_engine: Engine) -> None:
         pair_engine.generate("x", method="speculative", options={"gamma": 0})
     with pytest.raises(ContextOverflowError, match="context"):
         pair_engine.generate("word " * 2000, max_tokens=4)
+    # token ids outside the vocabulary: llama.cpp's own error says only "failed to decode"
+    n_vocab = pair_engine.target.n_vocab
+    for bad in (n_vocab, -1):
+        with pytest.raises(ParameterError, match=f"prompt token {bad} is not in the vocabulary"):
+            pair_engine.generate([1, 2, bad], max_tokens=2)
+    # sampling as a dict of SamplingParams' fields (once an AttributeError)
+    as_dict = pair_engine.generate("x y", max_tokens=4, sampling={"temperature": 0.8, "seed": 3})
+    assert as_dict.tokens == pair_engine.generate("x y", max_tokens=4,
+                                                  sampling=SamplingParams(temperature=0.8, seed=3)).tokens
+    with pytest.raises(ParameterError, match="sampling takes the fields"):
+        pair_engine.generate("x", sampling={"temp": 0.8})
+    with pytest.raises(ParameterError, match="sampling must be"):
+        pair_engine.generate("x", sampling=0.8)
     # still fine afterwards
     assert len(pair_engine.generate("x y z", max_tokens=3).tokens) == 3
 
