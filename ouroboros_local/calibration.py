@@ -173,7 +173,7 @@ def _timed_decode(kv: "KVCache", rng: np.random.Generator, n_vocab: int, n: int)
     kv.decode_layout(layout(tree))
     kv.ctx.logits(n).argmax(axis=1)  # reading rows is part of a verification's cost
     seconds = time.perf_counter() - t0
-    kv.ctx.seq_rm(-1, kv.n_past, -1)
+    kv.discard_uncommitted()
     return seconds
 
 

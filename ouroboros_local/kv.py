@@ -56,6 +56,10 @@ class KVCache:
             del self.cached[n:]
             self.synced = [min(s, n) for s in self.synced]
 
+    def discard_uncommitted(self) -> None:
+        """Drop the cells a decode wrote past the committed tokens without committing any (a timing's)."""
+        self.ctx.seq_rm(-1, self.n_past, -1)
+
     def feed(self, tokens: Sequence[int], logits_last: bool = False) -> np.ndarray | None:
         """Append tokens to sequence 0 in n_batch chunks; returns the last token's logits row if asked."""
         if not tokens:
