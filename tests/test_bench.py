@@ -210,6 +210,23 @@ def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
     missing.close()
 
 
+def test_llama_cpp_peers_decode_in_a_context_of_our_size(tiny_target: Path, tmp_path: Path) -> None:
+    """llama.cpp's decode time depends on the context's size (SmolLM2 on 2 cores: 2-3% faster with 768
+    cells than 4096), so a peer once given only what the prompts need was measured at other settings."""
+    exe = tmp_path / "bin" / "llama-lookup"
+    exe.parent.mkdir()
+    exe.write_text(FAKE_BINARY.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    out = tmp_path / "out"
+    main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+          "-c", "1024", "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth",
+          "--peers", "llama.cpp:vanilla", "--llama-cpp-bin", str(exe.parent)])
+    records = json.loads((out / "results.json").read_text())["records"]
+    command = next(r for r in records if r["label"] == "llama.cpp:vanilla")["extra"]["command"].split()
+    assert command[command.index("-c") + 1] == "1024"   # the prompts need 512
+
+
 def _fake(tokens_fn, fail: Exception | None = None):
     def fn(engine, prompt, max_tokens, sampling, options):
         if fail is not None:

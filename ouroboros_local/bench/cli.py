@@ -282,6 +282,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         # ---- peers ----
         threads = engine.target_ctx.n_threads
+        # A peer decodes in a context of our engine's size: llama.cpp's decode time depends on it (SmolLM2
+        # on a 2-core CPU, 128-token answers: 2-3% faster with 768 cells than with 4096), so a smaller one
+        # would compare unlike settings. llama-cpp-python's prompt lookup is the exception: it needs
+        # logits_all, a buffer of n_ctx x n_vocab floats, so it gets what the prompts need.
         need_ctx = _round_up(max(len(b.tokens) + b.max_tokens for b in built) + 256)
         gpu_layers = engine.config.gpu_layers
         if peer_labels and not sampling.greedy:
@@ -295,7 +299,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 if label.endswith(":draft-simple") and "n_max" not in opts and "gamma" in base_opts:
                     opts["n_max"] = base_opts["gamma"]
                 contenders.append(peers_mod.LlamaCppBinPeer(
-                    label, args.llama_cpp_bin, target, target.path, draft_path, n_ctx=need_ctx,
+                    label, args.llama_cpp_bin, target, target.path, draft_path, n_ctx=n_ctx,
                     n_ubatch=min(512, engine.config.n_batch), threads=threads, gpu_layers=gpu_layers,
                     draft_gpu_layers=engine.config.draft_gpu_layers, flash_attn=engine.config.flash_attn,
                     options=opts, timeout=args.peer_timeout))
@@ -304,7 +308,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     # llama-cpp-python's README: 10 on GPU, 2 on CPU
                     opts["num_pred_tokens"] = 10 if gpu_layers != 0 else 2
                 contenders.append(peers_mod.LlamaCppPythonPeer(
-                    label, target.path, eog=target.eog_tokens, n_ctx=need_ctx,
+                    label, target.path, eog=target.eog_tokens,
+                    n_ctx=need_ctx if label == peers_mod.PY_PLD else n_ctx,
                     n_batch=512, threads=threads, gpu_layers=gpu_layers, options=opts,
                     cold=not args.warm_prefill))
         if peer_labels:
