@@ -14,10 +14,12 @@ import os
 import re
 import shlex
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -81,16 +83,21 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
 
     label = f"hf://{repo}{'@' + revision if revision else ''}/{filename}"
     cache = _hub_cache_dir()
+    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/")   # read now, not at huggingface_hub's import
+    unresolved = None if offline else _unresolved_host(endpoint or "https://huggingface.co")
     kwargs: dict[str, Any] = dict(repo_id=repo, filename=filename, revision=revision,
-                                  cache_dir=str(cache), local_files_only=offline)
-    if os.environ.get("HF_ENDPOINT"):  # read now, not at huggingface_hub's import
-        kwargs["endpoint"] = os.environ["HF_ENDPOINT"].rstrip("/")
+                                  cache_dir=str(cache), local_files_only=offline or unresolved is not None)
+    if endpoint:
+        kwargs["endpoint"] = endpoint
     was_disabled = are_progress_bars_disabled()
     if not progress:
         disable_progress_bars()
     try:
         return Path(hf_hub_download(**kwargs))
     except LocalEntryNotFoundError:
+        if unresolved is not None:
+            raise ModelError(f"cannot download {label}: {unresolved} cannot be resolved (no network?) and the "
+                             f"file is not in the Hugging Face cache ({cache})") from None
         if offline:
             raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and offline mode is on") from None
         raise ModelError(f"cannot download {label}: the Hugging Face hub is unreachable and the file "
@@ -112,6 +119,25 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
     finally:
         if not progress and not was_disabled:
             enable_progress_bars()
+
+
+def _unresolved_host(endpoint: str) -> str | None:
+    """The hub's host name if it cannot be resolved and no proxy would resolve it for us. Without a
+    network, hf_hub_download retries its first request five times (~23 s, a warning each) before it
+    fails or falls back to the cache; this asks the resolver once."""
+    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
+                                       "ALL_PROXY", "all_proxy")):
+        return None
+    host = urllib.parse.urlsplit(endpoint).hostname
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, None)
+    except socket.gaierror:
+        return host
+    except OSError:
+        return None
+    return None
 
 
 # =============================================================================================

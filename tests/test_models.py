@@ -486,6 +486,25 @@ def test_hf_offline_env_and_not_cached(monkeypatch: pytest.MonkeyPatch) -> None:
         catalogue.resolve_model("hf://acme/absent/x.gguf")
 
 
+def test_hf_without_a_resolvable_hub_fails_at_once_or_uses_the_cache(monkeypatch: pytest.MonkeyPatch,
+                                                                     gguf_file: Path, tmp_path: Path) -> None:
+    """Without a network, hf_hub_download retried its first request for ~23 s, a warning each time,
+    before failing: the resolver is asked once instead, and a cached file is still used."""
+    import socket
+    import time
+
+    def no_dns(*args: object, **kwargs: object) -> None:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    started = time.monotonic()
+    with pytest.raises(ModelError, match="huggingface.co cannot be resolved .* not in the Hugging Face cache"):
+        catalogue.resolve_model("hf://acme/absent/x.gguf", progress=False)
+    assert time.monotonic() - started < 5
+    pointer = _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "tiny.gguf", gguf_file.read_bytes())
+    assert catalogue.resolve_model("hf://acme/tiny-GGUF/tiny.gguf", progress=False) == pointer
+
+
 @pytest.mark.parametrize("spec", ["hf://acme/x.gguf", "hf://acme//x.gguf", "hf://acme/repo@/x.gguf"])
 def test_hf_bad_spec(spec: str) -> None:
     with pytest.raises(ModelError, match="bad model spec"):
