@@ -227,6 +227,18 @@ def test_llama_cpp_peers_decode_in_a_context_of_our_size(tiny_target: Path, tmp_
     assert command[command.index("-c") + 1] == "1024"   # the prompts need 512
 
 
+def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: Path, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """Once a traceback from mkdir; now a one-line error before any model loads."""
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello"]}])
+    taken = tmp_path / "a-file"
+    taken.write_text("x")
+    assert main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla",
+                 "-n", "2", "--out", str(taken)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {taken}: cannot write there" in err and "loading" not in err
+
+
 def _fake(tokens_fn, fail: Exception | None = None):
     def fn(engine, prompt, max_tokens, sampling, options):
         if fail is not None:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import math
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -204,7 +205,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
 
     out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:   # before any model loads: a run must not end unable to write what it measured
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-")
+        probe.close()
+    except OSError as exc:
+        raise ParameterError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
     if args.learned is None:   # a benchmark starts cold unless asked: its figures must not depend on earlier runs
         args.learned = False
     engine = _engine_from_args(args)
