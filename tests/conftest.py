@@ -62,10 +62,15 @@ def tiny_f16(tiny_models_dir: Path) -> Path:
 
 @pytest.fixture(autouse=True, scope="session")
 def _isolated_calibration(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Keep measured cost curves out of the user's cache."""
+    """Keep measured cost curves, and learned estimates, out of the user's cache. The estimates need
+    this too: an engine of a module-scoped fixture saves them when it closes, after the per-test
+    setting below is undone, and the test suite's 30-odd model pairs once pushed a user's own out of
+    the file (it keeps 32): the next real run started from the priors."""
     import os
 
-    os.environ["OUROBOROS_CALIBRATION_FILE"] = str(tmp_path_factory.mktemp("calib") / "calibration.json")
+    session = tmp_path_factory.mktemp("calib")
+    os.environ["OUROBOROS_CALIBRATION_FILE"] = str(session / "calibration.json")
+    os.environ["OUROBOROS_ESTIMATES_FILE"] = str(session / "estimates.json")
 
 
 @pytest.fixture(autouse=True)
