@@ -14,10 +14,10 @@ takes 0.068 s, and ``auto`` then ran below plain decoding on every later start).
 from __future__ import annotations
 
 import logging
-import math
 
 import hashlib
 import json
+import math
 import os
 import time
 from dataclasses import asdict, dataclass, field, replace

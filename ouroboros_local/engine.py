@@ -362,8 +362,8 @@ class Engine:
         return result
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
-               sampling: SamplingParams | dict[str, Any] | None = None, stop: Sequence[str] = (), chat: bool = False,
-               options: dict[str, Any] | None = None,
+               sampling: SamplingParams | dict[str, Any] | None = None, stop: Sequence[str] = (),
+               chat: bool = False, options: dict[str, Any] | None = None,
                cancel: Callable[[], bool] | threading.Event | None = None) -> Iterator[StreamEvent]:
         """Yield text pieces as they are accepted; the last event carries the GenerationResult."""
         sampling = _sampling_params(sampling)
@@ -754,7 +754,8 @@ def _sampling_params(sampling: SamplingParams | dict[str, Any] | None) -> Sampli
             sampling = SamplingParams(**sampling)
         except TypeError:
             fields = ", ".join(SamplingParams.__dataclass_fields__)
-            raise ParameterError(f"sampling takes the fields {fields} (got {', '.join(map(str, sampling))})") from None
+            got = ", ".join(map(str, sampling))
+            raise ParameterError(f"sampling takes the fields {fields} (got {got})") from None
     if not isinstance(sampling, SamplingParams):
         raise ParameterError(f"sampling must be a SamplingParams or a dict (got {type(sampling).__name__})")
     return sampling.validated()

@@ -61,7 +61,7 @@ def tiny_f16(tiny_models_dir: Path) -> Path:
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _isolated_calibration(tmp_path_factory: pytest.TempPathFactory) -> None:
+def _isolated_user_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     """Keep measured cost curves, and learned estimates, out of the user's cache. The estimates need
     this too: an engine of a module-scoped fixture saves them when it closes, after the per-test
     setting below is undone, and the test suite's 30-odd model pairs once pushed a user's own out of

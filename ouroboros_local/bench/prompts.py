@@ -99,7 +99,8 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
         return [PromptItem(id=p.stem, task="raw", turns=[read_text(p)], source=str(p))]
     items: list[PromptItem] = []
     seen: set[str] = set()
-    for lineno, line in enumerate(read_text(p).split("\n"), 1):   # not splitlines: JSON strings may hold U+2028
+    # split at newlines only: str.splitlines also breaks at U+2028 and others, which JSON strings may hold
+    for lineno, line in enumerate(read_text(p).split("\n"), 1):
         if not line.strip():
             continue
         try:
