@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, contended, usable_cores
@@ -145,13 +146,17 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
     def decode(n: int) -> float:
         return _timed_decode(kv, rng, n_vocab, n)
 
-    with LoadMeter() as meter:
+    # a bar on a terminal (the 1.5B took 13 s on 2 cores; a slow laptop, up to a minute)
+    bar = tqdm(total=(repeats + 1) * sum(sizes), desc="measuring the verify cost", unit="tok",
+               leave=False, disable=None)
+    with LoadMeter() as meter, bar:
         _random_prefix(kv, rng, n_vocab, prefix_len)
         # size after size, repeat after repeat: a burst of load then spoils one decode of several sizes,
         # not all decodes of one size (back to back, it made 13 tokens look twice as dear as 12 or 14)
         for rep in range(repeats + 1):   # the first pass warms the graph for each shape
             for n in sizes:
                 seconds = decode(n)
+                bar.update(n)
                 if rep:
                     times[n].append(seconds)
         step, switch = _plain_and_switch(decode, max((n for n in sizes if n <= SWITCH_SIZE), default=1))
