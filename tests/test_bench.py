@@ -239,6 +239,19 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: P
     assert f"--out {taken}: cannot write there" in err and "loading" not in err
 
 
+def test_a_note_when_others_or_the_host_took_cpu_while_ours_ran() -> None:
+    """On this VM a peer process's exit brought host steal into the next few seconds, charged to our
+    method that ran then; the records keep others' busy cores per run of ours, the notes say so."""
+    def rec(kind: str, load: float) -> dict:
+        return {"kind": kind, "extra": {"others_busy_cores": load}}
+
+    quiet = [rec("ours", 0.0), rec("ours", 0.04), rec("peer", 1.9)]
+    assert runner.disturbed_note(quiet) is None                       # a peer's own process is not "others"
+    busy = quiet + [rec("ours", 0.3)]
+    assert "kept 0.11 cores busy on average (at most 0.30)" in runner.disturbed_note(busy)
+    assert runner.disturbed_note([{"kind": "ours", "extra": {}}]) is None
+
+
 def _fake(tokens_fn, fail: Exception | None = None):
     def fn(engine, prompt, max_tokens, sampling, options):
         if fail is not None:
@@ -349,6 +362,17 @@ def test_default_methods_are_all_and_method_is_a_shorthand() -> None:
 def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
                           monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setitem(runner.CUSTOM_METHODS, "lossy", lossy)
+
+    class BusyMeter:
+        busy_cores = 0.25
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(runner, "LoadMeter", BusyMeter)
     rows = [{"id": "p1", "task": "raw", "turns": ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n"],
              "source": "test", "meta": {}},
             {"id": "p2", "task": "raw", "turns": ["The quick brown fox jumps over the lazy dog. The quick"],
@@ -391,6 +415,11 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     assert data["sweep"]["param"] == "gamma" and set(data["sweep"]["labels"]) == {"speculative[gamma=1]",
                                                                                  "speculative[gamma=3]"}
     assert data["machine"]["logical_cores"] and data["versions"]["ouroboros_local"]
+    # others' load while each run of ours went on (a stand-in meter: a tiny model's run is too short to
+    # measure), and the note it brings
+    assert all(r["extra"]["others_busy_cores"] == 0.25 for r in data["records"] if r["kind"] == "ours")
+    assert all("others_busy_cores" not in r["extra"] for r in data["records"] if r["kind"] == "peer")
+    assert "cores busy on average" in " ".join(data["notes"])
     assert data["models"]["target"]["size_bytes"] > 0 and data["models"]["target"]["sha256"]
     if peer_args:
         assert summary["llama-cpp-python-pld"]["all_identical"] is True

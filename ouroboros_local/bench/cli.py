@@ -332,6 +332,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         if run.interrupted:
             notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
+        disturbed = runner.disturbed_note(run.records)
+        if disturbed is not None:
+            notes.append(disturbed)
         machine = machine_info(measure_bandwidth=not args.no_bandwidth)
         model_bytes = target.size_bytes
         summary = report.summarize(run.records, run.contenders, model_bytes)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
+from ..cpu_load import LoadMeter
 from ..errors import OuroborosError, ParameterError
 from ..history import History
 from .prompts import BuiltPrompt
@@ -257,6 +258,21 @@ def _record(prompt: BuiltPrompt, c: Contender, order: int) -> dict[str, Any]:
     return rec
 
 
+DISTURBED_CORES = 0.05   # others' mean busy cores during our runs above which ``disturbed_note`` speaks
+
+
+def disturbed_note(records: Sequence[dict[str, Any]]) -> str | None:
+    """A note when other processes, or the host's steal, took CPU while our methods ran: a peer process's
+    exit cost the next few seconds of this 2-core VM 4-16 ticks of steal (the 1.5B: our runs right after
+    a peer 4% slower than after our own), which the peer, starting afresh, never pays in its timing."""
+    loads = [r["extra"]["others_busy_cores"] for r in records
+             if r.get("kind") == "ours" and "others_busy_cores" in (r.get("extra") or {})]
+    if not loads or sum(loads) / len(loads) <= DISTURBED_CORES:
+        return None
+    return (f"other processes or the host (steal) kept {sum(loads) / len(loads):.2f} cores busy on average "
+            f"(at most {max(loads):.2f}) while our methods ran: ratios against peers may lean against us")
+
+
 def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender], *,
                   engine: "Engine | None" = None, warmup_prompt: BuiltPrompt | None = None,
                   warmup: bool = True, greedy: bool = True, tolerance_margin: float | None = None,
@@ -305,8 +321,10 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                 order += 1
                 if bar is not None:
                     bar.set_postfix_str(f"{prompt.set_name}/{prompt.id} {c.label}", refresh=False)
+                meter = LoadMeter()
                 try:
-                    out = c.run(prompt, prompt.max_tokens)
+                    with meter:
+                        out = c.run(prompt, prompt.max_tokens)
                 except ParameterError as exc:
                     # a configuration problem (e.g. no draft model): it would fail on every prompt
                     if c.label == REFERENCE:
@@ -330,6 +348,9 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                         stats["timed_tokens"] = stats.get("tokens", 0)
                     rec.update({k: stats.get(k) for k in STAT_KEYS if k != "method"})
                     rec["extra"] = dict(stats.get("extra") or {})
+                    if c.kind == "ours" and meter.busy_cores is not None:
+                        # other processes' CPU and the host's steal while ours ran (``disturbed_note``)
+                        rec["extra"]["others_busy_cores"] = round(meter.busy_cores, 3)
                     if save_text:
                         rec["prompt"] = prompt.text
                         rec["text"] = out.text
