@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, contended, usable_cores
 from .errors import PoolError
-from .filestore import write_atomic
+from .filestore import read_json_object, write_atomic
 from .tree import TokenTree, layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -258,11 +258,7 @@ class CalibrationCache:
         self.path = path or (Path(override) if override else default_cache_dir() / "calibration.json")
 
     def _read(self) -> dict:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}   # a file edited by hand is re-measured, not fatal
+        return read_json_object(self.path)
 
     def get(self, key: str) -> CostModel | None:
         raw = self._read().get(key)

@@ -1,12 +1,15 @@
 """Files that hold learned state (phrase pools, suffix tries): written atomically, refused when another
-tokenizer wrote them. One place for both formats; each keeps its own header and payload."""
+tokenizer wrote them. One place for both formats; each keeps its own header and payload. The JSON state
+files (cost curves, learned estimates) are written the same way and read with ``read_json_object``."""
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from .errors import PoolError
 
@@ -34,6 +37,16 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
             except OSError:
                 pass
     _fsync_dir(directory)
+
+
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON state file's object; {} when it is missing, unreadable, not JSON or not an object (a file
+    edited by hand is measured or learned again, never fatal)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, header: struct.Struct,

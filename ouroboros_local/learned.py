@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalogue import default_cache_dir
-from .filestore import write_atomic
+from .filestore import read_json_object, write_atomic
 
 log = logging.getLogger("ouroboros_local")
 
@@ -61,11 +61,7 @@ class LearnedEstimates:
         self.path = path or cache_path()
 
     def _read(self) -> dict[str, Any]:
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return {}
-        return data if isinstance(data, dict) else {}
+        return read_json_object(self.path)
 
     def entry(self, key: str) -> dict[str, Any] | None:
         """The saved entry of ``key`` (``format``, ``saved_at``, ``estimates``), if it is one of this format."""

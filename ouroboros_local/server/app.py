@@ -205,8 +205,7 @@ class _Service:
             raise bad_request(parsed.param, str(exc)) from None
 
     def _completion_tokens(self, prompt: Any) -> list[int]:
-        prompt = completion_prompt(prompt, self.n_vocab)
-        return self.engine.tokenize(prompt) if isinstance(prompt, str) else prompt
+        return self.engine.prompt_tokens(completion_prompt(prompt))
 
     def _chat_tokens(self, messages: Any) -> list[int]:
         clean = chat_messages(messages)

@@ -301,17 +301,15 @@ def parse_generation(body: dict[str, Any], chat: bool, sampling: SamplingParams,
                              user_options, max_tokens)
 
 
-def completion_prompt(prompt: Any, n_vocab: int) -> str | list[int]:
-    """A completions "prompt": text to tokenize, or token ids (checked against the vocabulary)."""
+def completion_prompt(prompt: Any) -> str | list[int]:
+    """A completions "prompt": text to tokenize, or token ids (``Engine.prompt_tokens`` checks them
+    against the vocabulary)."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
                                                    for t in prompt):
-        bad = [t for t in prompt if not 0 <= t < n_vocab]
-        if bad:
-            raise bad_request("prompt", f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
         return list(prompt)
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
         raise bad_request("prompt", "batched prompts are not supported: send one prompt per request",
