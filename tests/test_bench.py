@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import stat
 import sys
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -125,7 +126,20 @@ def test_comparisons() -> None:
     assert runner.compare_text("abc", "abcdef", 3, 5) is None       # a peer overshooting -n
     assert runner.compare_text("abc", "abX", 3, 3) == 2
     assert runner.compare_text("abcdef", "abc", 6, 3) == 3            # stopped early
-    assert runner.rotate([1, 2, 3], 4) == [2, 3, 1]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_balanced_order(n: int) -> None:
+    """Every contender in every position, and right after every other, equally often (Williams design)."""
+    rows = [runner.balanced(list(range(n)), k) for k in range(n if n % 2 == 0 else 2 * n)]
+    assert all(sorted(row) == list(range(n)) for row in rows)
+    for pos in range(n):
+        counts = Counter(row[pos] for row in rows)
+        assert len(set(counts.values())) == 1 and len(counts) == n
+    follows = Counter((a, b) for row in rows for a, b in zip(row, row[1:]))
+    assert len(follows) == n * (n - 1) and len(set(follows.values())) <= 1
+    assert runner.balanced(list(range(n)), len(rows)) == rows[0]
+    assert runner.balanced([], 3) == []
 
 
 def test_peer_names() -> None:
@@ -314,8 +328,9 @@ def test_run_benchmark_with_injected_methods() -> None:
     assert by[("0", "vanilla")]["match"] == "reference" and by[("0", "copy")]["match"] == "identical"
     assert by[("1", "bad")]["match"] == "mismatch" and by[("1", "bad")]["first_diff"] == 1
     assert by[("2", "broken")]["match"] == "error" and "boom" in by[("2", "broken")]["error"]
-    # rotated by one position per prompt; a skipped contender takes no slot
-    assert [by[("1", lab)]["order"] for lab in ("vanilla", "copy", "bad", "broken")] == [3, 0, 1, 2]
+    # prompt 1 takes the balanced order's second row (copy, bad, vanilla, broken, needs-draft); a skipped
+    # contender takes no slot
+    assert [by[("1", lab)]["order"] for lab in ("vanilla", "copy", "bad", "broken")] == [2, 0, 1, 3]
     summary = report.summarize(run.records, run.contenders, model_bytes=1000)["s"]
     assert summary["copy"]["speedup"] == pytest.approx(1.0) and summary["copy"]["all_identical"] is True
     assert summary["bad"]["mismatches"] == 3 and summary["broken"]["errors"] == 3

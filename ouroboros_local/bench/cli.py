@@ -362,7 +362,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "threads": threads, "n_ctx": n_ctx,
                 "n_batch": engine.target_ctx.n_batch, "n_seq_max": engine.target_ctx.n_seq_max,
                 "gpu_layers": gpu_layers, "draft_gpu_layers": engine.config.draft_gpu_layers,
-                "flash_attn": engine.config.flash_attn, "order": "rotated per prompt",
+                "flash_attn": engine.config.flash_attn, "order": "balanced per prompt (Williams design)",
                 "engine_config": dataclasses.asdict(engine.config),
             },
             "machine": machine,

@@ -4,8 +4,9 @@ A *contender* is anything with ``label``, ``kind``, ``run(prompt, max_tokens) ->
 ``warmup(prompt)`` and ``close()``: our methods through ``Engine.generate`` (`EngineContender`),
 a Python callable (`FnContender`, used to inject methods, e.g. in tests), or a peer (see peers.py).
 
-For each prompt every contender runs once, in an order rotated by one position per prompt, so slow
-drifts of the machine (thermal, background load) spread over all methods. Outputs are compared with the
+For each prompt every contender runs once, in an order that changes per prompt (a Williams design:
+each contender in every position, and right after every other, equally often), so slow drifts of the
+machine (thermal, background load) and what one run leaves for the next spread over all methods. Outputs are compared with the
 reference (vanilla) token by token; a difference is recorded at its first position and, with a tolerance
 margin, classified as a tie-flip when plain decoding preferred its token over the method's by less than
 that many logits there (ouroboros_local.compare, docs/design.md#exactness).
@@ -229,7 +230,7 @@ def learn_first(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender],
     made = 0
     try:
         for i, prompt in enumerate(prompts):
-            for c in rotate(learners, i):
+            for c in balanced(learners, i):
                 try:
                     c.run(prompt, prompt.max_tokens)
                     made += 1
@@ -243,11 +244,24 @@ def learn_first(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender],
     return made
 
 
-def rotate(items: Sequence[Any], k: int) -> list[Any]:
-    if not items:
+def balanced(items: Sequence[Any], k: int) -> list[Any]:
+    """Row ``k`` of a Williams design: over n rows (2n when n is odd) every item runs once in each
+    position and right after every other item equally often. A plain rotation always puts the same item
+    after a given one, so whatever a run leaves behind (a peer process's freed memory, which this VM's
+    host reclaims during the next run; a cache warmed for its own model) fell on one contender."""
+    n = len(items)
+    if not n:
         return []
-    k %= len(items)
-    return list(items[k:]) + list(items[:k])
+    first, lo, hi = [0], 1, n - 1
+    while len(first) < n:    # 0, 1, n-1, 2, n-2, ...
+        first.append(lo)
+        lo += 1
+        if len(first) < n:
+            first.append(hi)
+            hi -= 1
+    k %= n if n % 2 == 0 else 2 * n
+    row = [items[(j + k) % n] for j in first]
+    return row if k < n else row[::-1]
 
 
 def _record(prompt: BuiltPrompt, c: Contender, order: int) -> dict[str, Any]:
@@ -312,7 +326,7 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
             outcomes: dict[str, Outcome] = {}
             recs: dict[str, dict[str, Any]] = {}
             order = 0
-            for c in rotate(active, i):
+            for c in balanced(active, i):
                 if c.label in dropped:
                     if bar is not None:
                         bar.update(1)
