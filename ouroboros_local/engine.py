@@ -19,18 +19,18 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from .calibration import cached_or_measured
+from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
+                          measure_round)
 from .errors import ContextOverflowError, MethodOptionError, ParameterError, PoolError
 from .history import History
 from .kv import KVCache
+from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
 from .llama import Context, ContextParams, Model, TextStream, supports_gpu_offload
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
 from .proposers import create_method, method_names
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .sampling import SamplingParams
-from .calibration import CalibrationCache, CostModel, calibration_key, measure_costs, measure_round
-from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
 from .scheduler import Scheduler
 from .time_split import TimeSplit
 from .tree import TokenTree

@@ -15,7 +15,7 @@ from ouroboros_local.proposers.draft_model import top_probability
 from ouroboros_local.sampling import SamplingParams, Sparse, residual, support, top_k_ids
 from ouroboros_local.testing.lossless import assert_follows
 from ouroboros_local.tree import TokenTree
-from ouroboros_local.llama import Batch
+from ouroboros_local.llama import Batch, TextStream
 from ouroboros_local.verify import (Predictions, is_plain_step, verify_greedy, verify_round, verify_sampling,
                                      verify_step)
 
@@ -397,3 +397,35 @@ def test_bench_pools_the_time_split_per_100_tokens() -> None:
     row = next(line for line in md.splitlines() if line.startswith("| s | auto |"))
     assert "500.0 (100.0)" in row and row.endswith("| 520.5 |")
     assert "| s | peer |" not in md
+
+
+class _Pieces:
+    """A model's ``piece`` and its text cache, from a table (counts the lookups that missed the cache)."""
+
+    def __init__(self, table: dict[int, bytes]):
+        self.table = table
+        self._piece_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
+        self.asked = 0
+
+    def piece(self, token: int, special: bool = False) -> bytes:
+        self.asked += 1
+        return self.table[token]
+
+
+def test_text_stream_equals_decoding_the_whole_answer_at_once() -> None:
+    """Whole pieces come from the cache; a character split over tokens, stray bytes and a cut-off end
+    come out as the one-shot decode of all the bytes, never as a half character."""
+    euro = "€".encode()
+    table = {0: b"a", 1: b" b\xc3\xa9", 2: euro[:1], 3: euro[1:2], 4: euro[2:], 5: b"\xff", 6: b"", 7: "😀".encode(),
+             8: euro[:2], 9: b"x" + euro[:1]}
+    rng = np.random.default_rng(0)
+    model = _Pieces(table)
+    for _ in range(300):
+        tokens = [int(t) for t in rng.integers(0, len(table), int(rng.integers(1, 12)))]
+        stream = TextStream(model)   # type: ignore[arg-type]
+        pieces = [stream.push(t) for t in tokens]
+        text = "".join(pieces) + stream.flush()
+        assert text == b"".join(table[t] for t in tokens).decode("utf-8", "replace"), tokens
+    asked = model.asked
+    stream = TextStream(model)   # type: ignore[arg-type]
+    assert [stream.push(t) for t in (0, 1, 7, 6)] == ["a", " bé", "😀", ""] and model.asked == asked

@@ -208,6 +208,8 @@ class Model(_Native):
         self.eos = int(lc.llama_vocab_eos(self.vocab))
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         self._pieces: dict[tuple[int, bool], bytes] = {}
+        # per ``special``: the text of each piece seen that is whole UTF-8 on its own (``TextStream``)
+        self._piece_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
         self._eog: frozenset[int] | None = None
 
     # ---- metadata -------------------------------------------------------------------------------
@@ -296,17 +298,37 @@ class Model(_Native):
 
 
 class TextStream:
-    """Turns token pieces into text safely: holds back incomplete UTF-8 sequences."""
+    """Turns token pieces into text safely: holds back incomplete UTF-8 sequences.
+
+    Runs once per emitted token, after the decode: a piece that is whole UTF-8 on its own, with no bytes
+    held back, is the model's cached text (one dict lookup). The incremental decoder (Python code in
+    ``codecs``) cost ~25 µs a token with the caches cold after a decode, 0.3% of a SmolLM2 step on a CPU."""
 
     def __init__(self, model: Model, special: bool = False):
         self.model = model
         self.special = special
+        self._texts = model._piece_texts[special]
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._holding = False   # the decoder holds the start of a character
 
     def push(self, token: int) -> str:
-        return self._decoder.decode(self.model.piece(token, self.special))
+        if not self._holding:
+            text = self._texts.get(token)
+            if text is not None:
+                return text
+        piece = self.model.piece(token, self.special)
+        if not self._holding:
+            try:
+                text = self._texts[int(token)] = piece.decode("utf-8")
+                return text
+            except UnicodeDecodeError:
+                pass
+        text = self._decoder.decode(piece)
+        self._holding = bool(self._decoder.getstate()[0])
+        return text
 
     def flush(self) -> str:
+        self._holding = False
         return self._decoder.decode(b"", final=True)
 
 
