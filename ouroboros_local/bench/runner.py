@@ -6,10 +6,10 @@ a Python callable (`FnContender`, used to inject methods, e.g. in tests), or a p
 
 For each prompt every contender runs once, in an order that changes per prompt (a Williams design:
 each contender in every position, and right after every other, equally often), so slow drifts of the
-machine (thermal, background load) and what one run leaves for the next spread over all methods. Outputs are compared with the
-reference (vanilla) token by token; a difference is recorded at its first position and, with a tolerance
-margin, classified as a tie-flip when plain decoding preferred its token over the method's by less than
-that many logits there (ouroboros_local.compare, docs/design.md#exactness).
+machine (thermal, background load) and what one run leaves for the next spread over all methods.
+Outputs are compared with the reference (vanilla) token by token; a difference is recorded at its first
+position and, with a tolerance margin, classified as a tie-flip when plain decoding preferred its token
+over the method's by less than that many logits there (ouroboros_local.compare, docs/design.md#exactness).
 """
 
 from __future__ import annotations
@@ -247,8 +247,8 @@ def learn_first(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender],
 def balanced(items: Sequence[Any], k: int) -> list[Any]:
     """Row ``k`` of a Williams design: over n rows (2n when n is odd) every item runs once in each
     position and right after every other item equally often. A plain rotation always puts the same item
-    after a given one, so whatever a run leaves behind (a peer process's freed memory, which this VM's
-    host reclaims during the next run; a cache warmed for its own model) fell on one contender."""
+    after a given one, so whatever a run leaves behind (a peer process's freed memory, which a VM reports
+    to its host while the next run decodes; a cache warmed for its own model) fell on one contender."""
     n = len(items)
     if not n:
         return []
