@@ -1,7 +1,7 @@
 """How much does the context's size cost a plain decoding step on this machine?
 
-One engine per size in one process; each prompt is answered by every engine in turn (the order rotated
-per prompt and per pass), so the machine's drift falls on all sizes alike. Prints each size's time per
+One engine per size in one process; each prompt is answered by every engine in turn (in the benchmark's
+balanced order, a new row per prompt and pass), so the machine's drift falls on all sizes alike. Prints each size's time per
 token and its per-prompt time ratio to the first size (geometric mean and median).
 
 Usage:
@@ -17,6 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ouroboros_local.bench import prompts as prompts_mod
+from ouroboros_local.bench.runner import balanced
 from ouroboros_local.engine import Engine, EngineConfig
 
 
@@ -40,8 +41,7 @@ def main() -> None:
     seconds: dict[int, list[float]] = {n: [] for n in sizes}
     runs = [(p, i) for p in range(args.passes) for i in range(len(built))]
     for p, i in tqdm(runs, desc="prompts", unit="prompt"):
-        shift = (i + p) % len(sizes)
-        for n in sizes[shift:] + sizes[:shift]:
+        for n in balanced(sizes, i + p * len(built)):
             stats = engines[n].generate(list(built[i].tokens), max_tokens=built[i].max_tokens,
                                         method="vanilla").stats
             seconds[n].append(stats.decode_seconds / max(stats.tokens, 1))
