@@ -252,13 +252,7 @@ def balanced(items: Sequence[Any], k: int) -> list[Any]:
     n = len(items)
     if not n:
         return []
-    first, lo, hi = [0], 1, n - 1
-    while len(first) < n:    # 0, 1, n-1, 2, n-2, ...
-        first.append(lo)
-        lo += 1
-        if len(first) < n:
-            first.append(hi)
-            hi -= 1
+    first = [0] + [(j + 1) // 2 if j % 2 else n - j // 2 for j in range(1, n)]   # 0, 1, n-1, 2, n-2, ...
     k %= n if n % 2 == 0 else 2 * n
     row = [items[(j + k) % n] for j in first]
     return row if k < n else row[::-1]
