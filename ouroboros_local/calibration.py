@@ -67,8 +67,8 @@ class CostModel:
 
     def cost(self, n_tokens: int) -> float:
         cached = self.__dict__.get("_table")   # the tabulated curve (see ``table``), when there is one
-        if cached is not None and 1 <= n_tokens <= len(cached):
-            return float(cached[n_tokens - 1])
+        if cached is not None and 0 < n_tokens <= len(cached):
+            return cached[n_tokens - 1]
         xs, ys = self.sizes, self.seconds
         if n_tokens <= xs[-1]:
             return float(np.interp(n_tokens, xs, ys))
@@ -81,13 +81,15 @@ class CostModel:
 
     def table(self, n_max: int) -> np.ndarray:
         """cost(1), ..., cost(n_max) as a fresh array; the curve is tabulated once (the scheduler asks
-        every round, and per-size interpolation in Python costs more than a GPU decode step)."""
+        every round, and per-size interpolation in Python costs more than a GPU decode step). The table
+        is plain floats: ``cost`` reads it after every round, where a numpy scalar's read, with the
+        caches cold after a decode, cost twice a list's."""
         cached = self.__dict__.get("_table")   # not a dataclass field: never saved with the curve
         if cached is None or len(cached) < n_max:
             self.__dict__.pop("_table", None)
-            cached = np.array([self.cost(n) for n in range(1, max(n_max, 64) + 1)])
+            cached = [float(self.cost(n)) for n in range(1, max(n_max, 64) + 1)]
             self.__dict__["_table"] = cached
-        return cached[:n_max].copy()
+        return np.array(cached[:n_max])
 
     @property
     def origin(self) -> str:

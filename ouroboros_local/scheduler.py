@@ -234,17 +234,24 @@ class Scheduler:
         """``proposer``'s draft for this round as the cost model wants it: no longer than pays (the root
         alone when nothing does; the proposer is not asked then), timed for its per-token drafting
         cost, trimmed by confidence class."""
+        tree = self.draft_if_any(proposer, committed, budget)
+        return TokenTree.rooted_at(committed[-1]) if tree is None else tree
+
+    def draft_if_any(self, proposer: "Proposer", committed: Sequence[int], budget: int) -> TokenTree | None:
+        """``draft``, or None where it would be the root alone and the proposer was not asked: ``auto``
+        asks each candidate every round and keeps one draft (a tree built for nothing cost ~9 µs a
+        candidate with the caches cold after a decode)."""
         name = proposer.name
         if name in self._unverified:
             self._score_unverified(name, committed)
         if self._quiet_round(name, budget):
-            return TokenTree.rooted_at(committed[-1])
+            return None
         if self.hopeless(name):
             # its ceiling is re-priced every REFRESH_ROUNDS rounds (``ceiling``), per method and request:
             # idle until then (the 0.5B draft, retired on an H200, was checked every round of auto)
             self._quiet[name] = _QuietRounds(REFRESH_ROUNDS - 1, self._epoch, self._raises.get(name, 0),
                                              looks=False, held=False, retired=True)
-            return TokenTree.rooted_at(committed[-1])
+            return None
         k = self.best_length(name, self.draft_cost(name), limit=budget)
         look = k <= 0 and self._worth_a_look(name)
         if look:
@@ -253,14 +260,14 @@ class Scheduler:
             peek_catch_up = proposer.catch_up_seconds
             if not self._look_promising(name, peeked):
                 self._skip_look(name, budget, time.perf_counter() - t_look - peek_catch_up)
-                return TokenTree.rooted_at(committed[-1])
+                return None
             k = min(budget, self.max_length)
         if k <= 0:
             self._plan_quiet(name, budget)
-            return TokenTree.rooted_at(committed[-1])
+            return None
         behind = proposer.catch_up_tokens(committed)
         if behind >= CATCH_UP_MIN and not self.catch_up_pays(name, behind):
-            return TokenTree.rooted_at(committed[-1])
+            return None
         t0 = time.perf_counter()
         tree = proposer.propose(committed, k)
         self.note_draft(name, time.perf_counter() - t0, tree.n_candidates,
@@ -277,6 +284,9 @@ class Scheduler:
             self._note_look(name, max(time.perf_counter() - t_look - peek_catch_up - proposer.catch_up_seconds,
                                       0.0))
             self._note_look_outcome(name, peeked, kept=bool(tree.n_candidates))
+            if not tree.n_candidates:   # idle until the next look is due, as after a skipped look
+                self._unlooked[name] = 0
+                self._plan_quiet(name, budget)
         return tree
 
     def _skip_look(self, source: str, budget: int, seconds: float) -> None:
@@ -290,7 +300,10 @@ class Scheduler:
 
     def _note_dry(self, source: str, dry: bool) -> None:
         """A look at ``source`` kept nothing (``dry``: skipped, or cut to nothing by ``trim``) or kept
-        nodes (``_look_every``)."""
+        nodes (``_look_every``).
+
+        A look that kept nodes stops the backoff for the rest of the request: restarting it instead missed
+        humaneval's copies, which come back after dry spells (docs/design.md, "Looks at cheap drafters")."""
         if not dry:
             self._dry_looks[source] = -1          # the text copies: no backoff for the rest of the request
         elif self._dry_looks.get(source, 0) >= 0:

@@ -934,6 +934,25 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     assert not expensive._worth_a_look("x")
 
 
+def test_after_a_look_cut_to_nothing_the_rounds_until_the_next_are_quiet(monkeypatch) -> None:
+    # a look whose draft trim cut to nothing is followed by idle rounds, answered at once as after a
+    # skipped look; the round after such a look used to check "does drafting pay" again (~40 µs with
+    # the caches cold after a decode, in about a third of auto's busy rounds on SmolLM2's gsm8k)
+    from ouroboros_local.scheduler import LOOK_EVERY
+
+    sched = stale_mix()
+    sched._probe_every["x"] = 1000                    # looks alone
+    checks = []
+    best_length = sched.best_length
+    monkeypatch.setattr(sched, "best_length", lambda *a, **k: checks.append(1) or best_length(*a, **k))
+    doubtful = CopyDraft("lo")                        # every look is proposed, then cut to nothing
+    rounds = 10 * LOOK_EVERY
+    for _ in range(rounds):
+        assert sched.draft(doubtful, [0], 8).n_candidates == 0
+    assert doubtful.asked >= 2                        # looked at, and cut to nothing
+    assert len(checks) <= doubtful.asked + 1          # a check per look, not one more after each
+
+
 class PeekedCopy(CopyDraft):
     """A CopyDraft that tells its first node's class (``Proposer.first_class``) without proposing."""
 

@@ -43,8 +43,8 @@ class AutoProposer(Proposer):
         sched = self.scheduler
         fallback: tuple[Proposer, TokenTree] | None = None   # a draft passed over for a better promise
         for i, proposer in enumerate(self.candidates):
-            tree = sched.draft(proposer, committed, budget)
-            if not tree.n_candidates:
+            tree = sched.draft_if_any(proposer, committed, budget)
+            if tree is None or not tree.n_candidates:
                 continue
             if fallback is None and self._later_is_better(proposer, tree, self.candidates[i + 1:], budget):
                 fallback = (proposer, tree)
