@@ -67,7 +67,7 @@ class CostModel:
 
     def cost(self, n_tokens: int) -> float:
         cached = self.__dict__.get("_table")   # the tabulated curve (see ``table``), when there is one
-        if cached is not None and 0 < n_tokens <= len(cached):
+        if cached is not None and 1 <= n_tokens <= len(cached):
             return cached[n_tokens - 1]
         xs, ys = self.sizes, self.seconds
         if n_tokens <= xs[-1]:

@@ -259,7 +259,7 @@ class Scheduler:
             peeked = proposer.first_class(committed)
             peek_catch_up = proposer.catch_up_seconds
             if not self._look_promising(name, peeked):
-                self._skip_look(name, budget, time.perf_counter() - t_look - peek_catch_up)
+                self._dry_look(name, budget, time.perf_counter() - t_look - peek_catch_up)
                 return None
             k = min(budget, self.max_length)
         if k <= 0:
@@ -280,18 +280,19 @@ class Scheduler:
         else:
             self._kept_last.discard(name)
         if look:   # what one more look costs: the catch-up on the rounds since the last is owed anyway
-            self._note_dry(name, dry=not tree.n_candidates)
-            self._note_look(name, max(time.perf_counter() - t_look - peek_catch_up - proposer.catch_up_seconds,
-                                      0.0))
+            seconds = time.perf_counter() - t_look - peek_catch_up - proposer.catch_up_seconds
             self._note_look_outcome(name, peeked, kept=bool(tree.n_candidates))
-            if not tree.n_candidates:   # idle until the next look is due, as after a skipped look
-                self._unlooked[name] = 0
-                self._plan_quiet(name, budget)
+            if tree.n_candidates:
+                self._note_dry(name, dry=False)
+                self._note_look(name, max(seconds, 0.0))
+            else:
+                self._dry_look(name, budget, seconds)
         return tree
 
-    def _skip_look(self, source: str, budget: int, seconds: float) -> None:
-        """A look stopped before its proposal (``_look_promising``), after ``seconds``: idle until the
-        next one is due."""
+    def _dry_look(self, source: str, budget: int, seconds: float) -> None:
+        """A look that kept nothing after ``seconds`` (stopped before its proposal by ``_look_promising``,
+        or its draft cut to nothing by ``trim``): idle until the next one is due. Without the plan, the
+        round after a draft cut to nothing asked "does drafting pay" again."""
         self._kept_last.discard(source)
         self._unlooked[source] = 0
         self._note_dry(source, dry=True)
