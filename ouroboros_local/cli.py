@@ -55,6 +55,10 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                    help="draft while the target decodes a plain step, that step checking the draft's first "
                         "token (default auto: on where llama_decode returns before a step ends, as on a GPU, "
                         "so the draft's Python costs nothing; on a CPU it would cost a pass per draft)")
+    g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                   help="read the weights that stay on the CPU into 2 MiB pages (Linux transparent huge "
+                        "pages; default on: faster CPU decoding; --no-huge-pages maps the file as llama.cpp "
+                        "does)")
     g.add_argument("--learned", action=argparse.BooleanOptionalAction, default=None,
                    help="start from the acceptance estimates earlier runs learned with these models, and save "
                         "them at the end (default: on; bench: off, for runs that do not depend on earlier ones)")
@@ -124,6 +128,7 @@ def _engine_from_args(args: argparse.Namespace):
                           type_k=args.cache_type_k, type_v=args.cache_type_v,
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
                           learned=args.learned is not False, round_size=args.round_size,
+                          huge_pages=args.huge_pages,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
     if args.threads is not None and args.threads < 0:
         raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")

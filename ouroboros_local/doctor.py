@@ -41,6 +41,18 @@ def load_lines() -> list[str]:
             "small model runs ~35% slower on a quiet 2-core CPU)"]
 
 
+def huge_pages_line() -> str:
+    """Whether weights kept on the CPU go into 2 MiB pages (llama/huge_pages.py)."""
+    from .llama import huge_pages
+
+    mode = huge_pages.setting()
+    if not huge_pages.available():
+        return (f"huge pages: not available (transparent huge pages: {mode}); weights are mapped in "
+                "4 KiB pages")
+    return (f"huge pages: weights kept on the CPU are read into 2 MiB pages (transparent huge pages: {mode}; "
+            f"models up to {huge_pages.MEMORY_SHARE:.0%} of the available memory); --no-huge-pages maps them")
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     import llama_cpp
 
@@ -62,6 +74,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"device {i}: {dev.name} ({dev.kind}: {dev.description}{memory})")
     for line in load_lines():
         print(line)
+    print(huge_pages_line())
     available = _meminfo_bytes("MemAvailable")
     if available:
         print(f"memory available: {available / 2**30:.1f} GiB")

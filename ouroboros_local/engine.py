@@ -65,6 +65,7 @@ class EngineConfig:
     calibration: str = "auto"     # auto: cached or measured cost curve; off: assume flat costs
     max_draft: int = 16
     learned: bool = True          # start from the estimates earlier sessions learned, and save them (learned.py)
+    huge_pages: bool = True       # weights kept on the CPU read into 2 MiB pages (llama/huge_pages.py)
     # every round of a drafting method decodes this many tokens, a plain step too (0: the draft's size):
     # drafts are cut to it and a shorter chain is filled with guesses (``filled``). A decode of an
     # unchanged shape reuses llama.cpp's graph, and on a CUDA build its CUDA graph (docs/design.md#cost-model)
@@ -217,9 +218,10 @@ class Engine:
         target_path, draft_path, compatible, reason = resolve_and_check(target, draft, progress=progress)
         log.info("loading %s (%.0f MiB)%s ...", target_path.name, target_path.stat().st_size / 2**20,
                  f" and draft {draft_path.name} ({draft_path.stat().st_size / 2**20:.0f} MiB)" if draft_path else "")
-        target_model = Model(target_path, n_gpu_layers=config.gpu_layers, main_gpu=config.main_gpu)
-        draft_model = (Model(draft_path, n_gpu_layers=config.draft_gpu_layers, main_gpu=config.main_gpu)
-                       if draft_path else None)
+        target_model = Model(target_path, n_gpu_layers=config.gpu_layers, main_gpu=config.main_gpu,
+                             huge_pages=config.huge_pages)
+        draft_model = (Model(draft_path, n_gpu_layers=config.draft_gpu_layers, main_gpu=config.main_gpu,
+                             huge_pages=config.huge_pages) if draft_path else None)
         return cls(target_model, draft_model, config, pair_compatible=compatible, pair_reason=reason)
 
     def draft_kv(self) -> KVCache:
@@ -243,8 +245,10 @@ class Engine:
 
         ctx = self._draft_ctx if draft else self.target_ctx
         assert ctx is not None
+        model = self.draft if draft else self.target
         return {"gpu_layers": cfg.draft_gpu_layers if draft else cfg.gpu_layers, "threads": ctx.n_threads,
                 "n_batch": ctx.n_batch, "flash_attn": cfg.flash_attn,
+                "huge_pages": bool(getattr(model, "huge_page_bytes", 0)),
                 "type_k": cfg.draft_type_k if draft else cfg.type_k,
                 "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info()}
 

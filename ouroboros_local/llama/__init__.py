@@ -1,7 +1,8 @@
 """llama.cpp binding layer: the only code that touches ctypes."""
 
+from . import huge_pages
 from .binding import (Batch, Context, ContextParams, Device, Model, TextStream, backend_init,
                       default_threads, devices, quantize, supports_gpu_offload, system_info)
 
 __all__ = ["Batch", "Context", "ContextParams", "Device", "Model", "TextStream", "backend_init",
-           "default_threads", "devices", "quantize", "supports_gpu_offload", "system_info"]
+           "default_threads", "devices", "huge_pages", "quantize", "supports_gpu_offload", "system_info"]

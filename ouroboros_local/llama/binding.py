@@ -21,6 +21,7 @@ import numpy as np
 from ..cpu_load import busy_cores_now, idle_threads, usable_cores  # noqa: F401 (re-exported)
 from ..errors import ContextOverflowError, ModelError, OuroborosError
 from ..text_input import utf8_bytes
+from . import huge_pages as huge_pages_mod
 
 try:
     from llama_cpp import llama_cpp as lc
@@ -181,7 +182,8 @@ class Model(_Native):
     _free = staticmethod(lambda ptr: lc.llama_model_free(ptr))
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False,
-                 main_gpu: int = 0):
+                 main_gpu: int = 0, huge_pages: bool = False):
+        """``huge_pages``: read the weights into 2 MiB pages where they stay on the CPU (huge_pages.py)."""
         backend_init()
         self.path = Path(path)
         if not self.path.is_file():
@@ -191,7 +193,15 @@ class Model(_Native):
         params.vocab_only = bool(vocab_only)
         params.main_gpu = int(main_gpu)
         self.n_gpu_layers = int(n_gpu_layers)
+        advice = None
+        on_cpu = n_gpu_layers == 0 or not supports_gpu_offload()
+        if huge_pages and on_cpu and not vocab_only and huge_pages_mod.worth_it(self.path.stat().st_size):
+            advice = huge_pages_mod.WeightAdvice(lc.llama_progress_callback)
+            params.load_mode = lc.LLAMA_LOAD_MODE_NONE
+            params.progress_callback = advice.callback
         ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
+        # bytes of weight buffers advised into huge pages (0: mapped as llama.cpp does by default)
+        self.huge_page_bytes = advice.advised if advice is not None else 0
         if not ptr:
             detail = last_log_error()
             raise ModelError(f"llama.cpp could not load {self.path}" + (f": {detail}" if detail else ""))
