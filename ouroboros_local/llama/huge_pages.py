@@ -99,16 +99,14 @@ def new_parts(now: set[tuple[int, int]], before: set[tuple[int, int]]) -> list[t
 
 def advise(regions: Iterable[tuple[int, int]]) -> int:
     """MADV_HUGEPAGE over the whole 2 MiB pages inside each region; returns the bytes advised."""
+    pages = [(low, high) for start, end in regions
+             if (high := end // HUGE_PAGE * HUGE_PAGE) > (low := -(-start // HUGE_PAGE) * HUGE_PAGE)]
+    if not pages:
+        return 0
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     madvise.restype = ctypes.c_int
-    advised = 0
-    for start, end in regions:
-        low = -(-start // HUGE_PAGE) * HUGE_PAGE
-        high = end // HUGE_PAGE * HUGE_PAGE
-        if high > low and madvise(low, high - low, _MADV_HUGEPAGE) == 0:
-            advised += high - low
-    return advised
+    return sum(high - low for low, high in pages if madvise(low, high - low, _MADV_HUGEPAGE) == 0)
 
 
 class WeightAdvice:
