@@ -10,17 +10,6 @@ import time
 OMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
-def _meminfo_bytes(field: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def load_lines() -> list[str]:
     """What the CPU's load is now and the thread count it makes the default."""
     from .cpu_load import busy_cores_now, idle_threads, usable_cores
@@ -59,7 +48,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import __version__
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
     from .gguf_file import validate_gguf
-    from .llama import Model, devices, supports_gpu_offload, system_info
+    from .llama import Model, devices, huge_pages, supports_gpu_offload, system_info
     from .pairs import check_pair
 
     print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
@@ -75,7 +64,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for line in load_lines():
         print(line)
     print(huge_pages_line())
-    available = _meminfo_bytes("MemAvailable")
+    available = huge_pages.memory_available()
     if available:
         print(f"memory available: {available / 2**30:.1f} GiB")
     total = 0

@@ -248,7 +248,7 @@ class Engine:
         model = self.draft if draft else self.target
         return {"gpu_layers": cfg.draft_gpu_layers if draft else cfg.gpu_layers, "threads": ctx.n_threads,
                 "n_batch": ctx.n_batch, "flash_attn": cfg.flash_attn,
-                "huge_pages": bool(getattr(model, "huge_page_bytes", 0)),
+                "huge_pages": model.huge_page_bytes > 0,
                 "type_k": cfg.draft_type_k if draft else cfg.type_k,
                 "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info()}
 

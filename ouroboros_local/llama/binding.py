@@ -194,8 +194,9 @@ class Model(_Native):
         params.main_gpu = int(main_gpu)
         self.n_gpu_layers = int(n_gpu_layers)
         advice = None
-        on_cpu = n_gpu_layers == 0 or not supports_gpu_offload()
-        if huge_pages and on_cpu and not vocab_only and huge_pages_mod.worth_it(self.path.stat().st_size):
+        # only weights that stay on the CPU are read in, and only where they fit well (huge_pages.worth_it)
+        if (huge_pages and not vocab_only and (n_gpu_layers == 0 or not supports_gpu_offload())
+                and huge_pages_mod.worth_it(self.path.stat().st_size)):
             advice = huge_pages_mod.WeightAdvice(lc.llama_progress_callback)
             params.load_mode = lc.LLAMA_LOAD_MODE_NONE
             params.progress_callback = advice.callback

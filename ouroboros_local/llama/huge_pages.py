@@ -31,18 +31,10 @@ _THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 MEMORY_SHARE = 0.5                    # only models within this share of the available memory are read in
 
 
-def available() -> bool:
-    """Can this process ask for transparent huge pages (Linux, THP not switched off)?"""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        return "[never]" not in _THP_SETTING.read_text()
-    except OSError:
-        return False
-
-
 def setting() -> str:
-    """The kernel's THP mode (always, madvise or never), or "unavailable"."""
+    """The kernel's THP mode (always, madvise or never), or "unavailable" (not Linux, no THP)."""
+    if not sys.platform.startswith("linux"):
+        return "unavailable"
     try:
         text = _THP_SETTING.read_text()
     except OSError:
@@ -50,8 +42,13 @@ def setting() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else text.strip()
 
 
+def available() -> bool:
+    """Can this process ask for transparent huge pages (Linux, THP not switched off)?"""
+    return setting() not in ("never", "unavailable")
+
+
 def memory_available() -> int | None:
-    """MemAvailable in bytes (None where /proc/meminfo says nothing)."""
+    """MemAvailable in bytes (None where /proc/meminfo says nothing); ``doctor`` prints it too."""
     try:
         with open("/proc/meminfo") as fh:
             for line in fh:
