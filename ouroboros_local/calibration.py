@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 # multiply 4 rows at a time, so on 2 cores 16 tokens cost less than 15 (the 1.5B target: 5.2 against 6.4
 # steps; 17 cost 6.2) and 8 about what 7 cost. Sampling 1-4, 6, 8, 12, 16 and interpolating hid both.
 CALIBRATION_SIZES = (*range(1, 18), 24, 32)
-CALIBRATION_METHOD = 5   # bump when measure_costs changes: cached curves of the old method are re-measured
+CALIBRATION_METHOD = 6   # bump when measure_costs changes: cached curves of the old method are re-measured
 CHECK_TOLERANCE = 3.0    # a cached curve whose single step is off by more than this factor is re-measured
 CHECK_NOISE_SECONDS = 2e-5   # differences below this are scheduling jitter, whatever the ratio
 CHECK_DECODES = 4        # timed single-token decodes of the start-up check (after one warm-up)
@@ -130,46 +130,63 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
                   prefix_len: int = 32, vocab: int | None = None) -> CostModel:
     """Time chain decodes of each size on the engine's own context (cache is reset afterwards).
 
-    Each size takes the median of ``repeats`` timed decodes after a warm-up one: the scheduler needs
-    what a decode usually costs, and the minimum of a few (what this did before) made 3-4 token
-    decodes look up to 30% cheaper than they run on a busy 2-core CPU. The curve is kept as measured,
-    dips included (a larger batch can cost less: see CALIBRATION_SIZES), only never below one token's
-    cost. Other processes' CPU use is measured alongside; a curve measured while they competed for our
-    cores is marked provisional.
+    Each size n > 1 is timed against a plain step decoded just before it (``_paired_step``), and the
+    curve holds the median of ``repeats`` such ratios times the median plain step: the scheduler needs
+    what a decode costs against a step. Timed apart, a machine that slowed down or sped up between the
+    plain steps and the larger decodes (a VM's speed moves by 30% from one few-second spell to the next)
+    bent the whole curve: eight calibrations of SmolLM2 in a row put c(3) between 1.65 and 2.70 steps,
+    and a curve that said 1.92 had ``auto`` verify drafts whose rounds really cost 2.5 steps. The median
+    of a few (not the minimum, which made 3-4 token decodes look up to 30% cheaper on a busy 2-core
+    CPU) is kept as measured, dips included (a larger batch can cost less: see CALIBRATION_SIZES), only
+    never below one token's cost. Other processes' CPU use is measured alongside; a curve measured
+    while they competed for our cores is marked provisional.
 
-    Sizes are timed one after another, so every point but one token's is a decode that follows a
-    decode of another size, as a verification follows plain steps. One token's cost and the switch
-    cost are timed apart (``_plain_and_switch``): plain steps run back to back."""
+    What the plain steps after a larger decode lose (a new batch shape) is timed apart
+    (``_plain_and_switch``)."""
     rng = np.random.default_rng(0)
     n_vocab = vocab or kv.ctx.n_vocab
     sizes = [s for s in sizes if s <= kv.ctx.n_batch]
-    times: dict[int, list[float]] = {n: [] for n in sizes}
+    larger = [n for n in sizes if n > 1]
+    ratios: dict[int, list[float]] = {n: [] for n in larger}
+    steps: list[float] = []
 
     def decode(n: int) -> float:
         return _timed_decode(kv, rng, n_vocab, n)
 
-    # a bar on a terminal (the 1.5B took 13 s on 2 cores; a slow laptop, up to a minute)
-    bar = tqdm(total=(repeats + 1) * sum(sizes), desc="measuring the verify cost", unit="tok",
-               leave=False, disable=None)
+    # a bar on a terminal (the 1.5B takes ~25 s on 2 cores; a slow laptop, over a minute)
+    bar = tqdm(total=(repeats + 1) * sum(larger) + repeats * len(larger) * (SWITCH_STEPS + 1),
+               desc="measuring the verify cost", unit="tok", leave=False, disable=None)
     with LoadMeter() as meter, bar:
         _random_prefix(kv, rng, n_vocab, prefix_len)
         # size after size, repeat after repeat: a burst of load then spoils one decode of several sizes,
         # not all decodes of one size (back to back, it made 13 tokens look twice as dear as 12 or 14)
-        for rep in range(repeats + 1):   # the first pass warms the graph for each shape
-            for n in sizes:
-                seconds = decode(n)
-                bar.update(n)
+        for rep in range(repeats + 1):   # the first pass builds and warms the graph of each shape
+            for n in larger:
                 if rep:
-                    times[n].append(seconds)
+                    step = _paired_step(decode)
+                    bar.update(SWITCH_STEPS + 1)
+                    steps.append(step)
+                    ratios[n].append(decode(n) / step)
+                else:
+                    decode(n)
+                bar.update(n)
         step, switch = _plain_and_switch(decode, max((n for n in sizes if n <= SWITCH_SIZE), default=1))
     kv.reset()
-    seconds = [float(np.median(times[n])) for n in sizes]
-    if sizes and sizes[0] == 1:
-        seconds[0] = step
-    seconds = [max(s, seconds[0]) for s in seconds]   # n tokens never cost less than one: timer noise
+    if steps:
+        step = float(np.median(steps))
+    seconds = [step if n == 1 else float(np.median(ratios[n])) * step for n in sizes]
+    seconds = [max(s, step) for s in seconds]   # n tokens never cost less than one: timer noise
     return CostModel(sizes=list(sizes), seconds=seconds, busy_cores=meter.busy_cores,
                      provisional=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads),
                      switch_seconds=switch)
+
+
+def _paired_step(decode: Callable[[int], float]) -> float:
+    """A plain step's seconds, timed after the SWITCH_STEPS plain steps that a decode of another size
+    slows down: what a step costs back to back, at the moment the next decode is timed."""
+    for _ in range(SWITCH_STEPS):
+        decode(1)
+    return decode(1)
 
 
 def _timed_decode(kv: "KVCache", rng: np.random.Generator, n_vocab: int, n: int) -> float:
