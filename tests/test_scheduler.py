@@ -1147,7 +1147,7 @@ def test_a_pending_probe_does_not_bar_looks_and_the_look_is_verified_as_the_prob
 def test_a_drafter_that_is_looked_at_is_not_probed_now_and_then() -> None:
     # its looks propose every few rounds, trim judges their classes and the text scores what was cut; a
     # periodic probe verified two tokens the estimates already said would not pay (on SmolLM2, where a
-    # 2-token round costs ~2.4 steps, 0.2-0.4% of auto's time on gsm8k and mt_bench)
+    # 2-token round costs ~2.4 steps, they made auto 0.970x / 0.989x of plain decoding on gsm8k / mt_bench)
     sched = stale_mix()
     sched._probe_spent[""] = 0.0                      # the probe budget would allow a probe
     drafter = CopyDraft("lo")
