@@ -23,8 +23,8 @@ model's catch-up on the text it skipped, their extra verification) is held withi
 time (each method's own, where one engine runs several), so hopeless text loses at most ~1% while
 drafting can resume when the text turns repetitive; a probe that must first read skipped text waits
 until its request has run four times what that reading costs (PROBE_REQUEST_SHARE), so that no short
-answer pays for it. A drafter that is looked at (``_worth_a_look``) is not probed this way: its looks
-re-measure the classes it drafts.
+answer pays for it. A drafter that is looked at (``_worth_a_look``) is probed this way only in its
+request's first EARLY_PROBE_ROUNDS rounds: after those, its looks re-measure the classes it drafts.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -98,6 +98,7 @@ DRY_LOOKS_EVERY_MAX = 16   # looks in a request that kept nothing: the idle roun
 DRY_LOOKS_PER_DOUBLING = 2
 LOOK_BACKOFF_MAX = 16   # a first class whose looks were cut to nothing n times running: looked at every
                         # min(2^(n-1), this)-th time it comes (``_look_promising``)
+EARLY_PROBE_ROUNDS = 32  # a request's first rounds: drafters that are looked at are probed too
 MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
@@ -175,6 +176,7 @@ class Scheduler:
         self._raises: dict[str, int] = {}
         self._epoch = 0
         self._rounds = 0
+        self._request_first_round = 0   # ``_rounds`` when the current request began
         self._pays_memo: dict[str, _PaysMemo] = {}
         self._quiet: dict[str, _QuietRounds] = {}   # rounds foreseen idle, per proposer (``_plan_quiet``)
         self.use_method("")
@@ -534,6 +536,7 @@ class Scheduler:
         self._request.clear()
         self._unverified.clear()
         self._request_began[self._method] = self._elapsed.get(self._method, 0.0)
+        self._request_first_round = self._rounds
         # every cheap labelling drafter is looked at in the request's first round (``_worth_a_look``)
         self._kept_last = set(self.confidence)
         self._unlooked.clear()
@@ -1054,15 +1057,16 @@ class Scheduler:
         return 0
 
     def _periodic_probes(self, source: str) -> bool:
-        """Is ``source`` probed now and then while nothing pays? Not a drafter that is looked at
-        (``_looks_at``): every few rounds a look proposes, ``trim`` judges the classes it drafted, and the
-        text scores what was cut (``_hold``), so a periodic probe only verified two tokens that the
-        estimates already said would not pay. On SmolLM2 (a 2-token round costs 2.3-2.5 steps here)
-        a probe accepted on gsm8k made drafting look worth it and the drafts that followed lost: auto
-        ran 0.970x / 0.989x of plain decoding on gsm8k / mt_bench with such probes, 1.006x / 0.995x
-        without. (A process whose learned estimates come from text that did not copy finds a copying
-        request's copies later without them: docs/design.md#cost-model.)"""
-        return not self._looks_at(source)
+        """Is ``source`` probed now and then while nothing pays? A drafter that is looked at
+        (``_looks_at``) only in its request's first EARLY_PROBE_ROUNDS rounds. After those, every few
+        rounds a look proposes, ``trim`` judges the classes it drafted and the text scores what was cut
+        (``_hold``), so a probe only verified two tokens the estimates said would not pay: on SmolLM2 (a
+        2-token round costs 2.3-2.5 steps here) a probe accepted on gsm8k made drafting look worth it
+        and the drafts that followed lost (auto 0.970x / 0.989x of plain decoding on gsm8k / mt_bench
+        with such probes throughout, 1.006x / 0.995x without). Early on they stay: from estimates learned
+        on text that did not copy, a request that copies is found only by a probe of what the estimates
+        would cut (the README's request drafted nothing without them: 0.97x against 1.05-1.07x)."""
+        return not self._looks_at(source) or self._rounds - self._request_first_round < EARLY_PROBE_ROUNDS
 
     def gain(self, source: str, draft_cost: float = 0.0) -> float:
         """Best expected speed-up over plain decoding for this proposer right now."""
