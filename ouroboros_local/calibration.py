@@ -134,8 +134,8 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
     curve holds the median of ``repeats`` such ratios times the median plain step: the scheduler needs
     what a decode costs against a step. Timed apart, a machine that slowed down or sped up between the
     plain steps and the larger decodes (a VM's speed moves by 30% from one few-second spell to the next)
-    bent the whole curve: eight calibrations of SmolLM2 in a row put c(3) between 1.65 and 2.70 steps,
-    and a curve that said 1.92 had ``auto`` verify drafts whose rounds really cost 2.5 steps. The median
+    bent the whole curve: eight calibrations of SmolLM2 in a row put c(3) between 1.65 and 2.70 steps
+    (now 2.29-2.54), and a cached curve that said 1.92 priced drafts that lost. The median
     of a few (not the minimum, which made 3-4 token decodes look up to 30% cheaper on a busy 2-core
     CPU) is kept as measured, dips included (a larger batch can cost less: see CALIBRATION_SIZES), only
     never below one token's cost. Other processes' CPU use is measured alongside; a curve measured
