@@ -25,8 +25,8 @@ drafting can resume when the text turns repetitive; a probe that must first read
 until its request has run four times what that reading costs (PROBE_REQUEST_SHARE), so that no short
 answer pays for it. A drafter that is looked at (``_worth_a_look``) is probed this way only in its
 request's first EARLY_PROBE_ROUNDS rounds: after those, its looks re-measure the classes it drafts.
-A labelled chain whose first class was measured to lose (PROBE_FLOOR) is not verified as a probe: the
-probe waits for a later draft (``_known_to_lose``).
+Such a drafter's chain whose first class was measured to lose (PROBE_FLOOR) is not verified as a probe:
+the probe waits for a later draft (``_known_to_lose``).
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -807,8 +807,13 @@ class Scheduler:
         draft. A chain cut to nothing is scored by the text all the same (``_hold``); a probe's use is
         to bet on what the estimates doubt. On SmolLM2, 10 of 28 probes on gsm8k and mt_bench verified
         1-token copies ("ctx1", expected at 0.5-0.6 of plain decoding): one of their 20 tokens was
-        accepted, each probe ~1.3 steps lost."""
-        if first is None or self.confidence[source].trials.get(first, 0.0) < MEASURE_TRIALS:
+        accepted, each probe ~1.3 steps lost.
+
+        Only for a drafter that is looked at (``_looks_at``), whose looks soon propose again. A draft
+        model's probe has paid for its draft already, and a probe left pending would not back off
+        (``update``): its next draft would come PROBE_EVERY rounds later, each one paid again."""
+        if (first is None or not self._looks_at(source)
+                or self.confidence[source].trials.get(first, 0.0) < MEASURE_TRIALS):
             return False
         return rates[min(self.probe_length, len(rates) - 1)] < PROBE_FLOOR * rates[0]
 

@@ -13,8 +13,8 @@ from ouroboros_local.llama import Model
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
 from ouroboros_local.calibration import CalibrationCache, CostModel
 from ouroboros_local.proposers.base import Proposer
-from ouroboros_local.scheduler import (LOOK_EVERY, MAX_ALPHA, MIN_GAIN, PROBE_EVERY, REFRESH_ROUNDS,
-                                       Scheduler, _upper_envelope)
+from ouroboros_local.scheduler import (MAX_ALPHA, MIN_GAIN, PROBE_EVERY, REFRESH_ROUNDS, Scheduler,
+                                       _upper_envelope)
 from ouroboros_local.tree import TokenTree
 
 CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.7, 3.0, 5.5, 9.5])   # docs/design.md#cost-model
@@ -892,7 +892,7 @@ def stale_mix() -> Scheduler:
     return sched
 
 
-def doubtful(sched: Scheduler) -> CopyDraft:
+def doubtful_copies(sched: Scheduler) -> CopyDraft:
     """A copy drafter of a class "mid" measured right 45% of the time: ``trim`` cuts its drafts, but a
     probe of it may find a text that copies (``_known_to_lose`` lets it be verified)."""
     for i in range(40):
@@ -904,14 +904,21 @@ def doubtful(sched: Scheduler) -> CopyDraft:
 def test_a_probe_waits_for_a_draft_not_measured_hopeless() -> None:
     # a chain cut to nothing is scored by the text all the same (``_hold``): a probe of a class measured
     # hopeless teaches nothing and costs ~1.3 steps on SmolLM2 (1-token copies: one token in 20 accepted)
+    from ouroboros_local.scheduler import LOOK_EVERY
+
     sched = stale_mix()
     sched._probing.add("x")
     hopeless = CopyDraft("lo")
     trees = [sched.draft(hopeless, [0], 8) for _ in range(LOOK_EVERY)]
     assert hopeless.asked == 1 and all(tree.n_candidates == 0 for tree in trees)
     assert "x" in sched._probing and len(sched._unverified["x"]) == 1   # pending; held for the text
-    trees = [sched.draft(doubtful(sched), [0], 8) for _ in range(LOOK_EVERY)]   # a class that may copy
+    trees = [sched.draft(doubtful_copies(sched), [0], 8) for _ in range(LOOK_EVERY)]   # may copy
     assert trees[-1].n_candidates == sched.probe_length
+    # a draft model (not looked at) has paid for its probe's draft: it is verified
+    model = stale_mix()
+    model._least_costs["x"] = 0.2 * CPU.cost(1)
+    model._probing.add("x")
+    assert model.trim("x", labelled_chain(["lo"] * 8)).n_candidates == model.probe_length
 
 
 def test_looks_that_cost_more_come_less_often() -> None:
@@ -1160,7 +1167,7 @@ def test_a_pending_probe_does_not_bar_looks_and_the_look_is_verified_as_the_prob
 
     sched = stale_mix()
     sched._probing.add("x")
-    drafter = doubtful(sched)                         # a draft trim would cut to nothing
+    drafter = doubtful_copies(sched)                  # a draft trim would cut to nothing
     trees = [sched.draft(drafter, [0], 8) for _ in range(LOOK_EVERY)]
     assert drafter.asked == 1 and trees[-1].n_candidates == sched.probe_length
     sched.learn("x", trees[-1], 0)
@@ -1186,7 +1193,7 @@ def test_a_drafter_that_is_looked_at_is_probed_only_early_in_a_request() -> None
 
     sched = stale_mix()
     sched._probe_spent[""] = -1e9                     # the probe budget allows every probe
-    drafter = doubtful(sched)
+    drafter = doubtful_copies(sched)
     early = rounds(sched, drafter, EARLY_PROBE_ROUNDS)
     assert any(tree.n_candidates == sched.probe_length for tree in early)
     late = rounds(sched, drafter, 200)
