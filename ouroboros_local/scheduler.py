@@ -25,8 +25,6 @@ drafting can resume when the text turns repetitive; a probe that must first read
 until its request has run four times what that reading costs (PROBE_REQUEST_SHARE), so that no short
 answer pays for it. A drafter that is looked at (``_worth_a_look``) is probed this way only in its
 request's first EARLY_PROBE_ROUNDS rounds: after those, its looks re-measure the classes it drafts.
-Such a drafter's chain whose first class was measured to lose (PROBE_FLOOR) is not verified as a probe:
-the probe waits for a later draft (``_known_to_lose``).
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -102,8 +100,6 @@ LOOK_BACKOFF_MAX = 16   # a first class whose looks were cut to nothing n times 
                         # min(2^(n-1), this)-th time it comes (``_look_promising``)
 EARLY_PROBE_ROUNDS = 32  # a request's first rounds: drafters that are looked at are probed too
 MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
-PROBE_FLOOR = 0.6       # a probe waits for a draft expected above this share of plain decoding's rate (or of
-                        # a class tried fewer than MEASURE_TRIALS times: ``_known_to_lose``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
 MAX_UNSCORED = 32       # drafts per proposer waiting for the text that scores them (``_score_unverified``)
@@ -794,28 +790,9 @@ class Scheduler:
             return self._trim_branches(source, tree)
         classes = tree.node_classes()
         seconds = self._round_seconds_list(len(classes))
-        rates = [e / s for e, s in zip(self._chain_expected(source, classes, explore=False), seconds)]
-        k = _best_beyond_margin(rates)
-        if source in self._probing and k < self.probe_length and self._known_to_lose(source, first, rates):
-            return tree.truncated(k)   # the probe stays pending for a draft worth verifying
+        k = _best_beyond_margin([e / s for e, s in zip(self._chain_expected(source, classes, explore=False),
+                                                       seconds)])
         return tree.truncated(self._kept_at_least(source, first, len(classes), k))
-
-    def _known_to_lose(self, source: str, first: str | None, rates: Sequence[float]) -> bool:
-        """Is a chain that a pending probe of ``source`` would verify (first class ``first``; ``rates``:
-        tokens per second of keeping 0..n of its nodes) one whose class was measured (MEASURE_TRIALS) and
-        whose probe is expected below PROBE_FLOOR of plain decoding? Then the probe waits for a later
-        draft. A chain cut to nothing is scored by the text all the same (``_hold``); a probe's use is
-        to bet on what the estimates doubt. On SmolLM2, 10 of 28 probes on gsm8k and mt_bench verified
-        1-token copies ("ctx1", expected at 0.5-0.6 of plain decoding): one of their 20 tokens was
-        accepted, each probe ~1.3 steps lost.
-
-        Only for a drafter that is looked at (``_looks_at``), whose looks soon propose again. A draft
-        model's probe has paid for its draft already, and a probe left pending would not back off
-        (``update``): its next draft would come PROBE_EVERY rounds later, each one paid again."""
-        if (first is None or not self._looks_at(source)
-                or self.confidence[source].trials.get(first, 0.0) < MEASURE_TRIALS):
-            return False
-        return rates[min(self.probe_length, len(rates) - 1)] < PROBE_FLOOR * rates[0]
 
     def _note_first(self, source: str, first: str) -> None:
         """A draft of ``source`` starts with a node of class ``first`` (the mix ``_classes_pay`` reads)."""
