@@ -48,7 +48,7 @@ CHECK_DECODES = 4        # timed single-token decodes of the start-up check (aft
 CHECK_PREFIX = 8         # tokens in the context during the check
 SWITCH_SIZE = 8          # the decode whose switch cost is timed (the largest calibrated size up to it)
 SWITCH_STEPS = 2         # plain steps that may run slower after it (CUDA: one without a graph, one capturing)
-SWITCH_SETTLE = 3        # plain steps before each timed one, back to back
+SWITCH_SETTLE = 3        # plain steps in a row, the last timed (``_settled_step``; more than SWITCH_STEPS)
 SWITCH_REPEATS = 5
 
 
@@ -130,7 +130,7 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
                   prefix_len: int = 32, vocab: int | None = None) -> CostModel:
     """Time chain decodes of each size on the engine's own context (cache is reset afterwards).
 
-    Each size n > 1 is timed against a plain step decoded just before it (``_paired_step``), and the
+    Each size n > 1 is timed against a plain step decoded just before it (``_settled_step``), and the
     curve holds the median of ``repeats`` such ratios times the median plain step: the scheduler needs
     what a decode costs against a step. Timed apart, a machine that slowed down or sped up between the
     plain steps and the larger decodes (a VM's speed moves by 30% from one few-second spell to the next)
@@ -154,7 +154,7 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
         return _timed_decode(kv, rng, n_vocab, n)
 
     # a bar on a terminal (the 1.5B takes ~25 s on 2 cores; a slow laptop, over a minute)
-    bar = tqdm(total=(repeats + 1) * sum(larger) + repeats * len(larger) * (SWITCH_STEPS + 1),
+    bar = tqdm(total=(repeats + 1) * sum(larger) + repeats * len(larger) * SWITCH_SETTLE,
                desc="measuring the verify cost", unit="tok", leave=False, disable=None)
     with LoadMeter() as meter, bar:
         _random_prefix(kv, rng, n_vocab, prefix_len)
@@ -163,8 +163,8 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
         for rep in range(repeats + 1):   # the first pass builds and warms the graph of each shape
             for n in larger:
                 if rep:
-                    step = _paired_step(decode)
-                    bar.update(SWITCH_STEPS + 1)
+                    step = _settled_step(decode)
+                    bar.update(SWITCH_SETTLE)
                     steps.append(step)
                     ratios[n].append(decode(n) / step)
                 else:
@@ -181,10 +181,10 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
                      switch_seconds=switch)
 
 
-def _paired_step(decode: Callable[[int], float]) -> float:
-    """A plain step's seconds, timed after the SWITCH_STEPS plain steps that a decode of another size
-    slows down: what a step costs back to back, at the moment the next decode is timed."""
-    for _ in range(SWITCH_STEPS):
+def _settled_step(decode: Callable[[int], float]) -> float:
+    """A plain step's seconds, timed after SWITCH_SETTLE - 1 untimed ones (past the steps that a decode
+    of another size slows down): what a step costs back to back, at the moment it is timed."""
+    for _ in range(SWITCH_SETTLE - 1):
         decode(1)
     return decode(1)
 
@@ -212,9 +212,7 @@ def _plain_and_switch(decode: Callable[[int], float], size: int) -> tuple[float,
     step (SmolLM2) and none against 24 ms (Qwen2.5-Coder-1.5B)."""
     steady, lost = [], []
     for rep in range(SWITCH_REPEATS + 1):   # the first round warms both shapes
-        for _ in range(SWITCH_SETTLE - 1):
-            decode(1)
-        step = decode(1)
+        step = _settled_step(decode)
         after: list[float] = []
         if size > 1:
             decode(size)
