@@ -24,12 +24,14 @@ class RoundCosts:
 
     WEIGHT = 0.1
     MIN_ROUNDS = 3
-    PLAIN_DRIFT = 0.02  # the plain steps' factor moved this much (relative) since the table was drawn: redraw
+    DRIFT = 0.02   # a size's factor moved this much (relative) since the table was drawn, or ``switch`` this
+                   # share of a step: redraw
 
     def __init__(self) -> None:
         self._ema: dict[int, float] = {}
         self._seen: dict[int, int] = {}
-        self._version = 0       # bumped by what must show at once: a drafted size, a size now measured
+        self._version = 0       # bumped by what must show at once: a size now measured, a drafted size's
+                                # factor or ``switch`` moved DRIFT
         self._drawn_plain = 1.0   # the plain steps' factor when the table was drawn
         self._cache: tuple[int, np.ndarray] | None = None
         self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
@@ -52,17 +54,27 @@ class RoundCosts:
             if not self._after:
                 self._switches.append(self._lost)
                 if len(self._switches) >= self.MIN_ROUNDS:
-                    self.switch = float(np.median(self._switches))
-                    self._version += 1
+                    switch = float(np.median(self._switches))
+                    if self.switch is None or abs(switch - self.switch) > self.DRIFT * calibrated:
+                        self.switch = switch
+                        self._version += 1
             return
         if n_tokens > 1:
             self._after, self._lost = SWITCH_STEPS, 0.0
         factor = seconds / calibrated
         old = self._ema.get(n_tokens)
-        self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
+        ema = self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
         seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
-        if n_tokens > 1 or seen <= self.MIN_ROUNDS:
+        if seen <= self.MIN_ROUNDS or (n_tokens > 1 and self._drifted(n_tokens, ema)):
             self._version += 1
+
+    def _drifted(self, n_tokens: int, factor: float) -> bool:
+        """Has a measured drafted size's factor moved DRIFT from the table drawn last?"""
+        cached = self._cache
+        if cached is None or n_tokens > len(cached[1]):
+            return True
+        drawn = cached[1][n_tokens - 1]
+        return abs(factor - drawn) > self.DRIFT * drawn
 
     def factor(self, n_tokens: int) -> float:
         return float(self.factors(n_tokens)[n_tokens - 1])
@@ -82,13 +94,14 @@ class RoundCosts:
 
     def shared_table(self, n_max: int) -> np.ndarray:
         """The factors of sizes 1..max(n_max, 64), not to be written to; a new array each time it is
-        redrawn: after a drafted round, or once the plain steps' factor drifted PLAIN_DRIFT from the one
-        drawn (redrawn every 8 plain steps, a run that does not draft spent 10-15 µs a round on the table
-        and on the seconds derived from it, with the caches cold after the decode)."""
+        redrawn: once a size is measured, or a factor or ``switch`` moved DRIFT from the one drawn. Redrawn
+        every 8 plain steps, a run that does not draft spent 10-15 µs a round on the table and on the
+        seconds derived from it, with the caches cold after the decode; redrawn after every drafted
+        round, a redraw came every 4-5 rounds of SmolLM2's code edits (~160 µs each, 29 µs a round)."""
         cached = self._cache
         plain = self._plain_factor()
         if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
-                or abs(plain - self._drawn_plain) > self.PLAIN_DRIFT * self._drawn_plain:
+                or abs(plain - self._drawn_plain) > self.DRIFT * self._drawn_plain:
             sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
             n = max(n_max, 64)
             table = np.ones(n)

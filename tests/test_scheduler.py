@@ -11,7 +11,7 @@ import pytest
 from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable, probability_class
-from ouroboros_local.calibration import CalibrationCache, CostModel
+from ouroboros_local.calibration import SWITCH_STEPS, CalibrationCache, CostModel
 from ouroboros_local.proposers.base import Proposer
 from ouroboros_local.scheduler import (MAX_ALPHA, MIN_GAIN, PROBE_EVERY, REFRESH_ROUNDS, Scheduler,
                                        _upper_envelope)
@@ -1176,6 +1176,38 @@ def test_a_drafter_that_is_looked_at_is_probed_only_early_in_a_request() -> None
     assert any(model.best_length("x") for _ in range(PROBE_EVERY))
 
 
+def test_only_a_requests_early_rounds_count_towards_probing_a_drafter_that_is_looked_at() -> None:
+    # counted through whole requests, the probe interval (doubled after each probe that failed) was
+    # shorter than one answer's idle rounds: every request was probed again at once, whatever the
+    # probes before had found (SmolLM2, gsm8k and mt_bench: 11-15 probes in 16 requests, each ~1.4
+    # steps lost). Counted only where a probe may come, a failed probe's doubling spaces them out.
+    from ouroboros_local.scheduler import EARLY_PROBE_ROUNDS
+
+    sched = stale_mix()
+    sched._probe_spent[""] = -1e9                     # the probe budget allows every probe
+    sched._probe_every["x"] = 2 * EARLY_PROBE_ROUNDS   # after probes that failed
+    drafter = CopyDraft("lo")
+
+    def request(n: int) -> int:
+        """Rounds of one request; the probes verified."""
+        sched.begin_request()
+        sched._kept_last.clear()
+        probes = 0
+        for _ in range(n):
+            tree = sched.draft(drafter, [0], 8)
+            sched.observe_round(tree.batch_size, CPU.cost(tree.batch_size))
+            if tree.n_candidates:
+                probes += tree.n_candidates == sched.probe_length
+                sched.learn("x", tree, 0)
+        return probes
+
+    idle = sched._idle.get("x", 0)
+    assert request(200) == 0 and sched._idle["x"] == idle + EARLY_PROBE_ROUNDS
+    assert request(EARLY_PROBE_ROUNDS - idle - 1) == 0   # a long answer before does not bring the probe on
+    assert request(EARLY_PROBE_ROUNDS) == 1           # the interval's rounds, over the requests' starts
+    assert sched._probe_every["x"] == 4 * EARLY_PROBE_ROUNDS
+
+
 def labelled_branches(*branches: list[str]) -> TokenTree:
     """A root with one labelled chain per branch (tokens 100 * branch + depth)."""
     tree = TokenTree.rooted_at(0)
@@ -1273,7 +1305,7 @@ def test_held_drafts_are_bounded_and_dropped_with_the_request() -> None:
     assert not sched._unverified
 
 
-def test_plain_steps_redraw_round_costs_once_they_drift_and_drafted_rounds_at_once() -> None:
+def test_round_costs_are_redrawn_once_a_size_is_measured_or_drifts() -> None:
     from ouroboros_local.scheduler import RoundCosts
 
     sched = Scheduler(CPU)
@@ -1282,14 +1314,24 @@ def test_plain_steps_redraw_round_costs_once_they_drift_and_drafted_rounds_at_on
     assert sched.round_seconds(4)[0] == pytest.approx(2 * CPU.cost(1))
     table = sched.round_costs.shared_table(4)
     for _ in range(50):                                 # an idle run at a steady speed: never redrawn
-        sched.observe_round(1, 2 * CPU.cost(1) * (1 + RoundCosts.PLAIN_DRIFT / 2))
+        sched.observe_round(1, 2 * CPU.cost(1) * (1 + RoundCosts.DRIFT / 2))
         assert sched.round_costs.shared_table(4) is table
     sched.observe_round(1, 4 * CPU.cost(1))            # the machine slowed down: shown at once
     slower = sched.round_seconds(4)[0]
     assert slower > 2.1 * CPU.cost(1)
-    for _ in range(RoundCosts.MIN_ROUNDS):             # drafted rounds show at once
+    for _ in range(RoundCosts.MIN_ROUNDS):             # a drafted size shows at once once measured
         sched.observe_round(5, 3 * CPU.cost(5))
-    assert sched.round_seconds(4)[4] == pytest.approx(3 * CPU.cost(5))
+        for _ in range(SWITCH_STEPS):
+            sched.observe_round(1, 4 * CPU.cost(1))
+    assert sched.round_seconds(4)[4] == pytest.approx(3 * CPU.cost(5) + sched.round_costs.switch)
+    table = sched.round_costs.shared_table(4)
+    for _ in range(20):                                # drafted rounds at a steady cost: not redrawn
+        sched.observe_round(5, 3 * CPU.cost(5) * (1 + RoundCosts.DRIFT / 2))
+        for _ in range(SWITCH_STEPS):
+            sched.observe_round(1, 4 * CPU.cost(1))      # (the same wake: the same switch)
+        assert sched.round_costs.shared_table(4) is table
+    sched.observe_round(5, 6 * CPU.cost(5))            # a dearer drafted round moves the EMA 10%
+    assert sched.round_costs.shared_table(4) is not table
     assert not sched.round_seconds(4).flags.writeable
 
 
