@@ -24,8 +24,7 @@ time (each method's own, where one engine runs several), so hopeless text loses 
 drafting can resume when the text turns repetitive; a probe that must first read skipped text waits
 until its request has run four times what that reading costs (PROBE_REQUEST_SHARE), so that no short
 answer pays for it. A drafter that is looked at (``_worth_a_look``) is probed this way only in its
-request's first EARLY_PROBE_ROUNDS rounds, and only those rounds count towards its next probe: after
-those, its looks re-measure the classes it drafts.
+request's first EARLY_PROBE_ROUNDS rounds: after those, its looks re-measure the classes it drafts.
 Before a proposer has drafted at all, the prior (alpha = 0.5) decides: a GPU drafts at once, a CPU
 probes first.
 
@@ -142,8 +141,7 @@ class _QuietRounds:
     raises: int        # news that could make drafting pay (``Scheduler._raises``)
     looks: bool        # each round counts towards the next look (``_worth_a_look``)
     held: bool         # a probe is due but the probe budget holds it back: asked each round
-    idle: bool = True  # each round counts towards the next probe (not for a retired drafter, nor past a
-                       # looked-at drafter's early rounds: ``_periodic_probes``)
+    retired: bool = False   # ``hopeless``: no idle rounds counted towards a probe
 
 
 class Scheduler:
@@ -255,7 +253,7 @@ class Scheduler:
             # its ceiling is re-priced every REFRESH_ROUNDS rounds (``ceiling``), per method and request:
             # idle until then (the 0.5B draft, retired on an H200, was checked every round of auto)
             self._quiet[name] = _QuietRounds(REFRESH_ROUNDS - 1, self._epoch, self._raises.get(name, 0),
-                                             looks=False, held=False, idle=False)
+                                             looks=False, held=False, retired=True)
             return None
         k = self.best_length(name, self.draft_cost(name), limit=budget)
         look = k <= 0 and self._worth_a_look(name)
@@ -495,20 +493,16 @@ class Scheduler:
             return
         rounds = REFRESH_ROUNDS - (self._rounds - memo.rounds)
         held = False
-        looks = self._looks_at(source)
-        periodic = self._periodic_probes(source)
-        if periodic:
+        if self._periodic_probes(source):
             every, idle = self._probe_every.get(source, PROBE_EVERY), self._idle.get(source, 0)
             held = idle >= every  # a probe is due but the probe budget holds it back: watched each round
             if not held:
                 rounds = min(rounds, every - idle)
-            if looks:   # the round after the early ones counts no idle round: decided afresh
-                rounds = min(rounds, EARLY_PROBE_ROUNDS - (self._rounds - self._request_first_round))
+        looks = self._looks_at(source)
         if looks:
             rounds = min(rounds, self._look_every(source) - self._unlooked.get(source, 0))
         if rounds > 1:
-            self._quiet[source] = _QuietRounds(rounds - 1, self._epoch, self._raises.get(source, 0), looks, held,
-                                               idle=periodic)
+            self._quiet[source] = _QuietRounds(rounds - 1, self._epoch, self._raises.get(source, 0), looks, held)
 
     def _quiet_round(self, source: str, budget: int) -> bool:
         """Is this one of the idle rounds ``_plan_quiet`` foresaw (and nothing it relied on changed)? Then
@@ -521,7 +515,7 @@ class Scheduler:
             del self._quiet[source]
             return False
         quiet.left -= 1
-        if quiet.idle:
+        if not quiet.retired:
             self._idle[source] += 1
         if quiet.looks:
             self._unlooked[source] += 1
@@ -1052,14 +1046,11 @@ class Scheduler:
             return best
         # nothing pays: probe now and then, less often after each failed probe, and never more often
         # than keeps probes (their drafting, including a draft model's catch-up on the text it skipped,
-        # and their extra verification) within PROBE_BUDGET of the time; only the rounds where a probe
-        # may come count towards one (``_periodic_probes``)
-        if not self._periodic_probes(source):
-            return 0
+        # and their extra verification) within PROBE_BUDGET of the time
         idle = self._idle.get(source, 0) + 1
         self._idle[source] = idle
         every = self._probe_every.get(source, PROBE_EVERY)
-        if idle >= every and limit > 0 and self._probe_affordable():
+        if idle >= every and limit > 0 and self._periodic_probes(source) and self._probe_affordable():
             self._idle[source] = 0
             self._probing.add(source)
             return min(self.probe_length, limit)
@@ -1074,13 +1065,7 @@ class Scheduler:
         and the drafts that followed lost (auto 0.970x / 0.989x of plain decoding on gsm8k / mt_bench
         with such probes throughout, 1.006x / 0.995x without). Early on they stay: from estimates learned
         on text that did not copy, a request that copies is found only by a probe of what the estimates
-        would cut (the README's request drafted nothing without them: 0.97x against 1.05-1.07x).
-
-        Only these rounds count towards the next probe (``best_length``, ``_plan_quiet``). Counted through
-        whole requests, the interval, doubled after each probe that failed, stayed shorter than one
-        answer's idle rounds, so nearly every request was probed again at once: in two runs of 16
-        requests a set from the same starting estimates (SmolLM2), 31 probes on gsm8k (net -24.4 steps)
-        and 22 on mt_bench (-26.5), against 20 (-8.2) and 8 (-8.7) counted this way."""
+        would cut (the README's request drafted nothing without them: 0.97x against 1.05-1.07x)."""
         return not self._looks_at(source) or self._rounds - self._request_first_round < EARLY_PROBE_ROUNDS
 
     def gain(self, source: str, draft_cost: float = 0.0) -> float:

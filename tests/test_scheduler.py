@@ -1176,38 +1176,6 @@ def test_a_drafter_that_is_looked_at_is_probed_only_early_in_a_request() -> None
     assert any(model.best_length("x") for _ in range(PROBE_EVERY))
 
 
-def test_only_a_requests_early_rounds_count_towards_probing_a_drafter_that_is_looked_at() -> None:
-    # counted through whole requests, the probe interval (doubled after each probe that failed) was
-    # shorter than one answer's idle rounds: every request was probed again at once, whatever the
-    # probes before had found (SmolLM2: 31 probes in two runs of 16 gsm8k requests, net -24.4 steps;
-    # 20, -8.2 counted this way). Counted only where a probe may come, failed probes space them out.
-    from ouroboros_local.scheduler import EARLY_PROBE_ROUNDS
-
-    sched = stale_mix()
-    sched._probe_spent[""] = -1e9                     # the probe budget allows every probe
-    sched._probe_every["x"] = 2 * EARLY_PROBE_ROUNDS   # after probes that failed
-    drafter = CopyDraft("lo")
-
-    def request(n: int) -> int:
-        """Rounds of one request; the probes verified."""
-        sched.begin_request()
-        sched._kept_last.clear()
-        probes = 0
-        for _ in range(n):
-            tree = sched.draft(drafter, [0], 8)
-            sched.observe_round(tree.batch_size, CPU.cost(tree.batch_size))
-            if tree.n_candidates:
-                probes += tree.n_candidates == sched.probe_length
-                sched.learn("x", tree, 0)
-        return probes
-
-    idle = sched._idle.get("x", 0)
-    assert request(200) == 0 and sched._idle["x"] == idle + EARLY_PROBE_ROUNDS
-    assert request(EARLY_PROBE_ROUNDS - idle - 1) == 0   # a long answer before does not bring the probe on
-    assert request(EARLY_PROBE_ROUNDS) == 1           # the interval's rounds, over the requests' starts
-    assert sched._probe_every["x"] == 4 * EARLY_PROBE_ROUNDS
-
-
 def labelled_branches(*branches: list[str]) -> TokenTree:
     """A root with one labelled chain per branch (tokens 100 * branch + depth)."""
     tree = TokenTree.rooted_at(0)
