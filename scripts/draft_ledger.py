@@ -34,6 +34,7 @@ from typing import Any, Callable, Sequence
 
 NEIGHBOURS = 3   # plain steps on each side of a drafted round that price it
 GAIN_BUCKETS = ((0.0, 1.0), (1.0, 1.05), (1.05, 1.2), (1.2, 1.5), (1.5, float("inf")))
+UNLABELLED = "unlabelled"   # a drafted round whose tree no trim of a labelled chain returned
 
 
 def net_steps(rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -54,11 +55,14 @@ def net_steps(rounds: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def summary_rows(drafts: Sequence[dict[str, Any]]) -> list[tuple[str, int, int, float, float]]:
     """(kind, rounds, tokens accepted, tokens expected, net steps): drafts by predicted gain over plain
-    decoding, probes early and late, and all of them."""
+    decoding, drafts not priced by class (no labelled chain: a tree, a sampled draft), probes early and
+    late, and all of them."""
     groups: list[tuple[str, list[dict[str, Any]]]] = []
+    priced = [d for d in drafts if d["source"] != UNLABELLED and not d["probe"]]
     for lo, hi in GAIN_BUCKETS:
         label = f"drafts, predicted {lo:.2f}-{hi:.2f}x" if hi != float("inf") else f"drafts, predicted {lo:.2f}x+"
-        groups.append((label, [d for d in drafts if not d["probe"] and lo <= d["gain"] < hi]))
+        groups.append((label, [d for d in priced if lo <= d["gain"] < hi]))
+    groups.append(("drafts not priced by class", [d for d in drafts if d["source"] == UNLABELLED]))
     for phase in ("early", "late"):
         groups.append((f"probes, {phase}", [d for d in drafts if d["probe"] == phase]))
     groups.append(("all drafted rounds", list(drafts)))
@@ -92,7 +96,7 @@ class _Ledger:
             found = ledger._trimmed.get(id(step.tree))
             draft = None
             if step.tree.batch_size > 1:
-                draft = {"source": "unlabelled", "first": None, "n": step.tree.n_candidates, "expected": 0.0,
+                draft = {"source": UNLABELLED, "first": None, "n": step.tree.n_candidates, "expected": 0.0,
                          "gain": 0.0, "probe": None}
                 if found is not None and found[0] is step.tree:
                     draft = dict(found[1])

@@ -34,11 +34,13 @@ def test_a_drafted_round_is_priced_by_the_plain_steps_around_it() -> None:
 
 def test_the_summary_splits_drafts_by_predicted_gain_and_probes_by_phase() -> None:
     drafts = [dict(draft(1, gain=1.1), net=0.5), dict(draft(0, gain=1.3), net=-1.5),
-              dict(draft(0, gain=0.6, probe="early"), net=-1.4), dict(draft(2, gain=0.7, probe="late"), net=0.6)]
+              dict(draft(0, gain=0.6, probe="early"), net=-1.4), dict(draft(2, gain=0.7, probe="late"), net=0.6),
+              dict(draft(3, gain=0.0), source=draft_ledger.UNLABELLED, net=1.0)]
     rows = {kind: rest for kind, *rest in draft_ledger.summary_rows(drafts)}
     assert rows["drafts, predicted 1.05-1.20x"][0] == 1 and rows["drafts, predicted 1.20-1.50x"][3] == -1.5
     assert rows["probes, early"][:2] == [1, 0] and rows["probes, late"][1] == 2
-    assert rows["all drafted rounds"][0] == 4 and rows["all drafted rounds"][3] == pytest.approx(-1.8)
+    assert rows["drafts not priced by class"][:2] == [1, 3]
+    assert rows["all drafted rounds"][0] == 5 and rows["all drafted rounds"][3] == pytest.approx(-0.8)
     assert "drafts, predicted 0.00-1.00x" not in rows   # empty groups are left out
 
 
