@@ -6,14 +6,14 @@
 
 A benchmark's speed-up moves by 1-2% between runs on a small CPU, while each of the scheduler's choices
 that decide it (a probe here, a draft there) is worth a fraction of a step. This runs a method on a
-benchmark's prompts (the first turn of each, in the chat template; greedy) and logs every round: a plain step's seconds, or a verified draft's
-proposer, first class, length, the tokens the scheduler expected of it (its classes' estimates), whether
-it was a probe (in its request's first EARLY_PROBE_ROUNDS rounds or later) and the tokens accepted. A
-drafted round's net, in steps, is 1 + accepted - its decode over the median of the plain steps up to
-NEIGHBOURS rounds before and after it: not over the run's median step, since on a VM that runs in
-spells the drafted rounds fell in slower moments and looked dearer than they were. Summed per set, by
-the gain the scheduler predicted and for probes: what drafting won or lost, which a benchmark's totals
-hide in their noise.
+benchmark's prompts (the first turn of each, in the chat template; greedy) and logs every round: a plain
+step's seconds, or a verified draft's proposer, first class, length, the tokens the scheduler expected
+of it (its classes' estimates), whether it was a probe (in its request's first EARLY_PROBE_ROUNDS rounds
+or later) and the tokens accepted. A drafted round's net, in steps, is 1 + accepted - its decode over
+the median of the plain steps up to NEIGHBOURS rounds before and after it: not over the run's median
+step, since on a VM that runs in spells the drafted rounds fell in slower moments and looked dearer than
+they were. Summed per set, by the gain the scheduler predicted and for probes: what drafting won or
+lost, which a benchmark's totals hide in their noise.
 
 ``--estimates FILE`` starts from a copy of that estimates file (the file itself is not written), so that
 two versions of the code can be compared from the same learned state. Drafts made while a plain step
@@ -93,13 +93,12 @@ class _Ledger:
         def logged_round(engine: Any, *args: Any, **kwargs: Any) -> Any:
             ledger._trimmed.clear()
             step = run_round(engine, *args, **kwargs)
-            found = ledger._trimmed.get(id(step.tree))
             draft = None
-            if step.tree.batch_size > 1:
-                draft = {"source": UNLABELLED, "first": None, "n": step.tree.n_candidates, "expected": 0.0,
-                         "gain": 0.0, "probe": None}
-                if found is not None and found[0] is step.tree:
-                    draft = dict(found[1])
+            if step.tree.batch_size > 1:   # the trees held are alive, so an id is not reused
+                found = ledger._trimmed.get(id(step.tree))
+                draft = dict(found[1]) if found is not None else {
+                    "source": UNLABELLED, "first": None, "n": step.tree.n_candidates, "expected": 0.0,
+                    "gain": 0.0, "probe": None}
                 draft["accepted"] = len(step.result.accepted)
             ledger.rounds.append({"seconds": step.seconds, "draft": draft})
             return step
