@@ -30,8 +30,9 @@ class RoundCosts:
     def __init__(self) -> None:
         self._ema: dict[int, float] = {}
         self._seen: dict[int, int] = {}
-        self._version = 0       # bumped by what must show at once: a size now measured, a size's factor
-                                # or ``switch`` moved DRIFT
+        self._version = 0       # bumped by what must show at once: a size now measured, a drafted size's
+                                # factor or ``switch`` moved DRIFT
+        self._drawn_plain = 1.0   # the plain steps' factor when the table was drawn
         self._cache: tuple[int, np.ndarray] | None = None
         self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
         self._switches: deque[float] = deque(maxlen=SWITCH_SAMPLES)
@@ -64,11 +65,11 @@ class RoundCosts:
         old = self._ema.get(n_tokens)
         ema = self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
         seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
-        if seen <= self.MIN_ROUNDS or self._drifted(n_tokens, ema):
+        if seen <= self.MIN_ROUNDS or (n_tokens > 1 and self._drifted(n_tokens, ema)):
             self._version += 1
 
     def _drifted(self, n_tokens: int, factor: float) -> bool:
-        """Has a measured size's factor moved DRIFT from the table drawn last (which holds it as drawn)?"""
+        """Has a measured drafted size's factor moved DRIFT from the table drawn last?"""
         cached = self._cache
         if cached is None or n_tokens > len(cached[1]):
             return True
@@ -98,7 +99,9 @@ class RoundCosts:
         seconds derived from it, with the caches cold after the decode; redrawn after every drafted
         round, a redraw came every 4-5 rounds of SmolLM2's code edits (~160 µs each, 29 µs a round)."""
         cached = self._cache
-        if cached is None or cached[0] != self._version or len(cached[1]) < n_max:
+        plain = self._plain_factor()
+        if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
+                or abs(plain - self._drawn_plain) > self.DRIFT * self._drawn_plain:
             sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
             n = max(n_max, 64)
             table = np.ones(n)
@@ -107,4 +110,5 @@ class RoundCosts:
             if sizes:
                 table[1:] = np.interp(np.arange(2, n + 1), sizes, [self._ema[k] for k in sizes])
             self._cache = cached = (self._version, table)
+            self._drawn_plain = plain
         return cached[1]
