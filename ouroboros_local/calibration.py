@@ -80,16 +80,20 @@ class CostModel:
         return self.cost(n_tokens) / self.cost(1)
 
     def table(self, n_max: int) -> np.ndarray:
-        """cost(1), ..., cost(n_max) as a fresh array; the curve is tabulated once (the scheduler asks
-        every round, and per-size interpolation in Python costs more than a GPU decode step). The table
-        is plain floats: ``cost`` reads it after every round, where a numpy scalar's read, with the
-        caches cold after a decode, cost twice a list's."""
+        """cost(1), ..., cost(n_max) as a fresh array (``costs``)."""
+        return np.array(self.costs(n_max))
+
+    def costs(self, n_max: int) -> list[float]:
+        """cost(1), ..., cost(n_max) as plain floats; the curve is tabulated once (the scheduler asks
+        every round, and per-size interpolation in Python costs more than a GPU decode step). Plain
+        floats: ``cost`` reads the table after every round, where a numpy scalar's read, with the caches
+        cold after a decode, cost twice a list's."""
         cached = self.__dict__.get("_table")   # not a dataclass field: never saved with the curve
         if cached is None or len(cached) < n_max:
             self.__dict__.pop("_table", None)
             cached = [float(self.cost(n)) for n in range(1, max(n_max, 64) + 1)]
             self.__dict__["_table"] = cached
-        return np.array(cached[:n_max])
+        return cached[:n_max]
 
     @property
     def origin(self) -> str:

@@ -8,7 +8,7 @@ from collections import deque
 
 import numpy as np
 
-from .calibration import SWITCH_STEPS
+from .calibration import SWITCH_STEPS, CostModel
 
 SWITCH_SAMPLES = 9      # drafted rounds whose wake ``RoundCosts.switch`` is the median of
 END_SAMPLES = 32        # drafted rounds ``RoundCosts.end_share`` counts, after END_PRIOR that ended a run
@@ -32,8 +32,10 @@ class RoundCosts:
         self._seen: dict[int, int] = {}
         self._version = 0       # bumped by what must show at once: a size now measured, a drafted size's
                                 # factor or ``switch`` moved DRIFT
-        self._drawn_plain = 1.0   # the plain steps' factor when the table was drawn
-        self._cache: tuple[int, np.ndarray] | None = None
+        self._cache: tuple[int, tuple[float, ...]] | None = None   # (version, the factors drawn then)
+        self._priced_plain = 1.0   # the plain steps' factor prices use (``priced_plain``)
+        # ``seconds``: (curve, the table and plain factor priced, seconds as floats, as an array or None)
+        self._seconds: tuple[CostModel, tuple[float, ...], float, list[float], np.ndarray | None] | None = None
         self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
         self._switches: deque[float] = deque(maxlen=SWITCH_SAMPLES)
         self._ends: deque[int] = deque(maxlen=END_SAMPLES)   # 1: a drafted round had a plain step next
@@ -49,7 +51,7 @@ class RoundCosts:
         if self._after == SWITCH_STEPS:   # the round after a drafted one: did the drafting stop?
             self._ends.append(int(n_tokens == 1))
         if n_tokens == 1 and self._after:
-            self._lost += seconds - calibrated * self._plain_factor()
+            self._lost += seconds - calibrated * self.plain_factor()
             self._after -= 1
             if not self._after:
                 self._switches.append(self._lost)
@@ -85,30 +87,94 @@ class RoundCosts:
         copy drafted round after round pays the switch once."""
         return (sum(self._ends) + END_PRIOR) / (len(self._ends) + END_PRIOR)
 
-    def _plain_factor(self) -> float:
+    def plain_factor(self) -> float:
+        """The plain steps' factor (1 until MIN_ROUNDS of them were measured)."""
         return self._ema[1] if self._seen.get(1, 0) >= self.MIN_ROUNDS else 1.0
 
     def factors(self, n_max: int) -> np.ndarray:
-        """The factors of sizes 1..n_max (a fresh array: callers scale it in place)."""
-        return self.shared_table(n_max)[:n_max].copy()
+        """The factors of sizes 1..n_max as priced (a fresh array: callers scale it in place)."""
+        table = np.array(self.shared_table(n_max)[:n_max])
+        table[0] = self.priced_plain()
+        return table
 
-    def shared_table(self, n_max: int) -> np.ndarray:
-        """The factors of sizes 1..max(n_max, 64), not to be written to; a new array each time it is
-        redrawn: once a size is measured, or a factor or ``switch`` moved DRIFT from the one drawn. Redrawn
-        every 8 plain steps, a run that does not draft spent 10-15 µs a round on the table and on the
-        seconds derived from it, with the caches cold after the decode; redrawn after every drafted
-        round, a redraw came every 4-5 rounds of SmolLM2's code edits (~160 µs each, 29 µs a round)."""
+    def shared_table(self, n_max: int) -> tuple[float, ...]:
+        """The factors of sizes 1..max(n_max, 64) as last drawn (the plain steps' is ``priced_plain``); a
+        new tuple each time it is drawn: once a size is measured, or a drafted size's factor or ``switch``
+        moved DRIFT (``_version``), or, while no drafted size is measured (every size borrows the plain
+        steps' factor), the plain steps' factor moved DRIFT. Plain floats, drawn as rarely as that: with
+        the caches cold after a decode, a table redrawn every 8 plain steps cost an idle run 10-15 µs a
+        round; after every drafted round, 29 µs a round of SmolLM2's code edits; on each plain drift
+        (step times wander a few percent: every 4-10 reads), 10-30 µs a round of gsm8k, where a draw in
+        numpy, and the seconds derived from it, took ~150 µs."""
         cached = self._cache
-        plain = self._plain_factor()
         if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
-                or abs(plain - self._drawn_plain) > self.DRIFT * self._drawn_plain:
-            sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
-            n = max(n_max, 64)
-            table = np.ones(n)
-            if self._seen.get(1, 0) >= self.MIN_ROUNDS:
-                table[:] = self._ema[1]
-            if sizes:
-                table[1:] = np.interp(np.arange(2, n + 1), sizes, [self._ema[k] for k in sizes])
-            self._cache = cached = (self._version, table)
-            self._drawn_plain = plain
+                or (self._plain_drifted() and not self._drafted_measured()):
+            self._cache = cached = (self._version, self._draw(max(n_max, 64)))
+            self._priced_plain = cached[1][0]
         return cached[1]
+
+    def _draw(self, n: int) -> tuple[float, ...]:
+        """Factors of sizes 1..n: the plain steps' first; a drafted size's measured, else interpolated
+        between the nearest measured drafted sizes (outside them, the nearest one's); the plain steps'
+        where no drafted size is measured."""
+        plain = self.plain_factor()
+        sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
+        if not sizes:
+            return (plain,) * n
+        table, i = [plain], 0
+        for size in range(2, n + 1):
+            while i < len(sizes) - 1 and sizes[i + 1] <= size:
+                i += 1
+            lo = sizes[i]
+            if size <= lo or i == len(sizes) - 1:
+                table.append(self._ema[lo])
+            else:
+                hi = sizes[i + 1]
+                table.append(self._ema[lo] + (self._ema[hi] - self._ema[lo]) * (size - lo) / (hi - lo))
+        return tuple(table)
+
+    def priced_plain(self) -> float:
+        """The plain steps' factor as rounds are priced: moved to the measured one once that moved DRIFT
+        from it (checked at the read: the EMA of every plain step crosses the band and comes back)."""
+        if self._plain_drifted():
+            self._priced_plain = self.plain_factor()
+        return self._priced_plain
+
+    def _plain_drifted(self) -> bool:
+        return abs(self.plain_factor() - self._priced_plain) > self.DRIFT * self._priced_plain
+
+    def _drafted_measured(self) -> bool:
+        return any(seen >= self.MIN_ROUNDS for n, seen in self._seen.items() if n > 1)
+
+    def seconds(self, curve: CostModel, limit: int) -> list[float]:
+        """Seconds a round verifying k = 0..limit draft tokens costs on ``curve`` (at least that many
+        entries; not to be written to): the calibrated c(k + 1) times the factors, plus, for a drafted
+        round, what the plain steps after it lose (``switch``, else the curve's figure) when they follow
+        it (``end_share``); where every round has one size (``CostModel.round_size``), only a larger one
+        changes shape. Plain floats, computed again only when the table is drawn; a plain factor's drift
+        moves the plain step's price alone (~3 µs, where drawing costs ~150 µs with the caches cold)."""
+        table = self.shared_table(limit + 1)
+        plain = self.priced_plain()
+        memo = self._seconds
+        if memo is not None and memo[0] is curve and memo[1] is table:
+            if memo[2] == plain:
+                return memo[3]
+            floats = memo[3].copy()
+        else:
+            switch = max(curve.switch_seconds if self.switch is None else self.switch, 0.0) * self.end_share()
+            start = max(curve.round_size, 1)
+            floats = [c * f + (switch if k >= start else 0.0)
+                      for k, (c, f) in enumerate(zip(curve.costs(len(table)), table))]
+        floats[0] = curve.cost(1) * plain
+        self._seconds = (curve, table, plain, floats, None)
+        return floats
+
+    def seconds_array(self, curve: CostModel, limit: int) -> np.ndarray:
+        """``seconds`` as a read-only array (made once per change, for the callers that price in numpy)."""
+        floats = self.seconds(curve, limit)
+        memo = self._seconds
+        if memo[4] is None:
+            array = np.array(floats)
+            array.flags.writeable = False
+            memo = self._seconds = memo[:4] + (array,)
+        return memo[4]

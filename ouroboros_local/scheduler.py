@@ -163,8 +163,6 @@ class Scheduler:
         # costs (ouroboros harvests phrases, lookahead decodes a window), so each generation's method
         # keeps its own figures (see ``use_method``).
         self._round_costs: dict[str, RoundCosts] = {}
-        # ``round_seconds``: (curve, factors, seconds, the same as floats)
-        self._seconds_memo: tuple[CostModel, np.ndarray, np.ndarray, list[float]] | None = None
         # "Does drafting pay" is asked every round of every candidate; its answer is kept until what it
         # reads changes (the proposer's acceptance and classes: ``_changes``; a new request or method:
         # ``_epoch``; its drafting cost: ``_cost_key``) or REFRESH_ROUNDS rounds pass (what rounds cost
@@ -708,27 +706,12 @@ class Scheduler:
 
     def round_seconds(self, limit: int) -> np.ndarray:
         """Seconds a round verifying k = 0..limit draft tokens costs: the calibrated decode c(k + 1)
-        times what rounds of that size were measured to cost against it (read-only)."""
-        return self._seconds_tables(limit)[0][:limit + 1]
+        times what rounds of that size were measured to cost against it (read-only; ``RoundCosts``)."""
+        return self.round_costs.seconds_array(self.costs, limit)[:limit + 1]
 
     def _round_seconds_list(self, limit: int) -> list[float]:
         """``round_seconds`` as plain floats (for the per-round arithmetic on a chain's few nodes)."""
-        return self._seconds_tables(limit)[1][:limit + 1]
-
-    def _seconds_tables(self, limit: int) -> tuple[np.ndarray, list[float]]:
-        costs, factors = self.costs, self.round_costs.shared_table(limit + 1)
-        memo = self._seconds_memo
-        if memo is None or memo[0] is not costs or memo[1] is not factors:
-            seconds = costs.table(len(factors)) * factors
-            # a drafted round also costs what the plain steps after it lose (measured, else calibrated),
-            # when they follow it; where every round has one size (``CostModel.round_size``), only a
-            # larger one changes shape
-            rc = self.round_costs
-            switch = max(costs.switch_seconds if rc.switch is None else rc.switch, 0.0) * rc.end_share()
-            seconds[max(costs.round_size, 1):] += switch
-            seconds.flags.writeable = False
-            memo = self._seconds_memo = (costs, factors, seconds, seconds.tolist())
-        return memo[2], memo[3]
+        return self.round_costs.seconds(self.costs, limit)[:limit + 1]
 
     def throughputs(self, acc: Acceptance, limit: int, draft_cost: float) -> np.ndarray:
         """Expected tokens per second of drafting k = 0..limit tokens."""

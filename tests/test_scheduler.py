@@ -1301,6 +1301,16 @@ def test_round_costs_are_redrawn_once_a_size_is_measured_or_drifts() -> None:
     sched.observe_round(5, 6 * CPU.cost(5))            # a dearer drafted round moves the EMA 10%
     assert sched.round_costs.shared_table(4) is not table
     assert not sched.round_seconds(4).flags.writeable
+    drafted, table = sched.round_seconds(4)[1:].copy(), sched.round_costs.shared_table(4)
+    for _ in range(5):                                 # the plain steps slow down: only their price moves
+        sched.observe_round(1, 8 * CPU.cost(1))
+    plain_factor = sched.round_costs.plain_factor()
+    assert sched.round_seconds(4)[0] == pytest.approx(plain_factor * CPU.cost(1))
+    assert sched._round_seconds_list(4)[0] == pytest.approx(plain_factor * CPU.cost(1))
+    assert sched.round_seconds(4)[1:] == pytest.approx(drafted)
+    assert sched.round_costs.factor(1) == pytest.approx(plain_factor)
+    assert sched.round_costs.shared_table(4) is table  # priced apart, not drawn again (~150 µs, caches cold)
+    assert not sched.round_seconds(4).flags.writeable
 
 
 @pytest.mark.parametrize("looked_at", [True, False])
