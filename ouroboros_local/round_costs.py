@@ -5,6 +5,7 @@ shape: on a CUDA build those steps run without their graph). The scheduler price
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,11 +35,11 @@ class RoundCosts:
                                 # factor or ``switch`` moved DRIFT
         self._cache: tuple[int, tuple[float, ...]] | None = None   # (version, the factors drawn then)
         self._priced_plain = 1.0   # the plain steps' factor prices use (``priced_plain``)
-        # ``seconds``: (curve, the table and plain factor priced, seconds as floats, as an array or None)
-        self._seconds: tuple[CostModel, tuple[float, ...], float, list[float], np.ndarray | None] | None = None
+        self._prices: _Prices | None = None   # ``seconds``
         self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
         self._switches: deque[float] = deque(maxlen=SWITCH_SAMPLES)
         self._ends: deque[int] = deque(maxlen=END_SAMPLES)   # 1: a drafted round had a plain step next
+        self._ends_seen = 0     # rounds appended to ``_ends``
         self._after = 0         # plain steps still to come in the current drafted round's wake
         self._lost = 0.0        # what they lost so far
 
@@ -50,6 +51,7 @@ class RoundCosts:
         since only drafted rounds could then correct it."""
         if self._after == SWITCH_STEPS:   # the round after a drafted one: did the drafting stop?
             self._ends.append(int(n_tokens == 1))
+            self._ends_seen += 1
         if n_tokens == 1 and self._after:
             self._lost += seconds - calibrated * self.plain_factor()
             self._after -= 1
@@ -151,30 +153,54 @@ class RoundCosts:
         entries; not to be written to): the calibrated c(k + 1) times the factors, plus, for a drafted
         round, what the plain steps after it lose (``switch``, else the curve's figure) when they follow
         it (``end_share``); where every round has one size (``CostModel.round_size``), only a larger one
-        changes shape. Plain floats, computed again only when the table is drawn; a plain factor's drift
-        moves the plain step's price alone (~3 µs, where drawing costs ~150 µs with the caches cold)."""
+        changes shape. Plain floats, computed again when the table is drawn or that loss moved DRIFT of a
+        step; a plain factor's drift moves the plain step's price alone (~3 µs, where drawing the table
+        and the seconds in numpy took ~150 µs with the caches cold)."""
         table = self.shared_table(limit + 1)
         plain = self.priced_plain()
-        memo = self._seconds
-        if memo is not None and memo[0] is curve and memo[1] is table:
-            if memo[2] == plain:
-                return memo[3]
-            floats = memo[3].copy()
-        else:
-            switch = max(curve.switch_seconds if self.switch is None else self.switch, 0.0) * self.end_share()
+        prices = self._prices
+        if prices is None or prices.curve is not curve or prices.table is not table \
+                or self._switch_moved(curve, prices):
+            switch = self._switch_seconds(curve)
             start = max(curve.round_size, 1)
             floats = [c * f + (switch if k >= start else 0.0)
                       for k, (c, f) in enumerate(zip(curve.costs(len(table)), table))]
-        floats[0] = curve.cost(1) * plain
-        self._seconds = (curve, table, plain, floats, None)
-        return floats
+            floats[0] = curve.cost(1) * plain
+            prices = self._prices = _Prices(curve, table, switch, self._ends_seen, plain, floats)
+        elif prices.plain != plain:
+            prices.floats = prices.floats.copy()   # callers may hold the last list
+            prices.floats[0] = curve.cost(1) * plain
+            prices.plain, prices.array = plain, None
+        return prices.floats
 
     def seconds_array(self, curve: CostModel, limit: int) -> np.ndarray:
         """``seconds`` as a read-only array (made once per change, for the callers that price in numpy)."""
         floats = self.seconds(curve, limit)
-        memo = self._seconds
-        if memo[4] is None:
-            array = np.array(floats)
-            array.flags.writeable = False
-            memo = self._seconds = memo[:4] + (array,)
-        return memo[4]
+        prices = self._prices
+        if prices.array is None:
+            prices.array = np.array(floats)
+            prices.array.flags.writeable = False
+        return prices.array
+
+    def _switch_seconds(self, curve: CostModel) -> float:
+        return max(curve.switch_seconds if self.switch is None else self.switch, 0.0) * self.end_share()
+
+    def _switch_moved(self, curve: CostModel, prices: "_Prices") -> bool:
+        """Has the drafted rounds' share of the switch moved DRIFT of a step since ``prices``?"""
+        if prices.ends_seen == self._ends_seen:
+            return False
+        prices.ends_seen = self._ends_seen
+        return abs(self._switch_seconds(curve) - prices.switch) > self.DRIFT * curve.cost(1)
+
+
+@dataclass(slots=True)
+class _Prices:
+    """``RoundCosts.seconds`` and what they were priced from."""
+
+    curve: CostModel
+    table: tuple[float, ...]    # the factors drawn
+    switch: float               # the drafted rounds' share of the switch
+    ends_seen: int              # ``RoundCosts._ends_seen`` when ``switch`` was last compared
+    plain: float                # the plain steps' factor priced
+    floats: list[float]
+    array: np.ndarray | None = None

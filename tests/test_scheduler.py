@@ -374,6 +374,14 @@ def test_a_copy_drafted_round_after_round_pays_the_switch_once() -> None:
     assert sched.round_costs.end_share() == pytest.approx((4 + 2) / (32 + 2))
     assert sched.round_seconds(8)[8] == pytest.approx(h200.cost(9) + 2.7 * 6 / 34)
     assert sched.best_length("x") > 0
+    table = sched.round_costs.shared_table(9)
+    for _ in range(12):                             # drafted rounds one at a time: each pays the switch
+        sched.observe_round(9, h200.cost(9))
+        for lost in (1.35, 1.35, 0.0):
+            sched.observe_round(1, h200.cost(1) + lost)
+    share = sched.round_costs.end_share()
+    assert share > 0.4 and sched.round_costs.shared_table(9) is table    # no size drifted: not redrawn
+    assert sched.round_seconds(8)[8] == pytest.approx(h200.cost(9) + 2.7 * share)
 
 
 def test_one_plain_step_slowed_by_another_process_does_not_stop_drafting() -> None:
