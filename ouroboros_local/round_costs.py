@@ -120,7 +120,7 @@ class RoundCosts:
         between the nearest measured drafted sizes (outside them, the nearest one's); the plain steps'
         where no drafted size is measured."""
         plain = self.plain_factor()
-        sizes = sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
+        sizes = sorted(k for k, seen in self._seen.items() if seen >= self.MIN_ROUNDS and k > 1)
         if not sizes:
             return (plain,) * n
         table, i = [plain], 0
@@ -168,7 +168,7 @@ class RoundCosts:
             floats[0] = curve.cost(1) * plain
             prices = self._prices = _Prices(curve, table, switch, self._ends_seen, plain, floats)
         elif prices.plain != plain:
-            prices.floats = prices.floats.copy()   # callers may hold the last list
+            prices.floats = prices.floats.copy()   # a caller may keep the list it was given
             prices.floats[0] = curve.cost(1) * plain
             prices.plain, prices.array = plain, None
         return prices.floats
