@@ -110,7 +110,7 @@ class RoundCosts:
         numpy, and the seconds derived from it, took ~150 µs."""
         cached = self._cache
         if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
-                or (self._plain_drifted() and not self._drafted_measured()):
+                or (self._plain_drifted() and not self._drafted_sizes()):
             self._cache = cached = (self._version, self._draw(max(n_max, 64)))
             self._priced_plain = cached[1][0]
         return cached[1]
@@ -120,7 +120,7 @@ class RoundCosts:
         between the nearest measured drafted sizes (outside them, the nearest one's); the plain steps'
         where no drafted size is measured."""
         plain = self.plain_factor()
-        sizes = sorted(k for k, seen in self._seen.items() if seen >= self.MIN_ROUNDS and k > 1)
+        sizes = self._drafted_sizes()
         if not sizes:
             return (plain,) * n
         table, i = [plain], 0
@@ -145,8 +145,9 @@ class RoundCosts:
     def _plain_drifted(self) -> bool:
         return abs(self.plain_factor() - self._priced_plain) > self.DRIFT * self._priced_plain
 
-    def _drafted_measured(self) -> bool:
-        return any(seen >= self.MIN_ROUNDS for n, seen in self._seen.items() if n > 1)
+    def _drafted_sizes(self) -> list[int]:
+        """The drafted sizes measured MIN_ROUNDS times, ascending."""
+        return sorted(n for n, seen in self._seen.items() if seen >= self.MIN_ROUNDS and n > 1)
 
     def seconds(self, curve: CostModel, limit: int) -> list[float]:
         """Seconds a round verifying k = 0..limit draft tokens costs on ``curve`` (at least that many
