@@ -76,14 +76,16 @@ def test_a_session_that_starts_from_learned_estimates_drafts_sooner() -> None:
 
 def test_the_scheduler_sees_proposals_at_the_python_scale_asked() -> None:
     # --python-scale: a real run's Python runs with the caches cold; proposals that look dear enough to
-    # the scheduler are drafted less (here a lookup of microseconds made to look like seconds)
+    # the scheduler are drafted less (here a lookup of microseconds made to look like seconds: at 1e6 a
+    # draft token ~2.5 s against a 1 s step; at 1e5, ~0.25 s, a 16-token copy still pays, 5 s + 4 s of
+    # drafting against 17 steps, and is drafted once an early look finds it)
     mid = CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0])
     copies = [{"set": "copy", "id": f"c{i}", "prompt": list(range(1000 + 200 * i, 1100 + 200 * i)),
                "answer": list(range(1010 + 200 * i, 1070 + 200 * i))} for i in range(4)]
     sets = answers()[1:] + copies                        # text with nothing to copy first: lookups timed
     run = dict(curve=mid, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16)
     as_timed = replay_auto.replay(sets, ["fresh", "copy"], **run)["copy"]
-    dear = replay_auto.replay(sets, ["fresh", "copy"], **run, python_scale=1e5)["copy"]
+    dear = replay_auto.replay(sets, ["fresh", "copy"], **run, python_scale=1e6)["copy"]
     assert dear[1]["drafted"] < as_timed[1]["drafted"] / 2 and dear[0] < as_timed[0]
 
 

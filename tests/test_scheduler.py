@@ -915,7 +915,7 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     # ("hi"). Asked only when the mix pays, a copy drafter would stay idle through a run of sure copies
     # (a repeated request); looked at every LOOK_EVERY idle rounds, its sure drafts are kept by trim and
     # it is asked every round while they are
-    from ouroboros_local.scheduler import LOOK_EVERY
+    from ouroboros_local.scheduler import EARLY_PROBE_ROUNDS, LOOK_EVERY
 
     sched = stale_mix()
 
@@ -933,6 +933,7 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     assert doubtful.asked <= 12 // LOOK_EVERY + 1
     sched.begin_request()
     sched._kept_last.clear()                          # past the first round (looked at: tested below)
+    sched._request_first_round -= EARLY_PROBE_ROUNDS  # and the early looks (tested apart)
     sure = CopyDraft("hi")
     kept = rounds(sure, right=True)
     assert kept[:LOOK_EVERY - 1] == [0] * (LOOK_EVERY - 1) and all(k > 0 for k in kept[LOOK_EVERY - 1:])
@@ -1152,12 +1153,12 @@ def test_a_pending_probe_does_not_bar_looks_and_the_look_is_verified_as_the_prob
     assert "x" not in sched._probing and sched._probe_spent[""] > 0
 
 
-def test_a_drafter_that_is_looked_at_is_probed_only_early_in_a_request() -> None:
-    # its looks propose every few rounds, trim judges their classes and the text scores what was cut; a
-    # periodic probe later in a request verified two tokens the estimates already said would not pay
-    # (on SmolLM2, where a 2-token round costs ~2.4 steps, auto ran 0.970x / 0.989x of plain decoding on
-    # gsm8k / mt_bench with them). In a request's first rounds it is still probed: from estimates
-    # learned on text that did not copy, the README's request drafted nothing without those probes.
+def test_a_drafter_that_is_looked_at_is_probed_by_early_looks_that_verify_nothing() -> None:
+    # in a request's first rounds, where a drafter that is not looked at is probed, one that is looked at
+    # gets looks past its classes' backoff instead: the text scores what they drafted, at no verification
+    # cost. A probe verified two tokens the estimates said would not pay: on SmolLM2 (a 3-token round
+    # costs ~2.4 steps) early probes cost ~11 steps a set of 16 gsm8k or mt_bench answers. Later in the
+    # request only the usual looks come (a probe there made gsm8k drafting look worth it: 0.970x).
     from ouroboros_local.scheduler import EARLY_PROBE_ROUNDS
 
     def rounds(sched: Scheduler, drafter: CopyDraft, n: int) -> list[TokenTree]:
@@ -1170,18 +1171,51 @@ def test_a_drafter_that_is_looked_at_is_probed_only_early_in_a_request() -> None
         return trees
 
     sched = stale_mix()
-    sched._probe_spent[""] = -1e9                     # the probe budget allows every probe
+    sched._probe_spent[""] = -1e9                     # the probe budget would allow every probe
     drafter = CopyDraft("lo")
     early = rounds(sched, drafter, EARLY_PROBE_ROUNDS)
-    assert any(tree.n_candidates == sched.probe_length for tree in early)
+    asked_early = drafter.asked
+    assert all(tree.n_candidates == 0 for tree in early) and "x" not in sched._probing
+    assert 0 < sched._probe_spent[""] + 1e9 < 0.01 * CPU.cost(1)   # no verification: only the looks charged
+    late = rounds(sched, drafter, EARLY_PROBE_ROUNDS)
+    assert all(tree.n_candidates == 0 for tree in late)
+    assert asked_early > drafter.asked - asked_early >= 1   # the early looks come on top of the usual ones
     late = rounds(sched, drafter, 200)
     assert drafter.asked >= 200 // 16                 # still looked at (at most 16 idle rounds apart)
     assert all(tree.n_candidates == 0 for tree in late) and "x" not in sched._probing
-    sched.begin_request()                             # a new request: probed again early on
-    assert any(tree.n_candidates for tree in rounds(sched, drafter, EARLY_PROBE_ROUNDS))
+    sched.begin_request()                             # a new request: early looks again
+    asked = drafter.asked
+    rounds(sched, drafter, EARLY_PROBE_ROUNDS)
+    assert drafter.asked - asked == asked_early
     model = scheduler_with(CHEAP, 0.01)               # a draft model is not looked at: probed throughout
     model._rounds = 10 * EARLY_PROBE_ROUNDS
     assert any(model.best_length("x") for _ in range(PROBE_EVERY))
+
+
+def test_an_early_looks_draft_is_learned_as_a_probe_once_the_text_matches_its_first_nodes() -> None:
+    # a held draft is otherwise learned once the text decides it (a token that differs, or its end): a
+    # right 8-token copy would teach nothing for 8 rounds, where a verified probe taught at once
+    sched = stale_mix()
+    sched._early_looks.add("x")                       # best_length found an early look due
+    sched._idle["x"] = 10 ** 6
+    held = sched.draft_if_any(CopyDraft("lo"), [0], 8)
+    assert held is None or held.n_candidates == 0     # cut by trim, held for the text to score
+    table = sched.confidence["x"]
+    trials, successes = table.trials["lo"], table.successes["lo"]
+    text = [0, 101]                                   # one token written, equal to the draft's first
+    sched._score_unverified("x", text)
+    assert table.trials["lo"] == trials               # undecided, and short of a probe's length
+    text.append(102)
+    sched._score_unverified("x", text)
+    assert table.trials["lo"] == pytest.approx(trials * 0.995 + sched.probe_length)
+    assert table.successes["lo"] == pytest.approx(successes * 0.995 + sched.probe_length)
+    assert sched._request["x"][0] == sched.probe_length   # the request's record counts it too
+    text += [103, 999]                                # the 4th token differs: the rest is learned
+    sched._score_unverified("x", text)
+    assert "x" not in sched._unverified
+    assert table.trials["lo"] == pytest.approx((trials * 0.995 + 2) * 0.995 + 2)   # nodes 3 and 4 tried
+    assert table.successes["lo"] == pytest.approx((successes * 0.995 + 2) * 0.995 + 1)
+    assert sched._request["x"][0] == 3
 
 
 def labelled_branches(*branches: list[str]) -> TokenTree:
