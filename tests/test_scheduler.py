@@ -1196,8 +1196,7 @@ def test_an_early_looks_draft_is_learned_as_a_probe_once_the_text_matches_its_fi
     # a held draft is otherwise learned once the text decides it (a token that differs, or its end): a
     # right 8-token copy would teach nothing for 8 rounds, where a verified probe taught at once
     sched = stale_mix()
-    sched._early_looks.add("x")                       # best_length found an early look due
-    sched._idle["x"] = 10 ** 6
+    sched._idle["x"] = 10 ** 6                        # an early look is due (``best_length``)
     held = sched.draft_if_any(CopyDraft("lo"), [0], 8)
     assert held is None or held.n_candidates == 0     # cut by trim, held for the text to score
     table = sched.confidence["x"]
