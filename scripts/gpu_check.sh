@@ -28,9 +28,9 @@
 #                                         two settings side by side: bench NAME REPEATS times each, in
 #                                         the order A B B A ..., each arm's speed-ups per set as mean
 #                                         (lowest-highest), then where the decode time goes (ms per 100
-#                                         tokens by kind of round). Next on a GPU: ab smol 3 '--overlap off' ''
-#                                         --methods vanilla,auto --peers '' (~20 s a run), and the same
-#                                         for qwen15 (~25 s a run)
+#                                         tokens by kind of round). Next on a GPU: ab qwen15 2 ''
+#                                         '--round-size 4' --methods vanilla,auto --peers '' (~25 s a
+#                                         run), and the same for smol (~20 s a run)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -47,10 +47,17 @@
 # The report's "py ms/round" is our Python only since c32bbd8: before it, the wait for the GPU (in
 # llama_get_logits; llama_decode only queues the work) was counted too, ~1.25 ms of the H200's 1.35 ms step.
 # Since 18e43c0 every bench report ends with "Where the decode time goes" (ms per 100 tokens by kind of
-# round) and `ab` prints it per setting. Next on a GPU, after the stashes: `ab qwen15 3 '' '--round-size 4'
-# --methods vanilla,auto --peers ''` (auto's suffix tries draft chains, so its rounds keep one shape; the
-# 1.5B's gsm8k, 0.92x after the code edits on the H200: do its drafted rounds, their wakes or the Python
-# in the open cost it?), then the same for smol.
+# round) and `ab` prints it per setting.
+# The fourth H200 run (2026-11-27, thirty-seventh session; docs/reports/h200-d): pack made 28 folders
+# (all three models); start 31 s, all 27 stashes carried at 174 s (three or four `run` calls in one
+# message run one after another), then one call: `LABEL=smol bench smol; LABEL=q15 bench qwen15`, then
+# two repeats of each with `--methods vanilla,prompt-lookup,auto --peers ''`, guarded by $SECONDS: 551 s
+# (the build's last ~120 s, smol 57 s, qwen15 259 s, a repeat 17-26 s). 12.2 minutes in all.
+# Next on a GPU, after the stashes: `ab qwen15 2 '' '--round-size 4' --methods vanilla,auto --peers ''`
+# and `ab smol 2 '' '--round-size 4' --methods vanilla,auto --peers ''`: the vendored ggml-cuda keeps
+# CUDA graphs for any batch size but runs a graph whose shape changed uncaptured until two calls match,
+# so today a draft's batch and the two plain steps after it lose theirs (a drafted round cost ~3.4 plain
+# steps on the 1.5B); rounds of one shape should keep it.
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
