@@ -7,13 +7,14 @@
 A benchmark's speed-up moves by 1-2% between runs on a small CPU, while each of the scheduler's choices
 that decide it (a probe here, a draft there) is worth a fraction of a step. This runs a method on a
 benchmark's prompts (the first turn of each, in the chat template; greedy) and logs every round: a plain
-step's seconds, or a verified draft's proposer, first class, length, the tokens the scheduler expected
-of it (its classes' estimates), whether it was a probe (in its request's first EARLY_PROBE_ROUNDS rounds
-or later) and the tokens accepted. A drafted round's net, in steps, is 1 + accepted - its decode over
-the median of the plain steps up to NEIGHBOURS rounds before and after it: not over the run's median
-step, since on a VM that runs in spells the drafted rounds fell in slower moments and looked dearer than
-they were. Summed per set, by the gain the scheduler predicted and for probes: what drafting won or
-lost, which a benchmark's totals hide in their noise.
+step's seconds, or a verified draft's proposer, first class, length, the tokens the scheduler expected of
+it (its classes' estimates), whether it was a probe (in its request's first EARLY_PROBE_ROUNDS rounds or
+later), the request's correction of those estimates (``Scheduler.request_scale``), the round of its
+request it came in, and the tokens accepted. A drafted round's net, in steps, is 1 + accepted - its
+decode over the median of the plain steps up to NEIGHBOURS rounds before and after it: not over the run's
+median step, since on a VM that runs in spells the drafted rounds fell in slower moments and looked
+dearer than they were. Summed per set, by the gain the scheduler predicted and for probes: what drafting
+won or lost, which a benchmark's totals hide in their noise.
 
 ``--estimates FILE`` starts from a copy of that estimates file (the file itself is not written), so that
 two versions of the code can be compared from the same learned state. Drafts made while a plain step
@@ -122,7 +123,8 @@ class _Ledger:
         if source in sched._probing:
             probe = "early" if sched._rounds - sched._request_first_round < EARLY_PROBE_ROUNDS else "late"
         return {"source": source, "first": tree.classes.get(1), "n": n, "expected": expected - 1.0,
-                "gain": expected / seconds[n] * seconds[0], "probe": probe}
+                "gain": expected / seconds[n] * seconds[0], "probe": probe,
+                "scale": sched.request_scale(source), "round": sched._rounds - sched._request_first_round}
 
 
 def run(engine: Any, sets: dict[str, list[str]], method: str, max_tokens: int) -> dict[str, Any]:
