@@ -253,9 +253,30 @@ def test_drafts_stop_at_end_of_generation_and_copy_periodically() -> None:
 
 
 def test_classes_are_few() -> None:
-    classes = {node_class(m, f, s, d) for m in range(1, 20) for f in (0.1, 0.5, 0.9, 1.0) for s in (1, 2, 5)
-               for d in range(1, 20)}
-    assert len(classes) == 36
+    classes = {node_class(m, f, s, d, o) for m in range(1, 20) for f in (0.1, 0.5, 0.9, 1.0) for s in (1, 2, 5)
+               for d in range(1, 20) for o in (False, True)}
+    assert len(classes) == 72
+
+
+def test_a_global_match_through_the_prompts_end_is_classed_as_an_opening() -> None:
+    # every prompt ends with the same markers (7 8): an earlier answer's opening matches this answer's
+    # through them and is classed apart from copies; a repeated request, whose whole text matches, is not
+    cache = SuffixCache()
+    first, other = [40, 41, 42, 43, 7, 8], [50, 51, 52, 53, 7, 8]
+    earlier = started(SuffixProposer(cache), first)
+    earlier._live = None
+    earlier.observe(first + [1, 2, 3, 4, 5, 6], None)
+    earlier.end()
+    prop = started(SuffixProposer(cache), other)
+    tree = prop.propose(other + [1], budget=8)       # "7 8 1": one of its three tokens is the answer's
+    assert tree.tokens[1:3] == [2, 3]
+    assert tree.classes[1] == node_class(3, 1.0, 1, 1, opening=True) != node_class(3, 1.0, 1, 1)
+    assert prop.first_class(other + [1]) == tree.classes[1]
+    assert prop.propose(other + [1, 2, 3, 4], budget=8).classes[1] == node_class(6, 1.0, 1, 1, opening=True)
+    again = started(SuffixProposer(cache), first)
+    tree = again.propose(first + [1], budget=8)
+    assert tree.tokens[1:3] == [2, 3]
+    assert tree.classes[1] == node_class(7, 1.0, 1, 1)
 
 
 def test_the_global_trie_drafts_what_an_earlier_request_answered() -> None:
@@ -510,4 +531,5 @@ def test_first_class_prefers_the_longer_match_of_the_global_trie() -> None:
     earlier.observe([7, 8, 1, 2, 3, 4, 5, 6], None)
     earlier.end()                                     # the global trie holds 1 2 3 4 5 6 once
     prop = started(SuffixProposer(cache), [1, 2, 9, 1, 2, 3, 4, 5])
-    assert prop.first_class([1, 2, 9, 1, 2, 3, 4, 5]) == node_class(5, 1.0, 1, 1)
+    # the match ends the prompt (it reaches back into it): an answer's opening
+    assert prop.first_class([1, 2, 9, 1, 2, 3, 4, 5]) == node_class(5, 1.0, 1, 1, opening=True)

@@ -74,19 +74,21 @@ def _bucket(value: int, bounds: Sequence[int]) -> int:
     return len(bounds) + 1
 
 
-def node_class(match: int, frequency: float, support: int, depth: int) -> str:
-    """Confidence class of a drafted node: match length (<=3, 4-7, 8+), how often its token followed
-    (f0 < 1/2 <= f1 < 1; f2: the one earlier occurrence, or a copy past the trie; f3: all of >= 2
-    occurrences agree) and depth (1, 2-3, 4+): 36 classes."""
+def node_class(match: int, frequency: float, support: int, depth: int, opening: bool = False) -> str:
+    """Confidence class of a drafted node: match length (<=3, 4-7, 8+; "p" where the match is an
+    answer's opening, ``SuffixProposer._opening``), how often its token followed (f0 < 1/2 <= f1 < 1;
+    f2: the one earlier occurrence, or a copy past the trie; f3: all of >= 2 occurrences agree) and
+    depth (1, 2-3, 4+): 72 classes."""
     if frequency >= 1.0:
         f = 3 if support >= 2 else 2
     else:
         f = 1 if frequency >= 0.5 else 0
-    return f"sx m{_bucket(match, (3, 7))} f{f} d{_bucket(depth, (1, 3))}"
+    return f"sx m{_bucket(match, (3, 7))}{'p' if opening else ''} f{f} d{_bucket(depth, (1, 3))}"
 
 
 def grow_tree(tree: TokenTree, trie: SuffixTrie, anchor: State, match: int, max_nodes: int, max_depth: int,
-              max_leaves: int, min_prob: float, eog: frozenset[int], open_tail: bool) -> float:
+              max_leaves: int, min_prob: float, eog: frozenset[int], open_tail: bool,
+              opening: bool = False) -> float:
     """Hang the continuations of ``anchor`` below the root, best path frequency first (SuffixDecoding's
     greedy tree expansion). Returns the tree's expected accepted tokens (sum of path frequencies)."""
     score = 0.0
@@ -114,7 +116,7 @@ def grow_tree(tree: TokenTree, trie: SuffixTrie, anchor: State, match: int, max_
         has_child.add(parent)
         node = tree.add(parent, token, source="suffix")
         depth = tree.depths[node]
-        tree.classes[node] = node_class(match, freq, support, depth)
+        tree.classes[node] = node_class(match, freq, support, depth, opening)
         score -= neg_p
         if token not in eog and depth < max_depth:
             push(node, -neg_p, state)
@@ -194,7 +196,7 @@ class SuffixProposer(Proposer):
             self._seen.append(int(tok))
 
     def _candidate(self, trie: SuffixTrie, states: list[State], budget: int, root: int,
-                   open_tail: bool) -> tuple[float, int, TokenTree] | None:
+                   is_global: bool) -> tuple[float, int, TokenTree] | None:
         """The tree from the longest match (>= min_match) that has a continuation."""
         found = self._longest_match(trie, states)
         if found is None:
@@ -204,8 +206,20 @@ class SuffixProposer(Proposer):
         limit = min(budget, max(1, int(self.spec_factor * match) + self.spec_offset))
         tree = TokenTree.rooted_at(root)
         score = grow_tree(tree, trie, states[match], match, limit, self.max_depth, max_leaves,
-                          self.min_prob, self.setup.eog_tokens, open_tail)
+                          self.min_prob, self.setup.eog_tokens, open_tail=not is_global,
+                          opening=is_global and self._opening(match))
         return (score, match, tree) if tree.n_candidates else None
+
+    def _opening(self, match: int) -> bool:
+        """Is a global match of ``match`` tokens an answer's opening: one that reaches back into this
+        prompt without filling the trie's window or the whole text, as a repeated request does? The
+        global trie keeps each answer after its prompt's last D tokens, and prompts end alike (the chat
+        template's turn markers, often an instruction or a question mark), so such a match says that
+        answers open alike, which holds for some texts (code edits' "Here is the rewritten function")
+        and not others: on gsm8k, ~10-token matches of markers and an answer's first words were drafted
+        12-15 tokens deep as long copies are, expected to keep 8-10 tokens, and kept 0-2. Their own
+        classes learn which."""
+        return len(self._seen) - self._prompt_len < match < min(self.cache.trie.depth, len(self._seen))
 
     def _longest_match(self, trie: SuffixTrie, states: list[State]
                        ) -> tuple[int, tuple[int, float, int, State]] | None:
@@ -224,11 +238,12 @@ class SuffixProposer(Proposer):
         self._sync(committed)
         self.catch_up_seconds = time.perf_counter() - t0
         head = self._head(self.local, self.local.active_states())
+        opening = False
         with self.cache.lock:
             glob = self._head(self.cache.trie, self.matcher.states)
         if glob is not None and (head is None or glob > head):
-            head = glob
-        return "" if head is None else node_class(*head, 1)
+            head, opening = glob, self._opening(glob[0])
+        return "" if head is None else node_class(*head, 1, opening)
 
     def _head(self, trie: SuffixTrie, states: list[State]) -> tuple[int, float, int] | None:
         """(match, frequency, support) of the first node ``_candidate`` would draft from ``trie``."""
@@ -249,9 +264,9 @@ class SuffixProposer(Proposer):
         self._sync(committed)
         self.catch_up_seconds = time.perf_counter() - t0
         root = int(committed[-1])
-        local = self._candidate(self.local, self.local.active_states(), budget, root, open_tail=True)
+        local = self._candidate(self.local, self.local.active_states(), budget, root, is_global=False)
         with self.cache.lock:
-            glob = self._candidate(self.cache.trie, self.matcher.states, budget, root, open_tail=False)
+            glob = self._candidate(self.cache.trie, self.matcher.states, budget, root, is_global=True)
         best, kind = local, "local"
         if glob is not None and (best is None or glob[:2] > best[:2]):
             best, kind = glob, "global"
