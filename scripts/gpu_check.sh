@@ -31,6 +31,10 @@
 #                                         tokens by kind of round). Next on a GPU: ab qwen15 2 ''
 #                                         '--round-size 4' --methods vanilla,auto --peers '' (~25 s a
 #                                         run), and the same for smol (~20 s a run)
+#   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes:
+#                                         ab qwen15 and ab smol, '' against '--round-size 4' (vanilla and
+#                                         auto, 2 runs each), then bench qwen15 --round-size 4 if time is
+#                                         left; all packed into $OUT/next.tgz (docs/reports/h200-d)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -53,8 +57,8 @@
 # message run one after another), then one call: `LABEL=smol bench smol; LABEL=q15 bench qwen15`, then
 # two repeats of each with `--methods vanilla,prompt-lookup,auto --peers ''`, guarded by $SECONDS: 551 s
 # (the build's last ~120 s, smol 57 s, qwen15 259 s, a repeat 17-26 s). 12.2 minutes in all.
-# Next on a GPU, after the stashes: `ab qwen15 2 '' '--round-size 4' --methods vanilla,auto --peers ''`
-# and `ab smol 2 '' '--round-size 4' --methods vanilla,auto --peers ''`: the vendored ggml-cuda keeps
+# Next on a GPU, after the stashes: `next` (ab qwen15 and ab smol, '' against '--round-size 4'; tried
+# on a CPU with LIMIT=1 TOKENS=8 GPU_LAYERS=0 and a fake /tmp/build.done): the vendored ggml-cuda keeps
 # CUDA graphs for any batch size but runs a graph whose shape changed uncaptured until two calls match,
 # so today a draft's batch and the two plain steps after it lose theirs (a drafted round cost ~3.4 plain
 # steps on the 1.5B); rounds of one shape should keep it.
@@ -259,6 +263,19 @@ case "${1:-}" in
     echo "a: ${ARM_A[*]:-(defaults)}   b: ${ARM_B[*]:-(defaults)}   common: ${COMMON[*]:-}" | tee "$OUT/$SET-ab.md"
     $PY scripts/ab_summary.py "$OUT" "${RUNS[@]}" | tee -a "$OUT/$SET-ab.md"
     for r in "${RUNS[@]}"; do tar czf "$OUT/$r.tgz" -C "$OUT" "$r" && rm -rf "${OUT:?}/$r" "$OUT/$r.log"; done
+    ;;
+  next)
+    # After the stashes, one call (timeout_s ~580) of what docs/reports/h200-d left to measure: rounds of
+    # one shape (--round-size 4) against the default, side by side, on each model; then, where the build
+    # was done early enough, the 1.5B's full comparison in rounds of 4. Everything under $OUT is packed
+    # into next.tgz with the ab tables beside it: at most 8 files come back from a call.
+    "$0" ab qwen15 2 '' '--round-size 4' --methods vanilla,auto --peers ''
+    "$0" ab smol 2 '' '--round-size 4' --methods vanilla,auto --peers ''
+    if [ "$SECONDS" -lt "${NEXT_FULL_BEFORE:-240}" ]; then
+      LABEL=q15-r4 "$0" bench qwen15 --round-size 4 | tail -40
+    fi
+    tar czf /tmp/next.tgz -C "$OUT" --exclude '*.md' . && mv /tmp/next.tgz "$OUT/" \
+      && find "$OUT" -name '*.tgz' ! -name next.tgz -delete && ls "$OUT"
     ;;
   test)
     setup_env; wait_for_build
