@@ -253,8 +253,8 @@ def test_drafts_stop_at_end_of_generation_and_copy_periodically() -> None:
 
 
 def test_classes_are_few() -> None:
-    classes = {node_class(m, f, s, d, o) for m in range(1, 20) for f in (0.1, 0.5, 0.9, 1.0) for s in (1, 2, 5)
-               for d in range(1, 20) for o in (False, True)}
+    classes = {node_class(m, f, s, d, o) for m in range(1, 20) for f in (0.1, 0.5, 0.9, 1.0)
+               for s in (1, 2, 5) for d in range(1, 20) for o in (False, True)}
     assert len(classes) == 72
 
 
@@ -531,5 +531,6 @@ def test_first_class_prefers_the_longer_match_of_the_global_trie() -> None:
     earlier.observe([7, 8, 1, 2, 3, 4, 5, 6], None)
     earlier.end()                                     # the global trie holds 1 2 3 4 5 6 once
     prop = started(SuffixProposer(cache), [1, 2, 9, 1, 2, 3, 4, 5])
-    # the match ends the prompt (it reaches back into it): an answer's opening
+    # the match reaches back into the prompt, so it is classed as an answer's opening: the rule cannot tell
+    # an earlier answer quoted at a prompt's end from prompts that end alike
     assert prop.first_class([1, 2, 9, 1, 2, 3, 4, 5]) == node_class(5, 1.0, 1, 1, opening=True)
