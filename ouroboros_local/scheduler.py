@@ -289,13 +289,12 @@ class Scheduler:
             self._kept_last.discard(name)
         if look:   # what one more look costs: the catch-up on the rounds since the last is owed anyway
             seconds = time.perf_counter() - t_look - peek_catch_up - proposer.catch_up_seconds
+            if tree.n_candidates or not early:   # an early look that kept nothing leaves the looks' record
+                self._note_look_outcome(name, peeked, kept=bool(tree.n_candidates))
             if tree.n_candidates:
-                self._note_look_outcome(name, peeked, kept=True)
                 self._note_dry(name, dry=False)
                 self._note_look(name, max(seconds, 0.0))
             else:
-                if not early:
-                    self._note_look_outcome(name, peeked, kept=False)
                 self._dry_look(name, budget, seconds, early)
         return tree
 

@@ -119,12 +119,13 @@ class _Ledger:
         n = tree.n_candidates
         expected = sched._chain_expected(source, tree.node_classes(), explore=False)[-1]
         seconds = sched._round_seconds_list(n)
+        round_in_request = sched._rounds - sched._request_first_round
         probe = None
         if source in sched._probing:
-            probe = "early" if sched._rounds - sched._request_first_round < EARLY_PROBE_ROUNDS else "late"
+            probe = "early" if round_in_request < EARLY_PROBE_ROUNDS else "late"
         return {"source": source, "first": tree.classes.get(1), "n": n, "expected": expected - 1.0,
                 "gain": expected / seconds[n] * seconds[0], "probe": probe,
-                "scale": sched.request_scale(source), "round": sched._rounds - sched._request_first_round}
+                "scale": sched.request_scale(source), "round": round_in_request}
 
 
 def run(engine: Any, sets: dict[str, list[str]], method: str, max_tokens: int) -> dict[str, Any]:
