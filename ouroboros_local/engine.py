@@ -33,8 +33,8 @@ from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .time_split import TimeSplit
-from .tree import TokenTree
-from .verify import VerifyResult, first_level, is_plain_step, joined, verify_round, verify_step
+from .tree import BatchLayout, TokenTree
+from .verify import VerifyResult, is_plain_step, joined, verify_round, verify_step, walked
 
 
 log = logging.getLogger("ouroboros_local")
@@ -463,7 +463,8 @@ class Engine:
                     budget = min(budget, round_size - 1)   # every round the same size: no larger tree
                 was_carried = carried is not None
                 if ahead:
-                    step = self._step_ahead(proposer, sched, committed, budget, room, sampling, rng, observe_later)
+                    step = self._step_ahead(proposer, sched, committed, budget, room, sampling, rng, observe_later,
+                                            round_size)
                     observe_later = None
                     ahead_drafts += step.drafted > 0
                     ahead_carried += step.carried is not None
@@ -488,7 +489,7 @@ class Engine:
                 if out.finish is not None:
                     break
                 # the next round is a plain step that decodes while this one is observed, if nothing is carried
-                ahead = overlap and carried is None and is_plain_step(tree) and not context_full
+                ahead = overlap and carried is None and step.plain and not context_full
                 observe = self._observer(proposer, committed, seen, result, costs_learner, tree, step.seconds)
                 if ahead:
                     result.release()   # what it read is known; a row read later would be the next decode's
@@ -520,24 +521,40 @@ class Engine:
 
     def _step_ahead(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                     room: int, sampling: SamplingParams, rng: np.random.Generator,
-                    observe_last: Callable[[], None] | None) -> "_Round":
-        """A plain step of the root, decoding while the last round is observed (``observe_last``) and
-        this round's draft is made (``EngineConfig.overlap``): on a GPU, llama_decode returns before the
-        decode ends. The step checks the draft's first level; the subtree below the child it accepted is
+                    observe_last: Callable[[], None] | None, round_size: int) -> "_Round":
+        """A round of the root and no draft (in rounds of one size: filled with guesses), decoding while
+        the last round is observed (``observe_last``) and this round's draft is made
+        (``EngineConfig.overlap``): on a GPU, llama_decode returns before the decode ends. What the round
+        wrote is the first levels of the draft's verification; the subtree below the node it reached is
         carried to the next round (``_Round.carried``)."""
-        tree = TokenTree.rooted_at(committed[-1])
+        root = TokenTree.rooted_at(committed[-1])
+        tree = filled(root, min(round_size, budget + 1), committed) if round_size > 1 else root
+        draft: TokenTree | None = None
         t0 = time.perf_counter()
-        self.kv.begin_step(tree.tokens[0])
-        if observe_last is not None:
-            observe_last()
-        draft = self._propose_hidden(proposer, sched, committed, budget, room)
-        result = verify_step(tree, self.kv.step_logits(), sampling, rng)
-        step = _Round(tree, result, result, time.perf_counter() - t0, context_full=draft is None)
+
+        def decode_and_draft(lay: BatchLayout | None = None) -> np.ndarray:
+            nonlocal draft
+            if lay is None:
+                self.kv.begin_step(root.tokens[0])
+            else:
+                self.kv.begin_layout(lay)
+            if observe_last is not None:
+                observe_last()
+            draft = self._propose_hidden(proposer, sched, committed, budget, room)
+            return self.kv.step_logits() if lay is None else self.kv.layout_rows()
+
+        if tree is root:
+            result = verify_step(tree, decode_and_draft(), sampling, rng)
+        else:
+            result, lay = verify_round(tree, decode_and_draft, sampling, rng)
+            self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
+        seen = result if tree is root else _as_proposed(result, root)
+        step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None)
         if draft is not None and draft.n_candidates:
-            step.seen, child = first_level(draft, result)
+            step.seen, node = walked(draft, result.tokens)
             step.drafted = draft.n_candidates
-            if child is not None:
-                step.carried = (draft, child)
+            if node is not None:
+                step.carried = (draft, node)
         return step
 
     def _round(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int, room: int,
@@ -548,30 +565,30 @@ class Engine:
         drafted = 0
         t_start = time.perf_counter()
         if carried is not None:
-            proposed, child = carried
-            tree = proposed.below(child)
+            whole, node = carried
+            proposed = whole.below(node)
         else:
             tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget, room)
             if tree is None:   # the end of the context: plain steps, which always fit, to the end
                 context_full, tree = True, TokenTree.rooted_at(committed[-1])
             proposed, drafted = tree, tree.n_candidates
-            if round_size > 1 and not context_full:
-                tree = filled(tree, min(round_size, budget + 1), committed)
+        tree = proposed
+        if round_size > 1 and not context_full:
+            tree = filled(proposed, min(round_size, budget + 1), committed)
         t0 = time.perf_counter()
         result = self._verify(tree, sampling, rng)
         seconds = time.perf_counter() - t0
+        seen = result if proposed is tree else _as_proposed(result, proposed)
         if carried is not None:
-            seen = joined(proposed, child, result)
-        else:
-            seen = result if proposed is tree else _as_proposed(result, proposed)
+            seen = joined(whole, node, seen)
         return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full,
-                      propose_seconds=t0 - t_start)
+                      propose_seconds=t0 - t_start, plain=is_plain_step(proposed))
 
     def _overlaps(self, proposer: Proposer, round_size: int) -> bool:
         """Does this generation draft while a plain step decodes (``EngineConfig.overlap``)? By default
         where llama_decode has been seen to return well before its decode ends (``ASYNC_WAIT_SHARE``),
         and before any step was timed, where the target's layers are on a GPU."""
-        if round_size > 1 or not proposer.drafts_ahead:
+        if not proposer.drafts_ahead:
             return False
         if self.config.overlap is not None:
             return self.config.overlap
@@ -645,6 +662,7 @@ class _Round:
     context_full: bool = False
     carried: tuple[TokenTree, int] | None = None   # a draft and the child this plain step accepted
     propose_seconds: float = 0.0   # the proposal before the decode, in the open (a plain step's is in ``seconds``)
+    plain: bool = True             # the proposer's part was the root alone (whatever ``filled`` added)
 
 
 class _Output:
@@ -698,13 +716,16 @@ def filled(tree: TokenTree, size: int, context: Sequence[int]) -> TokenTree:
         return tree
     last = tree.tokens[-1]
     start = max(len(context) - FILL_WINDOW, 0)
-    guess: list[int] = []
-    for i in range(len(context) - 2, start - 1, -1):
-        if context[i] == last:
-            guess = list(context[i + 1:i + 1 + need])
-            break
+    # the window before the last token, newest first: ``index`` finds the last occurrence at C speed
+    before = context[len(context) - 2:start - 1 if start > 0 else None:-1] if len(context) >= 2 else []
+    try:
+        i = len(context) - 2 - before.index(last)
+        guess = list(context[i + 1:i + 1 + need])
+    except ValueError:
+        guess = []
     guess += [last] * (need - len(guess))
-    out = tree.subtree(range(len(tree.tokens)))   # a copy, labels and draft distributions included
+    # a copy, labels and draft distributions included (a root alone has none)
+    out = TokenTree.rooted_at(last) if len(tree.tokens) == 1 else tree.subtree(range(len(tree.tokens)))
     out.add_path(len(out.tokens) - 1, guess, source="fill")
     return out
 

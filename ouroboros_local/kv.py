@@ -98,6 +98,12 @@ class KVCache:
     # ---- token trees ------------------------------------------------------------------------------
     def decode_layout(self, lay: BatchLayout) -> np.ndarray:
         """Decode a tree layout whose root goes at position n_past; returns all output rows."""
+        self.begin_layout(lay)
+        return self.layout_rows()
+
+    def begin_layout(self, lay: BatchLayout) -> None:
+        """``decode_layout`` without waiting for its rows (``layout_rows`` waits): on a GPU the decode
+        runs while the caller works."""
         if lay.n_seqs > self.ctx.n_seq_max:
             raise ValueError(f"tree needs {lay.n_seqs} sequences, context has {self.ctx.n_seq_max}")
         if len(lay.tokens) > self.ctx.n_batch:
@@ -114,6 +120,9 @@ class KVCache:
             self.batch.clear()
             self.batch.add_tokens(lay.tokens, [base + off for off in lay.pos_offsets], lay.seq_ids, lay.logits)
         self.ctx.decode(self.batch)
+
+    def layout_rows(self) -> np.ndarray:
+        """The output rows of the layout ``begin_layout`` began (waits for them)."""
         return self.ctx.logits(self.batch.n_outputs)
 
     def decode_step(self, token: int) -> np.ndarray:

@@ -70,14 +70,15 @@ class Predictions:
 
 
 class JoinedPredictions(Predictions):
-    """The target's argmax at the nodes of a draft verified in two rounds (``joined``): the root by a
-    plain step whose token was ``root``, then the subtree below the child with that token (its nodes
-    ``rest_nodes``, predicted by ``rest``). Nodes beside that subtree were never decoded."""
+    """The target's argmax at the nodes of a draft verified in two rounds (``joined``): the nodes along
+    a prefix by a round that wrote their next tokens (``known``: node -> token), then the subtree below
+    the prefix's end (its nodes ``rest_nodes``, predicted by ``rest``). Nodes beside that subtree were
+    never decoded."""
 
-    def __init__(self, n_nodes: int, root: int, rest: "Predictions | np.ndarray | None" = None,
+    def __init__(self, n_nodes: int, known: dict[int, int], rest: "Predictions | np.ndarray | None" = None,
                  rest_nodes: Sequence[int] = ()):
         self._n = n_nodes
-        self._root = root
+        self._known = known
         self._rest = rest
         self._at = {node: j for j, node in enumerate(rest_nodes)}
 
@@ -85,8 +86,9 @@ class JoinedPredictions(Predictions):
         return self._n
 
     def __getitem__(self, node: int) -> int:
-        if node == 0:
-            return self._root
+        token = self._known.get(node)
+        if token is not None:
+            return token
         j = self._at.get(node)
         if j is None or self._rest is None:
             raise RuntimeError(f"node {node} was never decoded: the target's first token ruled its branch out")
@@ -96,7 +98,7 @@ class JoinedPredictions(Predictions):
         return [self[i] for i in range(self._n)]
 
     def computed_rows(self) -> int:
-        return 1 + (self._rest.computed_rows() if isinstance(self._rest, Predictions) else 0)
+        return len(self._known) + (self._rest.computed_rows() if isinstance(self._rest, Predictions) else 0)
 
     def release(self) -> None:
         if isinstance(self._rest, Predictions):
@@ -234,27 +236,42 @@ def verify_round(tree: TokenTree, decode: Callable[[BatchLayout], np.ndarray], p
     return result, lay
 
 
-def first_level(tree: TokenTree, step: VerifyResult) -> tuple[VerifyResult | None, int | None]:
-    """A plain step of ``tree``'s root (``step``) as the first level of ``tree``'s verification: the
-    child carrying the step's token, whose subtree the next round verifies (``joined``), or, when no
-    child does, ``tree``'s whole verification (its root's token and nothing accepted, as
-    ``verify_round`` would find greedily; a sampled token chosen by sample-and-match)."""
-    child = tree.child_with_token(0, step.bonus)
-    if child is not None:
-        return None, child
-    return VerifyResult(tree=tree, path=[0], accepted=[], bonus=step.bonus,
-                        predictions=JoinedPredictions(len(tree.tokens), step.bonus)), None
+def walked(tree: TokenTree, written: Sequence[int]) -> tuple[VerifyResult | None, int | None]:
+    """A round that wrote ``written`` (its accepted tokens and its bonus) after ``tree``'s root, read as
+    the first levels of ``tree``'s verification: the node whose path carries all of ``written``, whose
+    subtree the next round verifies (``joined``), or, where the path leaves the tree first, ``tree``'s
+    whole verification (the nodes matched, then the target's token, as ``verify_round`` would find
+    greedily; a sampled token chosen by sample-and-match)."""
+    node = 0
+    for depth, token in enumerate(written):
+        child = tree.child_with_token(node, token)
+        if child is None:
+            path = tree.path_to(node)
+            by_source: dict[str, int] = {}
+            for i in path[1:]:
+                source = tree.sources.get(i)
+                if source:
+                    by_source[source] = by_source.get(source, 0) + 1
+            known = {n: written[i] for i, n in enumerate(path)}
+            return VerifyResult(tree=tree, path=path, accepted=list(written[:depth]), bonus=token,
+                                predictions=JoinedPredictions(len(tree.tokens), known),
+                                accepted_by_source=by_source), None
+        node = child
+    return None, node
 
 
-def joined(tree: TokenTree, child: int, rest: VerifyResult) -> VerifyResult:
-    """``tree``'s verification in two rounds, as one: a plain step of its root gave ``child``'s token, and
-    ``rest`` verified ``tree.below(child)``."""
-    nodes = tree.descendants(child)
-    path = [0] + [nodes[j] for j in rest.path]
+def joined(tree: TokenTree, node: int, rest: VerifyResult) -> VerifyResult:
+    """``tree``'s verification in two rounds, as one: a round wrote the tokens of the path to ``node``
+    (``walked``), and ``rest`` verified ``tree.below(node)``."""
+    prefix = tree.path_to(node)
+    nodes = tree.descendants(node)
+    path = prefix[:-1] + [nodes[j] for j in rest.path]
     by_source = dict(rest.accepted_by_source)
-    source = tree.sources.get(child)
-    if source:
-        by_source[source] = by_source.get(source, 0) + 1
-    predictions = JoinedPredictions(len(tree.tokens), tree.tokens[child], rest.predictions, nodes)
+    for i in prefix[1:]:
+        source = tree.sources.get(i)
+        if source:
+            by_source[source] = by_source.get(source, 0) + 1
+    known = {prefix[i]: tree.tokens[prefix[i + 1]] for i in range(len(prefix) - 1)}
+    predictions = JoinedPredictions(len(tree.tokens), known, rest.predictions, nodes)
     return VerifyResult(tree=tree, path=path, accepted=[tree.tokens[i] for i in path[1:]], bonus=rest.bonus,
                         predictions=predictions, accepted_by_source=by_source)

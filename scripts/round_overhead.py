@@ -2,7 +2,7 @@
 """Our own CPU time per round, with llama.cpp's decode taken out (issue #18).
 
     python3 scripts/round_overhead.py [METHOD ...] [-m MODEL] [-n ROUNDS] [--temperature T]
-                                      [--chain N] [--cold] [--idle] [--profile K]
+                                      [--chain N] [--cold] [--idle] [--round-size K] [--overlap] [--profile K]
 
 Loads MODEL, generates a few tokens for real, then replaces the target's decode with a no-op that keeps
 the last logits, so every further round costs only what the runtime itself does around the decode:
@@ -16,6 +16,10 @@ frozen the target repeats one token, so copy-based drafts are long and always ac
   decode does: what a round costs in a real run, where each decode streams the model's weights through.
 - ``--idle`` makes the frozen logits predict a new random token every round: text with nothing to copy,
   so copy-based drafters find nothing and their rounds are idle (what gsm8k and mt_bench mostly are).
+- ``--round-size K`` runs every round of a drafting method at K tokens (``EngineConfig.round_size``).
+- ``--overlap`` drafts during rounds without a draft (``EngineConfig.overlap``, a GPU's default); the
+  stubbed decode returns at once, so the line adds the time spent drafting and observing then
+  (``hidden``), which a GPU's decode would cover.
 - ``--temperature T`` samples (top-k 40, top-p 0.95, min-p 0.05, as the CLI's defaults).
 """
 
@@ -86,6 +90,33 @@ def _stub_decode(cold: bool, idle: bool, avoid: frozenset[int]):
     return decode
 
 
+def _time_hidden_work() -> list[float]:
+    """Count the seconds spent drafting and observing during a round's decode (``--overlap``)."""
+    total = [0.0]
+    propose_hidden, observer = Engine._propose_hidden, Engine._observer
+
+    def timed_propose(self, *args):
+        t0 = time.perf_counter()
+        try:
+            return propose_hidden(self, *args)
+        finally:
+            total[0] += time.perf_counter() - t0
+
+    def timed_observer(*args):
+        observe = observer(*args)
+
+        def timed(t_observe=None):
+            t0 = time.perf_counter()
+            observe(t_observe)
+            if t_observe is None:          # called during the next round's decode
+                total[0] += time.perf_counter() - t0
+        return timed
+
+    Engine._propose_hidden = timed_propose
+    Engine._observer = staticmethod(timed_observer)
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("methods", nargs="*", default=["vanilla", "prompt-lookup", "suffix", "auto"])
@@ -95,6 +126,8 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=0, metavar="N", help="add chain-hit and chain-miss (N tokens)")
     ap.add_argument("--cold", action="store_true", help="evict the CPU caches before every round")
     ap.add_argument("--idle", action="store_true", help="a new random token every round: nothing to copy")
+    ap.add_argument("--round-size", type=int, default=0, metavar="K", help="rounds of K tokens (GPU builds)")
+    ap.add_argument("--overlap", action="store_true", help="draft during rounds without a draft")
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="print each method's K costliest functions")
     args = ap.parse_args()
     methods = list(args.methods)
@@ -104,12 +137,14 @@ def main() -> None:
         register_method("chain-miss", "__main__:chain_miss")
         methods += ["chain-hit", "chain-miss"]
     sampling = SamplingParams(temperature=args.temperature, seed=0)
-    engine = Engine.load(args.model, progress=False)
+    engine = Engine.load(args.model, progress=False, round_size=args.round_size,
+                         overlap=True if args.overlap else None)
     for method in methods:
         engine.generate(PROMPT, max_tokens=32, method=method, sampling=sampling)   # logits to freeze
     rows = engine.target_ctx.logits(args.chain + 1)   # chain-miss, run last, decoded that many rows
     rows[1:] = rows[0]                                # every row predicts the same token
     _CHAIN["token"] = int(rows[0].argmax())
+    hidden = _time_hidden_work() if args.overlap else None
     real = binding.Context.decode
     binding.Context.decode = _stub_decode(args.cold, args.idle, engine.target.eog_tokens)
     try:
@@ -117,6 +152,8 @@ def main() -> None:
             profiler = cProfile.Profile() if args.profile else None
             if profiler:
                 profiler.enable()
+            if hidden is not None:
+                hidden[0] = 0.0
             stats = engine.generate(PROMPT, max_tokens=args.rounds, method=method, sampling=sampling).stats
             if profiler:
                 profiler.disable()
@@ -125,7 +162,9 @@ def main() -> None:
             print(f"{method}: {per_round:.1f} µs per round ({stats.target_passes} rounds, "
                   f"{stats.tokens / stats.target_passes:.2f} tokens per round, vocabulary {engine.target.n_vocab}"
                   f"{', temperature %g' % args.temperature if args.temperature else ''}"
-                  f"{', cold caches' if args.cold else ''}{', idle text' if args.idle else ''})")
+                  f"{', cold caches' if args.cold else ''}{', idle text' if args.idle else ''}"
+                  f"{', rounds of %d' % args.round_size if args.round_size else ''})"
+                  + (f"; {1e6 * hidden[0] / stats.target_passes:.1f} µs of it hidden" if hidden is not None else ""))
     finally:
         binding.Context.decode = real
 

@@ -1,5 +1,6 @@
-"""Drafting while the target decodes a plain step (EngineConfig.overlap): the step checks the draft's
-first level, the next round verifies the rest; outputs unchanged, sampling still follows the target."""
+"""Drafting while the target decodes a round without a draft (EngineConfig.overlap): a plain step, or in
+rounds of one size a round filled with guesses; what it wrote checks the draft's first levels, the next
+round verifies the rest; outputs unchanged, sampling still follows the target."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target,
                                               assert_greedy_equals_vanilla)
 from ouroboros_local.tree import TokenTree
-from ouroboros_local.verify import Predictions, VerifyResult, first_level, joined, verify_step
+from ouroboros_local.verify import Predictions, VerifyResult, joined, verify_step, walked
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
            "The quick brown fox jumps over the lazy dog. The quick brown"]
@@ -80,15 +81,15 @@ def test_a_tree_rooted_elsewhere_is_refused_in_both_kinds_of_round(tiny_target, 
             engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup", options={"adaptive": False})
 
 
-def test_overlap_is_off_on_a_cpu_for_proposers_with_extras_and_in_rounds_of_one_size(tiny_target) -> None:
+def test_overlap_is_off_on_a_cpu_and_for_proposers_with_extras(tiny_target) -> None:
     with tiny_engine(tiny_target) as engine:   # no GPU layers: llama_decode waits for the decode
         assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
     with tiny_engine(tiny_target, overlap=True) as engine:
         assert "overlap" in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
         # lookahead's window rides along with every round
         assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="lookahead").stats.extra
-    with tiny_engine(tiny_target, overlap=True, round_size=4) as engine:   # a plain step is 4 tokens there
-        assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
+    with tiny_engine(tiny_target, overlap=True, round_size=4) as engine:   # rounds filled with guesses
+        assert "overlap" in engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").stats.extra
 
 
 @pytest.mark.parametrize("method", ["prompt-lookup", "auto"])
@@ -124,13 +125,13 @@ def test_the_two_rounds_of_a_carried_draft_are_one_verification() -> None:
     draft.add_path(0, [4, 5], source="b")        # nodes 4, 5: a branch the step rules out
     draft.add_path(1, [6], source="a")           # node 6: a second child of node 1
     draft.classes.update({1: "x1", 2: "x2", 6: "x6"})
-    rejected, child = first_level(draft, _step(7))
+    rejected, child = walked(draft, [7])
     assert child is None and rejected.tree is draft and rejected.path == [0] and rejected.tokens == [7]
     assert rejected.predictions[0] == 7
     with pytest.raises(RuntimeError, match="never decoded"):
         rejected.predictions[1]
     step = _step(1)
-    assert first_level(draft, step) == (None, 1)
+    assert walked(draft, step.tokens) == (None, 1)
     rest = draft.below(1)
     assert rest.tokens == [1, 2, 3, 6] and rest.parents == [-1, 0, 1, 0] and rest.depths == [0, 1, 2, 1]
     assert rest.classes == {1: "x2", 3: "x6"} and 0 not in rest.sources
@@ -186,3 +187,72 @@ def test_a_round_observed_during_the_next_step_is_observed_when_no_step_follows(
     res = overlap_engine.generate(PROMPTS[0], max_tokens=20, method="vanilla", cancel=lambda: next(rounds) >= 3)
     assert res.stats.finish_reason == "cancelled" and len(res.tokens) == 3
     assert len(seen) == 3 and seen[-1] == len(overlap_engine.prompt_tokens(PROMPTS[0])) + 3
+
+
+def test_a_round_that_wrote_several_tokens_checks_the_draft_levels_it_wrote() -> None:
+    draft = TokenTree.rooted_at(0)
+    draft.add_path(0, [1, 2, 3], source="a")     # nodes 1, 2, 3
+    draft.add_path(0, [4, 5], source="b")        # nodes 4, 5
+    left, node = walked(draft, [1, 2, 9])        # the path leaves the draft below node 2
+    assert node is None and left.path == [0, 1, 2] and left.tokens == [1, 2, 9]
+    assert left.accepted_by_source == {"a": 2} and [left.predictions[i] for i in (0, 1, 2)] == [1, 2, 9]
+    left, node = walked(draft, [1, 2, 3, 7])     # all of it accepted, then the target's own token
+    assert node is None and left.path == [0, 1, 2, 3] and left.tokens == [1, 2, 3, 7]
+    assert walked(draft, [1, 2]) == (None, 2)
+    rest = draft.below(2)                        # 2 -> 3: the next round verifies the rest
+    rows = np.zeros((len(rest.tokens), 10), dtype=np.float32)
+    rows[0, 3] = rows[1, 8] = 1.0
+    second = VerifyResult(tree=rest, path=[0, 1], accepted=[3], bonus=8, predictions=Predictions(rows),
+                          accepted_by_source={"a": 1})
+    whole = joined(draft, 2, second)
+    assert whole.path == [0, 1, 2, 3] and whole.tokens == [1, 2, 3, 8] and whole.accepted_by_source == {"a": 3}
+    assert [whole.predictions[i] for i in (0, 1, 2, 3)] == [1, 2, 3, 8]
+    with pytest.raises(RuntimeError, match="never decoded"):
+        whole.predictions[4]
+
+
+@pytest.fixture(scope="module")
+def overlap_rounds_engine(tiny_target, tiny_draft):
+    engine = tiny_engine(tiny_target, tiny_draft, overlap=True, round_size=4)
+    yield engine
+    engine.close()
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "vanilla"])
+def test_every_method_is_greedy_lossless_drafting_during_filled_rounds(overlap_rounds_engine: Engine,
+                                                                       method: str) -> None:
+    assert_greedy_equals_vanilla(overlap_rounds_engine, PROMPTS, method, max_tokens=40)
+
+
+def test_in_rounds_of_one_size_a_round_filled_with_guesses_hides_the_draft(overlap_rounds_engine: Engine) -> None:
+    """Every round decodes four tokens; a round without a draft (guesses only) decodes while the next
+    draft is made, and what it wrote carries the draft's rest into the next round."""
+    first = overlap_rounds_engine.generate(PROMPTS[1], max_tokens=40, method="suffix")
+    again = overlap_rounds_engine.generate(PROMPTS[1], max_tokens=40, method="suffix")
+    assert again.tokens == first.tokens
+    ahead = again.stats.extra["overlap"]
+    assert ahead["drafts"] >= 1 and ahead["carried"] >= 1
+    split = again.stats.extra["time_split"]
+    assert split["ahead"][0] >= 1 and split["carried"][0] == ahead["carried"]
+    assert again.stats.target_passes + again.stats.accepted == len(again.tokens)
+    assert again.stats.target_passes < len(again.tokens) / 2
+    assert again.stats.extra["graphs_rebuilt"] <= 4   # one shape: the first rounds and the shortened last
+
+
+@pytest.mark.parametrize("method", ["prompt-lookup", "auto"])
+def test_drafts_checked_by_filled_rounds_sample_the_target_distribution(overlap_rounds_engine: Engine,
+                                                                        tiny_target, method: str) -> None:
+    prompt = overlap_rounds_engine.prompt_tokens(PROMPTS[1])
+    prompt = prompt + overlap_rounds_engine.generate(prompt, max_tokens=8).tokens + prompt
+    params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
+    answers = assert_first_pairs_follow_the_target(overlap_rounds_engine, tiny_target, prompt, params, 400,
+                                                   method=method)
+    assert sum(a.stats.extra["overlap"]["carried"] for a in answers) > 50
+
+
+def test_seeded_auto_equals_seeded_vanilla_drafting_during_filled_rounds(overlap_rounds_engine: Engine) -> None:
+    for seed in range(3):
+        sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+        base = overlap_rounds_engine.generate(PROMPTS[seed % 2], max_tokens=30, method="vanilla", sampling=sp)
+        res = overlap_rounds_engine.generate(PROMPTS[seed % 2], max_tokens=30, method="auto", sampling=sp)
+        assert res.tokens == base.tokens
