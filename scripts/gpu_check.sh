@@ -22,19 +22,19 @@
 #                                         wait for the build, reassemble and sha256-check the models, run
 #                                         the benchmark set NAME (smol, qwen05, qwen15; see bench_set), more
 #                                         bench FLAGS into $OUT/$LABEL.tgz (LABEL defaults to NAME), print
-#                                         its table. Next on a GPU: LABEL=smol-r4 ... bench smol
-#                                         --round-size 4 (rounds of one shape keep the CUDA graph)
+#                                         its table
 #   scripts/gpu_check.sh ab NAME REPEATS 'FLAGS A' 'FLAGS B' [FLAGS...]
 #                                         two settings side by side: bench NAME REPEATS times each, in
 #                                         the order A B B A ..., each arm's speed-ups per set as mean
 #                                         (lowest-highest), then where the decode time goes (ms per 100
-#                                         tokens by kind of round). Next on a GPU: ab qwen15 2 ''
-#                                         '--round-size 4' --methods vanilla,auto --peers '' (~25 s a
-#                                         run), and the same for smol (~20 s a run)
-#   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes:
-#                                         ab qwen15 and ab smol, '' against '--round-size 4' (vanilla and
-#                                         auto, 2 runs each), then bench qwen15 --round-size 4 if time is
-#                                         left; all packed into $OUT/next.tgz (docs/reports/h200-d)
+#                                         tokens by kind of round), into $OUT/NAME-ab.md, and the runs into
+#                                         $OUT/NAME-runs.tgz (NAME: AB_LABEL, else the set). A run of
+#                                         vanilla and auto takes ~25 s (1.5B) and ~20 s (SmolLM2)
+#   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes
+#                                         (timeout_s ~560): ab qwen15 and ab smol, '' against
+#                                         '--round-size 4' (vanilla and auto, 2 runs each), then SmolLM2
+#                                         in rounds of 4 with overlap off and on if time is left; six files
+#                                         come back (docs/reports/h200-e)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -57,11 +57,13 @@
 # message run one after another), then one call: `LABEL=smol bench smol; LABEL=q15 bench qwen15`, then
 # two repeats of each with `--methods vanilla,prompt-lookup,auto --peers ''`, guarded by $SECONDS: 551 s
 # (the build's last ~120 s, smol 57 s, qwen15 259 s, a repeat 17-26 s). 12.2 minutes in all.
-# Next on a GPU, after the stashes: `next` (ab qwen15 and ab smol, '' against '--round-size 4'; tried
-# on a CPU with LIMIT=1 TOKENS=8 GPU_LAYERS=0 and a fake /tmp/build.done): the vendored ggml-cuda keeps
-# CUDA graphs for any batch size but runs a graph whose shape changed uncaptured until two calls match,
-# so today a draft's batch and the two plain steps after it lose theirs (a drafted round cost ~3.4 plain
-# steps on the 1.5B); rounds of one shape should keep it.
+# The fifth H200 run (2026-11-27, thirty-eighth session; docs/reports/h200-e): the same 28 folders, all
+# carried at 175 s, then `NEXT_FULL_BEFORE=300 next` (then: two ab calls and a full bench of the 1.5B in
+# rounds of 4, which ran into the call's 590 s limit and was lost with three of the ab's files, as more
+# than 8 came back). Rounds of 4 kept the CUDA graph: `auto` 1.5B gsm8k 0.95x -> 1.03x, code edits 1.20x
+# -> 1.40x, SmolLM2 gsm8k 0.98x -> 1.20x, humaneval 1.17x -> 1.55x, but SmolLM2 mt_bench 1.01x -> 0.93x:
+# every round drafted in the open. 68ef62a drafts during rounds without a draft in rounds of one size too;
+# `next` now measures that (ab leaves one archive per side-by-side, so nothing is left out).
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
@@ -253,29 +255,32 @@ case "${1:-}" in
     for i in $(seq 1 "$REPEATS"); do
       order="a b"; [ $((i % 2)) -eq 0 ] && order="b a"
       for arm in $order; do
-        NAME="$SET-$arm$i"
+        NAME="${AB_LABEL:-$SET}-$arm$i"
         if [ "$arm" = a ]; then EXTRA=("${COMMON[@]}" "${ARM_A[@]}"); else EXTRA=("${COMMON[@]}" "${ARM_B[@]}"); fi
         bench_set "$SET" > "$OUT/$NAME.log" 2>&1 || tail -5 "$OUT/$NAME.log"
         cp "$OUT/$NAME.log" "$OUT/$NAME/" 2>/dev/null
         RUNS+=("$NAME")
       done
     done
-    echo "a: ${ARM_A[*]:-(defaults)}   b: ${ARM_B[*]:-(defaults)}   common: ${COMMON[*]:-}" | tee "$OUT/$SET-ab.md"
-    $PY scripts/ab_summary.py "$OUT" "${RUNS[@]}" | tee -a "$OUT/$SET-ab.md"
-    for r in "${RUNS[@]}"; do tar czf "$OUT/$r.tgz" -C "$OUT" "$r" && rm -rf "${OUT:?}/$r" "$OUT/$r.log"; done
+    AB="${AB_LABEL:-$SET}"
+    echo "a: ${ARM_A[*]:-(defaults)}   b: ${ARM_B[*]:-(defaults)}   common: ${COMMON[*]:-}" | tee "$OUT/$AB-ab.md"
+    $PY scripts/ab_summary.py "$OUT" "${RUNS[@]}" | tee -a "$OUT/$AB-ab.md"
+    # one archive for the runs: at most 8 files come back from a call
+    tar czf "$OUT/$AB-runs.tgz" -C "$OUT" "${RUNS[@]}" && for r in "${RUNS[@]}"; do rm -rf "${OUT:?}/$r"; done
+    rm -f "$OUT"/"$AB"-[ab][0-9]*.log
     ;;
   next)
-    # After the stashes, one call (timeout_s ~580) of what docs/reports/h200-d left to measure: rounds of
-    # one shape (--round-size 4) against the default, side by side, on each model; then, where the build
-    # was done early enough, the 1.5B's full comparison in rounds of 4. Everything under $OUT is packed
-    # into next.tgz with the ab tables beside it: at most 8 files come back from a call.
+    # After the stashes, one call (timeout_s ~560) of what docs/reports/h200-e left to measure: rounds of
+    # one size (--round-size 4) against the default, side by side on each model, now that a round without
+    # a draft decodes while the next draft is made (68ef62a); then, if time is left, SmolLM2 in rounds of
+    # 4 with that off and on. Each ab leaves NAME-ab.md and NAME-runs.tgz: 6 files come back.
     "$0" ab qwen15 2 '' '--round-size 4' --methods vanilla,auto --peers ''
     "$0" ab smol 2 '' '--round-size 4' --methods vanilla,auto --peers ''
-    if [ "$SECONDS" -lt "${NEXT_FULL_BEFORE:-240}" ]; then
-      LABEL=q15-r4 "$0" bench qwen15 --round-size 4 | tail -40
+    if [ "$SECONDS" -lt "${NEXT_MORE_BEFORE:-420}" ]; then
+      AB_LABEL=smol-overlap "$0" ab smol 1 '--round-size 4 --overlap off' '--round-size 4' \
+        --methods vanilla,auto --peers ''
     fi
-    tar czf /tmp/next.tgz -C "$OUT" --exclude '*.md' . && mv /tmp/next.tgz "$OUT/" \
-      && find "$OUT" -name '*.tgz' ! -name next.tgz -delete && ls "$OUT"
+    ls "$OUT"
     ;;
   test)
     setup_env; wait_for_build
