@@ -32,9 +32,10 @@
 #                                         vanilla and auto takes ~25 s (1.5B) and ~20 s (SmolLM2)
 #   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes
 #                                         (timeout_s ~560): ab qwen15 and ab smol, '' against
-#                                         '--round-size 4' (vanilla and auto, 2 runs each), then SmolLM2
-#                                         in rounds of 4 with overlap off and on if time is left; six files
-#                                         come back (docs/reports/h200-e)
+#                                         '--round-size 4' (vanilla and auto, 2 runs each), then while time
+#                                         is left SmolLM2 in rounds of 4 with overlap off and on, and
+#                                         rounds of 4 against 8 (both models); the ab tables and one
+#                                         archive come back (docs/reports/h200-e)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -272,14 +273,18 @@ case "${1:-}" in
   next)
     # After the stashes, one call (timeout_s ~560) of what docs/reports/h200-e left to measure: rounds of
     # one size (--round-size 4) against the default, side by side on each model, now that a round without
-    # a draft decodes while the next draft is made (68ef62a); then, if time is left, SmolLM2 in rounds of
-    # 4 with that off and on. Each ab leaves NAME-ab.md and NAME-runs.tgz: 6 files come back.
+    # a draft decodes while the next draft is made (68ef62a); then, while time is left (each guarded to
+    # end by ~500 s), SmolLM2 in rounds of 4 with that off and on, and rounds of 4 against rounds of 8.
+    # Each ab leaves NAME-ab.md; the runs' archives are packed into one at the end (runs.tgz).
     "$0" ab qwen15 2 '' '--round-size 4' --methods vanilla,auto --peers ''
     "$0" ab smol 2 '' '--round-size 4' --methods vanilla,auto --peers ''
-    if [ "$SECONDS" -lt "${NEXT_MORE_BEFORE:-420}" ]; then
-      AB_LABEL=smol-overlap "$0" ab smol 1 '--round-size 4 --overlap off' '--round-size 4' \
-        --methods vanilla,auto --peers ''
-    fi
+    [ "$SECONDS" -lt 450 ] && AB_LABEL=smol-overlap "$0" ab smol 1 '--round-size 4 --overlap off' \
+      '--round-size 4' --methods vanilla,auto --peers ''
+    [ "$SECONDS" -lt 450 ] && AB_LABEL=smol-k8 "$0" ab smol 1 '--round-size 4' '--round-size 8' \
+      --methods vanilla,auto --peers ''
+    [ "$SECONDS" -lt 440 ] && AB_LABEL=qwen15-k8 "$0" ab qwen15 1 '--round-size 4' '--round-size 8' \
+      --methods vanilla,auto --peers ''
+    tar cf "$OUT/runs.tar" -C "$OUT" $(cd "$OUT" && ls ./*-runs.tgz) && rm -f "$OUT"/*-runs.tgz
     ls "$OUT"
     ;;
   test)
