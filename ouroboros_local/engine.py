@@ -443,7 +443,7 @@ class Engine:
         llama_at_t1 = llama_decode_clock()   # this thread's seconds decoding in llama.cpp
         stats.prefill_seconds = t1 - t0
         context_full = False
-        overlap = self._overlaps(proposer, round_size)
+        overlap = self._overlaps(proposer)
         ahead = overlap           # this round decodes a plain step while its draft is made
         carried: tuple[TokenTree, int] | None = None   # a draft and the child the last plain step accepted
         observe_later: Callable[[], None] | None = None
@@ -488,7 +488,7 @@ class Engine:
                     yield event
                 if out.finish is not None:
                     break
-                # the next round is a plain step that decodes while this one is observed, if nothing is carried
+                # the next round, without a draft, decodes while this one is observed, if nothing is carried
                 ahead = overlap and carried is None and step.plain and not context_full
                 observe = self._observer(proposer, committed, seen, result, costs_learner, tree, step.seconds)
                 if ahead:
@@ -584,10 +584,10 @@ class Engine:
         return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full,
                       propose_seconds=t0 - t_start, plain=is_plain_step(proposed))
 
-    def _overlaps(self, proposer: Proposer, round_size: int) -> bool:
-        """Does this generation draft while a plain step decodes (``EngineConfig.overlap``)? By default
-        where llama_decode has been seen to return well before its decode ends (``ASYNC_WAIT_SHARE``),
-        and before any step was timed, where the target's layers are on a GPU."""
+    def _overlaps(self, proposer: Proposer) -> bool:
+        """Does this generation draft while a round without a draft decodes (``EngineConfig.overlap``)?
+        By default where llama_decode has been seen to return well before its decode ends
+        (``ASYNC_WAIT_SHARE``), and before any step was timed, where the target's layers are on a GPU."""
         if not proposer.drafts_ahead:
             return False
         if self.config.overlap is not None:
@@ -660,7 +660,7 @@ class _Round:
     seconds: float                 # the decode and verification (a plain step's: with the work done during it)
     drafted: int = 0               # candidates proposed this round
     context_full: bool = False
-    carried: tuple[TokenTree, int] | None = None   # a draft and the child this plain step accepted
+    carried: tuple[TokenTree, int] | None = None   # a draft and the node this round's written tokens reached
     propose_seconds: float = 0.0   # the proposal before the decode, in the open (a plain step's is in ``seconds``)
     plain: bool = True             # the proposer's part was the root alone (whatever ``filled`` added)
 

@@ -247,15 +247,10 @@ def walked(tree: TokenTree, written: Sequence[int]) -> tuple[VerifyResult | None
         child = tree.child_with_token(node, token)
         if child is None:
             path = tree.path_to(node)
-            by_source: dict[str, int] = {}
-            for i in path[1:]:
-                source = tree.sources.get(i)
-                if source:
-                    by_source[source] = by_source.get(source, 0) + 1
             known = {n: written[i] for i, n in enumerate(path)}
             return VerifyResult(tree=tree, path=path, accepted=list(written[:depth]), bonus=token,
                                 predictions=JoinedPredictions(len(tree.tokens), known),
-                                accepted_by_source=by_source), None
+                                accepted_by_source=_count_sources(tree, path[1:], {})), None
         node = child
     return None, node
 
@@ -266,12 +261,17 @@ def joined(tree: TokenTree, node: int, rest: VerifyResult) -> VerifyResult:
     prefix = tree.path_to(node)
     nodes = tree.descendants(node)
     path = prefix[:-1] + [nodes[j] for j in rest.path]
-    by_source = dict(rest.accepted_by_source)
-    for i in prefix[1:]:
-        source = tree.sources.get(i)
-        if source:
-            by_source[source] = by_source.get(source, 0) + 1
+    by_source = _count_sources(tree, prefix[1:], dict(rest.accepted_by_source))
     known = {prefix[i]: tree.tokens[prefix[i + 1]] for i in range(len(prefix) - 1)}
     predictions = JoinedPredictions(len(tree.tokens), known, rest.predictions, nodes)
     return VerifyResult(tree=tree, path=path, accepted=[tree.tokens[i] for i in path[1:]], bonus=rest.bonus,
                         predictions=predictions, accepted_by_source=by_source)
+
+
+def _count_sources(tree: TokenTree, nodes: Sequence[int], counts: dict[str, int]) -> dict[str, int]:
+    """``counts`` plus the accepted ``nodes`` of ``tree`` by the proposer that drafted each."""
+    for i in nodes:
+        source = tree.sources.get(i)
+        if source:
+            counts[source] = counts.get(source, 0) + 1
+    return counts

@@ -164,7 +164,7 @@ def main() -> None:
                   f"{', temperature %g' % args.temperature if args.temperature else ''}"
                   f"{', cold caches' if args.cold else ''}{', idle text' if args.idle else ''}"
                   f"{', rounds of %d' % args.round_size if args.round_size else ''})"
-                  + (f"; {1e6 * hidden[0] / stats.target_passes:.1f} µs of it hidden" if hidden is not None else ""))
+                  + (f"; {1e6 * hidden[0] / stats.target_passes:.1f} µs of it hidden" if hidden else ""))
     finally:
         binding.Context.decode = real
 
