@@ -417,9 +417,11 @@ class Engine:
         rng = sampling.rng()
         eog = self.target.eog_tokens
         cfg = self.config
+        round_size = cfg.round_size if proposer.name != "vanilla" else 0
         setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=self.target_ctx.n_batch - 1,
                              max_branches=self.target_ctx.n_seq_max, eog_tokens=eog,
-                             extend_pays=sched.extend_rule() if sched is not None else None)
+                             extend_pays=sched.extend_rule() if sched is not None else None,
+                             round_size=round_size)
         # once a method has calibrated the cost curve, every round (any method's) refines what rounds cost
         costs_learner = self._scheduler if cfg.adaptive else None
         if costs_learner is not None:
@@ -429,7 +431,6 @@ class Engine:
             sched.enroll(proposer)
         out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)
-        round_size = cfg.round_size if proposer.name != "vanilla" else 0
         reused_before, decodes_before = self.target_ctx.graphs_reused(), self.target_ctx.decodes
 
         t0 = time.perf_counter()

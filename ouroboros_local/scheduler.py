@@ -860,12 +860,13 @@ class Scheduler:
 
     def chain_rate(self, source: str, tree: TokenTree) -> float:
         """Expected tokens per second of verifying ``tree`` (a labelled chain; else the depth model)."""
-        n = tree.n_candidates
+        return self.chain_tokens(source, tree) / self._round_seconds_list(tree.n_candidates)[-1]
+
+    def chain_tokens(self, source: str, tree: TokenTree) -> float:
+        """Expected tokens a round verifying ``tree`` writes (a labelled chain; else the depth model)."""
         if tree.classes and tree.is_chain():
-            tokens = self._chain_expected(source, tree.node_classes())[-1]
-        else:
-            tokens = float(self.estimate(source).expected_all(n)[-1])
-        return tokens / self._round_seconds_list(n)[-1]
+            return self._chain_expected(source, tree.node_classes())[-1]
+        return float(self.estimate(source).expected_all(tree.n_candidates)[-1])
 
     def best_rate(self, source: str, draft_cost: float, limit: int) -> float:
         """Expected tokens per second of ``source``'s best draft length (depth model, cost included);

@@ -97,3 +97,37 @@ def test_round_size_is_checked_before_anything_loads(capsys) -> None:
 
     assert main(["generate", "-m", "no-such-model.gguf", "--round-size", "1", "-p", "hi"]) != 0
     assert "--round-size must be 0 or 2" in capsys.readouterr().err
+
+
+def test_in_rounds_of_one_size_auto_asks_its_free_drafters_unpriced(round_engine: Engine, monkeypatch) -> None:
+    """A draft that fits the round costs nothing more: prompt lookup and the suffix tries draft every
+    round without the scheduler's pricing, and the chain expected to keep more is verified."""
+    priced: list[str] = []
+    draft_if_any = Scheduler.draft_if_any
+
+    def spy(self, proposer, committed, budget):
+        priced.append(proposer.name)
+        return draft_if_any(self, proposer, committed, budget)
+
+    prompt = round_engine.prompt_tokens(PROMPTS[1])
+    prompt = prompt + round_engine.generate(prompt, max_tokens=32).tokens + prompt   # its answer repeats
+    monkeypatch.setattr(Scheduler, "draft_if_any", spy)
+    res = round_engine.generate(prompt, max_tokens=32, method="auto")
+    assert not {"prompt-lookup", "suffix"} & set(priced)            # only the draft model is priced
+    rounds = res.stats.extra["auto_rounds"]
+    assert rounds.get("prompt-lookup", 0) + rounds.get("suffix", 0) >= 3
+    assert res.stats.target_passes < len(res.tokens) / 2
+
+
+def test_a_branching_free_draft_gives_its_first_path() -> None:
+    from ouroboros_local.proposers.pick import _first_chain
+
+    tree = TokenTree.rooted_at(0)
+    tree.add_path(0, [1, 2, 3])
+    tree.add_path(1, [4])
+    tree.classes.update({1: "a", 2: "b", 4: "c"})
+    chain = _first_chain(tree)
+    assert chain.tokens == [0, 1, 2, 3] and chain.is_chain() and chain.classes == {1: "a", 2: "b"}
+    plain = TokenTree.rooted_at(0)
+    plain.add_path(0, [5, 6])
+    assert _first_chain(plain) is plain

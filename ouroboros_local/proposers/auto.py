@@ -13,6 +13,9 @@ promises more than the draft in hand. Each round:
 2. otherwise the draft model drafts, if drafting pays at all (its measured per-token cost included),
    and stops as soon as one more token cannot pay (scheduler.extend_pays);
 3. otherwise the tree is the root alone: a plain decoding step.
+In rounds of one size (``--round-size``) a draft that fits costs what a round without one does: prompt
+lookup and the suffix tries both draft every round, unpriced, and the chain expected to keep more tokens
+is verified; only the draft model is priced as above, where neither drafted.
 
 Every draft is deterministic (prompt lookup, greedy draft-model chains), so with sampling the verifier
 uses sample-and-match: each emitted token consumes exactly one uniform of the seeded generator, and a

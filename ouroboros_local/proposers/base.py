@@ -64,6 +64,9 @@ class ProposeSetup:
     # extend_pays(proposer name, classes of the tokens drafted so far) -> may one more token pay?
     # Set when a scheduler runs the proposer; draft-model proposers ask it before each draft step.
     extend_pays: Callable[[str, Sequence[str]], bool] | None = None
+    # every round decodes this many tokens (``EngineConfig.round_size``; 0: each its draft's size), so a
+    # draft of up to round_size - 1 tokens costs what a round without one does
+    round_size: int = 0
 
 
 class Proposer(ABC):

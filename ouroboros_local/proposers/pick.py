@@ -23,6 +23,7 @@ class AutoProposer(Proposer):
         self.candidates = candidates
         self._last: Proposer | None = None
         self.rounds: dict[str, int] = {}
+        self.round_size = 0
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         sched = self.scheduler
@@ -33,6 +34,7 @@ class AutoProposer(Proposer):
             proposer.begin(prompt, setup)
             sched.enroll(proposer)
         self.rounds = {}
+        self.round_size = setup.round_size
 
     @property
     def drafts_ahead(self) -> bool:   # type: ignore[override]
@@ -40,13 +42,19 @@ class AutoProposer(Proposer):
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         self._last = None
+        candidates = self.candidates
+        if self.round_size > 1:
+            tree = self._free_draft(committed, budget)
+            if tree is not None:
+                return tree
+            candidates = [p for p in candidates if not p.free_drafts]
         sched = self.scheduler
         fallback: tuple[Proposer, TokenTree] | None = None   # a draft passed over for a better promise
-        for i, proposer in enumerate(self.candidates):
+        for i, proposer in enumerate(candidates):
             tree = sched.draft_if_any(proposer, committed, budget)
             if tree is None or not tree.n_candidates:
                 continue
-            if fallback is None and self._later_is_better(proposer, tree, self.candidates[i + 1:], budget):
+            if fallback is None and self._later_is_better(proposer, tree, candidates[i + 1:], budget):
                 fallback = (proposer, tree)
                 continue
             if fallback is not None and (sched.chain_rate(fallback[0].name, fallback[1])
@@ -57,6 +65,23 @@ class AutoProposer(Proposer):
             return self._use(*fallback)
         self.rounds["plain"] = self.rounds.get("plain", 0) + 1
         return TokenTree.rooted_at(committed[-1])
+
+    def _free_draft(self, committed: Sequence[int], budget: int) -> TokenTree | None:
+        """In rounds of one size a draft that fits costs what a round without one does: every candidate
+        that runs no model drafts, unpriced, and the chain expected to keep the most tokens is verified
+        (None where none drafted). Pricing them cost more Python than drafting, and kept fewer tokens."""
+        best: tuple[Proposer, TokenTree] | None = None
+        best_tokens = 0.0
+        for proposer in self.candidates:
+            if not proposer.free_drafts:
+                continue
+            chain = _first_chain(proposer.propose(committed, budget))
+            if not chain.n_candidates:
+                continue
+            tokens = self.scheduler.chain_tokens(proposer.name, chain)
+            if best is None or tokens > best_tokens:
+                best, best_tokens = (proposer, chain), tokens
+        return None if best is None else self._use(*best)
 
     def _use(self, proposer: Proposer, tree: TokenTree) -> TokenTree:
         self._last = proposer
@@ -91,6 +116,13 @@ class AutoProposer(Proposer):
         for proposer in self.candidates:
             out.update(proposer.stats())
         return out
+
+
+def _first_chain(tree: TokenTree) -> TokenTree:
+    """``tree`` itself if a chain, else its path to its first leaf: a branch would change the round's shape."""
+    if tree.is_chain():
+        return tree
+    return tree.subtree(tree.path_to(tree.leaves()[0]))
 
 
 __all__ = ["AutoProposer"]
