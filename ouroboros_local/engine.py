@@ -34,7 +34,7 @@ from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .time_split import TimeSplit
 from .tree import BatchLayout, TokenTree
-from .verify import VerifyResult, is_plain_step, joined, verify_round, verify_step, walked
+from .verify import VerifyResult, is_plain_step, joined, judged, verify_round, verify_step, walked
 
 
 log = logging.getLogger("ouroboros_local")
@@ -446,7 +446,11 @@ class Engine:
         context_full = False
         overlap = self._overlaps(proposer)
         ahead = overlap           # this round decodes a plain step while its draft is made
+        # in rounds of one size every round does: a round's guesses are the last draft's tokens past what
+        # its round wrote (``_Round.guesses``), so a draft is never verified in the open
+        pipelined = overlap and round_size > 1
         carried: tuple[TokenTree, int] | None = None   # a draft and the child the last plain step accepted
+        guesses: list[int] = []
         observe_later: Callable[[], None] | None = None
         ahead_drafts = ahead_carried = 0   # drafts made during a plain step, and those it accepted a token of
         split = TimeSplit()
@@ -460,15 +464,18 @@ class Engine:
                     out.finish = "length"
                     break
                 budget = max(0, min(setup.max_tree_nodes, max_tokens - len(out.tokens) - 1, room - 1))
+                draft_budget = budget
                 if round_size > 1:
                     budget = min(budget, round_size - 1)   # every round the same size: no larger tree
+                    draft_budget = min(draft_budget, 2 * round_size - 1)   # this round's guesses and the next's
                 was_carried = carried is not None
                 if ahead:
                     step = self._step_ahead(proposer, sched, committed, budget, room, sampling, rng, observe_later,
-                                            round_size)
+                                            round_size, draft_budget, guesses)
                     observe_later = None
                     ahead_drafts += step.drafted > 0
-                    ahead_carried += step.carried is not None
+                    ahead_carried += step.carried is not None or bool(step.guesses)
+                    guesses = step.guesses
                 else:
                     step = self._round(proposer, sched, committed, budget, room, sampling, rng, carried,
                                        context_full, round_size)
@@ -490,7 +497,7 @@ class Engine:
                 if out.finish is not None:
                     break
                 # the next round, without a draft, decodes while this one is observed, if nothing is carried
-                ahead = overlap and carried is None and step.plain and not context_full
+                ahead = overlap and not context_full and (pipelined or (carried is None and step.plain))
                 observe = self._observer(proposer, committed, seen, result, costs_learner, tree, step.seconds)
                 if ahead:
                     result.release()   # what it read is known; a row read later would be the next decode's
@@ -522,14 +529,20 @@ class Engine:
 
     def _step_ahead(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                     room: int, sampling: SamplingParams, rng: np.random.Generator,
-                    observe_last: Callable[[], None] | None, round_size: int) -> "_Round":
-        """A round of the root and no draft (in rounds of one size: filled with guesses), decoding while
-        the last round is observed (``observe_last``) and this round's draft is made
-        (``EngineConfig.overlap``): on a GPU, llama_decode returns before the decode ends. What the round
-        wrote is the first levels of the draft's verification; the subtree below the node it reached is
-        carried to the next round (``_Round.carried``)."""
+                    observe_last: Callable[[], None] | None, round_size: int, draft_budget: int,
+                    guesses: Sequence[int]) -> "_Round":
+        """A round without a draft, decoding while the last round is observed (``observe_last``) and the
+        next draft is made (``EngineConfig.overlap``): on a GPU, llama_decode returns before the decode
+        ends. By default a plain step of the root: it checks the draft's first level, and the subtree
+        below the child it accepted is carried to the next round (``_Round.carried``). In rounds of one
+        size, the root and ``guesses`` (the last draft's tokens past what its round wrote; filled): what
+        the round wrote judges the draft, ``draft_budget`` tokens deep, and its tokens past that are the
+        next round's guesses (``_Round.guesses``)."""
         root = TokenTree.rooted_at(committed[-1])
-        tree = filled(root, min(round_size, budget + 1), committed) if round_size > 1 else root
+        tree = root
+        if round_size > 1 and budget > 0:
+            size = min(round_size, budget + 1)
+            tree = filled(_guessed(root.tokens[0], guesses[:size - 1]), size, committed)
         draft: TokenTree | None = None
         t0 = time.perf_counter()
 
@@ -541,7 +554,7 @@ class Engine:
                 self.kv.begin_layout(lay)
             if observe_last is not None:
                 observe_last()
-            draft = self._propose_hidden(proposer, sched, committed, budget, room)
+            draft = self._propose_hidden(proposer, sched, committed, draft_budget, room)
             return self.kv.step_logits() if lay is None else self.kv.layout_rows()
 
         if tree is root:
@@ -552,10 +565,15 @@ class Engine:
         seen = result if tree is root else _as_proposed(result, root)
         step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None)
         if draft is not None and draft.n_candidates:
-            step.seen, node = walked(draft, result.tokens)
             step.drafted = draft.n_candidates
-            if node is not None:
-                step.carried = (draft, node)
+            if round_size > 1:
+                step.seen, node = judged(draft, result.tokens)
+                if node is not None:
+                    step.guesses = _first_path(draft, node)[:round_size - 1]
+            else:
+                step.seen, node = walked(draft, result.tokens)
+                if node is not None:
+                    step.carried = (draft, node)
         return step
 
     def _round(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int, room: int,
@@ -664,6 +682,8 @@ class _Round:
     carried: tuple[TokenTree, int] | None = None   # a draft and the node this round's written tokens reached
     propose_seconds: float = 0.0   # the proposal before the decode, in the open (a plain step's is in ``seconds``)
     plain: bool = True             # the proposer's part was the root alone (whatever ``filled`` added)
+    guesses: list[int] = field(default_factory=list)   # rounds of one size: the draft's tokens past what
+    #                                                     this round wrote, the next round's guesses
 
 
 class _Output:
@@ -729,6 +749,25 @@ def filled(tree: TokenTree, size: int, context: Sequence[int]) -> TokenTree:
     out = TokenTree.rooted_at(last) if len(tree.tokens) == 1 else tree.subtree(range(len(tree.tokens)))
     out.add_path(len(out.tokens) - 1, guess, source="fill")
     return out
+
+
+def _guessed(root: int, guesses: Sequence[int]) -> TokenTree:
+    """A chain of ``root`` and ``guesses``, labelled as ``filled`` labels its guesses."""
+    tree = TokenTree.rooted_at(root)
+    if guesses:
+        tree.add_path(0, guesses, source="fill")
+    return tree
+
+
+def _first_path(tree: TokenTree, node: int) -> list[int]:
+    """The tokens below ``node`` along each first child."""
+    out = []
+    while True:
+        child = next((i for i in range(node + 1, len(tree.tokens)) if tree.parents[i] == node), None)
+        if child is None:
+            return out
+        out.append(tree.tokens[child])
+        node = child
 
 
 def _as_proposed(result: VerifyResult, proposed: TokenTree) -> VerifyResult:

@@ -255,6 +255,27 @@ def walked(tree: TokenTree, written: Sequence[int]) -> tuple[VerifyResult | None
     return None, node
 
 
+def judged(tree: TokenTree, written: Sequence[int]) -> tuple[VerifyResult, int | None]:
+    """``walked`` for a draft whose rest is not verified but guessed (rounds of one size): the verdict on
+    the nodes ``written`` judged, and the node whose path carries all of ``written`` (None where the path
+    left the tree). Then the nodes above that node were accepted and its token is the bonus: the verdict
+    is on ``tree`` cut above it, so that nothing unverified reads as rejected."""
+    verdict, node = walked(tree, written)
+    if verdict is not None:
+        return verdict, None
+    assert node is not None
+    depth = tree.depths[node]
+    keep = [i for i, d in enumerate(tree.depths) if d < depth]
+    new_id = {old: new for new, old in enumerate(keep)}
+    above = tree.path_to(tree.parents[node])
+    known = {new_id[n]: written[i] for i, n in enumerate(above)}
+    cut = tree.subtree(keep)
+    path = [new_id[n] for n in above]
+    return VerifyResult(tree=cut, path=path, accepted=list(written[:depth - 1]), bonus=written[depth - 1],
+                        predictions=JoinedPredictions(len(keep), known),
+                        accepted_by_source=_count_sources(tree, above[1:], {})), node
+
+
 def joined(tree: TokenTree, node: int, rest: VerifyResult) -> VerifyResult:
     """``tree``'s verification in two rounds, as one: a round wrote the tokens of the path to ``node``
     (``walked``), and ``rest`` verified ``tree.below(node)``."""
