@@ -63,7 +63,7 @@
 # rounds of 4, which ran into the call's 590 s limit and was lost with three of the ab's files, as more
 # than 8 came back). Rounds of 4 kept the CUDA graph: `auto` 1.5B gsm8k 0.95x -> 1.03x, code edits 1.20x
 # -> 1.40x, SmolLM2 gsm8k 0.98x -> 1.20x, humaneval 1.17x -> 1.55x, but SmolLM2 mt_bench 1.01x -> 0.93x:
-# every round drafted in the open. 68ef62a drafts during rounds without a draft in rounds of one size too;
+# every round drafted in the open. Since 017f0b5 every round of one size drafts while it decodes;
 # `next` now measures that (ab leaves one archive per side-by-side, so nothing is left out).
 set -uo pipefail
 CAP_MIB=60
