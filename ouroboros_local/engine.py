@@ -496,7 +496,8 @@ class Engine:
                     yield event
                 if out.finish is not None:
                     break
-                # the next round, without a draft, decodes while this one is observed, if nothing is carried
+                # the next round decodes while this one is observed: one without a draft, if nothing is
+                # carried (in rounds of one size, every round)
                 ahead = overlap and not context_full and (pipelined or (carried is None and step.plain))
                 observe = self._observer(proposer, committed, seen, result, costs_learner, tree, step.seconds)
                 if ahead:
@@ -762,12 +763,11 @@ def _guessed(root: int, guesses: Sequence[int]) -> TokenTree:
 def _first_path(tree: TokenTree, node: int) -> list[int]:
     """The tokens below ``node`` along each first child."""
     out = []
-    while True:
-        child = next((i for i in range(node + 1, len(tree.tokens)) if tree.parents[i] == node), None)
-        if child is None:
-            return out
-        out.append(tree.tokens[child])
-        node = child
+    kids = tree.children(node)
+    while kids:
+        out.append(tree.tokens[kids[0]])
+        kids = tree.children(kids[0])
+    return out
 
 
 def _as_proposed(result: VerifyResult, proposed: TokenTree) -> VerifyResult:
