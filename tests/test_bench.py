@@ -448,6 +448,11 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     assert report.main([str(out / "results.json")]) == 0
     assert json.loads((out / "results.json").read_text())["summary"] == data["summary"]
     assert (out / "results.md").read_text() == md
+    # the settings line names rounds of one size and an overlap set by hand (defaults say nothing)
+    assert "rounds of" not in md and "overlap" not in md.split("- settings:")[1].split("\n")[0]
+    payload = json.loads((out / "results.json").read_text())
+    payload["settings"]["engine_config"].update(round_size=4, overlap=False)
+    assert "gpu layers 0, rounds of 4, overlap off, created" in report.render_markdown(payload)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -260,9 +260,13 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  + (f", GPU: {'; '.join(mach['gpus'])}" if mach.get("gpus") else "")
                  + (f"; memory copy bandwidth {_f(mach.get('memory_bandwidth_gbs'), '{:.1f}')} GB/s"
                     if mach.get("memory_bandwidth_gbs") else ""))
+    engine = st.get("engine_config") or {}
     lines.append(f"- settings: {st.get('sampling_desc', 'greedy')}, threads {st.get('threads')}, "
                  f"ctx {st.get('n_ctx')}, chat {st.get('chat')}, warm-up {st.get('warmup')}, "
-                 f"gpu layers {st.get('gpu_layers')}, created {payload.get('created')}")
+                 f"gpu layers {st.get('gpu_layers')}"
+                 + (f", rounds of {engine['round_size']}" if engine.get("round_size") else "")
+                 + ("" if engine.get("overlap") is None else f", overlap {'on' if engine['overlap'] else 'off'}")
+                 + f", created {payload.get('created')}")
     lines.append("")
     lines.append("tok/s: decode tokens per second (prefill apart); speedup: over vanilla (sum of tokens / "
                  f"sum of decode seconds), {CI_LEVEL:.0%} CI: paired bootstrap interval of the speedup over "
