@@ -54,8 +54,9 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="draft while the target decodes a round without a draft (a plain step; with "
                         "--round-size, every round: the last draft's rest as guesses), that round checking "
-                        "the draft's first tokens (default auto: on where llama_decode returns before a step ends, as on a GPU, "
-                        "so the draft's Python costs nothing; on a CPU it would cost a pass per draft)")
+                        "the draft's first tokens (default auto: on where llama_decode returns before a step "
+                        "ends, as on a GPU, so the draft's Python costs nothing; on a CPU it would cost a pass "
+                        "per draft)")
     g.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="read the weights that stay on the CPU into 2 MiB pages (Linux transparent huge "
                         "pages; default on: faster CPU decoding; --no-huge-pages maps the file as llama.cpp "

@@ -540,10 +540,7 @@ class Engine:
         the round wrote judges the draft, ``draft_budget`` tokens deep, and its tokens past that are the
         next round's guesses (``_Round.guesses``)."""
         root = TokenTree.rooted_at(committed[-1])
-        tree = root
-        if round_size > 1 and budget > 0:
-            size = min(round_size, budget + 1)
-            tree = filled(_guessed(root.tokens[0], guesses[:size - 1]), size, committed)
+        tree = filled(root, min(round_size, budget + 1), committed, guesses) if round_size > 1 else root
         draft: TokenTree | None = None
         t0 = time.perf_counter()
 
@@ -729,35 +726,32 @@ class _Output:
 FILL_WINDOW = 256   # tokens of the context ``filled`` looks back through
 
 
-def filled(tree: TokenTree, size: int, context: Sequence[int]) -> TokenTree:
-    """A chain of fewer than ``size`` tokens continued to ``size`` (``EngineConfig.round_size``): by what
-    followed its last token where that token last occurred in the context's last FILL_WINDOW tokens,
-    else by that token again. Branching trees and trees with extra rows are left as they are."""
+def filled(tree: TokenTree, size: int, context: Sequence[int], guesses: Sequence[int] = ()) -> TokenTree:
+    """A chain of fewer than ``size`` tokens continued to ``size`` (``EngineConfig.round_size``): by
+    ``guesses`` first (the last draft's rest, ``_Round.guesses``), then by what followed its last token
+    where that token last occurred in the context's last FILL_WINDOW tokens, else by that token again.
+    Branching trees and trees with extra rows are left as they are."""
     need = size - len(tree.tokens)
     if need <= 0 or tree.extras or tree.n_extra_seqs or not tree.is_chain():
         return tree
-    last = tree.tokens[-1]
-    start = max(len(context) - FILL_WINDOW, 0)
-    # the window before the last token, newest first: ``index`` finds the last occurrence at C speed
-    before = context[len(context) - 2:start - 1 if start > 0 else None:-1] if len(context) >= 2 else []
-    try:
-        i = len(context) - 2 - before.index(last)
-        guess = list(context[i + 1:i + 1 + need])
-    except ValueError:
-        guess = []
-    guess += [last] * (need - len(guess))
+    guess = list(guesses[:need])
+    last = guess[-1] if guess else tree.tokens[-1]
+    more = need - len(guess)
+    if more:
+        start = max(len(context) - FILL_WINDOW, 0)
+        # the window before the context's last token, newest first: ``index`` finds the last occurrence
+        # at C speed
+        before = context[len(context) - 2:start - 1 if start > 0 else None:-1] if len(context) >= 2 else []
+        try:
+            i = len(context) - 2 - before.index(last)
+            guess += context[i + 1:i + 1 + more]
+        except ValueError:
+            pass
+        guess += [last] * (need - len(guess))
     # a copy, labels and draft distributions included (a root alone has none)
-    out = TokenTree.rooted_at(last) if len(tree.tokens) == 1 else tree.subtree(range(len(tree.tokens)))
+    out = TokenTree.rooted_at(tree.tokens[0]) if len(tree.tokens) == 1 else tree.subtree(range(len(tree.tokens)))
     out.add_path(len(out.tokens) - 1, guess, source="fill")
     return out
-
-
-def _guessed(root: int, guesses: Sequence[int]) -> TokenTree:
-    """A chain of ``root`` and ``guesses``, labelled as ``filled`` labels its guesses."""
-    tree = TokenTree.rooted_at(root)
-    if guesses:
-        tree.add_path(0, guesses, source="fill")
-    return tree
 
 
 def _first_path(tree: TokenTree, node: int) -> list[int]:
