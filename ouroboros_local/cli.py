@@ -47,10 +47,11 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                                 "(quantized V needs --flash-attn on/auto)")
     g.add_argument("--flash-attn", choices=["off", "on", "auto"], default="off",
                    help="flash attention (default off: bit-reproducible greedy output on CPU)")
-    g.add_argument("--round-size", type=int, default=0, metavar="K",
+    g.add_argument("--round-size", default="auto", metavar="K",
                    help="every round of a drafting method decodes K tokens, a plain step too, a short draft "
                         "filled with guesses: an unchanged shape keeps llama.cpp's graph (on a GPU, its "
-                        "CUDA graph). Default 0: each round takes its draft's size")
+                        "CUDA graph). 0: each round takes its draft's size. Default auto: 4 where the whole "
+                        "target is on a CUDA GPU, else 0")
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="draft while the target decodes a round without a draft (a plain step; with "
                         "--round-size, every round: the last draft's rest as guesses), that round checking "
@@ -108,6 +109,19 @@ def _gpu_layers(value: str) -> int:
     return n
 
 
+def _round_size(value: str, batch_size: int) -> int | None:
+    """--round-size: auto (None: the engine decides), 0, or 2 to --batch-size."""
+    if value == "auto":
+        return None
+    try:
+        size = int(value)
+    except ValueError:
+        size = -1
+    if size != 0 and not 2 <= size <= batch_size:
+        raise ParameterError(f"--round-size must be auto, 0 or 2 to --batch-size ({batch_size}), got {value}")
+    return size
+
+
 def _method_options(args: argparse.Namespace) -> dict[str, Any]:
     """The method options given as flags (a method refuses those it does not have)."""
     return {o.name: getattr(args, f"opt_{o.name}") for o in FLAGGED_OPTIONS
@@ -120,16 +134,14 @@ def _engine_from_args(args: argparse.Namespace):
     for name in ("ctx_size", "batch_size", "seqs"):
         if getattr(args, name) < 1:
             raise ParameterError(f"--{name.replace('_', '-')} must be >= 1")
-    if args.round_size and not 2 <= args.round_size <= args.batch_size:
-        raise ParameterError(f"--round-size must be 0 or 2 to --batch-size ({args.batch_size}), "
-                             f"got {args.round_size}")
+    round_size = _round_size(args.round_size, args.batch_size)
     config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
                           threads=args.threads, flash_attn=args.flash_attn,
                           gpu_layers=_gpu_layers(args.gpu_layers),
                           draft_gpu_layers=_gpu_layers(args.draft_gpu_layers), main_gpu=args.main_gpu,
                           type_k=args.cache_type_k, type_v=args.cache_type_v,
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
-                          learned=args.learned is not False, round_size=args.round_size,
+                          learned=args.learned is not False, round_size=round_size,
                           huge_pages=args.huge_pages,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap])
     if args.threads is not None and args.threads < 0:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
@@ -25,7 +25,7 @@ from .errors import ContextOverflowError, MethodOptionError, ParameterError, Poo
 from .history import History
 from .kv import KVCache
 from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
-from .llama import Context, ContextParams, Model, TextStream, supports_gpu_offload
+from .llama import Context, ContextParams, Model, TextStream, devices, supports_gpu_offload
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
 from .proposers import create_method, method_names
@@ -43,6 +43,22 @@ log = logging.getLogger("ouroboros_local")
 # spent waiting for its logits after llama_decode returned: time the draft's Python can use. A CUDA
 # build on an H200 waited 0.93 of SmolLM2's step; a CPU build computes inside llama_decode (~0).
 ASYNC_WAIT_SHARE = 0.5
+
+# ``EngineConfig.round_size`` left to None: rounds of this size where every layer of the target is on a
+# CUDA device. There a decode of a new shape runs without llama.cpp's CUDA graph (on an H200 a plain step
+# after a larger decode cost 4.2 ms against 1.4), and rounds of 4 beat rounds of their draft's size on
+# seven of eight sets of two models (docs/benchmarks.md, sixth H200 run). Elsewhere a round costs what its
+# tokens do (a CPU: four tokens about three steps), so rounds take their draft's size.
+CUDA_ROUND_SIZE = 4
+
+
+def default_round_size(target: Model, n_batch: int) -> int:
+    """``EngineConfig.round_size`` when left to None: ``CUDA_ROUND_SIZE`` where the whole target is on a
+    CUDA device (the GPU build's graphs) and a batch holds a round, else 0 (each round its draft's size)."""
+    layers = target.n_gpu_layers
+    if layers == 0 or 0 < layers <= target.n_layer or n_batch < CUDA_ROUND_SIZE or not supports_gpu_offload():
+        return 0
+    return CUDA_ROUND_SIZE if any(d.kind == "gpu" and d.name.startswith("CUDA") for d in devices()) else 0
 
 
 @dataclass
@@ -68,8 +84,9 @@ class EngineConfig:
     huge_pages: bool = True       # weights kept on the CPU read into 2 MiB pages (llama/huge_pages.py)
     # every round of a drafting method decodes this many tokens, a plain step too (0: the draft's size):
     # drafts are cut to it and a shorter chain is filled with guesses (``filled``). A decode of an
-    # unchanged shape reuses llama.cpp's graph, and on a CUDA build its CUDA graph (docs/design.md#cost-model)
-    round_size: int = 0
+    # unchanged shape reuses llama.cpp's graph, and on a CUDA build its CUDA graph (docs/design.md#cost-model).
+    # None: ``default_round_size`` (4 where the whole target is on a CUDA device, else 0)
+    round_size: int | None = None
     # draft while the target decodes a plain step (the draft's first level is checked by that step, the
     # rest verified next round): free on a GPU, where llama_decode returns before the decode ends, and a
     # pass more per draft on a CPU, where it does not. None: where plain steps were seen to wait for their
@@ -183,6 +200,8 @@ class Engine:
     def __init__(self, target: Model, draft: Model | None = None, config: EngineConfig | None = None,
                  pair_compatible: bool | None = None, pair_reason: str | None = None):
         self.config = config or EngineConfig()
+        if self.config.round_size is None:
+            self.config = replace(self.config, round_size=default_round_size(target, self.config.n_batch))
         self.target = target
         self.draft = draft
         if draft is not None and pair_compatible is None:
@@ -224,6 +243,11 @@ class Engine:
                              huge_pages=config.huge_pages) if draft_path else None)
         return cls(target_model, draft_model, config, pair_compatible=compatible, pair_reason=reason)
 
+    @property
+    def round_size(self) -> int:
+        """Tokens every round of a drafting method decodes (``EngineConfig.round_size``; 0: its draft's)."""
+        return self.config.round_size or 0
+
     def draft_kv(self) -> KVCache:
         """The draft model's context (created on first use, kept across generations)."""
         if self.draft is None:
@@ -259,7 +283,7 @@ class Engine:
         key = calibration_key(self.target.path, self.calibration_settings())
         with self._lock:   # a cached curve is checked with a few decodes, a stale one re-measured
             curve = cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
-            size = min(self.config.round_size, self.target_ctx.n_batch)
+            size = min(self.round_size, self.target_ctx.n_batch)
             return curve.with_rounds_of(size, measure_round(self.kv, size)) if size > 1 else curve
 
     def draft_cost_model(self, refresh: bool = False) -> CostModel | None:
@@ -393,7 +417,7 @@ class Engine:
             raise MethodOptionError(str(exc)) from None
         # calibrates before taking the lock; in rounds of one size every draft up to it costs the same,
         # so a drafter's draft is not priced but verified as proposed (cut to the size)
-        sched = self.scheduler() if chosen.scheduled and self.config.round_size < 2 else None
+        sched = self.scheduler() if chosen.scheduled and self.round_size < 2 else None
         with self._lock:
             run = self._run(tokens, chosen.proposer, sched, max_tokens, sampling, list(stop), is_cancelled)
             saved = False
@@ -417,7 +441,7 @@ class Engine:
         rng = sampling.rng()
         eog = self.target.eog_tokens
         cfg = self.config
-        round_size = cfg.round_size if proposer.name != "vanilla" else 0
+        round_size = self.round_size if proposer.name != "vanilla" else 0
         setup = ProposeSetup(sampling=sampling, rng=rng, max_tree_nodes=self.target_ctx.n_batch - 1,
                              max_branches=self.target_ctx.n_seq_max, eog_tokens=eog,
                              extend_pays=sched.extend_rule() if sched is not None else None,

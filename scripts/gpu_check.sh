@@ -31,11 +31,11 @@
 #                                         $OUT/NAME-runs.tgz (NAME: AB_LABEL, else the set). A run of
 #                                         vanilla and auto takes ~25 s (1.5B) and ~20 s (SmolLM2)
 #   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes
-#                                         (timeout_s ~560): ab qwen15 and ab smol, '' against
-#                                         '--round-size 4' (vanilla and auto, 2 runs each), then while time
-#                                         is left SmolLM2 in rounds of 4 with overlap off and on, and
-#                                         rounds of 4 against 8 (both models); the ab tables and one
-#                                         archive come back (docs/reports/h200-e)
+#                                         (timeout_s ~560): the full comparisons with the peers under the
+#                                         defaults (rounds of 4 on CUDA since the sixth run): bench qwen15,
+#                                         then bench smol, each interrupted at a deadline (BENCH_DEADLINE,
+#                                         epoch seconds: SIGINT, the prompts done are reported) so that the
+#                                         call ends by ~525 s
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -65,6 +65,12 @@
 # -> 1.40x, SmolLM2 gsm8k 0.98x -> 1.20x, humaneval 1.17x -> 1.55x, but SmolLM2 mt_bench 1.01x -> 0.93x:
 # every round drafted in the open. Since 017f0b5 every round of one size drafts while it decodes;
 # `next` now measures that (ab leaves one archive per side-by-side, so nothing is left out).
+# The sixth H200 run (2026-11-27, thirty-ninth session; docs/reports/h200-f): the same 28 folders, all
+# carried at 213 s; the build took 381 s (267-294 s before), so `next` waited ~200 s for it and took 455 s
+# (ab qwen15, ab smol, smol overlap off/on, smol rounds of 4/8; qwen15 4/8 skipped by its guard). Rounds
+# of 4 drafting while they decode: `auto` >= 1.04x on every set of the 1.5B, SmolLM2 1.26x / 0.95x /
+# 1.55x / 1.46x (gsm8k, mt_bench, humaneval, code edits). A last call (177 s, 864 of 900 s in all) ran
+# two full benches under `timeout`: both killed, nothing reported; hence BENCH_DEADLINE's SIGINT.
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
@@ -202,8 +208,12 @@ bench_set() {
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl" ;;
     *) echo "unknown bench set $1 (smol, qwen05, qwen15)"; exit 2 ;;
   esac
-  $PY -m ouroboros_local bench "$@" "${EXTRA[@]}" --gpu-layers "${GPU_LAYERS:-all}" --llama-cpp-bin "$bin" \
-    --limit "${LIMIT:-10}" -n "${TOKENS:-128}" --no-progress --out "$OUT/$NAME"
+  # BENCH_DEADLINE (epoch seconds): interrupt the bench then (SIGINT, as Ctrl-C: it reports the prompts
+  # it finished), so that a call ends inside its time limit with something to bring back
+  local until=()
+  [ -n "${BENCH_DEADLINE:-}" ] && until=(timeout -s INT -k 30 "$((BENCH_DEADLINE - $(date +%s)))")
+  "${until[@]}" $PY -m ouroboros_local bench "$@" "${EXTRA[@]}" --gpu-layers "${GPU_LAYERS:-all}" \
+    --llama-cpp-bin "$bin" --limit "${LIMIT:-10}" -n "${TOKENS:-128}" --no-progress --out "$OUT/$NAME"
 }
 
 case "${1:-}" in
@@ -271,20 +281,13 @@ case "${1:-}" in
     rm -f "$OUT"/"$AB"-[ab][0-9]*.log
     ;;
   next)
-    # After the stashes, one call (timeout_s ~560) of what docs/reports/h200-e left to measure: rounds of
-    # one size (--round-size 4) against the default, side by side on each model, now that a round without
-    # a draft decodes while the next draft is made (68ef62a); then, while time is left (each guarded to
-    # end by ~500 s), SmolLM2 in rounds of 4 with that off and on, and rounds of 4 against rounds of 8.
-    # Each ab leaves NAME-ab.md; the runs' archives are packed into one at the end (runs.tgz).
-    "$0" ab qwen15 2 '' '--round-size 4' --methods vanilla,auto --peers ''
-    "$0" ab smol 2 '' '--round-size 4' --methods vanilla,auto --peers ''
-    [ "$SECONDS" -lt 450 ] && AB_LABEL=smol-overlap "$0" ab smol 1 '--round-size 4 --overlap off' \
-      '--round-size 4' --methods vanilla,auto --peers ''
-    [ "$SECONDS" -lt 450 ] && AB_LABEL=smol-k8 "$0" ab smol 1 '--round-size 4' '--round-size 8' \
-      --methods vanilla,auto --peers ''
-    [ "$SECONDS" -lt 440 ] && AB_LABEL=qwen15-k8 "$0" ab qwen15 1 '--round-size 4' '--round-size 8' \
-      --methods vanilla,auto --peers ''
-    tar cf "$OUT/runs.tar" -C "$OUT" $(cd "$OUT" && ls ./*-runs.tgz) && rm -f "$OUT"/*-runs.tgz
+    # After the stashes, one call (timeout_s ~560) of what docs/reports/h200-f left to measure: since
+    # then rounds of 4 are the default where the whole target is on a CUDA GPU, so the full comparisons
+    # with the peers (never measured in rounds of 4: twice lost to the call's limit) run with the
+    # defaults, the 1.5B first. Each bench is interrupted at its deadline (the prompts done are kept).
+    end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
+    BENCH_DEADLINE=$((end - 75)) LABEL=q15 "$0" bench qwen15
+    BENCH_DEADLINE=$end LABEL=smol "$0" bench smol
     ls "$OUT"
     ;;
   test)

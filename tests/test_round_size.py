@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ouroboros_local.calibration import CostModel
-from ouroboros_local.engine import Engine, filled
+from ouroboros_local.engine import CUDA_ROUND_SIZE, Engine, default_round_size, filled
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.scheduler import Scheduler
@@ -95,8 +95,44 @@ def test_the_engine_prices_rounds_of_its_size(tiny_target) -> None:
 def test_round_size_is_checked_before_anything_loads(capsys) -> None:
     from ouroboros_local.cli import main
 
-    assert main(["generate", "-m", "no-such-model.gguf", "--round-size", "1", "-p", "hi"]) != 0
-    assert "--round-size must be 0 or 2" in capsys.readouterr().err
+    for bad in ("1", "four", "65"):   # 65: more than --batch-size's 64
+        assert main(["generate", "-m", "no-such-model.gguf", "--round-size", bad, "-b", "64", "-p", "hi"]) != 0
+        assert "--round-size must be auto, 0 or 2 to --batch-size (64)" in capsys.readouterr().err
+
+
+class _Target:
+    """What ``default_round_size`` reads of a model."""
+
+    def __init__(self, n_gpu_layers: int, n_layer: int = 24):
+        self.n_gpu_layers, self.n_layer = n_gpu_layers, n_layer
+
+
+@pytest.mark.parametrize("layers, device, n_batch, expected", [
+    (-1, "CUDA0", 512, CUDA_ROUND_SIZE),   # every layer on a CUDA GPU: its graphs want one shape
+    (25, "CUDA0", 512, CUDA_ROUND_SIZE),   # 24 layers and the output layer
+    (24, "CUDA0", 512, 0),                 # the output layer on the CPU: rounds cost what their tokens do
+    (0, "CUDA0", 512, 0),
+    (-1, "Metal", 512, 0),                 # no CUDA graphs: measured only on CUDA
+    (-1, "CUDA0", 2, 0),                   # a batch smaller than a round
+])
+def test_rounds_of_one_size_are_the_default_where_the_whole_target_is_on_a_cuda_gpu(
+        monkeypatch, layers: int, device: str, n_batch: int, expected: int) -> None:
+    import ouroboros_local.engine as engine_module
+    from ouroboros_local.llama import Device
+
+    monkeypatch.setattr(engine_module, "supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(engine_module, "devices", lambda: [Device(device, "a GPU", "gpu", 1, 2),
+                                                           Device("CPU", "a CPU", "cpu", 1, 2)])
+    assert default_round_size(_Target(layers), n_batch) == expected
+
+
+def test_an_engine_left_to_decide_runs_rounds_of_their_drafts_size_on_a_cpu(tiny_target) -> None:
+    """CI's CPU build: the default leaves each round its draft's size, and says so in the config the
+    bench reports; a size given by hand stays."""
+    with tiny_engine(tiny_target) as engine:
+        assert engine.config.round_size == 0 and engine.round_size == 0
+    with tiny_engine(tiny_target, round_size=4) as engine:
+        assert engine.config.round_size == 4
 
 
 def test_in_rounds_of_one_size_auto_asks_its_free_drafters_unpriced(round_engine: Engine, monkeypatch) -> None:
