@@ -210,8 +210,12 @@ bench_set() {
   esac
   # BENCH_DEADLINE (epoch seconds): interrupt the bench then (SIGINT, as Ctrl-C: it reports the prompts
   # it finished), so that a call ends inside its time limit with something to bring back
-  local until=()
-  [ -n "${BENCH_DEADLINE:-}" ] && until=(timeout -s INT -k 30 "$((BENCH_DEADLINE - $(date +%s)))")
+  local until=() left
+  if [ -n "${BENCH_DEADLINE:-}" ]; then
+    left=$((BENCH_DEADLINE - $(date +%s)))
+    [ "$left" -gt 5 ] || { echo "bench $NAME: no time left before BENCH_DEADLINE"; return 1; }
+    until=(timeout -s INT -k 30 "$left")
+  fi
   "${until[@]}" $PY -m ouroboros_local bench "$@" "${EXTRA[@]}" --gpu-layers "${GPU_LAYERS:-all}" \
     --llama-cpp-bin "$bin" --limit "${LIMIT:-10}" -n "${TOKENS:-128}" --no-progress --out "$OUT/$NAME"
 }
