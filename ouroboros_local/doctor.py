@@ -30,6 +30,17 @@ def load_lines() -> list[str]:
             "small model runs ~35% slower on a quiet 2-core CPU)"]
 
 
+def rounds_line(cuda: bool) -> str:
+    """How many tokens a round decodes by default here (``EngineConfig.round_size``)."""
+    from .engine import CUDA_ROUND_SIZE
+
+    if cuda:
+        return (f"rounds: {CUDA_ROUND_SIZE} tokens each by default where every layer of the target is on the CUDA "
+                "GPU (one batch shape keeps llama.cpp's CUDA graph); --round-size 0: each round its draft's size")
+    return ("rounds: each its draft's size by default (rounds of one size pay on CUDA GPUs, whose graphs a new "
+            "batch shape rebuilds; --round-size K sets one)")
+
+
 def huge_pages_line() -> str:
     """Whether weights kept on the CPU go into 2 MiB pages (llama/huge_pages.py)."""
     from .llama import huge_pages
@@ -47,6 +58,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from . import __version__
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
+    from .engine import has_cuda_gpu
     from .gguf_file import validate_gguf
     from .llama import Model, devices, huge_pages, supports_gpu_offload, system_info
     from .pairs import check_pair
@@ -61,6 +73,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         memory = (f", {dev.memory_free / 2**30:.1f} of {dev.memory_total / 2**30:.1f} GiB free"
                   if dev.memory_total else "")
         print(f"device {i}: {dev.name} ({dev.kind}: {dev.description}{memory})")
+    print(rounds_line(gpu and has_cuda_gpu(found)))
     for line in load_lines():
         print(line)
     print(huge_pages_line())

@@ -25,7 +25,7 @@ from .errors import ContextOverflowError, MethodOptionError, ParameterError, Poo
 from .history import History
 from .kv import KVCache
 from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
-from .llama import Context, ContextParams, Model, TextStream, devices, supports_gpu_offload
+from .llama import Context, ContextParams, Device, Model, TextStream, devices, supports_gpu_offload
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
 from .proposers import create_method, method_names
@@ -52,13 +52,18 @@ ASYNC_WAIT_SHARE = 0.5
 CUDA_ROUND_SIZE = 4
 
 
+def has_cuda_gpu(found: Sequence[Device]) -> bool:
+    """Is one of llama.cpp's devices a CUDA GPU (a build that replays CUDA graphs)?"""
+    return any(d.kind == "gpu" and d.name.startswith("CUDA") for d in found)
+
+
 def default_round_size(target: Model, n_batch: int) -> int:
     """``EngineConfig.round_size`` when left to None: ``CUDA_ROUND_SIZE`` where the whole target is on a
     CUDA device (the GPU build's graphs) and a batch holds a round, else 0 (each round its draft's size)."""
     layers = target.n_gpu_layers
     if layers == 0 or 0 < layers <= target.n_layer or n_batch < CUDA_ROUND_SIZE or not supports_gpu_offload():
         return 0
-    return CUDA_ROUND_SIZE if any(d.kind == "gpu" and d.name.startswith("CUDA") for d in devices()) else 0
+    return CUDA_ROUND_SIZE if has_cuda_gpu(devices()) else 0
 
 
 @dataclass

@@ -152,6 +152,17 @@ def test_doctor_reports_the_load_and_the_thread_choice(monkeypatch) -> None:
     assert lines[2].startswith("OpenMP waiting: OMP_WAIT_POLICY=")
 
 
+def test_doctor_says_how_many_tokens_a_round_decodes(tiny_target, capsys) -> None:
+    """On this CPU build: each round its draft's size (rounds of one size are a CUDA GPU's default)."""
+    from ouroboros_local import cli, doctor
+    from ouroboros_local.engine import CUDA_ROUND_SIZE
+
+    assert cli.main(["doctor", "-m", str(tiny_target)]) == 0
+    out = capsys.readouterr().out
+    assert "\nrounds: each its draft's size by default" in out and "\ndevice 0: CPU" in out
+    assert doctor.rounds_line(True).startswith(f"rounds: {CUDA_ROUND_SIZE} tokens each by default")
+
+
 def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monkeypatch, capsys) -> None:
     """-t above the usable cores runs (llama.cpp allows it) but says why it may crawl: on 2 cores,
     -t 64 decoded SmolLM2 at 4 tok/s against 160; a negative count is a parameter error (status 2)."""
