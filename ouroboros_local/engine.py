@@ -421,8 +421,11 @@ class Engine:
                 raise
             raise MethodOptionError(str(exc)) from None
         # calibrates before taking the lock; in rounds of one size every draft up to it costs the same,
-        # so a drafter's draft is not priced but verified as proposed (cut to the size)
-        sched = self.scheduler() if chosen.scheduled and self.round_size < 2 else None
+        # so a copy's draft is not priced but verified as proposed (cut to the size); a draft model's
+        # steps still cost their time, so its drafts are priced against rounds of that size (unpriced,
+        # `speculative` drafted with the 0.5B every round, however little it kept)
+        priced = chosen.scheduled and (self.round_size < 2 or not chosen.proposer.free_drafts)
+        sched = self.scheduler() if priced else None
         with self._lock:
             run = self._run(tokens, chosen.proposer, sched, max_tokens, sampling, list(stop), is_cancelled)
             saved = False

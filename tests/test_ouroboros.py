@@ -415,17 +415,20 @@ def test_method_option_adaptive_false_runs_the_fixed_hyperparameters(tiny_target
         engine.close()
 
 
-def test_a_draft_that_cannot_pay_even_when_always_right_never_decodes(tiny_target, tiny_draft) -> None:
+@pytest.mark.parametrize("round_size", [0, 4])
+def test_a_draft_that_cannot_pay_even_when_always_right_never_decodes(tiny_target, tiny_draft, round_size) -> None:
     """With this machine's measured curves planted (the 0.5B draft's step costs 0.57 of the 1.5B target's,
     verifying 4 tokens 2.7 steps), the draft model is retired before it drafts: auto, speculative and
     ouroboros never decode on it, say so in the stats, and give plain decoding's text. (Ouroboros's
-    floor: a forward over its 7-token window commits at most 5 tokens, 0.51 target steps a token.)"""
+    floor: a forward over its 7-token window commits at most 5 tokens, 0.51 target steps a token.) In
+    rounds of one size too (a CUDA GPU's default), where a copy's drafts go unpriced but a draft model's
+    steps still cost their time."""
     from ouroboros_local.calibration import CostModel
     from ouroboros_local.scheduler import MIN_GAIN, Scheduler
 
     target = CostModel(sizes=[1, 2, 3, 4, 6, 8, 16], seconds=[0.035, 0.058, 0.078, 0.097, 0.144, 0.235, 0.30])
     draft = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[0.020, 0.037, 0.049, 0.089, 0.123])
-    engine = make_engine(tiny_target, tiny_draft, adaptive=True)
+    engine = make_engine(tiny_target, tiny_draft, adaptive=True, round_size=round_size)
     try:
         engine._scheduler = Scheduler(target, draft_costs=draft)
         engine._scheduler.observe_round = lambda n_tokens, seconds: None   # tiny models' times aside
