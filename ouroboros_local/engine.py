@@ -519,7 +519,8 @@ class Engine:
                 if self.check_kv:
                     self.kv.check()
                 stats.drafted += step.drafted
-                stats.accepted += len(result.accepted)   # a token a plain step checked is that pass's own
+                # a token a plain step checked is that pass's own; a round of one size may pass the budget
+                stats.accepted += min(len(result.accepted), max_tokens - len(out.tokens))
                 committed.extend(result.tokens)
                 event = out.take(result.tokens)
                 if sched is not None and seen is not None:
@@ -572,7 +573,7 @@ class Engine:
         the round wrote judges the draft, ``draft_budget`` tokens deep, and its tokens past that are the
         next round's guesses (``_Round.guesses``)."""
         root = TokenTree.rooted_at(committed[-1])
-        tree = filled(root, min(round_size, budget + 1), committed, guesses) if round_size > 1 else root
+        tree = filled(root, self._round_tokens(round_size, room), committed, guesses) if round_size > 1 else root
         draft: TokenTree | None = None
         t0 = time.perf_counter()
 
@@ -623,7 +624,7 @@ class Engine:
             proposed, drafted = tree, tree.n_candidates
         tree = proposed
         if round_size > 1 and not context_full:
-            tree = filled(proposed, min(round_size, budget + 1), committed)
+            tree = filled(proposed, self._round_tokens(round_size, room), committed)
         t0 = time.perf_counter()
         result = self._verify(tree, sampling, rng)
         seconds = time.perf_counter() - t0
@@ -632,6 +633,12 @@ class Engine:
             seen = joined(whole, node, seen)
         return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full,
                       propose_seconds=t0 - t_start, plain=is_plain_step(proposed))
+
+    def _round_tokens(self, round_size: int, room: int) -> int:
+        """What a round of one size decodes: ``round_size`` tokens, the last rounds of an answer too
+        (what passes the token budget is cut from the answer; a smaller round would make llama.cpp
+        build a graph, on a GPU without its CUDA graph: ~2 steps), unless the context or a batch is full."""
+        return min(round_size, room, self.target_ctx.n_batch)
 
     def _overlaps(self, proposer: Proposer) -> bool:
         """Does this generation draft while a round without a draft decodes (``EngineConfig.overlap``)?

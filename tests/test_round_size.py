@@ -50,6 +50,19 @@ def test_rounds_of_one_size_reuse_the_graph(tiny_target) -> None:
     assert rebuilt[4][0] < rebuilt[0][0]
 
 
+@pytest.mark.parametrize("max_tokens", [47, 50])
+def test_the_last_rounds_of_an_answer_keep_the_size(tiny_target, max_tokens: int) -> None:
+    """A budget that ends inside a round does not shorten it (a new shape rebuilds the graph, on a GPU
+    ~2 steps): what passes the budget is cut from the answer, which stays vanilla's."""
+    with tiny_engine(tiny_target, round_size=4) as engine:
+        engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup")   # the first request's graphs
+        base = engine.generate(PROMPTS[0] * 3, max_tokens=max_tokens, method="vanilla")
+        res = engine.generate(PROMPTS[0] * 3, max_tokens=max_tokens, method="prompt-lookup",
+                              options={"max_ngram": 3})
+    assert res.tokens == base.tokens and len(res.tokens) == max_tokens
+    assert res.stats.extra["graphs_rebuilt"] <= 1 and res.stats.accepted < max_tokens
+
+
 def test_the_time_split_counts_filled_rounds_without_a_draft_as_plain(round_engine: Engine) -> None:
     """A round filled with guesses but no draft is a plain step of four tokens, and a one-token step
     follows a larger decode only where the token budget shortens the request's last rounds."""
