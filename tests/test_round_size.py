@@ -64,14 +64,12 @@ def test_the_last_rounds_of_an_answer_keep_the_size(tiny_target, max_tokens: int
 
 
 def test_the_time_split_counts_filled_rounds_without_a_draft_as_plain(round_engine: Engine) -> None:
-    """A round filled with guesses but no draft is a plain step of four tokens, and a one-token step
-    follows a larger decode only where the token budget shortens the request's last rounds."""
-    from ouroboros_local.calibration import SWITCH_STEPS
-
-    res = round_engine.generate(PROMPTS[0] * 3, max_tokens=48, method="prompt-lookup", options={"max_ngram": 3})
+    """A round filled with guesses but no draft is a plain step of four tokens, and no one-token step
+    follows a larger decode (the last rounds of an answer keep the size too)."""
+    res = round_engine.generate(PROMPTS[0] * 3, max_tokens=47, method="prompt-lookup", options={"max_ngram": 3})
     split = res.stats.extra["time_split"]
     assert split["drafted"][0] >= 1 and split["plain"][0] >= 1 and split["carried"][0] == 0
-    assert split["after_draft"][0] <= SWITCH_STEPS
+    assert split["after_draft"][0] == 0
     assert split["plain"][0] + split["drafted"][0] + split["after_draft"][0] == res.stats.target_passes
 
 
