@@ -79,3 +79,16 @@ def test_gpu_and_cpu_agree_on_plain_decoding(tiny_target) -> None:
         got = gpu.generate(PROMPT, max_tokens=32, method="vanilla").tokens
         report = compare_greedy(gpu, gpu.prompt_tokens(PROMPT), want, got)
         assert report.ok, report
+
+
+@pytest.mark.skipif(not GPU, reason="llama.cpp has no GPU backend in this build")
+def test_a_target_wholly_on_a_cuda_gpu_decodes_rounds_of_one_size(tiny_target) -> None:
+    """The default where the whole target is on a CUDA GPU: rounds of CUDA_ROUND_SIZE; on another GPU, or
+    with a layer left on the CPU, each round its draft's size."""
+    from ouroboros_local.engine import CUDA_ROUND_SIZE, has_cuda_gpu
+    from ouroboros_local.llama import devices
+
+    with engine_with(tiny_target, None, -1, 0) as gpu:
+        assert gpu.config.round_size == (CUDA_ROUND_SIZE if has_cuda_gpu(devices()) else 0)
+    with engine_with(tiny_target, None, 1, 0) as split:
+        assert split.config.round_size == 0
