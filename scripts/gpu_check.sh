@@ -204,7 +204,7 @@ bench_set() {
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl,$S/mt_bench.jsonl" ;;
     qwen15)  # the default target with its same-family draft, against llama.cpp's draft and n-gram modes
       set -- -m "$MODELS/qwen2.5-coder-1.5b-instruct.gguf" -d "$MODELS/qwen2.5-coder-0.5b-instruct.gguf" \
-        --methods vanilla,prompt-lookup,speculative,ouroboros,auto \
+        --methods vanilla,prompt-lookup,speculative,pearl,ouroboros,auto \
         --peers llama.cpp:draft-simple,llama.cpp:ngram-mod \
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl" ;;
     *) echo "unknown bench set $1 (smol, qwen05, qwen15)"; exit 2 ;;
@@ -290,7 +290,9 @@ case "${1:-}" in
     # then rounds of 4 are the default where the whole target is on a CUDA GPU, so the full comparisons
     # with the peers (never measured in rounds of 4: twice lost to the call's limit) run with the
     # defaults, the 1.5B first. Each bench is interrupted at its deadline (the prompts done are kept).
-    # Then, with what is left, flash attention on SmolLM2 in rounds of 4: the reading of ggml-cuda
+    # The 1.5B's set includes pearl: its draft model decodes in a thread while the target verifies,
+    # which on a GPU (two contexts, two streams) is the one way a draft costing 2/3 of a target step
+    # could pay. Then, with what is left, flash attention on SmolLM2 in rounds of 4: the reading of ggml-cuda
     # finds one CUDA graph per context, kept only while the shape holds, but not why a round of 4 cost
     # SmolLM2 1.33 steps; one fused attention kernel may change that (peers follow --flash-attn too).
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
