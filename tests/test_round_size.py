@@ -178,3 +178,18 @@ def test_a_branching_free_draft_gives_its_first_path() -> None:
     plain = TokenTree.rooted_at(0)
     plain.add_path(0, [5, 6])
     assert _first_chain(plain) is plain
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("method", ["speculative", "ouroboros"])
+def test_priced_draft_models_in_rounds_of_one_size_stay_lossless(tiny_target, tiny_draft, overlap: bool,
+                                                                 method: str) -> None:
+    """A draft model priced by the scheduler in rounds of one size (a CUDA GPU's default), beside a
+    GPU-like flat curve so that it drafts: drafted while the round decodes (overlap) or before it."""
+    draft = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[0.020, 0.037, 0.049, 0.089, 0.123])
+    with tiny_engine(tiny_target, tiny_draft, round_size=4, adaptive=True, overlap=overlap) as engine:
+        engine._scheduler = Scheduler(CostModel(sizes=[1, 16], seconds=[0.035, 0.04]).with_rounds_of(4, 0.035),
+                                      draft_costs=draft)
+        engine._scheduler.observe_round = lambda n_tokens, seconds: None   # tiny models' times aside
+        res = assert_greedy_equals_vanilla(engine, PROMPTS, method, max_tokens=40)
+    assert res.stats.drafted > 0
