@@ -464,6 +464,7 @@ class Engine:
         out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)
         reused_before, decodes_before = self.target_ctx.graphs_reused(), self.target_ctx.decodes
+        draft_before = _graph_counts(self._draft_ctx)
 
         t0 = time.perf_counter()
         try:
@@ -554,6 +555,10 @@ class Engine:
         stats.extra["time_split"] = split.to_dict(stats.decode_seconds)
         stats.extra["graphs_rebuilt"] = ((self.target_ctx.decodes - decodes_before)
                                          - (self.target_ctx.graphs_reused() - reused_before))
+        draft_after = _graph_counts(self._draft_ctx)
+        if draft_after[0] > draft_before[0]:   # the draft model decoded: its own graphs, [decodes, rebuilt]
+            decodes, reused = (a - b for a, b in zip(draft_after, draft_before))
+            stats.extra["draft_graphs"] = [decodes, decodes - reused]
         _add_python_time(stats, llama_decode_clock() - llama_at_t1)
         stats.tokens = len(out.tokens)
         stats.finish_reason = out.finish or "length"
@@ -810,6 +815,13 @@ def _as_proposed(result: VerifyResult, proposed: TokenTree) -> VerifyResult:
     return VerifyResult(tree=proposed, path=result.path[:kept + 1], accepted=result.accepted[:kept],
                         bonus=result.tokens[kept], predictions=result.predictions,
                         accepted_by_source={k: v for k, v in result.accepted_by_source.items() if k != "fill"})
+
+
+def _graph_counts(ctx: Context | None) -> tuple[int, int]:
+    """A context's decodes and those that reused the previous decode's graph ((0, 0) before it exists):
+    a draft model alternating catch-up batches and one-token steps rebuilds it, on a CUDA build losing
+    its CUDA graph, as the target does on a change of round size."""
+    return (ctx.decodes, ctx.graphs_reused()) if ctx is not None else (0, 0)
 
 
 def _add_python_time(stats: GenerationStats, llama_seconds: float) -> None:

@@ -442,6 +442,7 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
         assert "llama.cpp:lookup" in data["skipped"]          # no binaries in tmp_path
     md = (out / "results.md").read_text()
     assert "| vanilla |" in md and "MISMATCH" in md and "## Outputs that differ from vanilla" in md
+    assert summary["vanilla"]["draft_graphs"] is None          # no draft model decoded
     assert "| vanilla |" in capsys.readouterr().out
     # a results.json re-rendered by a newer report module: same summary, same table
     (out / "results.md").unlink()
@@ -458,6 +459,20 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     except ImportError:
         return
     assert (out / "speedup.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
+
+
+def test_the_report_pools_the_draft_models_graphs() -> None:
+    """extra.draft_graphs ([decodes, new graphs]) pooled per set and method, and a table of them where a
+    draft model decoded (none where none did)."""
+    records = [{"extra": {"draft_graphs": [45, 18]}}, {"extra": {"draft_graphs": [5, 2]}}, {"extra": {}}]
+    assert report.draft_graphs(records) == [50, 20] and report.draft_graphs(records[2:]) is None
+    summary = {"gsm8k": {"speculative": {"label": "speculative", "draft_graphs": [50, 20]},
+                         "vanilla": {"label": "vanilla", "draft_graphs": None}},
+               report.ALL_SETS: {"speculative": {"label": "speculative", "draft_graphs": [50, 20]}}}
+    lines = report._draft_graph_lines(summary)
+    assert lines[0] == "## The draft model's graphs" and "| gsm8k | speculative | 50 | 20 (40%) |" in lines
+    assert not any("vanilla" in line or line.startswith("| all") for line in lines)
+    assert report._draft_graph_lines({"gsm8k": {"vanilla": {"label": "vanilla", "draft_graphs": None}}}) == []
 
 
 def test_tolerance_margin_tie_flip(tiny_target: Path) -> None:

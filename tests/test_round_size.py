@@ -193,3 +193,15 @@ def test_priced_draft_models_in_rounds_of_one_size_stay_lossless(tiny_target, ti
         engine._scheduler.observe_round = lambda n_tokens, seconds: None   # tiny models' times aside
         res = assert_greedy_equals_vanilla(engine, PROMPTS, method, max_tokens=40)
     assert res.stats.drafted > 0
+
+
+def test_a_generation_counts_the_draft_models_graph_rebuilds(tiny_target, tiny_draft) -> None:
+    """The draft model's context alternates catch-up batches and one-token steps, and each change of
+    shape rebuilds its graph (on a CUDA build: a decode without its CUDA graph): counted per generation
+    as [decodes, rebuilt], absent where no draft model decoded."""
+    with tiny_engine(tiny_target, tiny_draft) as engine:
+        plain = engine.generate(PROMPTS[0], max_tokens=24, method="vanilla")
+        res = engine.generate(PROMPTS[0], max_tokens=24, method="speculative", options={"gamma": 4})
+    decodes, rebuilt = res.stats.extra["draft_graphs"]
+    assert decodes >= res.stats.extra["draft_steps"] > 0 and 0 < rebuilt < decodes
+    assert "draft_graphs" not in plain.stats.extra

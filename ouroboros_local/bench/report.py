@@ -24,7 +24,7 @@ SUMMARY_KEYS = ("label", "kind", "method", "prompts", "errors", "tokens", "timed
                 "speedup", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes", "drafted",
                 "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
                 "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs", "speedup_ci",
-                "python_ms_per_round", "graph_rebuilds_per_100_passes", "time_split")
+                "python_ms_per_round", "graph_rebuilds_per_100_passes", "time_split", "draft_graphs")
 
 CI_LEVEL = 0.90          # speedup_ci: a paired bootstrap interval over the set's prompts
 CI_RESAMPLES = 2000
@@ -101,6 +101,13 @@ def graph_rebuilds_per_100_passes(records: Sequence[Mapping[str, Any]]) -> float
     return 100.0 * sum(r["extra"]["graphs_rebuilt"] for r in counted) / passes if passes else None
 
 
+def draft_graphs(records: Sequence[Mapping[str, Any]]) -> list[int] | None:
+    """The draft model's decodes and those that built a new graph (extra.draft_graphs), pooled; None
+    where no draft model decoded."""
+    counted = [r["extra"]["draft_graphs"] for r in records if (r.get("extra") or {}).get("draft_graphs")]
+    return [sum(c[0] for c in counted), sum(c[1] for c in counted)] if counted else None
+
+
 def time_split_per_100_tokens(records: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, float]] | None:
     """Our methods' extra.time_split pooled over prompts: {part: {"ms": milliseconds per 100 timed
     tokens, "rounds": rounds per 100 timed tokens}} (parts as in time_split.PARTS); None for peers."""
@@ -162,6 +169,7 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
             s["python_ms_per_round"] = python_ms_per_round(ok)
             s["graph_rebuilds_per_100_passes"] = graph_rebuilds_per_100_passes(ok)
             s["time_split"] = time_split_per_100_tokens(ok)
+            s["draft_graphs"] = draft_graphs(ok)
             pairs = [_speed_pair(r, ref_runs[(r["set"], r["id"])]) for r in ok if (r["set"], r["id"]) in ref_runs]
             s["speedup_ci"] = bootstrap_speedup([p for p in pairs if p]) if label != reference else None
             compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
@@ -304,6 +312,7 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                          f"{_f(s.get('graph_rebuilds_per_100_passes'), '{:.1f}')} |")
         lines.append("")
     lines += _time_split_lines(payload.get("summary") or {})
+    lines += _draft_graph_lines(payload.get("summary") or {})
     mism = payload.get("mismatches") or []
     if mism:
         lines += ["## Outputs that differ from vanilla", "",
@@ -355,6 +364,24 @@ def _time_split_lines(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) ->
                                            else "") for p in PARTS]
         total = sum(split[p]["ms"] for p in PARTS)
         lines.append(f"| {set_name} | {s['label']} | " + " | ".join(cells) + f" | {total:.1f} |")
+    lines.append("")
+    return lines
+
+
+def _draft_graph_lines(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) -> list[str]:
+    """Per set and method that decoded with a draft model: its decodes and the share that built a new
+    graph (a catch-up batch after one-token steps, or the step after it)."""
+    rows = [(set_name, s) for set_name, by_label in summary.items() for s in by_label.values()
+            if s.get("draft_graphs") and set_name != ALL_SETS]
+    if not rows:
+        return []
+    lines = ["## The draft model's graphs", "",
+             "Decodes of the draft model and those for which llama.cpp built a new graph (a change of batch "
+             "shape; on a CUDA build, a decode without its CUDA graph).", "",
+             "| set | method | draft decodes | new graph |", "|---|---|---:|---:|"]
+    for set_name, s in rows:
+        decodes, rebuilt = s["draft_graphs"]
+        lines.append(f"| {set_name} | {s['label']} | {decodes} | {rebuilt} ({100.0 * rebuilt / decodes:.0f}%) |")
     lines.append("")
     return lines
 
