@@ -63,7 +63,12 @@ def default_round_size(target: Model, n_batch: int) -> int:
     layers = target.n_gpu_layers
     if layers == 0 or 0 < layers <= target.n_layer or n_batch < CUDA_ROUND_SIZE or not supports_gpu_offload():
         return 0
-    return CUDA_ROUND_SIZE if has_cuda_gpu(devices()) else 0
+    try:
+        found = devices()
+    except (ImportError, AttributeError, OSError) as exc:   # a llama_cpp without ggml's device API
+        log.debug("llama.cpp's devices unknown (%s): rounds take their draft's size", exc)
+        return 0
+    return CUDA_ROUND_SIZE if has_cuda_gpu(found) else 0
 
 
 @dataclass

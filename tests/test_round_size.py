@@ -137,6 +137,17 @@ def test_rounds_of_one_size_are_the_default_where_the_whole_target_is_on_a_cuda_
     assert default_round_size(_Target(layers), n_batch) == expected
 
 
+def test_devices_that_cannot_be_listed_leave_rounds_their_drafts_size(monkeypatch) -> None:
+    import ouroboros_local.engine as engine_module
+
+    def no_device_api():
+        raise AttributeError("libggml has no ggml_backend_dev_count")
+
+    monkeypatch.setattr(engine_module, "supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(engine_module, "devices", no_device_api)
+    assert default_round_size(_Target(-1), 512) == 0
+
+
 def test_an_engine_left_to_decide_runs_rounds_of_their_drafts_size_on_a_cpu(tiny_target) -> None:
     """CI's CPU build: the default leaves each round its draft's size, and says so in the config the
     bench reports; a size given by hand stays."""
