@@ -468,8 +468,7 @@ class Engine:
             sched.enroll(proposer)
         out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)
-        reused_before, decodes_before = self.target_ctx.graphs_reused(), self.target_ctx.decodes
-        draft_before = _graph_counts(self._draft_ctx)
+        target_before, draft_before = _graph_counts(self.target_ctx), _graph_counts(self._draft_ctx)
 
         t0 = time.perf_counter()
         try:
@@ -508,7 +507,7 @@ class Engine:
                     draft_budget = min(draft_budget, 2 * round_size - 1)   # this round's guesses and the next's
                 was_carried = carried is not None
                 if ahead:
-                    step = self._step_ahead(proposer, sched, committed, budget, room, sampling, rng, observe_later,
+                    step = self._step_ahead(proposer, sched, committed, room, sampling, rng, observe_later,
                                             round_size, draft_budget, guesses)
                     observe_later = None
                     ahead_drafts += step.drafted > 0
@@ -558,12 +557,10 @@ class Engine:
         text_tail = out.flush()
         stats.decode_seconds = time.perf_counter() - t1
         stats.extra["time_split"] = split.to_dict(stats.decode_seconds)
-        stats.extra["graphs_rebuilt"] = ((self.target_ctx.decodes - decodes_before)
-                                         - (self.target_ctx.graphs_reused() - reused_before))
-        draft_after = _graph_counts(self._draft_ctx)
-        if draft_after[0] > draft_before[0]:   # the draft model decoded: its own graphs, [decodes, rebuilt]
-            decodes, reused = (a - b for a, b in zip(draft_after, draft_before))
-            stats.extra["draft_graphs"] = [decodes, decodes - reused]
+        stats.extra["graphs_rebuilt"] = _graphs_built(self.target_ctx, target_before)[1]
+        draft_decodes, draft_rebuilt = _graphs_built(self._draft_ctx, draft_before)
+        if draft_decodes:   # the draft model decoded: its own graphs, [decodes, rebuilt]
+            stats.extra["draft_graphs"] = [draft_decodes, draft_rebuilt]
         _add_python_time(stats, llama_decode_clock() - llama_at_t1)
         stats.tokens = len(out.tokens)
         stats.finish_reason = out.finish or "length"
@@ -571,8 +568,8 @@ class Engine:
         final = GenerationResult(text=out.matcher.text, tokens=out.tokens, stats=stats)
         yield StreamEvent(text=text_tail, tokens=[], result=final)
 
-    def _step_ahead(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
-                    room: int, sampling: SamplingParams, rng: np.random.Generator,
+    def _step_ahead(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], room: int,
+                    sampling: SamplingParams, rng: np.random.Generator,
                     observe_last: Callable[[], None] | None, round_size: int, draft_budget: int,
                     guesses: Sequence[int]) -> "_Round":
         """A round without a draft, decoding while the last round is observed (``observe_last``) and the
@@ -823,10 +820,16 @@ def _as_proposed(result: VerifyResult, proposed: TokenTree) -> VerifyResult:
 
 
 def _graph_counts(ctx: Context | None) -> tuple[int, int]:
-    """A context's decodes and those that reused the previous decode's graph ((0, 0) before it exists):
-    a draft model alternating catch-up batches and one-token steps rebuilds it, on a CUDA build losing
-    its CUDA graph, as the target does on a change of round size."""
+    """A context's decodes and those that reused the previous decode's graph ((0, 0) before it exists)."""
     return (ctx.decodes, ctx.graphs_reused()) if ctx is not None else (0, 0)
+
+
+def _graphs_built(ctx: Context | None, before: tuple[int, int]) -> tuple[int, int]:
+    """The decodes since ``before`` (``_graph_counts``) and those that built a new graph: a change of
+    batch shape (the target's round size; a draft model's catch-up batches between one-token steps),
+    on a CUDA build a decode without its CUDA graph."""
+    decodes, reused = (a - b for a, b in zip(_graph_counts(ctx), before))
+    return decodes, decodes - reused
 
 
 def _add_python_time(stats: GenerationStats, llama_seconds: float) -> None:

@@ -224,15 +224,9 @@ def verify_round(tree: TokenTree, decode: Callable[[BatchLayout], np.ndarray], p
     extra_rows = [r for r in lay.extra_rows if r >= 0] if lay.extra_rows else None
     extra_logits = np.array(rows[extra_rows]) if extra_rows else None
     winner = min(s for s in lay.seq_ids[path[-1]] if s < len(lay.leaf_seq)) if lay.n_seqs > 1 else 0
-    by_source: dict[str, int] = {}
-    if tree.sources:
-        for i in path[1:]:
-            source = tree.sources.get(i)
-            if source:
-                by_source[source] = by_source.get(source, 0) + 1
     result = VerifyResult(tree=tree, path=path, accepted=[tree.tokens[i] for i in path[1:]], bonus=int(bonus),
                           predictions=predictions, extra_logits=extra_logits, winner_seq=winner,
-                          accepted_by_source=by_source)
+                          accepted_by_source=_count_sources(tree, path[1:], {}))
     return result, lay
 
 
@@ -291,6 +285,8 @@ def joined(tree: TokenTree, node: int, rest: VerifyResult) -> VerifyResult:
 
 def _count_sources(tree: TokenTree, nodes: Sequence[int], counts: dict[str, int]) -> dict[str, int]:
     """``counts`` plus the accepted ``nodes`` of ``tree`` by the proposer that drafted each."""
+    if not tree.sources:   # most rounds: a plain step, or a drafter that labels nothing
+        return counts
     for i in nodes:
         source = tree.sources.get(i)
         if source:

@@ -292,9 +292,10 @@ case "${1:-}" in
     # defaults, the 1.5B first. Each bench is interrupted at its deadline (the prompts done are kept).
     # The 1.5B's set includes pearl: its draft model decodes in a thread while the target verifies,
     # which on a GPU (two contexts, two streams) is the one way a draft costing 2/3 of a target step
-    # could pay. Then, with what is left, flash attention on SmolLM2 in rounds of 4: the reading of ggml-cuda
-    # finds one CUDA graph per context, kept only while the shape holds, but not why a round of 4 cost
-    # SmolLM2 1.33 steps; one fused attention kernel may change that (peers follow --flash-attn too).
+    # could pay. Then, with what is left, flash attention on SmolLM2 in rounds of 4: the reading of
+    # ggml-cuda finds one CUDA graph per context, kept only while the shape holds, but not why a round
+    # of 4 cost SmolLM2 1.33 steps; one fused attention kernel may change that (peers follow
+    # --flash-attn too).
     # Last, rounds of 3 against 4: cheaper rounds where drafts are short (SmolLM2's mt_bench, 0.95x).
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
     BENCH_DEADLINE=$((end - 110)) LABEL=q15 "$0" bench qwen15

@@ -16,7 +16,8 @@ frozen the target repeats one token, so copy-based drafts are long and always ac
   decode does: what a round costs in a real run, where each decode streams the model's weights through.
 - ``--idle`` makes the frozen logits predict a new random token every round: text with nothing to copy,
   so copy-based drafters find nothing and their rounds are idle (what gsm8k and mt_bench mostly are).
-- ``--round-size K`` runs every round of a drafting method at K tokens (``EngineConfig.round_size``).
+- ``--round-size K`` runs every round of a drafting method at K tokens (``EngineConfig.round_size``;
+  by default the engine's: 4 where the whole target is on a CUDA GPU, else each its draft's size).
 - ``--overlap`` drafts during rounds without a draft (``EngineConfig.overlap``, a GPU's default); the
   stubbed decode returns at once, so the line adds the time spent drafting and observing then
   (``hidden``), which a GPU's decode would cover.
@@ -126,7 +127,8 @@ def main() -> None:
     ap.add_argument("--chain", type=int, default=0, metavar="N", help="add chain-hit and chain-miss (N tokens)")
     ap.add_argument("--cold", action="store_true", help="evict the CPU caches before every round")
     ap.add_argument("--idle", action="store_true", help="a new random token every round: nothing to copy")
-    ap.add_argument("--round-size", type=int, default=0, metavar="K", help="rounds of K tokens (GPU builds)")
+    ap.add_argument("--round-size", type=int, default=None, metavar="K",
+                    help="rounds of K tokens (default: the engine's, 4 where the whole target is on a CUDA GPU)")
     ap.add_argument("--overlap", action="store_true", help="draft during rounds without a draft")
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="print each method's K costliest functions")
     args = ap.parse_args()
@@ -163,7 +165,7 @@ def main() -> None:
                   f"{stats.tokens / stats.target_passes:.2f} tokens per round, vocabulary {engine.target.n_vocab}"
                   f"{', temperature %g' % args.temperature if args.temperature else ''}"
                   f"{', cold caches' if args.cold else ''}{', idle text' if args.idle else ''}"
-                  f"{', rounds of %d' % args.round_size if args.round_size else ''})"
+                  f"{', rounds of %d' % engine.round_size if engine.round_size else ''})"
                   + (f"; {1e6 * hidden[0] / stats.target_passes:.1f} µs of it hidden" if hidden else ""))
     finally:
         binding.Context.decode = real
