@@ -1354,6 +1354,80 @@ def test_round_costs_are_redrawn_once_a_size_is_measured_or_drifts() -> None:
     assert not sched.round_seconds(4).flags.writeable
 
 
+def test_auto_rounds_skipped_while_every_candidate_is_quiet_change_nothing(monkeypatch) -> None:
+    # ``auto`` asks none of its candidates in rounds foreseen quiet for all of them (``Scheduler.skips``);
+    # counted in bulk, those rounds must leave every decision and counter as asking would have
+    from ouroboros_local.proposers.pick import AutoProposer
+    from ouroboros_local.proposers.base import ProposeSetup
+    from ouroboros_local.sampling import SamplingParams
+
+    class SometimesSure(CopyDraft):
+        def __init__(self, name: str, seed: int) -> None:
+            super().__init__("lo")
+            self.name = name
+            self.rng = np.random.default_rng(seed)
+
+        def propose(self, committed, budget):
+            self.asked += 1
+            if self.rng.random() < 0.2:
+                return labelled_chain([])
+            tree = labelled_chain(["hi" if self.rng.random() < 0.3 else "lo"] * min(budget, 8))
+            self.drafted = (len(committed), tree.tokens[1:])
+            return tree
+
+    def run(skipping: bool) -> tuple[list[tuple], int]:
+        if not skipping:
+            monkeypatch.setattr(Scheduler, "foresee_quiet", lambda self, sources: None)
+        sched = stale_mix()
+        for cls, rounds in (("lo", 300), ("hi", 30)):   # "y" learns the same mix as "x"
+            for _ in range(rounds):
+                tree = labelled_chain([cls])
+                sched.trim("y", tree)
+                sched.update_classes("y", tree, int(cls == "hi"))
+        sched.note_draft("y", 8e-6, 8)
+        asked = 0
+        slow = sched.draft_if_any
+
+        def counted(*args, **kwargs):
+            nonlocal asked
+            asked += 1
+            return slow(*args, **kwargs)
+
+        sched.draft_if_any = counted
+        drafters = [SometimesSure("x", 2), SometimesSure("y", 3)]
+        auto = AutoProposer(sched, drafters)
+        setup = ProposeSetup(sampling=SamplingParams(), rng=np.random.default_rng(0), max_tree_nodes=15,
+                             max_branches=1)
+        rng = np.random.default_rng(1)
+        seen = []
+        for i in range(600):
+            if i % 150 == 0:
+                if i:
+                    auto.end()
+                committed = [0]
+                auto.begin(committed, setup)
+            budget = 3 if i % 150 > 140 else 8
+            tree = auto.propose(committed, budget)
+            if tree.n_candidates:
+                sched.learn(auto._last.name, tree, int(rng.random() < 0.3))
+            # the text scores the held drafts: half the time it copies the last one made while it can
+            start, tokens = max((getattr(d, "drafted", (0, [])) for d in drafters), key=lambda d: d[0])
+            at = len(committed) - start
+            committed.append(tokens[at] if i % 40 < 20 and at < len(tokens) else 7)
+            sched.observe_round(tree.n_candidates + 1, CPU.cost(tree.n_candidates + 1))
+            sched._count_skipped()   # the rounds skipped so far, counted (they are in bulk)
+            seen.append((tree.n_candidates, *(d.asked for d in drafters),
+                         *(sched._idle.get(n, 0) for n in "xy"), *(sched._unlooked.get(n, 0) for n in "xy")))
+        monkeypatch.undo()
+        return seen, asked
+
+    asked_each, asked_before = run(skipping=False)
+    skipped, asked_after = run(skipping=True)
+    assert skipped == asked_each
+    assert sum(1 for n, *_ in asked_each if n) >= 3       # looks or probes did draft
+    assert asked_after < 0.7 * asked_before               # most quiet rounds asked no candidate
+
+
 @pytest.mark.parametrize("looked_at", [True, False])
 def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, looked_at) -> None:
     # ``_plan_quiet`` answers the idle rounds before the next probe, look or refresh at once; the same
@@ -1395,6 +1469,7 @@ def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, 
             if tree.n_candidates:
                 sched.learn("x", tree, int(rng.random() < 0.3))
             sched.observe_round(tree.n_candidates + 1, CPU.cost(tree.n_candidates + 1))
+            sched._count_skipped()   # the rounds ``skips`` answered so far, counted (they are in bulk)
             seen.append((tree.n_candidates, draft.asked, sched._idle.get("x", 0), sched._unlooked.get("x", 0)))
         monkeypatch.undo()
         return seen, decided

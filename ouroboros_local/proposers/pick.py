@@ -21,6 +21,7 @@ class AutoProposer(Proposer):
         self.name = name
         self.scheduler = scheduler
         self.candidates = candidates
+        self._names = tuple(p.name for p in candidates)
         self._last: Proposer | None = None
         self.rounds: dict[str, int] = {}
         self.round_size = 0
@@ -43,12 +44,15 @@ class AutoProposer(Proposer):
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         self._last = None
         candidates = self.candidates
+        sched = self.scheduler
+        if self.round_size <= 1 and sched.skips(self._names):
+            self.rounds["plain"] = self.rounds.get("plain", 0) + 1
+            return TokenTree.rooted_at(committed[-1])
         if self.round_size > 1:
             tree = self._free_draft(committed, budget)
             if tree is not None:
                 return tree
             candidates = [p for p in candidates if not p.free_drafts]
-        sched = self.scheduler
         fallback: tuple[Proposer, TokenTree] | None = None   # a draft passed over for a better promise
         for i, proposer in enumerate(candidates):
             tree = sched.draft_if_any(proposer, committed, budget)
@@ -64,6 +68,8 @@ class AutoProposer(Proposer):
         if fallback is not None:
             return self._use(*fallback)
         self.rounds["plain"] = self.rounds.get("plain", 0) + 1
+        if self.round_size <= 1:
+            sched.foresee_quiet(self._names)
         return TokenTree.rooted_at(committed[-1])
 
     def _free_draft(self, committed: Sequence[int], budget: int) -> TokenTree | None:
