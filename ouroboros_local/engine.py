@@ -607,7 +607,7 @@ class Engine:
             if round_size > 1:
                 step.seen, node = judged(draft, result.tokens)
                 if node is not None:
-                    step.guesses = _first_path(draft, node)[:round_size - 1]
+                    step.guesses = [draft.tokens[i] for i in draft.first_path(node)[:round_size - 1]]
             else:
                 step.seen, node = walked(draft, result.tokens)
                 if node is not None:
@@ -797,16 +797,6 @@ def filled(tree: TokenTree, size: int, context: Sequence[int], guesses: Sequence
     # a copy, labels and draft distributions included (a root alone has none)
     out = TokenTree.rooted_at(tree.tokens[0]) if len(tree.tokens) == 1 else tree.subtree(range(len(tree.tokens)))
     out.add_path(len(out.tokens) - 1, guess, source="fill")
-    return out
-
-
-def _first_path(tree: TokenTree, node: int) -> list[int]:
-    """The tokens below ``node`` along each first child."""
-    out = []
-    kids = tree.children(node)
-    while kids:
-        out.append(tree.tokens[kids[0]])
-        kids = tree.children(kids[0])
     return out
 
 

@@ -190,6 +190,18 @@ class TokenTree:
             node = self.parents[node]
         return path[::-1]
 
+    def first_path(self, node: int = 0) -> list[int]:
+        """The nodes below ``node`` along each first child (the child added first: a proposer's likeliest,
+        or its first phrase): a branching draft's main chain."""
+        first: dict[int, int] = {}
+        for i in range(node + 1, len(self.parents)):
+            first.setdefault(self.parents[i], i)
+        path = []
+        while node in first:
+            node = first[node]
+            path.append(node)
+        return path
+
     def leaves(self) -> list[int]:
         has_child = set(self.parents[1:])
         return [i for i in range(len(self.tokens)) if i not in has_child]

@@ -257,14 +257,13 @@ def test_in_rounds_of_one_size_every_round_drafts_while_it_decodes(overlap_round
 
 
 def test_in_rounds_of_one_size_a_draft_is_judged_by_what_its_round_wrote() -> None:
-    from ouroboros_local.engine import _first_path
     from ouroboros_local.verify import judged
 
     draft = TokenTree.rooted_at(0)
     draft.add_path(0, [1, 2, 3, 4], source="a")   # nodes 1-4
     draft.add_path(1, [7], source="b")            # node 5: beside the path
     verdict, node = judged(draft, [1, 2])         # the round wrote the draft's first two tokens
-    assert node == 2 and _first_path(draft, node) == [3, 4]
+    assert node == 2 and [draft.tokens[i] for i in draft.first_path(node)] == [3, 4]
     # the verdict is on the nodes above node 2's depth (its token is the bonus): node 1 accepted
     assert verdict.tree.tokens == [0, 1] and verdict.path == [0, 1] and verdict.tokens == [1, 2]
     assert verdict.accepted_by_source == {"a": 1} and [verdict.predictions[i] for i in (0, 1)] == [1, 2]

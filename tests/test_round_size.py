@@ -189,6 +189,13 @@ def test_a_branching_free_draft_gives_its_first_path() -> None:
     plain = TokenTree.rooted_at(0)
     plain.add_path(0, [5, 6])
     assert _first_chain(plain) is plain
+    # grown best first (a suffix tree): a second child of the root can be the lowest-numbered leaf
+    best_first = TokenTree.rooted_at(0)
+    best_first.add(0, 1)
+    best_first.add(0, 2)
+    best_first.add(1, 3)
+    best_first.add(3, 4)
+    assert _first_chain(best_first).tokens == [0, 1, 3, 4]
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -125,10 +125,11 @@ class AutoProposer(Proposer):
 
 
 def _first_chain(tree: TokenTree) -> TokenTree:
-    """``tree`` itself if a chain, else its path to its first leaf: a branch would change the round's shape."""
+    """``tree`` itself if a chain, else its main chain (``TokenTree.first_path``): a branch would change
+    the round's shape."""
     if tree.is_chain():
         return tree
-    return tree.subtree(tree.path_to(tree.leaves()[0]))
+    return tree.subtree([0, *tree.first_path()])
 
 
 __all__ = ["AutoProposer"]
