@@ -551,8 +551,8 @@ class Scheduler:
     def skips(self, sources: tuple[str, ...]) -> bool:
         """Is this a round ``draft_if_any`` would answer at once with None for each of ``sources``, as
         foreseen after the last (``foresee_quiet``)? It is counted as those calls would have (in bulk,
-        ``_count_skipped``) and none is made: ~10 µs a candidate a round in real runs, caches cold, in
-        most of the rounds of text with nothing to copy."""
+        ``_count_skipped``) and none is made: ~7 µs a candidate a round saved on the stub's idle rounds,
+        caches cold (``scripts/round_overhead.py --idle --cold``)."""
         if self._ahead and sources == self._ahead_sources:
             self._ahead -= 1
             self._skipped += 1
