@@ -1354,26 +1354,61 @@ def test_round_costs_are_redrawn_once_a_size_is_measured_or_drifts() -> None:
     assert not sched.round_seconds(4).flags.writeable
 
 
+class SometimesSure(CopyDraft):
+    """A copy drafter that finds nothing 20% of the time, else a chain whose class is sure 30% of the time;
+    ``drafted``: where its last chain starts in the text, and its tokens."""
+
+    def __init__(self, name: str = "x", seed: int = 2) -> None:
+        super().__init__("lo")
+        self.name = name
+        self.rng = np.random.default_rng(seed)
+        self.drafted: tuple[int, list[int]] = (0, [])
+
+    def propose(self, committed, budget):
+        self.asked += 1
+        if self.rng.random() < 0.2:
+            return labelled_chain([])                # nothing to copy: a probe stays pending
+        tree = labelled_chain(["hi" if self.rng.random() < 0.3 else "lo"] * min(budget, 8))
+        self.drafted = (len(committed), tree.tokens[1:])
+        return tree
+
+
+def counting(sched: Scheduler, method: str) -> list[int]:
+    """Count the calls of ``sched``'s ``method`` from now on (in the one-element list returned)."""
+    calls = [0]
+    slow = getattr(sched, method)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return slow(*args, **kwargs)
+
+    setattr(sched, method, counted)
+    return calls
+
+
+def round_seen(sched: Scheduler, tree: TokenTree, asked: list[int], sources: str) -> tuple[int, ...]:
+    """A test round ends: its cost observed; what it drafted, how often each drafter was asked, and each
+    source's idle and unlooked rounds (the rounds ``skips`` answered counted first: they are in bulk)."""
+    sched.observe_round(tree.n_candidates + 1, CPU.cost(tree.n_candidates + 1))
+    sched._count_skipped()
+    return (tree.n_candidates, *asked, *(sched._idle.get(s, 0) for s in sources),
+            *(sched._unlooked.get(s, 0) for s in sources))
+
+
+def same_rounds_fewer_calls(plain: tuple[list, int], shortcut: tuple[list, int]) -> None:
+    """Runs without and with a shortcut (each: the rounds ``round_seen`` saw, and the calls it saves)
+    saw the same rounds, some of which drafted, with under 70% of the calls."""
+    assert shortcut[0] == plain[0]
+    assert sum(1 for n, *_ in plain[0] if n) >= 3          # probes or looks did draft
+    assert shortcut[1] < 0.7 * plain[1]
+
+
 def test_auto_rounds_skipped_while_every_candidate_is_quiet_change_nothing(monkeypatch) -> None:
     # ``auto`` asks none of its candidates in rounds foreseen quiet for all of them (``Scheduler.skips``);
     # counted in bulk, those rounds must leave every decision and counter as asking would have
     from ouroboros_local.proposers.pick import AutoProposer
     from ouroboros_local.proposers.base import ProposeSetup
     from ouroboros_local.sampling import SamplingParams
-
-    class SometimesSure(CopyDraft):
-        def __init__(self, name: str, seed: int) -> None:
-            super().__init__("lo")
-            self.name = name
-            self.rng = np.random.default_rng(seed)
-
-        def propose(self, committed, budget):
-            self.asked += 1
-            if self.rng.random() < 0.2:
-                return labelled_chain([])
-            tree = labelled_chain(["hi" if self.rng.random() < 0.3 else "lo"] * min(budget, 8))
-            self.drafted = (len(committed), tree.tokens[1:])
-            return tree
 
     def run(skipping: bool) -> tuple[list[tuple], int]:
         if not skipping:
@@ -1385,15 +1420,7 @@ def test_auto_rounds_skipped_while_every_candidate_is_quiet_change_nothing(monke
                 sched.trim("y", tree)
                 sched.update_classes("y", tree, int(cls == "hi"))
         sched.note_draft("y", 8e-6, 8)
-        asked = 0
-        slow = sched.draft_if_any
-
-        def counted(*args, **kwargs):
-            nonlocal asked
-            asked += 1
-            return slow(*args, **kwargs)
-
-        sched.draft_if_any = counted
+        asked = counting(sched, "draft_if_any")
         drafters = [SometimesSure("x", 2), SometimesSure("y", 3)]
         auto = AutoProposer(sched, drafters)
         setup = ProposeSetup(sampling=SamplingParams(), rng=np.random.default_rng(0), max_tree_nodes=15,
@@ -1411,53 +1438,27 @@ def test_auto_rounds_skipped_while_every_candidate_is_quiet_change_nothing(monke
             if tree.n_candidates:
                 sched.learn(auto._last.name, tree, int(rng.random() < 0.3))
             # the text scores the held drafts: half the time it copies the last one made while it can
-            start, tokens = max((getattr(d, "drafted", (0, [])) for d in drafters), key=lambda d: d[0])
+            start, tokens = max((d.drafted for d in drafters), key=lambda d: d[0])
             at = len(committed) - start
             committed.append(tokens[at] if i % 40 < 20 and at < len(tokens) else 7)
-            sched.observe_round(tree.n_candidates + 1, CPU.cost(tree.n_candidates + 1))
-            sched._count_skipped()   # the rounds skipped so far, counted (they are in bulk)
-            seen.append((tree.n_candidates, *(d.asked for d in drafters),
-                         *(sched._idle.get(n, 0) for n in "xy"), *(sched._unlooked.get(n, 0) for n in "xy")))
+            seen.append(round_seen(sched, tree, [d.asked for d in drafters], "xy"))
         monkeypatch.undo()
-        return seen, asked
+        return seen, asked[0]
 
-    asked_each, asked_before = run(skipping=False)
-    skipped, asked_after = run(skipping=True)
-    assert skipped == asked_each
-    assert sum(1 for n, *_ in asked_each if n) >= 3       # looks or probes did draft
-    assert asked_after < 0.7 * asked_before               # most quiet rounds asked no candidate
+    same_rounds_fewer_calls(run(skipping=False), run(skipping=True))   # most quiet rounds asked no one
 
 
 @pytest.mark.parametrize("looked_at", [True, False])
 def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, looked_at) -> None:
     # ``_plan_quiet`` answers the idle rounds before the next probe, look or refresh at once; the same
     # rounds (requests, short budgets, probes, looks, drafts learned) must draft exactly as before
-    class SometimesSure(CopyDraft):
-        def __init__(self) -> None:
-            super().__init__("lo")
-            self.rng = np.random.default_rng(2)
-
-        def propose(self, committed, budget):
-            self.asked += 1
-            if self.rng.random() < 0.2:
-                return labelled_chain([])                # nothing to copy: a probe stays pending
-            return labelled_chain(["hi" if self.rng.random() < 0.3 else "lo"] * min(budget, 8))
-
-    def run(quiet: bool) -> tuple[list[tuple[int, int, int, int]], int]:
+    def run(quiet: bool) -> tuple[list[tuple[int, ...]], int]:
         if not quiet:
             monkeypatch.setattr(Scheduler, "_plan_quiet", lambda self, source, budget: None)
         sched = stale_mix()
         if not looked_at:
             sched._draft_costs["x"] = sched._least_costs["x"] = 0.2 * CPU.cost(1)   # too dear to look at
-        decided = 0
-        slow = sched.best_length
-
-        def counted(*args, **kwargs):
-            nonlocal decided
-            decided += 1
-            return slow(*args, **kwargs)
-
-        sched.best_length = counted
+        decided = counting(sched, "best_length")
         draft = SometimesSure()
         rng = np.random.default_rng(1)
         seen = []
@@ -1468,14 +1469,9 @@ def test_rounds_foreseen_idle_change_nothing_the_scheduler_decides(monkeypatch, 
             tree = sched.draft(draft, [0], budget)
             if tree.n_candidates:
                 sched.learn("x", tree, int(rng.random() < 0.3))
-            sched.observe_round(tree.n_candidates + 1, CPU.cost(tree.n_candidates + 1))
-            sched._count_skipped()   # the rounds ``skips`` answered so far, counted (they are in bulk)
-            seen.append((tree.n_candidates, draft.asked, sched._idle.get("x", 0), sched._unlooked.get("x", 0)))
+            seen.append(round_seen(sched, tree, [draft.asked], "x"))
         monkeypatch.undo()
-        return seen, decided
+        return seen, decided[0]
 
-    before, decided_before = run(quiet=False)
-    after, decided_after = run(quiet=True)
-    assert after == before
-    assert sum(1 for n, *_ in before if n) >= 3          # probes or looks did draft
-    assert decided_after < 0.7 * decided_before           # looks every LOOK_EVERY rounds: 2 of 4 foreseen
+    # looks every LOOK_EVERY rounds: 2 of 4 foreseen
+    same_rounds_fewer_calls(run(quiet=False), run(quiet=True))
