@@ -537,16 +537,25 @@ class Scheduler:
         quiet = self._quiet.get(source)
         if quiet is None:
             return False
-        if (quiet.left <= 0 or quiet.epoch != self._epoch or quiet.raises != self._raises.get(source, 0)
-                or (quiet.held and self._probe_affordable())):
+        if quiet.left <= 0 or not self._quiet_stands(source, quiet) or (quiet.held and self._probe_affordable()):
             del self._quiet[source]
             return False
-        quiet.left -= 1
-        if not quiet.retired:
-            self._idle[source] += 1
-        if quiet.looks:
-            self._unlooked[source] = self._unlooked.get(source, 0) + 1
+        self._count_quiet(source, quiet, 1)
         return True
+
+    def _quiet_stands(self, source: str, quiet: _QuietRounds) -> bool:
+        """Is what ``_plan_quiet`` relied on unchanged: the request and method, and no news that could
+        make drafting pay?"""
+        return quiet.epoch == self._epoch and quiet.raises == self._raises.get(source, 0)
+
+    def _count_quiet(self, source: str, quiet: _QuietRounds, rounds: int) -> None:
+        """``rounds`` foreseen idle rounds of ``source`` went by: count them as ``best_length`` and
+        ``_worth_a_look`` would have."""
+        quiet.left -= rounds
+        if not quiet.retired:
+            self._idle[source] += rounds
+        if quiet.looks:
+            self._unlooked[source] = self._unlooked.get(source, 0) + rounds
 
     def skips(self, sources: tuple[str, ...]) -> bool:
         """Is this a round ``draft_if_any`` would answer at once with None for each of ``sources``, as
@@ -567,8 +576,7 @@ class Scheduler:
         rounds = -1
         for source in sources:
             quiet = self._quiet.get(source)
-            if (quiet is None or quiet.held or source in self._unverified or quiet.epoch != self._epoch
-                    or quiet.raises != self._raises.get(source, 0)):
+            if quiet is None or quiet.held or source in self._unverified or not self._quiet_stands(source, quiet):
                 return
             rounds = quiet.left if rounds < 0 else min(rounds, quiet.left)
         self._ahead, self._ahead_sources = max(rounds, 0), sources
@@ -582,12 +590,7 @@ class Scheduler:
         if not self._skipped:
             return
         for source in self._ahead_sources:
-            quiet = self._quiet[source]
-            quiet.left -= self._skipped
-            if not quiet.retired:
-                self._idle[source] += self._skipped
-            if quiet.looks:
-                self._unlooked[source] = self._unlooked.get(source, 0) + self._skipped
+            self._count_quiet(source, self._quiet[source], self._skipped)
         self._skipped = 0
 
     def enroll(self, proposer: "Proposer") -> None:
