@@ -36,6 +36,7 @@ Usage (the answers from copy_bound.py's ``--outputs``):
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -229,6 +230,11 @@ def main() -> int:
                     help="first replay these sets (comma-separated) in a session of their own, then start "
                          "from the estimates it learned, as a later process does (learned.py); the two "
                          "sessions share no history")
+    ap.add_argument("--clock-step", type=float, metavar="SECONDS",
+                    help="every time.perf_counter() call advances a stand-in clock by SECONDS, so that what the "
+                         "scheduler measures of its drafting no longer moves between runs: two versions of the "
+                         "code that decide alike print the same table (a check that a refactor changed no "
+                         "decision; try 1e-5 for cheap drafting and 3e-4 for dear)")
     ap.add_argument("--gpu-clock", metavar="JSON",
                     help='a GPU\'s clock instead of this machine\'s curve: {"sizes": [...], "seconds": [...] '
                          '(decodes timed size after size), "step": plain step back to back, "old": true to '
@@ -246,6 +252,9 @@ def main() -> int:
     engine = Engine.load(args.model)
     curve, max_draft = engine.cost_model(), engine.config.max_draft
     engine.close()
+    if args.clock_step:
+        ticks = itertools.count()
+        time.perf_counter = lambda: next(ticks) * args.clock_step   # the whole process's, from here on
     gpu = json.loads(Path(args.gpu_clock).read_text()) if args.gpu_clock else None
     runs = []
     for seed in range(args.seeds):
