@@ -49,7 +49,7 @@ A labelled draft is then *trimmed* to the depth whose expected tokens per second
 (``trim``), a draft model stops writing once one more token cannot pay (``extend_pays``), and whether
 to draft at all is decided from the mix of first-token classes seen so far (``best_length``). What
 ``trim`` cuts from a chain is never verified, so the text the target writes next scores it: that text is
-what verification would have accepted (``_hold``), and an estimate that said "no" is still corrected.
+what verification would have accepted (held.py), and an estimate that said "no" is still corrected.
 A branching tree's cut nodes cannot be scored that way; a tree whose first class was verified fewer
 than MEASURE_TRIALS times is kept at the probe length as a probe (within the same budget).
 The table learns over all requests; within one request the estimates are also scaled by how that
@@ -70,6 +70,7 @@ import numpy as np
 
 from .acceptance import Acceptance, ConfidenceTable
 from .calibration import CostModel
+from .held import HeldDraft, HeldDrafts
 from .round_costs import RoundCosts
 from .tree import TokenTree
 
@@ -104,23 +105,9 @@ EARLY_PROBE_ROUNDS = 32  # a request's first rounds: drafters that are looked at
 MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
                         # first draft decode can page the weights in: one slow round must not retire it)
-MAX_UNSCORED = 32       # drafts per proposer waiting for the text that scores them (``_score_unverified``)
 RETIRE_MIN_COST = 0.1   # only a drafter whose token costs this share of a target step or more (a model) can
                         # be retired: free drafters cost microseconds, and one retired for a round-cost factor
                         # that happened to be high would never draft again to correct it
-
-
-@dataclass(slots=True)
-class _Unverified:
-    """A labelled draft verification did not try in full (cut by ``trim``, or passed over by ``auto``),
-    waiting for the text the target writes next: that text says how far it would have been accepted."""
-
-    start: int                  # the index in ``committed`` of its first token
-    tokens: list[int]
-    classes: list[str]
-    verified: int = -1          # its first nodes verified in its own round (-1: none were)
-    matched: int = 0            # its first tokens found equal to the text so far
-    probe: bool = False         # an early look's (``_score_unverified`` learns its first nodes as a probe's)
 
 
 @dataclass(slots=True)
@@ -235,8 +222,8 @@ class Scheduler:
         # This request's record per proposer: [tokens accepted, tokens the class estimates expected] over
         # the draft nodes verification tried (``request_scale``).
         self._request: dict[str, list[float]] = {}
-        # Labelled drafts not verified in full, per proposer, until the text scores them (``_hold``).
-        self._unverified: dict[str, list[_Unverified]] = {}
+        # Labelled drafts not verified in full, per proposer, until the text scores them (held.py).
+        self._held = HeldDrafts()
 
     # ---- one round: the engine's loop and method auto both schedule through these two -------------
     def draft(self, proposer: "Proposer", committed: Sequence[int], budget: int) -> TokenTree:
@@ -256,8 +243,8 @@ class Scheduler:
         asks each candidate every round and keeps one draft (a tree built for nothing cost ~9 µs a
         candidate with the caches cold after a decode)."""
         name = proposer.name
-        if name in self._unverified:
-            self._score_unverified(name, committed)
+        if name in self._held:
+            self._score_held(name, committed)
         if self._quiet_round(name, budget):
             return None
         if self.hopeless(name):
@@ -290,7 +277,7 @@ class Scheduler:
                         catch_up=proposer.catch_up_seconds, catch_up_tokens=behind)
         if tree.n_candidates:
             drafted, tree = tree, self.trim(name, tree)
-            self._hold(name, drafted, len(committed), probe=early)
+            self._held.hold(name, drafted, len(committed), probe=early)
         if tree.n_candidates:
             self._kept_last.add(name)
         else:
@@ -363,47 +350,17 @@ class Scheduler:
             record[0] += 1   # looks cut to nothing running
             record[1] = 0    # looks at it skipped since
 
-    def _hold(self, source: str, tree: TokenTree, start: int, probe: bool = False) -> None:
-        """Keep a labelled chain for scoring against the text that follows (``_score_unverified``).
-
-        Without this, what ``trim`` cuts is never verified, and nothing corrects the estimates that
-        cut it: on code edits, copies were cut at every look once a few had failed, while the answers
-        went on copying the prompt (auto between 0.96x and 1.14x on the same prompts). The text the target
-        writes next is what verification would have accepted (greedy: its argmax; sampling: a
-        deterministic draft is accepted where it equals the token sampled), so the cut part is scored
-        at no cost. Sampled drafts are not: their acceptance is a draw against the draft's probabilities."""
-        if not tree.classes or tree.extras or tree.draft_probs or not tree.is_chain():
-            return
-        waiting = self._unverified.setdefault(source, [])
-        if len(waiting) >= MAX_UNSCORED:
-            del waiting[0]
-        waiting.append(_Unverified(start, tree.tokens[1:], tree.node_classes(), probe=probe))
-
-    def _score_unverified(self, source: str, committed: Sequence[int]) -> None:
-        """Learn from the held drafts of ``source`` that the text written since decides: a token that
-        differs, or the whole draft matched."""
-        waiting = self._unverified[source]
-        keep = []
-        for draft in waiting:
-            end = min(len(committed) - draft.start, len(draft.tokens))
-            i = draft.matched
-            while i < end and committed[draft.start + i] == draft.tokens[i]:
-                i += 1
-            draft.matched = i
-            if i < end or i == len(draft.tokens):
-                self._learn_unverified(source, draft)
-                continue
-            if draft.probe and draft.verified < 0 and i >= self.probe_length:
+    def _score_held(self, source: str, committed: Sequence[int]) -> None:
+        """Learn from the held drafts of ``source`` (``held.py``) that the text written since scores."""
+        for draft, decided in self._held.score(source, committed, self.probe_length):
+            if decided:
+                self._learn_held(source, draft)
+            else:
                 self._learn_probe(source, draft)
-            keep.append(draft)
-        if keep:
-            self._unverified[source] = keep
-        else:
-            del self._unverified[source]
 
-    def _learn_unverified(self, source: str, draft: _Unverified) -> None:
-        """The nodes of ``draft`` verification did not try, as if it had: all of them, or those after the
-        verified ones where those were all accepted."""
+    def _learn_held(self, source: str, draft: HeldDraft) -> None:
+        """The nodes of a decided ``draft`` that verification did not try, as if it had: all of them, or
+        those after the verified ones where those were all accepted."""
         done = max(draft.verified, 0)
         if draft.matched < done or done >= len(draft.tokens):
             return
@@ -411,28 +368,13 @@ class Scheduler:
             self.estimate(source).update(len(draft.tokens), draft.matched)
         self._learn_chain(source, draft.classes[done:], draft.matched - done, depth=done)
 
-    def _learn_probe(self, source: str, draft: _Unverified) -> None:
+    def _learn_probe(self, source: str, draft: HeldDraft) -> None:
         """An early look's held draft matched the text for a probe's length: learned now, as if a probe
         had verified those nodes and accepted them all (its other nodes wait for the text, as after a
         verified probe), so that a copy found early drafts from the next round on."""
         k = self.probe_length
         self.estimate(source).update(k, k)
         self._learn_chain(source, draft.classes[:k], k)
-        draft.verified = k
-
-    def _note_verified(self, source: str, tree: TokenTree) -> None:
-        """``source``'s latest held draft was verified as ``tree`` (its first nodes, or all of them)."""
-        waiting = self._unverified.get(source)
-        if not waiting or not tree.is_chain():
-            return
-        draft, k = waiting[-1], tree.n_candidates
-        if draft.verified < 0 and draft.tokens[:k] == tree.tokens[1:]:
-            if k >= len(draft.tokens):
-                waiting.pop()
-                if not waiting:
-                    del self._unverified[source]
-            else:
-                draft.verified = k
 
     def _note_look(self, source: str, seconds: float) -> None:
         """A look at ``source`` took ``seconds``, its proposal and trim (EMA), less its catch-up on the
@@ -576,7 +518,7 @@ class Scheduler:
         rounds = -1
         for source in sources:
             quiet = self._quiet.get(source)
-            if quiet is None or quiet.held or source in self._unverified or not self._quiet_stands(source, quiet):
+            if quiet is None or quiet.held or source in self._held or not self._quiet_stands(source, quiet):
                 return
             rounds = quiet.left if rounds < 0 else min(rounds, quiet.left)
         self._ahead, self._ahead_sources = max(rounds, 0), sources
@@ -607,7 +549,7 @@ class Scheduler:
         """A new generation starts: what the last one's drafts did no longer corrects the estimates."""
         self._end_skipping()
         self._request.clear()
-        self._unverified.clear()
+        self._held.clear()
         self._request_began[self._method] = self._elapsed.get(self._method, 0.0)
         self._request_first_round = self._rounds
         # every cheap labelling drafter is looked at in the request's first round (``_worth_a_look``)
@@ -625,7 +567,7 @@ class Scheduler:
         the root (needed to learn the classes of a branching tree; a chain's path is its first nodes)."""
         self.update(source, tree.max_depth, accepted)
         self.update_classes(source, tree, accepted, path)
-        self._note_verified(source, tree)
+        self._held.verified(source, tree)
 
     def estimate(self, source: str) -> Acceptance:
         return self.acceptance.setdefault(source, Acceptance())
@@ -861,7 +803,7 @@ class Scheduler:
 
     def _kept_at_least(self, source: str, first: str | None, n: int, k: int, scored: bool = True) -> int:
         """``trim``'s cut ``k`` of ``n`` nodes, raised to a probe's ``probe_length`` for a probe; and a
-        draft whose cut nodes the text cannot score (``scored``: a chain can, ``_hold``) cut below that,
+        draft whose cut nodes the text cannot score (``scored``: a chain can, held.py) cut below that,
         whose first class was tried fewer than MEASURE_TRIALS times, becomes a probe where the probe
         budget allows.
 
@@ -1130,7 +1072,7 @@ class Scheduler:
         """Is ``source`` probed now and then while nothing pays? A drafter that is looked at
         (``_looks_at``) only in its request's first EARLY_PROBE_ROUNDS rounds. After those, every few
         rounds a look proposes, ``trim`` judges the classes it drafted and the text scores what was cut
-        (``_hold``), so a probe only verified two tokens the estimates said would not pay: on SmolLM2 (a
+        (held.py), so a probe only verified two tokens the estimates said would not pay: on SmolLM2 (a
         2-token round costs 2.3-2.5 steps here) a probe accepted on gsm8k made drafting look worth it
         and the drafts that followed lost (auto 0.970x / 0.989x of plain decoding on gsm8k / mt_bench
         with such probes throughout, 1.006x / 0.995x without). Early on they stay: from estimates learned

@@ -1202,16 +1202,16 @@ def test_an_early_looks_draft_is_learned_as_a_probe_once_the_text_matches_its_fi
     table = sched.confidence["x"]
     trials, successes = table.trials["lo"], table.successes["lo"]
     text = [0, 101]                                   # one token written, equal to the draft's first
-    sched._score_unverified("x", text)
+    sched._score_held("x", text)
     assert table.trials["lo"] == trials               # undecided, and short of a probe's length
     text.append(102)
-    sched._score_unverified("x", text)
+    sched._score_held("x", text)
     assert table.trials["lo"] == pytest.approx(trials * 0.995 + sched.probe_length)
     assert table.successes["lo"] == pytest.approx(successes * 0.995 + sched.probe_length)
     assert sched._request["x"][0] == sched.probe_length   # the request's record counts it too
     text += [103, 999]                                # the 4th token differs: the rest is learned
-    sched._score_unverified("x", text)
-    assert "x" not in sched._unverified
+    sched._score_held("x", text)
+    assert "x" not in sched._held
     assert table.trials["lo"] == pytest.approx((trials * 0.995 + 2) * 0.995 + 2)   # nodes 3 and 4 tried
     assert table.successes["lo"] == pytest.approx((successes * 0.995 + 2) * 0.995 + 1)
     assert sched._request["x"][0] == 3
@@ -1277,41 +1277,41 @@ def test_only_what_verification_did_not_try_is_scored_by_the_text() -> None:
     table = sched.confidence.setdefault("x", ConfidenceTable(decay=1.0))
     chain = labelled_chain(["a"] * 6)                 # tokens 101..106
 
-    sched._hold("x", chain, start=1)                  # cut to 2 nodes, both verified and accepted
+    sched._held.hold("x", chain, start=1)             # cut to 2 nodes, both verified and accepted
     sched.learn("x", chain.truncated(2), 2)
     assert (table.trials["a"], table.successes["a"]) == (2, 2)
-    sched._score_unverified("x", [0, 101, 102, 103, 104, 9])   # the tail: 2 accepted, the 3rd rejected
+    sched._score_held("x", [0, 101, 102, 103, 104, 9])   # the tail: 2 accepted, the 3rd rejected
     assert (table.trials["a"], table.successes["a"]) == (5, 4)
 
-    sched._hold("x", chain, start=1)                  # verified in full: nothing left to score
+    sched._held.hold("x", chain, start=1)             # verified in full: nothing left to score
     sched.learn("x", chain, 1)
     assert (table.trials["a"], table.successes["a"]) == (7, 5)
-    assert "x" not in sched._unverified
+    assert "x" not in sched._held
 
-    sched._hold("x", chain, start=1)                  # cut to 2 nodes, the 2nd rejected: the tail was
+    sched._held.hold("x", chain, start=1)             # cut to 2 nodes, the 2nd rejected: the tail was
     sched.learn("x", chain.truncated(2), 1)           # never reachable, nothing to score
-    sched._score_unverified("x", [0, 101, 5])
+    sched._score_held("x", [0, 101, 5])
     assert (table.trials["a"], table.successes["a"]) == (9, 6)
 
-    sched._hold("x", chain, start=1)                  # passed over (auto verified another draft): all of it
-    sched._score_unverified("x", [0, 101, 102, 7])
+    sched._held.hold("x", chain, start=1)             # passed over (auto verified another draft): all of it
+    sched._score_held("x", [0, 101, 102, 7])
     assert (table.trials["a"], table.successes["a"]) == (12, 8)
 
 
 def test_held_drafts_are_bounded_and_dropped_with_the_request() -> None:
-    from ouroboros_local.scheduler import MAX_UNSCORED
+    from ouroboros_local.held import MAX_HELD
 
     sched = Scheduler(CPU, max_length=8)
-    for start in range(3 * MAX_UNSCORED):
-        sched._hold("x", labelled_chain(["a"] * 8), start=start)
-    assert len(sched._unverified["x"]) == MAX_UNSCORED
+    for start in range(3 * MAX_HELD):
+        sched._held.hold("x", labelled_chain(["a"] * 8), start=start)
+    assert len(sched._held.waiting("x")) == MAX_HELD
     sched.begin_request()
-    assert not sched._unverified
+    assert "x" not in sched._held
     sampled = labelled_chain(["a"] * 2)
     sampled.draft_probs[1] = np.ones(4) / 4           # a sampled draft's acceptance is a draw: not scored
-    sched._hold("x", sampled, start=0)
-    sched._hold("x", labelled_branches(["a"], ["b"]), start=0)   # nor a branching tree's
-    assert not sched._unverified
+    sched._held.hold("x", sampled, start=0)
+    sched._held.hold("x", labelled_branches(["a"], ["b"]), start=0)   # nor a branching tree's
+    assert "x" not in sched._held
 
 
 def test_round_costs_are_redrawn_once_a_size_is_measured_or_drifts() -> None:
