@@ -152,6 +152,8 @@ class TokenTree:
         """A copy holding only the nodes at depth <= max_depth (ids are kept: parents come first)."""
         if max_depth >= self.max_depth:
             return self
+        if max_depth <= 0:   # the root alone (``trim``'s usual verdict on a look: a copy that cannot pay)
+            return TokenTree.rooted_at(self.tokens[0])
         return self.subtree([i for i, d in enumerate(self.depths) if d <= max_depth])
 
     def subtree(self, keep: Sequence[int]) -> "TokenTree":

@@ -652,6 +652,7 @@ def test_truncated_tree_keeps_ids_parents_and_labels() -> None:
     assert cut.tokens == [5, 6, 8] and cut.parents == [-1, 0, 0]
     assert cut.classes == {1: "x", 2: "y"} and cut.sources == {1: "s"}
     assert tree.truncated(5) is tree
+    assert tree.truncated(0) == tree.subtree([0]) == TokenTree.rooted_at(5)   # the root alone, unlabelled
 
 
 def test_the_class_mix_decision_matches_the_per_class_rule() -> None:
