@@ -680,14 +680,14 @@ class Engine:
     def _propose_hidden(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                         room: int) -> TokenTree | None:
         """``_propose_in_room`` while a plain step decodes: the scheduler's looks cost no time there."""
-        looks = self._scheduler
-        if looks is None:
+        if self._scheduler is None:
             return self._propose_in_room(proposer, sched, committed, budget, room)
-        looks.looks_hidden = True
+        looks = self._scheduler.looks
+        looks.hidden = True
         try:
             return self._propose_in_room(proposer, sched, committed, budget, room)
         finally:
-            looks.looks_hidden = False
+            looks.hidden = False
 
     @staticmethod
     def _propose_in_room(proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,

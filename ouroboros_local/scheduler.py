@@ -71,6 +71,7 @@ import numpy as np
 from .acceptance import Acceptance, ConfidenceTable
 from .calibration import CostModel
 from .held import HeldDraft, HeldDrafts
+from .looks import Looks
 from .round_costs import RoundCosts
 from .tree import TokenTree
 
@@ -93,14 +94,8 @@ CATCH_UP_REPAY_ROUNDS = 64   # ... within this many drafted rounds (or fit the p
 PROBE_REQUEST_SHARE = 0.25   # ... and a probe's catch-up at most this share of the request's time so far
 CATCH_UP_PRIOR_BATCH = 16    # until measured, a catch-up token costs the draft's per-token cost in a batch
                              # this size (its calibrated curve; without one, the target's scaled by size)
-LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``_worth_a_look``)
-LOOK_COST = 0.05        # ... cheap: a full-length proposal costs less than this share of a target step
-LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
-DRY_LOOKS_EVERY_MAX = 16   # looks in a request that kept nothing: the idle rounds between looks double
-                           # after every DRY_LOOKS_PER_DOUBLING of them, up to this (``_look_every``)
-DRY_LOOKS_PER_DOUBLING = 2
-LOOK_BACKOFF_MAX = 16   # a first class whose looks were cut to nothing n times running: looked at every
-                        # min(2^(n-1), this)-th time it comes (``_look_promising``)
+LOOK_COST = 0.05        # a drafter is looked at (looks.py) if cheap: a full-length proposal costs less than
+                        # this share of a target step
 EARLY_PROBE_ROUNDS = 32  # a request's first rounds: drafters that are looked at are probed too
 MEASURE_TRIALS = 4.0    # a tree whose first class was tried fewer times is a probe (``_kept_at_least``)
 RETIRE_AFTER = 3        # drafted rounds timed before their least per-token cost may retire a drafter (the
@@ -179,20 +174,8 @@ class Scheduler:
         self._probing: set[str] = set()
         # drafters that are looked at, due an early look past the class backoff (``best_length``)
         self._early_looks: set[str] = set()
-        # Cheap labelling drafters whose last proposal kept nodes after ``trim`` (the text is copyable
-        # now), and their idle rounds since the last look (``_worth_a_look``).
-        self._kept_last: set[str] = set()
-        self._unlooked: dict[str, int] = {}
-        # this request's looks per source that kept nothing; -1 once one kept nodes (``_look_every``)
-        self._dry_looks: dict[str, int] = {}
-        self._look_seconds: dict[str, float] = {}
-        # Set while a draft is asked during a plain step's decode (``EngineConfig.overlap``, on a GPU):
-        # looks cost no time there, so a cheap drafter is looked at every such round (``_look_every``);
-        # the rounds drafted before their decode keep the usual spacing.
-        self.looks_hidden = False
-        # per labelling drafter, first class -> [its looks cut to nothing running, looks skipped since]
-        # (``_look_promising``)
-        self._look_records: dict[str, dict[str, list[int]]] = {}
+        # when cheap labelling drafters are looked at while their drafts do not pay (``_worth_a_look``)
+        self.looks = Looks()
         self._free: set[str] = set()   # drafters that run no model (``Proposer.free_drafts``)
         self._last_draft_cost: dict[str, float] = {}
         self.confidence: dict[str, ConfidenceTable] = {}
@@ -262,7 +245,8 @@ class Scheduler:
             peeked = proposer.first_class(committed)
             peek_catch_up = proposer.catch_up_seconds
             if peeked == "" or not (early or self._look_promising(name, peeked)):
-                self._dry_look(name, budget, time.perf_counter() - t_look - peek_catch_up, early)
+                self.looks.dry(name, time.perf_counter() - t_look - peek_catch_up, early)
+                self._plan_quiet(name, budget)
                 return None
             k = min(budget, self.max_length)
         if k <= 0:
@@ -278,77 +262,27 @@ class Scheduler:
         if tree.n_candidates:
             drafted, tree = tree, self.trim(name, tree)
             self._held.hold(name, drafted, len(committed), probe=early)
-        if tree.n_candidates:
-            self._kept_last.add(name)
-        else:
-            self._kept_last.discard(name)
+        self.looks.proposed(name, kept=bool(tree.n_candidates))
         if look:   # what one more look costs: the catch-up on the rounds since the last is owed anyway
             seconds = time.perf_counter() - t_look - peek_catch_up - proposer.catch_up_seconds
             if tree.n_candidates or not early:   # an early look that kept nothing leaves the looks' record
-                self._note_look_outcome(name, peeked, kept=bool(tree.n_candidates))
+                self.looks.outcome(name, peeked, kept=bool(tree.n_candidates))
             if tree.n_candidates:
-                self._note_dry(name, dry=False)
-                self._note_look(name, max(seconds, 0.0))
+                self.looks.kept(name, seconds)
             else:
-                self._dry_look(name, budget, seconds, early)
+                self.looks.dry(name, seconds, early)
+                self._plan_quiet(name, budget)
         return tree
 
-    def _dry_look(self, source: str, budget: int, seconds: float, early: bool = False) -> None:
-        """A look that kept nothing after ``seconds`` (stopped before its proposal by ``_look_promising``,
-        or its draft cut to nothing by ``trim``): idle until the next one is due. Without the plan, the
-        round after a draft cut to nothing asked "does drafting pay" again. An early look (a probe's, see
-        ``best_length``) leaves the looks' own backoff as it was."""
-        self._kept_last.discard(source)
-        if not early:
-            self._unlooked[source] = 0
-            self._note_dry(source, dry=True)
-        self._note_look(source, max(seconds, 0.0))
-        self._plan_quiet(source, budget)
-
-    def _note_dry(self, source: str, dry: bool) -> None:
-        """A look at ``source`` kept nothing (``dry``: skipped, or cut to nothing by ``trim``) or kept
-        nodes (``_look_every``).
-
-        A look that kept nodes stops the backoff for the rest of the request: restarting it instead missed
-        humaneval's copies, which come back after dry spells (docs/design.md, "Looks at cheap drafters")."""
-        if not dry:
-            self._dry_looks[source] = -1          # the text copies: no backoff for the rest of the request
-        elif self._dry_looks.get(source, 0) >= 0:
-            self._dry_looks[source] = self._dry_looks.get(source, 0) + 1
-
     def _look_promising(self, source: str, peeked: str | None) -> bool:
-        """Should a look at ``source``, whose proposal would start with a node of class ``peeked``
-        (``Proposer.first_class``; None: unknown), go on to propose? Not when it would draft nothing, and
-        only now and then (LOOK_BACKOFF_MAX) for a class whose looks ``trim`` kept cutting to nothing: on
-        SmolLM2 ~97% of looks were (a 1-token copy, a trie's short or rare match), each a proposal and a
-        trim (~0.25 ms, caches cold) plus the scoring that followed. A skipped look still counts its class
-        in the mix of first classes (``ConfidenceTable.note_first``): left out, the hopeless classes
-        would be missing from it and the mix would promise more than drafting delivers."""
-        if peeked is None:
+        """``Looks.promising``; a look it stops still counts its class in the mix of first classes
+        (``ConfidenceTable.note_first``): left out, the hopeless classes would be missing from it and
+        the mix would promise more than drafting delivers."""
+        if self.looks.promising(source, peeked):
             return True
-        if not peeked:
-            return False
-        record = self._look_records.setdefault(source, {}).get(peeked)
-        if record is None:
-            return True
-        record[1] += 1
-        if record[1] >= min(1 << (record[0] - 1), LOOK_BACKOFF_MAX):
-            record[1] = 0
-            return True
-        self._note_first(source, peeked)
+        if peeked:
+            self._note_first(source, peeked)
         return False
-
-    def _note_look_outcome(self, source: str, peeked: str | None, kept: bool) -> None:
-        """A look whose first class was ``peeked`` kept nodes after ``trim`` (``kept``) or none."""
-        if not peeked:
-            return
-        records = self._look_records.setdefault(source, {})
-        if kept:
-            records.pop(peeked, None)
-        else:
-            record = records.setdefault(peeked, [0, 0])
-            record[0] += 1   # looks cut to nothing running
-            record[1] = 0    # looks at it skipped since
 
     def _score_held(self, source: str, committed: Sequence[int]) -> None:
         """Learn from the held drafts of ``source`` (``held.py``) that the text written since scores."""
@@ -376,39 +310,11 @@ class Scheduler:
         self.estimate(source).update(k, k)
         self._learn_chain(source, draft.classes[:k], k)
 
-    def _note_look(self, source: str, seconds: float) -> None:
-        """A look at ``source`` took ``seconds``, its proposal and trim (EMA), less its catch-up on the
-        rounds since it was last asked (the suffix tries index those tokens when asked): that work is owed
-        however often it is asked, and counting it made looks dearer the rarer they were. The suffix
-        tries' looks on SmolLM2, replayed with real runs' Python costs, came every 40-90 rounds, and a
-        repeated set of code edits ran 1.28-2.01x (mean 1.69x); without it, 1.96-2.05x."""
-        old = self._look_seconds.get(source)
-        self._look_seconds[source] = seconds if old is None else old + 0.2 * (seconds - old)
-
     def _worth_a_look(self, source: str) -> bool:
         """May a labelling drafter whose draft does not pay on the mix of classes seen so far be asked
-        anyway, for ``trim`` to judge the classes it actually drafts? Only a cheap one (a proposal costs
-        under LOOK_COST of a step: copies from the context, not a draft model): every round while its
-        last proposal kept nodes (copyable text comes in runs), else every LOOK_EVERY idle rounds, or
-        less often where a look (its proposal and trim) costs more than LOOK_SHARE of that many steps:
-        in a real run, with the caches cold after each decode, a look took 0.25 ms against SmolLM2's 8 ms
-        step, and looks every 4 rounds on text with nothing to copy cost 0.8% of the time.
-
-        The mix is learned from the drafts made; once it says "does not pay" few drafts are made and it
-        stays stale: on the 1.5B target, suffix proposed once in 16 repeated requests whose answers it
-        held word for word (0.96x, where the same code had reached 1.48x).
-
-        A request's first round is looked at too (``begin_request``): a repeated request is copyable from
-        its first token, and waiting LOOK_EVERY rounds cost 3 of the 5-9 target passes such a request
-        takes on SmolLM2."""
-        if not self._looks_at(source):
-            return False
-        if source in self._kept_last:
-            return True
-        every = self._look_every(source)
-        idle = self._unlooked.get(source, 0) + 1
-        self._unlooked[source] = 0 if idle >= every else idle
-        return idle >= every
+        anyway, for ``trim`` to judge the classes it actually drafts? A cheap one (``_looks_at``) when a
+        look is due (looks.py)."""
+        return self._looks_at(source) and self.looks.due(source, self.costs.cost(1))
 
     def _looks_at(self, source: str) -> bool:
         """Is ``source`` a drafter ``_worth_a_look`` may ask while drafting does not pay: one that runs no
@@ -422,31 +328,13 @@ class Scheduler:
         SmolLM2's 7 ms step) even the least per-token figure measured could stay above the bar where the
         early proposals were short: in such runs the suffix tries proposed 0-1 times a request, and a
         repeated set of code edits ran 1.06x where the runs that looked at them reached 1.4-1.6x. What
-        looks cost is held to LOOK_SHARE by ``_look_every`` whatever they cost. A draft model costs 100
+        looks cost is held to LOOK_SHARE by ``Looks.every`` whatever they cost. A draft model costs 100
         times more per token at best: it is looked at only while measured cheap."""
         if source not in self.confidence:
             return False
         if source in self._free:
             return True
         return bool(self._timed_rounds.get(source)) and self._cheap(self._least_costs[source], self.max_length)
-
-    def _look_every(self, source: str) -> int:
-        """Idle rounds between looks at ``source``: LOOK_EVERY, doubled after every
-        DRY_LOOKS_PER_DOUBLING looks in this request that kept nothing (up to DRY_LOOKS_EVERY_MAX), or
-        more where its looks cost more than LOOK_SHARE of that many steps; 1 while looks are hidden in
-        a plain step's decode (``looks_hidden``).
-
-        A look costs more than its proposal: the peek, the "does drafting pay" check, the trim, the
-        scoring of what it held (~75 µs a round for auto's two drafters on SmolLM2 here, ~1.2% of a step;
-        on an H200 auto's extra Python was 3-5% of SmolLM2's step, the whole gap to plain decoding). On
-        text with nothing to copy, looks keep finding nothing; a request whose looks keep nodes is looked
-        at every LOOK_EVERY rounds again (and every round while they do)."""
-        if self.looks_hidden:
-            return 1
-        look = self._look_seconds.get(source, 0.0)
-        doublings = min(max(self._dry_looks.get(source, 0), 0) // DRY_LOOKS_PER_DOUBLING, 8)
-        every = min(LOOK_EVERY << doublings, DRY_LOOKS_EVERY_MAX)
-        return max(every, math.ceil(look / (LOOK_SHARE * self.costs.cost(1))))
 
     def _plan_quiet(self, source: str, budget: int) -> None:
         """After an idle round of ``source``: the rounds after it that will be idle too, whatever
@@ -469,7 +357,7 @@ class Scheduler:
                 rounds = min(rounds, every - idle)
         looks = self._looks_at(source)
         if looks:
-            rounds = min(rounds, self._look_every(source) - self._unlooked.get(source, 0))
+            rounds = min(rounds, self.looks.rounds_to_next(source, self.costs.cost(1)))
         if rounds > 1:
             self._quiet[source] = _QuietRounds(rounds - 1, self._epoch, self._raises.get(source, 0), looks, held)
 
@@ -497,7 +385,7 @@ class Scheduler:
         if not quiet.retired:
             self._idle[source] += rounds
         if quiet.looks:
-            self._unlooked[source] = self._unlooked.get(source, 0) + rounds
+            self.looks.count_idle(source, rounds)
 
     def skips(self, sources: tuple[str, ...]) -> bool:
         """Is this a round ``draft_if_any`` would answer at once with None for each of ``sources``, as
@@ -552,14 +440,7 @@ class Scheduler:
         self._held.clear()
         self._request_began[self._method] = self._elapsed.get(self._method, 0.0)
         self._request_first_round = self._rounds
-        # every cheap labelling drafter is looked at in the request's first round (``_worth_a_look``)
-        self._kept_last = set(self.confidence)
-        self._unlooked.clear()
-        self._dry_looks.clear()
-        # a new text may copy where the last did not: classes cut to nothing are looked at sooner again
-        for records in self._look_records.values():
-            for record in records.values():
-                record[0] = max(1, record[0] // 2)
+        self.looks.begin_request(self.confidence)   # every labelling drafter is looked at in its first round
         self._epoch += 1
 
     def learn(self, source: str, tree: TokenTree, accepted: int, path: Sequence[int] | None = None) -> None:
@@ -1056,8 +937,8 @@ class Scheduler:
             if self._looks_at(source):
                 # early in a request (``_periodic_probes``), a drafter that is looked at is probed by a
                 # look past its classes' backoff: the text scores its held draft (``_learn_probe``) at no
-                # verification cost; what a look costs (``_note_look``) is charged to the probe budget
-                look = self._look_seconds.get(source, 0.0)
+                # verification cost; what a look costs (``Looks.seconds``) is charged to the probe budget
+                look = self.looks.seconds(source)
                 if self._probe_affordable(look):
                     self._idle[source] = 0
                     self._early_looks.add(source)

@@ -91,12 +91,12 @@ def slow_cache(sched: Scheduler, scale: float) -> None:
     """Make ``sched`` see every proposal (and look) take ``scale`` times what it took here: a replay's
     Python runs with warm caches, a real run's after a decode that evicted them (0.1-0.3 ms a lookup on
     SmolLM2 against ~30 µs warm), and which drafters are looked at, and how often, follows those times."""
-    note_draft, note_look = sched.note_draft, sched._note_look
+    note_draft, note_look = sched.note_draft, sched.looks.note_seconds
     def slow_draft(source: str, seconds: float, n_tokens: int, catch_up: float = 0.0, **kw: Any) -> None:
         note_draft(source, seconds * scale, n_tokens, catch_up=catch_up * scale, **kw)
 
     sched.note_draft = slow_draft   # type: ignore[method-assign]
-    sched._note_look = lambda source, seconds: note_look(source, seconds * scale)   # type: ignore[method-assign]
+    sched.looks.note_seconds = lambda source, seconds: note_look(source, seconds * scale)   # type: ignore[method-assign]
 
 
 def pick(answers: list[dict[str, Any]], name: str, limit: int) -> list[dict[str, Any]]:

@@ -67,7 +67,7 @@ def test_looks_are_free_only_while_the_step_decodes(overlap_engine: Engine, monk
     propose = Engine._propose_in_room
 
     def spy(proposer, sched, committed, budget, room):
-        seen.append(overlap_engine.scheduler().looks_hidden)
+        seen.append(overlap_engine.scheduler().looks.hidden)
         return propose(proposer, sched, committed, budget, room)
 
     monkeypatch.setattr(overlap_engine, "_propose_in_room", spy)
@@ -75,7 +75,7 @@ def test_looks_are_free_only_while_the_step_decodes(overlap_engine: Engine, monk
     again = overlap_engine.generate(PROMPTS[1], max_tokens=40, method="suffix")
     assert again.stats.extra["overlap"]["carried"] >= 1
     assert True in seen and False in seen          # drafts asked during a step, and before a decode
-    assert overlap_engine.scheduler().looks_hidden is False
+    assert overlap_engine.scheduler().looks.hidden is False
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -178,10 +178,10 @@ def test_looks_hidden_in_the_step_come_every_round() -> None:
     from ouroboros_local.scheduler import Scheduler
 
     sched = Scheduler(CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 2.0, 3.0, 4.0, 6.0]))
-    sched._dry_looks["x"] = 6          # a request whose looks keep coming up dry: they thin out
-    assert sched._look_every("x") > 4
-    sched.looks_hidden = True          # unless they cost nothing
-    assert sched._look_every("x") == 1
+    sched.looks._dry["x"] = 6          # a request whose looks keep coming up dry: they thin out
+    assert sched.looks.every("x", sched.costs.cost(1)) > 4
+    sched.looks.hidden = True          # unless they cost nothing
+    assert sched.looks.every("x", sched.costs.cost(1)) == 1
 
 
 def test_by_default_overlap_follows_what_a_step_was_seen_to_wait_for(tiny_target) -> None:

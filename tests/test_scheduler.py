@@ -459,7 +459,7 @@ def trained(costs: CostModel, rates: dict[str, float], rounds: int = 200) -> Sch
             sched.update("x", 1, accepted)
             sched.update_classes("x", tree, accepted)
     sched.begin_request()   # what the training rounds did is the table's, not the next request's
-    sched._kept_last.clear()   # past the request's first round (looked at in every request: tested apart)
+    sched.looks._kept_last.clear()   # past the request's first round (looked at in every request: tested apart)
     return sched
 
 
@@ -895,7 +895,7 @@ def stale_mix() -> Scheduler:
             sched.update("x", 1, accepted)
             sched.update_classes("x", tree, accepted)
     sched.begin_request()
-    sched._kept_last.clear()   # past the request's first round (looked at in every request: tested apart)
+    sched.looks._kept_last.clear()   # past the request's first round (looked at in every request: tested apart)
     sched.note_draft("x", 8e-6, 8)                    # a copy costs microseconds
     assert sched.best_length("x", sched.draft_cost("x"), 8) == 0
     return sched
@@ -903,7 +903,7 @@ def stale_mix() -> Scheduler:
 
 def test_looks_that_cost_more_come_less_often() -> None:
     sched = stale_mix()
-    sched._look_seconds["x"] = 0.1 * CPU.cost(1)     # each look (proposal and trim) costs 0.1 step
+    sched.looks._seconds["x"] = 0.1 * CPU.cost(1)     # each look (proposal and trim) costs 0.1 step
     sched._probe_every["x"] = 1000                    # looks alone
     dear = CopyDraft("lo")
     for _ in range(40):
@@ -916,7 +916,8 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     # ("hi"). Asked only when the mix pays, a copy drafter would stay idle through a run of sure copies
     # (a repeated request); looked at every LOOK_EVERY idle rounds, its sure drafts are kept by trim and
     # it is asked every round while they are
-    from ouroboros_local.scheduler import EARLY_PROBE_ROUNDS, LOOK_EVERY
+    from ouroboros_local.scheduler import EARLY_PROBE_ROUNDS
+    from ouroboros_local.looks import LOOK_EVERY
 
     sched = stale_mix()
 
@@ -933,7 +934,7 @@ def test_a_cheap_drafter_is_looked_at_where_the_class_mix_says_no() -> None:
     assert sum(rounds(doubtful, right=False)) <= 2 * sched.probe_length
     assert doubtful.asked <= 12 // LOOK_EVERY + 1
     sched.begin_request()
-    sched._kept_last.clear()                          # past the first round (looked at: tested below)
+    sched.looks._kept_last.clear()                          # past the first round (looked at: tested below)
     sched._request_first_round -= EARLY_PROBE_ROUNDS  # and the early looks (tested apart)
     sure = CopyDraft("hi")
     kept = rounds(sure, right=True)
@@ -949,7 +950,7 @@ def test_after_a_look_cut_to_nothing_the_rounds_until_the_next_are_quiet(monkeyp
     # a look whose draft trim cut to nothing is followed by idle rounds, answered at once as after a
     # skipped look; the round after such a look used to check "does drafting pay" again (~40 µs with
     # the caches cold after a decode, in about a third of auto's busy rounds on SmolLM2's gsm8k)
-    from ouroboros_local.scheduler import LOOK_EVERY
+    from ouroboros_local.looks import LOOK_EVERY
 
     sched = stale_mix()
     sched._probe_every["x"] = 1000                    # looks alone
@@ -978,11 +979,11 @@ class PeekedCopy(CopyDraft):
 
 
 def test_looks_at_a_class_trim_keeps_cutting_back_off_and_still_count_in_the_mix() -> None:
-    from ouroboros_local.scheduler import LOOK_BACKOFF_MAX, LOOK_EVERY
+    from ouroboros_local.looks import LOOK_BACKOFF_MAX, LOOK_EVERY
 
     sched = stale_mix()
     sched._probe_every["x"] = 1000                    # looks alone
-    sched._dry_looks["x"] = -1                        # in a request whose looks kept nodes (no dry backoff)
+    sched.looks._dry["x"] = -1                        # in a request whose looks kept nodes (no dry backoff)
     table = sched.confidence["x"]
     before = table.first["lo"]
     doubtful = PeekedCopy("lo")
@@ -994,8 +995,8 @@ def test_looks_at_a_class_trim_keeps_cutting_back_off_and_still_count_in_the_mix
     # the skipped looks' class still counts in the mix (else the mix would promise more than drafting does)
     assert table.first["lo"] > 0.8 * before + 30
     sched.begin_request()                             # a new text: looked at sooner again (half the wait)
-    sched._kept_last.clear()
-    sched._dry_looks["x"] = -1
+    sched.looks._kept_last.clear()
+    sched.looks._dry["x"] = -1
     asked, peeked = doubtful.asked, doubtful.peeked
     for _ in range(LOOK_BACKOFF_MAX * LOOK_EVERY):  # 16 looks: once at most before, twice now
         sched.draft(doubtful, [0], 8)
@@ -1017,7 +1018,7 @@ def test_looks_back_off_in_a_request_where_none_kept_anything() -> None:
     # on SmolLM2 the looks (the peek, the "does drafting pay" check, the trim, the scoring) cost auto
     # ~75 µs a round on text with nothing to copy; on an H200 its extra Python was the whole gap to
     # plain decoding
-    from ouroboros_local.scheduler import DRY_LOOKS_EVERY_MAX, LOOK_EVERY
+    from ouroboros_local.looks import DRY_LOOKS_EVERY_MAX, LOOK_EVERY
 
     sched = stale_mix()
     sched._probe_every["x"] = 1000                    # looks alone
@@ -1029,7 +1030,7 @@ def test_looks_back_off_in_a_request_where_none_kept_anything() -> None:
     assert 0 < nothing.peeked <= rounds // DRY_LOOKS_EVERY_MAX + 4 and nothing.asked == 0
 
     sched.begin_request()                             # a new text: every LOOK_EVERY rounds again
-    sched._kept_last.clear()
+    sched.looks._kept_last.clear()
     peeked = nothing.peeked
     for _ in range(2 * LOOK_EVERY):
         sched.draft(nothing, [0], 8)
@@ -1065,7 +1066,8 @@ def test_a_copy_drafter_stays_looked_at_when_short_proposals_make_its_tokens_loo
     # drives its per-token figure past the bar of a cheap drafter, while what a token cost at least
     # shows what it is (a trie lookup, not a model). Judged on the running figure, it was never looked
     # at again and a repeated request went undrafted
-    from ouroboros_local.scheduler import LOOK_COST, LOOK_EVERY
+    from ouroboros_local.scheduler import LOOK_COST
+    from ouroboros_local.looks import LOOK_EVERY
 
     sched = stale_mix()
     for _ in range(60):
@@ -1080,8 +1082,8 @@ def test_a_drafter_that_runs_no_model_is_looked_at_however_dear_its_proposals_we
     # with the caches cold after a decode, a trie lookup that found one or two tokens timed at 0.1-0.3 ms:
     # even its least per-token figure stayed above the bar, and the suffix tries were looked at 0-1 times
     # a request (a repeated set of code edits: 1.06x where runs that looked reached 1.4-1.6x); how often
-    # is what looks cost (``_look_every``), not whether
-    from ouroboros_local.scheduler import LOOK_EVERY, LOOK_SHARE
+    # is what looks cost (``Looks.every``), not whether
+    from ouroboros_local.looks import LOOK_EVERY, LOOK_SHARE
 
     for free in (True, False):
         sched = stale_mix()
@@ -1089,7 +1091,7 @@ def test_a_drafter_that_runs_no_model_is_looked_at_however_dear_its_proposals_we
         sure.free_drafts = free
         sched.enroll(sure)
         sched._draft_costs["x"] = sched._least_costs["x"] = 0.2 * CPU.cost(1)   # dear per token
-        sched._look_seconds["x"] = 0.2 * LOOK_SHARE * LOOK_EVERY * CPU.cost(1)   # looks within the share
+        sched.looks._seconds["x"] = 0.2 * LOOK_SHARE * LOOK_EVERY * CPU.cost(1)   # looks within the share
         kept = [sched.draft(sure, [0], 8).n_candidates for _ in range(LOOK_EVERY)]
         assert (kept[-1] > 0 and sure.asked == 1) if free else sure.asked == 0, free
 
@@ -1100,7 +1102,7 @@ def test_a_look_is_priced_without_its_catch_up_on_the_rounds_it_skipped(monkeypa
     import types
 
     import ouroboros_local.scheduler as scheduler_module
-    from ouroboros_local.scheduler import LOOK_EVERY
+    from ouroboros_local.looks import LOOK_EVERY
 
     clock = [0.0]
     monkeypatch.setattr(scheduler_module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -1117,7 +1119,7 @@ def test_a_look_is_priced_without_its_catch_up_on_the_rounds_it_skipped(monkeypa
     sched.enroll(lazy)
     for _ in range(LOOK_EVERY):
         sched.draft(lazy, [0], 8)
-    assert lazy.asked == 1 and sched._look_seconds["x"] == pytest.approx(0.001)
+    assert lazy.asked == 1 and sched.looks._seconds["x"] == pytest.approx(0.001)
 
 
 def test_a_copy_drafter_is_looked_at_before_it_has_drafted() -> None:
@@ -1125,7 +1127,7 @@ def test_a_copy_drafter_is_looked_at_before_it_has_drafted() -> None:
     # rounds, not held to probes, which the method's other candidate may have spent (a fresh process:
     # the suffix tries never proposed in the README's request while prompt lookup's probes used the
     # budget)
-    from ouroboros_local.scheduler import LOOK_EVERY
+    from ouroboros_local.looks import LOOK_EVERY
 
     class Priced(CopyDraft):
         free_drafts = False
@@ -1143,7 +1145,7 @@ def test_a_pending_probe_does_not_bar_looks_and_the_look_is_verified_as_the_prob
     # a probe whose proposal found nothing (or whose draft auto passed over for another candidate's)
     # stays pending until a draft of that drafter is verified; barring looks meanwhile, it left the
     # suffix tries unasked for the rest of the README's request
-    from ouroboros_local.scheduler import LOOK_EVERY
+    from ouroboros_local.looks import LOOK_EVERY
 
     sched = stale_mix()
     sched._probing.add("x")
@@ -1393,7 +1395,7 @@ def round_seen(sched: Scheduler, tree: TokenTree, asked: list[int], sources: str
     sched.observe_round(tree.n_candidates + 1, CPU.cost(tree.n_candidates + 1))
     sched._count_skipped()
     return (tree.n_candidates, *asked, *(sched._idle.get(s, 0) for s in sources),
-            *(sched._unlooked.get(s, 0) for s in sources))
+            *(sched.looks._unlooked.get(s, 0) for s in sources))
 
 
 def same_rounds_fewer_calls(plain: tuple[list, int], shortcut: tuple[list, int]) -> None:

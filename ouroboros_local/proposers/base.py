@@ -103,7 +103,7 @@ class Proposer(ABC):
         """The confidence class the first node of a proposal after ``committed`` would have, where that is
         much cheaper to find than the proposal (a copy's match length): "" when it would draft nothing,
         None when it cannot tell without proposing. A scheduler skips looks at classes whose drafts it
-        keeps cutting to nothing (``Scheduler._look_promising``)."""
+        keeps cutting to nothing (``Looks.promising``)."""
         return None
 
     def draft_cost_floor(self, draft_costs: "CostModel") -> float | None:
