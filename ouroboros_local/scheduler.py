@@ -246,7 +246,7 @@ class Scheduler:
             peek_catch_up = proposer.catch_up_seconds
             if peeked == "" or not (early or self._look_promising(name, peeked)):
                 self.looks.dry(name, time.perf_counter() - t_look - peek_catch_up, early)
-                self._plan_quiet(name, budget)
+                self._plan_quiet(name, budget)   # idle until the next look: else the next round asks again
                 return None
             k = min(budget, self.max_length)
         if k <= 0:
