@@ -31,6 +31,8 @@ Usage (the answers from copy_bound.py's ``--outputs``):
     # a later process on half the edits, after one that answered the other half (learned.py)
     python3 scripts/replay_auto.py -m qwen2.5-coder-1.5b-instruct --answers answers.json \\
         --learned-from codeedit:1 --order codeedit:2
+    # a refactor that should change no decision: the same table before and after (a stand-in clock)
+    python3 scripts/replay_auto.py -m smollm2-135m-instruct --answers answers.json --seeds 3 --clock-step 1e-5
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ import json
 import sys
 import time
 from collections import Counter
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
@@ -97,6 +100,18 @@ def slow_cache(sched: Scheduler, scale: float) -> None:
 
     sched.note_draft = slow_draft   # type: ignore[method-assign]
     sched.looks.note_seconds = lambda source, seconds: note_look(source, seconds * scale)   # type: ignore[method-assign]
+
+
+@contextmanager
+def stand_in_clock(step: float) -> Iterator[None]:
+    """``time.perf_counter`` advancing ``step`` seconds a call (``--clock-step``), the real one restored
+    after: what the scheduler measures of its drafting is then the same in every run."""
+    real, ticks = time.perf_counter, itertools.count()
+    time.perf_counter = lambda: next(ticks) * step
+    try:
+        yield
+    finally:
+        time.perf_counter = real
 
 
 def pick(answers: list[dict[str, Any]], name: str, limit: int) -> list[dict[str, Any]]:
@@ -252,20 +267,18 @@ def main() -> int:
     engine = Engine.load(args.model)
     curve, max_draft = engine.cost_model(), engine.config.max_draft
     engine.close()
-    if args.clock_step:
-        ticks = itertools.count()
-        time.perf_counter = lambda: next(ticks) * args.clock_step   # the whole process's, from here on
     gpu = json.loads(Path(args.gpu_clock).read_text()) if args.gpu_clock else None
     runs = []
-    for seed in range(args.seeds):
-        session = partial(replay, answers, curve=curve, noise=args.noise, seed=seed, limit=args.limit,
-                          max_tokens=args.max_tokens, max_draft=max_draft, method=args.method,
-                          learned={} if earlier else None, python_scale=args.python_scale,
-                          charge_python=args.charge_python,
-                          gpu=gpu)
-        if earlier:
-            session(earlier)
-        runs.append(session(order))
+    with stand_in_clock(args.clock_step) if args.clock_step else nullcontext():
+        for seed in range(args.seeds):
+            session = partial(replay, answers, curve=curve, noise=args.noise, seed=seed, limit=args.limit,
+                              max_tokens=args.max_tokens, max_draft=max_draft, method=args.method,
+                              learned={} if earlier else None, python_scale=args.python_scale,
+                              charge_python=args.charge_python,
+                              gpu=gpu)
+            if earlier:
+                session(earlier)
+            runs.append(session(order))
     print("c(n)/c(1): " + ", ".join(f"c({n})={curve.ratio(n):.2f}" for n in (2, 4, 8, 16)))
     print(f"| pass | speed-up, mean of {args.seeds} | lowest | highest | tokens per pass (seed 0) |")
     print("|---|---:|---:|---:|---:|")

@@ -115,3 +115,18 @@ def test_a_rounds_cost_noise_averages_to_the_curve() -> None:
     factors = [replay_auto.round_noise(rng, 0.15) for _ in range(200_000)]
     assert abs(np.mean(factors) - 1.0) < 0.002
     assert replay_auto.round_noise(rng, 0.0) == 1.0
+
+
+def test_a_replay_on_the_stand_in_clock_decides_alike_every_time() -> None:
+    # --clock-step: what the scheduler times of its drafting no longer moves between runs, so two versions
+    # of the code that decide alike print the same table (how a refactor is checked to change nothing)
+    import time
+
+    run = dict(curve=CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0]), noise=0.1, seed=3, limit=16,
+               max_tokens=128, max_draft=16, python_scale=1e3, charge_python=True)   # timed: 1.81x, 1.93x
+    outs = []
+    for _ in range(2):
+        with replay_auto.stand_in_clock(2e-5):
+            outs.append(replay_auto.replay(answers(), ["copy", "fresh", "copy"], **run))
+    assert outs[0] == outs[1]
+    assert time.perf_counter() > 1.0 and time.perf_counter() != time.perf_counter()   # the real clock is back
