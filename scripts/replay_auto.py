@@ -99,7 +99,7 @@ def slow_cache(sched: Scheduler, scale: float) -> None:
         note_draft(source, seconds * scale, n_tokens, catch_up=catch_up * scale, **kw)
 
     sched.note_draft = slow_draft   # type: ignore[method-assign]
-    sched.looks.note_seconds = lambda source, seconds: note_look(source, seconds * scale)   # type: ignore[method-assign]
+    sched.looks.note_seconds = lambda source, seconds: note_look(source, seconds * scale)  # type: ignore[method-assign]
 
 
 @contextmanager
