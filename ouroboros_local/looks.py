@@ -15,6 +15,7 @@ cutting to nothing. This module holds that bookkeeping; the scheduler asks it an
 from __future__ import annotations
 
 import math
+from typing import Iterable
 
 LOOK_EVERY = 4          # idle rounds between looks at a cheap labelling drafter's proposal (``Looks.due``)
 LOOK_SHARE = 0.005      # ... and looks that find nothing worth verifying take at most this share of the time
@@ -41,7 +42,7 @@ class Looks:
         # first class -> [its looks cut to nothing running, looks skipped since] (``promising``)
         self._records: dict[str, dict[str, list[int]]] = {}
 
-    def begin_request(self, sources: "set[str] | dict[str, object]") -> None:
+    def begin_request(self, sources: Iterable[str]) -> None:
         """A new request: every one of ``sources`` is looked at in its first round (a repeated request is
         copyable from its first token, and waiting LOOK_EVERY rounds cost 3 of the 5-9 target passes such
         a request takes on SmolLM2); classes cut to nothing are looked at sooner again (a new text may copy
