@@ -314,8 +314,8 @@ case "${1:-}" in
     # Where auto's Python goes on this GPU, SmolLM2 under the defaults (rounds of 4 on CUDA): on the
     # H200's mt_bench (docs/reports/h200-f, smol-b1) auto spent 0.458 ms of Python a round against
     # vanilla's 0.114, where this CPU's stub (scripts/round_overhead.py --idle --round-size 4 --overlap)
-    # finds ~55 µs in the open: the time split per round of vanilla and auto on LIMIT prompts, then
-    # vanilla and auto (under cProfile) on the next LIMIT (not yet answered: no copies of its answers).
+    # finds ~55 µs in the open: the time split per round of vanilla and auto on LIMIT prompts, then on
+    # the next LIMIT (not yet answered: no copies of their answers) vanilla, and auto under cProfile.
     setup_env; wait_for_build; assemble
     $PY - "$MODELS" "${LIMIT:-10}" "${TOKENS:-128}" "${GPU_LAYERS:-all}" <<'EOF' 2>&1 | tee "$OUT/profile.txt"
 import cProfile, collections, json, pstats, sys
