@@ -39,8 +39,8 @@
 #                                         against off, and rounds of 3 against 4, so that the call ends by
 #                                         ~525 s; seven files come back
 #   scripts/gpu_check.sh profile          where auto's Python goes on the GPU: SmolLM2 on mt_bench under the
-#                                         defaults, the time split per round of vanilla and auto, then auto
-#                                         under cProfile, into $OUT/profile.txt (~25 s; next runs it too)
+#                                         defaults, the time split per round of vanilla, then of auto under
+#                                         cProfile, into $OUT/profile.txt (~15 s; next runs it too)
 #   scripts/gpu_check.sh test             the fast test suite on the GPU build
 #   scripts/gpu_check.sh measure          cost curves c(k) of a Qwen2.5-1.5B-shaped model on GPU and CPU
 # On an H200 (2026-11-26) start took 33-36 s (the machine's start), each stash ~5 s, the build 267 s,
@@ -304,7 +304,7 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
     BENCH_DEADLINE=$((end - 110)) LABEL=q15 "$0" bench qwen15
     BENCH_DEADLINE=$((end - 45)) LABEL=smol "$0" bench smol
-    # where auto's Python goes in rounds of 4 (~25 s), if a minute is left
+    # where auto's Python goes in rounds of 4 (~15 s), if a minute is left
     [ "$(date +%s)" -lt $((end - 60)) ] && "$0" profile > /dev/null
     BENCH_DEADLINE=$end AB_LABEL=smol-fa "$0" ab smol 1 '' '--flash-attn on' --methods vanilla,auto --peers ''
     BENCH_DEADLINE=$end AB_LABEL=smol-k3 "$0" ab smol 1 '' '--round-size 3' --methods vanilla,auto --peers ''
@@ -314,8 +314,9 @@ case "${1:-}" in
     # Where auto's Python goes on this GPU, SmolLM2 under the defaults (rounds of 4 on CUDA): on the
     # H200's mt_bench (docs/reports/h200-f, smol-b1) auto spent 0.458 ms of Python a round against
     # vanilla's 0.114, where this CPU's stub (scripts/round_overhead.py --idle --round-size 4 --overlap)
-    # finds ~55 µs in the open: the time split per round of vanilla and auto on LIMIT prompts, then on
-    # the next LIMIT (not yet answered: no copies of their answers) vanilla, and auto under cProfile.
+    # finds ~55 µs in the open. `bench smol` reports both methods' time split already: here vanilla on
+    # LIMIT prompts as this process's reference, then auto under cProfile on the same (its first answers
+    # to them: nothing of them to copy yet).
     setup_env; wait_for_build; assemble
     $PY - "$MODELS" "${LIMIT:-10}" "${TOKENS:-128}" "${GPU_LAYERS:-all}" <<'EOF' 2>&1 | tee "$OUT/profile.txt"
 import cProfile, collections, json, pstats, sys
@@ -325,10 +326,9 @@ layers = -1 if sys.argv[4] == "all" else int(sys.argv[4])
 eng = Engine.load(f"{models}/smollm2-135m-instruct.gguf", progress=False, gpu_layers=layers)
 print("round size", eng.round_size)
 with open(f"{models}/mt_bench.jsonl") as f:
-    turns = [json.loads(line)["turns"][0] for line in f]
-sets = [[eng.apply_chat_template([{"role": "user", "content": t}]) for t in turns[i * limit:(i + 1) * limit]]
-        for i in range(2)]
-def run(method, prompts):
+    prompts = [eng.apply_chat_template([{"role": "user", "content": json.loads(line)["turns"][0]}])
+               for line in f][:limit]
+def run(method):
     parts, passes, written, python = collections.Counter(), 0, 0, 0.0
     for p in prompts:
         st = eng.generate(p, max_tokens=tokens, method=method).stats
@@ -338,12 +338,10 @@ def run(method, prompts):
             parts[part] += sec
     print(f"{method}: {passes * 100 / written:.1f} passes per 100 tokens, py {python / passes:.3f} ms/round, "
           "µs a round: " + ", ".join(f"{k} {v * 1e6 / passes:.0f}" for k, v in parts.items() if v))
-run("vanilla", sets[0])
-run("auto", sets[0])
-run("vanilla", sets[1])
+run("vanilla")
 profiler = cProfile.Profile()
 profiler.enable()
-run("auto", sets[1])
+run("auto")
 profiler.disable()
 pstats.Stats(profiler).sort_stats("tottime").print_stats(40)
 pstats.Stats(profiler).sort_stats("cumulative").print_stats(30)
