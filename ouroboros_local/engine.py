@@ -65,8 +65,9 @@ def default_round_size(target: Model, n_batch: int) -> int:
         return 0
     try:
         found = devices()
-    except (ImportError, AttributeError, OSError) as exc:   # a llama_cpp without ggml's device API
-        log.debug("llama.cpp's devices unknown (%s): rounds take their draft's size", exc)
+    except (ImportError, AttributeError, OSError, RuntimeError) as exc:   # no ggml device API found
+        log.warning("llama.cpp's devices are unknown (%s): rounds take their draft's size "
+                    "(--round-size %d keeps a CUDA GPU's graphs)", exc, CUDA_ROUND_SIZE)
         return 0
     return CUDA_ROUND_SIZE if has_cuda_gpu(found) else 0
 

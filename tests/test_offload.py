@@ -7,6 +7,12 @@ comparison with plain decoding uses the tolerance rule (ouroboros_local/compare.
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from ouroboros_local.cli import _gpu_layers
@@ -92,3 +98,23 @@ def test_a_target_wholly_on_a_cuda_gpu_decodes_rounds_of_one_size(tiny_target) -
         assert gpu.config.round_size == (CUDA_ROUND_SIZE if has_cuda_gpu(devices()) else 0)
     with engine_with(tiny_target, None, 1, 0) as split:
         assert split.config.round_size == 0
+
+
+def test_devices_are_listed_from_a_llama_cpp_built_apart(tmp_path: Path) -> None:
+    """With LLAMA_CPP_LIB_PATH naming a llama.cpp built apart and no libraries in the package (how
+    scripts/gpu_check.sh runs a CUDA build), the devices come from that build: llama_cpp's own _ggml
+    module looks only in the package, so the seventh H200 run found no devices and silently ran without
+    rounds of 4."""
+    import llama_cpp
+
+    package = Path(llama_cpp.__file__).parent
+    shutil.copytree(package, tmp_path / "llama_cpp", ignore=shutil.ignore_patterns("lib", "__pycache__"))
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "LLAMA_CPP_LIB_PATH": str(package / "lib"),
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    code = ("from ouroboros_local.llama import devices; import llama_cpp, sys; "
+            "assert 'lib' not in __import__('os').listdir(llama_cpp.__path__[0]); "
+            "print(sorted(d.kind for d in devices()))")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "cpu" in run.stdout

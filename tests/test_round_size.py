@@ -137,15 +137,21 @@ def test_rounds_of_one_size_are_the_default_where_the_whole_target_is_on_a_cuda_
     assert default_round_size(_Target(layers), n_batch) == expected
 
 
-def test_devices_that_cannot_be_listed_leave_rounds_their_drafts_size(monkeypatch) -> None:
+@pytest.mark.parametrize("error", [AttributeError("libggml has no ggml_backend_dev_count"),
+                                   FileNotFoundError("Shared library with base name 'ggml' not found")])
+def test_devices_that_cannot_be_listed_leave_rounds_their_drafts_size_and_say_so(
+        monkeypatch, caplog, error: Exception) -> None:
+    """Not silently: the seventh H200 run lost its rounds of 4 to a libggml that was not found."""
     import ouroboros_local.engine as engine_module
 
     def no_device_api():
-        raise AttributeError("libggml has no ggml_backend_dev_count")
+        raise error
 
     monkeypatch.setattr(engine_module, "supports_gpu_offload", lambda: True)
     monkeypatch.setattr(engine_module, "devices", no_device_api)
-    assert default_round_size(_Target(-1), 512) == 0
+    with caplog.at_level("WARNING", logger="ouroboros_local"):
+        assert default_round_size(_Target(-1), 512) == 0
+    assert f"--round-size {CUDA_ROUND_SIZE}" in caplog.text and str(error) in caplog.text
 
 
 def test_an_engine_left_to_decide_runs_rounds_of_their_drafts_size_on_a_cpu(tiny_target) -> None:

@@ -272,7 +272,9 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     lines.append(f"- settings: {st.get('sampling_desc', 'greedy')}, threads {st.get('threads')}, "
                  f"ctx {st.get('n_ctx')}, chat {st.get('chat')}, warm-up {st.get('warmup')}, "
                  f"gpu layers {st.get('gpu_layers')}"
-                 + (f", rounds of {engine['round_size']}" if engine.get("round_size") else "")
+                 + (f", flash attention {engine['flash_attn']}" if engine.get("flash_attn") else "")
+                 + (f", rounds of {engine['round_size']}" if engine.get("round_size")
+                    else ", rounds of each draft's size" if engine else "")
                  + ("" if engine.get("overlap") is None else f", overlap {'on' if engine['overlap'] else 'off'}")
                  + f", created {payload.get('created')}")
     lines.append("")

@@ -117,11 +117,30 @@ class Device:
 _DEVICE_KINDS = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel"}
 
 
-def _ggml_device_api() -> ctypes.CDLL:
+_ggml_lib: ctypes.CDLL | None = None
+
+
+def _ggml_library() -> ctypes.CDLL:
+    """libggml from the folder of the libllama this process loaded. llama_cpp's own ``_ggml`` module
+    looks only in the package's lib folder and ignores LLAMA_CPP_LIB_PATH, so with a llama.cpp built
+    apart (a CUDA build, say) it finds no library, or another build's."""
+    from llama_cpp import _ctypes_extensions
+
+    loaded = getattr(getattr(lc, "_lib", None), "_name", None)
+    if loaded:
+        try:
+            return _ctypes_extensions.load_shared_library("ggml", Path(loaded).parent)
+        except (OSError, RuntimeError):   # not beside libllama (a static build): the package's copy
+            pass
     from llama_cpp import _ggml
 
-    lib = _ggml.libggml
-    if not getattr(lib, "_ouroboros_typed", False):
+    return _ggml.libggml
+
+
+def _ggml_device_api() -> ctypes.CDLL:
+    global _ggml_lib
+    if _ggml_lib is None:
+        lib = _ggml_library()
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         lib.ggml_backend_dev_count.restype = sz
         lib.ggml_backend_dev_get.argtypes, lib.ggml_backend_dev_get.restype = [sz], vp
@@ -130,8 +149,8 @@ def _ggml_device_api() -> ctypes.CDLL:
         lib.ggml_backend_dev_type.argtypes, lib.ggml_backend_dev_type.restype = [vp], ctypes.c_int
         lib.ggml_backend_dev_memory.argtypes = [vp, ctypes.POINTER(sz), ctypes.POINTER(sz)]
         lib.ggml_backend_dev_memory.restype = None
-        lib._ouroboros_typed = True
-    return lib
+        _ggml_lib = lib
+    return _ggml_lib
 
 
 def devices() -> list[Device]:
