@@ -45,8 +45,9 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                            choices=["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"],
                            help=f"{'draft' if who else 'target'} KV cache type for {kind.upper()} "
                                 "(quantized V needs --flash-attn on/auto)")
-    g.add_argument("--flash-attn", choices=["off", "on", "auto"], default="off",
-                   help="flash attention (default off: bit-reproducible greedy output on CPU)")
+    g.add_argument("--flash-attn", choices=["off", "on", "auto"], default=None,
+                   help="flash attention (default: llama.cpp's auto for a model with layers on a GPU, as "
+                        "plain llama.cpp runs it there; off on a CPU: bit-reproducible greedy output)")
     g.add_argument("--round-size", default="auto", metavar="K",
                    help="every round of a drafting method decodes K tokens, a plain step too, a short draft "
                         "filled with guesses: an unchanged shape keeps llama.cpp's graph (on a GPU, its "

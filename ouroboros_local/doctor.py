@@ -41,6 +41,14 @@ def rounds_line(cuda: bool) -> str:
             "batch shape rebuilds; --round-size K sets one)")
 
 
+def flash_attention_line(gpu: bool) -> str:
+    """Flash attention's default here (``EngineConfig.flash_attn``, ``engine.default_flash_attn``)."""
+    if gpu:
+        return ("flash attention: auto by default for a model with layers on the GPU (llama.cpp's own default); "
+                "off for one on the CPU (bit-reproducible greedy output); --flash-attn sets it")
+    return "flash attention: off by default on the CPU (bit-reproducible greedy output); --flash-attn sets it"
+
+
 def huge_pages_line() -> str:
     """Whether weights kept on the CPU go into 2 MiB pages (llama/huge_pages.py)."""
     from .llama import huge_pages
@@ -74,6 +82,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                   if dev.memory_total else "")
         print(f"device {i}: {dev.name} ({dev.kind}: {dev.description}{memory})")
     print(rounds_line(gpu and has_cuda_gpu(found)))
+    print(flash_attention_line(gpu))
     for line in load_lines():
         print(line)
     print(huge_pages_line())

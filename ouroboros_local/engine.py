@@ -72,6 +72,14 @@ def default_round_size(target: Model, n_batch: int) -> int:
     return CUDA_ROUND_SIZE if has_cuda_gpu(found) else 0
 
 
+def default_flash_attn(model: Model) -> str:
+    """``EngineConfig.flash_attn`` when left to None: llama.cpp's default (auto: on where its backend
+    supports it) for a model with layers on a GPU, as plain llama.cpp runs it there (an H200 decoded
+    SmolLM2-135M 13% faster with it); off on a CPU, where flash attention would change the logits with
+    the batch's shape (docs/design.md#exactness) and gains little at these context sizes."""
+    return "auto" if model.n_gpu_layers != 0 and supports_gpu_offload() else "off"
+
+
 @dataclass
 class EngineConfig:
     n_ctx: int = 4096
@@ -79,7 +87,9 @@ class EngineConfig:
     n_seq_max: int = 16           # sequence ids per context (branches + lookahead window)
     threads: int | None = None
     threads_batch: int | None = None
-    flash_attn: str = "off"       # off gives bit-reproducible greedy output on CPU (docs/design.md#exactness)
+    # off | on | auto; None: ``default_flash_attn`` per model (off on a CPU: bit-reproducible greedy
+    # output, docs/design.md#exactness; on a GPU llama.cpp's own default, auto)
+    flash_attn: str | None = None
     gpu_layers: int = 0
     draft_gpu_layers: int = 0
     main_gpu: int = 0
@@ -213,6 +223,11 @@ class Engine:
         self.config = config or EngineConfig()
         if self.config.round_size is None:
             self.config = replace(self.config, round_size=default_round_size(target, self.config.n_batch))
+        # left to None, each model's own placement decides (a draft kept on the CPU stays exact there)
+        self._draft_flash_attn = self.config.flash_attn
+        if self.config.flash_attn is None:
+            self._draft_flash_attn = default_flash_attn(draft) if draft is not None else "off"
+            self.config = replace(self.config, flash_attn=default_flash_attn(target))
         self.target = target
         self.draft = draft
         if draft is not None and pair_compatible is None:
@@ -267,7 +282,7 @@ class Engine:
             cfg = self.config
             self._draft_ctx = Context(self.draft, ContextParams(
                 n_ctx=cfg.draft_n_ctx or cfg.n_ctx, n_batch=cfg.n_batch, n_seq_max=cfg.n_seq_max,
-                n_threads=cfg.threads, n_threads_batch=cfg.threads_batch, flash_attn=cfg.flash_attn,
+                n_threads=cfg.threads, n_threads_batch=cfg.threads_batch, flash_attn=self._draft_flash_attn,
                 type_k=cfg.draft_type_k, type_v=cfg.draft_type_v))
             self._draft_kv = KVCache(self._draft_ctx)
         return self._draft_kv

@@ -118,3 +118,31 @@ def test_devices_are_listed_from_a_llama_cpp_built_apart(tmp_path: Path) -> None
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "cpu" in run.stdout
+
+
+class _Placed:
+    """What ``default_flash_attn`` reads of a model."""
+
+    def __init__(self, n_gpu_layers: int):
+        self.n_gpu_layers = n_gpu_layers
+
+
+@pytest.mark.parametrize("offload, layers, expected", [
+    (True, -1, "auto"), (True, 12, "auto"),   # layers on a GPU: llama.cpp's own default there
+    (True, 0, "off"),                        # on the CPU: bit-reproducible greedy output
+    (False, -1, "off"),                      # a CPU build ignores --gpu-layers
+])
+def test_flash_attention_follows_llama_cpp_on_a_gpu_and_stays_off_on_a_cpu(
+        monkeypatch, offload: bool, layers: int, expected: str) -> None:
+    import ouroboros_local.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "supports_gpu_offload", lambda: offload)
+    assert engine_module.default_flash_attn(_Placed(layers)) == expected
+
+
+def test_an_engine_resolves_flash_attention_and_keeps_a_setting_given(tiny_target) -> None:
+    with engine_with(tiny_target, None, 0, 0) as cpu:
+        assert cpu.config.flash_attn == "off"
+    config = EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1, flash_attn="on")
+    with Engine(Model(tiny_target), None, config) as chosen:
+        assert chosen.config.flash_attn == "on"

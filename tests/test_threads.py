@@ -152,8 +152,9 @@ def test_doctor_reports_the_load_and_the_thread_choice(monkeypatch) -> None:
     assert lines[2].startswith("OpenMP waiting: OMP_WAIT_POLICY=")
 
 
-def test_doctor_says_how_many_tokens_a_round_decodes(tiny_target, capsys) -> None:
-    """On this CPU build: each round its draft's size (rounds of one size are a CUDA GPU's default)."""
+def test_doctor_says_how_many_tokens_a_round_decodes_and_whether_attention_is_flash(tiny_target, capsys) -> None:
+    """On this CPU build: each round its draft's size (rounds of one size are a CUDA GPU's default) and
+    flash attention off (on a GPU, llama.cpp's auto)."""
     from ouroboros_local import cli, doctor
     from ouroboros_local.engine import CUDA_ROUND_SIZE
 
@@ -161,6 +162,8 @@ def test_doctor_says_how_many_tokens_a_round_decodes(tiny_target, capsys) -> Non
     out = capsys.readouterr().out
     assert "\nrounds: each its draft's size by default" in out and "\ndevice 0: CPU" in out
     assert doctor.rounds_line(True).startswith(f"rounds: {CUDA_ROUND_SIZE} tokens each by default")
+    assert "\nflash attention: off by default on the CPU" in out
+    assert doctor.flash_attention_line(True).startswith("flash attention: auto by default")
 
 
 def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monkeypatch, capsys) -> None:

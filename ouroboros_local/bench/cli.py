@@ -316,7 +316,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 contenders.append(peers_mod.LlamaCppPythonPeer(
                     label, target.path, eog=target.eog_tokens,
                     n_ctx=need_ctx if label == peers_mod.PY_PLD else n_ctx,
-                    n_batch=512, threads=threads, gpu_layers=gpu_layers, options=opts,
+                    n_batch=512, threads=threads, gpu_layers=gpu_layers,
+                    flash_attn=engine.config.flash_attn, options=opts,
                     cold=not args.warm_prefill))
         if peer_labels:
             notes.append("peer speeds are per decode step: a peer's first token comes out of its prompt "

@@ -111,9 +111,10 @@ class LlamaCppPythonPeer(Contender):
     kind = "peer"
 
     def __init__(self, label: str, model_path: str | Path, *, eog: frozenset[int], n_ctx: int,
-                 n_batch: int = 512, threads: int | None = None, gpu_layers: int = 0,
+                 n_batch: int = 512, threads: int | None = None, gpu_layers: int = 0, flash_attn: str = "off",
                  options: dict[str, Any] | None = None, cold: bool = True):
         self.label = label
+        self.flash_attn = flash_attn != "off"   # Llama takes a bool: auto as on (a GPU's default)
         self.method = label
         self.cold = cold
         self.pld = label == PY_PLD
@@ -142,7 +143,7 @@ class LlamaCppPythonPeer(Contender):
         kwargs: dict[str, Any] = dict(model_path=self.model_path, n_ctx=self.n_ctx, n_batch=self.n_batch,
                                       n_ubatch=self.n_batch, n_threads=self.threads,
                                       n_threads_batch=self.threads, n_gpu_layers=self.gpu_layers,
-                                      flash_attn=False, verbose=False, seed=0)
+                                      flash_attn=self.flash_attn, verbose=False, seed=0)
         counts = self._counts
         if self.pld:
             class CountingPLD(LlamaPromptLookupDecoding):
