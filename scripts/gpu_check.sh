@@ -31,13 +31,15 @@
 #                                         $OUT/NAME-runs.tgz (NAME: AB_LABEL, else the set). A run of
 #                                         vanilla and auto takes ~25 s (1.5B) and ~20 s (SmolLM2)
 #   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes
-#                                         (timeout_s ~560): the full comparisons with the peers under the
-#                                         defaults (rounds of 4 on CUDA since the sixth run): bench qwen15,
-#                                         then bench smol, each interrupted at a deadline (BENCH_DEADLINE,
-#                                         epoch seconds: SIGINT, the prompts done are reported), then
-#                                         profile (if a minute is left), then SmolLM2 with --flash-attn on
-#                                         against off, and rounds of 3 against 4, so that the call ends by
-#                                         ~525 s; seven files come back
+#                                         (timeout_s ~560): preflight, then the full comparisons with the
+#                                         peers under the GPU's defaults (rounds of 4, flash attention
+#                                         auto): bench qwen15, then bench smol, each interrupted at a
+#                                         deadline (BENCH_DEADLINE, epoch seconds: SIGINT, the prompts done
+#                                         are reported), then profile (if a minute is left), so that the
+#                                         call ends by ~525 s
+#   scripts/gpu_check.sh preflight        llama.cpp's devices and the engine's defaults here (doctor, into
+#                                         $OUT/doctor.txt); fails unless rounds of 4 and flash attention
+#                                         auto are the defaults (next then asks for them by flag)
 #   scripts/gpu_check.sh profile          where auto's Python goes on the GPU: SmolLM2 on mt_bench under the
 #                                         defaults, the time split per round of vanilla, then of auto under
 #                                         cProfile, into $OUT/profile.txt (~15 s; next runs it too)
@@ -76,6 +78,11 @@
 # of 4 drafting while they decode: `auto` >= 1.04x on every set of the 1.5B, SmolLM2 1.26x / 0.95x /
 # 1.55x / 1.46x (gsm8k, mt_bench, humaneval, code edits). A last call (177 s, 864 of 900 s in all) ran
 # two full benches under `timeout`: both killed, nothing reported; hence BENCH_DEADLINE's SIGINT.
+# The seventh H200 run (2026-11-27, forty-second session; docs/reports/h200-g): start 37 s, all 27 stashes
+# carried at 221 s, the build 274 s, then `next` (556 s): bench qwen15 (9 contenders; gsm8k cut to 4
+# prompts by its deadline), bench smol, an ab of flash attention. It ran without rounds of 4 (libggml
+# was not found beside LLAMA_CPP_LIB_PATH's build, so devices() raised and the default fell back without
+# a word); hence preflight. Flash attention made SmolLM2's plain decoding 13% faster.
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
@@ -207,8 +214,10 @@ bench_set() {
         --peers llama.cpp:ngram-mod \
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl,$S/mt_bench.jsonl" ;;
     qwen15)  # the default target with its same-family draft, against llama.cpp's draft and n-gram modes
+      # (pearl and ouroboros left out since docs/reports/h200-g: 0.55-0.61x and 0.91-0.99x on the H200,
+      # where a 0.5B step costs 0.69 of a 1.5B step; the time goes to the rest)
       set -- -m "$MODELS/qwen2.5-coder-1.5b-instruct.gguf" -d "$MODELS/qwen2.5-coder-0.5b-instruct.gguf" \
-        --methods vanilla,prompt-lookup,speculative,pearl,ouroboros,auto \
+        --methods vanilla,prompt-lookup,speculative,auto \
         --peers llama.cpp:draft-simple,llama.cpp:ngram-mod \
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl" ;;
     *) echo "unknown bench set $1 (smol, qwen05, qwen15)"; exit 2 ;;
@@ -290,25 +299,28 @@ case "${1:-}" in
     rm -f "$OUT"/"$AB"-[ab][0-9]*.log
     ;;
   next)
-    # After the stashes, one call (timeout_s ~560) of what docs/reports/h200-f left to measure: since
-    # then rounds of 4 are the default where the whole target is on a CUDA GPU, so the full comparisons
-    # with the peers (never measured in rounds of 4: twice lost to the call's limit) run with the
-    # defaults, the 1.5B first. Each bench is interrupted at its deadline (the prompts done are kept).
-    # The 1.5B's set includes pearl: its draft model decodes in a thread while the target verifies,
-    # which on a GPU (two contexts, two streams) is the one way a draft costing 2/3 of a target step
-    # could pay. Then, with what is left, flash attention on SmolLM2 in rounds of 4: the reading of
-    # ggml-cuda finds one CUDA graph per context, kept only while the shape holds, but not why a round
-    # of 4 cost SmolLM2 1.33 steps; one fused attention kernel may change that (peers follow
-    # --flash-attn too).
-    # Last, rounds of 3 against 4: cheaper rounds where drafts are short (SmolLM2's mt_bench, 0.95x).
+    # After the stashes, one call (timeout_s ~560) of what docs/reports/h200-g left to measure: its full
+    # comparisons with the peers ran without the rounds of 4 made the CUDA default (libggml not found
+    # beside LLAMA_CPP_LIB_PATH's build; fixed in 98bda2e) and with flash attention off (llama.cpp's own
+    # default is auto, ours too on a GPU since 081fb85). So: preflight (devices listed, rounds of 4 and
+    # flash attention auto by default; where not, the benches ask for them by flag and say so), then the
+    # 1.5B's full comparison and SmolLM2's, each interrupted at its deadline (the prompts done are kept),
+    # then where auto's Python goes (if a minute is left).
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
-    BENCH_DEADLINE=$((end - 110)) LABEL=q15 "$0" bench qwen15
-    BENCH_DEADLINE=$((end - 45)) LABEL=smol "$0" bench smol
-    # where auto's Python goes in rounds of 4 (~15 s), if a minute is left
+    FORCE=()
+    "$0" preflight || { FORCE=(--round-size 4 --flash-attn auto); echo "preflight failed: benches run with ${FORCE[*]}"; }
+    BENCH_DEADLINE=$((end - 150)) LABEL=q15 "$0" bench qwen15 "${FORCE[@]}"
+    BENCH_DEADLINE=$((end - 40)) LABEL=smol "$0" bench smol "${FORCE[@]}"
     [ "$(date +%s)" -lt $((end - 60)) ] && "$0" profile > /dev/null
-    BENCH_DEADLINE=$end AB_LABEL=smol-fa "$0" ab smol 1 '' '--flash-attn on' --methods vanilla,auto --peers ''
-    BENCH_DEADLINE=$end AB_LABEL=smol-k3 "$0" ab smol 1 '' '--round-size 3' --methods vanilla,auto --peers ''
     ls "$OUT"
+    ;;
+  preflight)
+    # what a bench here will run with: llama.cpp's devices, and the engine's defaults on this GPU (rounds
+    # of 4, flash attention auto); into $OUT/doctor.txt, failing where a default is not the GPU's
+    setup_env; wait_for_build; assemble
+    $PY -m ouroboros_local doctor -m "$MODELS/smollm2-135m-instruct.gguf" 2>&1 | tee "$OUT/doctor.txt" \
+      | grep -E "^(device|rounds|flash|GPU)"
+    grep -q "^rounds: 4 tokens each" "$OUT/doctor.txt" && grep -q "^flash attention: auto" "$OUT/doctor.txt"
     ;;
   profile)
     # Where auto's Python goes on this GPU, SmolLM2 under the defaults (rounds of 4 on CUDA): on the
