@@ -64,6 +64,7 @@ class CostModel:
     provisional: bool = False        # measured while others competed for our cores: re-measure when quiet
     switch_seconds: float = 0.0      # what the plain steps after a decode of another size lose (below)
     round_size: int = 0              # every round decodes this many tokens (``with_rounds_of``); 0: any
+    plain_seconds: float = 0.0       # with ``round_size``: a plain step's seconds, steps back to back
 
     def cost(self, n_tokens: int) -> float:
         cached = self.__dict__.get("_table")   # the tabulated curve (see ``table``), when there is one
@@ -109,7 +110,8 @@ class CostModel:
         never changes, ``measure_round``); a larger tree costs what the curve says, and a switch."""
         larger = [(n, max(s, seconds)) for n, s in zip(self.sizes, self.seconds) if n > size]
         return replace(self, sizes=[1, size] + [n for n, _ in larger],
-                       seconds=[seconds, seconds] + [s for _, s in larger], round_size=size)
+                       seconds=[seconds, seconds] + [s for _, s in larger], round_size=size,
+                       plain_seconds=self.cost(1))
 
     @classmethod
     def flat(cls) -> "CostModel":

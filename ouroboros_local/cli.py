@@ -53,6 +53,10 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                         "filled with guesses: an unchanged shape keeps llama.cpp's graph (on a GPU, its "
                         "CUDA graph). 0: each round takes its draft's size. Default auto: 4 where the whole "
                         "target is on a CUDA GPU, else 0")
+    g.add_argument("--round-switch", choices=["on", "off"], default="on",
+                   help="with --round-size K and overlap: plain one-token steps where rounds of K would write "
+                        "fewer tokens than they cost (counted on the guesses they would have checked), and "
+                        "back to rounds of K where they pay again (default on)")
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="draft while the target decodes a round without a draft (a plain step; with "
                         "--round-size, every round: the last draft's rest as guesses), that round checking "
@@ -144,7 +148,8 @@ def _engine_from_args(args: argparse.Namespace):
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
                           learned=args.learned is not False, round_size=round_size,
                           huge_pages=args.huge_pages,
-                          overlap={"auto": None, "on": True, "off": False}[args.overlap])
+                          overlap={"auto": None, "on": True, "off": False}[args.overlap],
+                          round_switch=args.round_switch == "on")
     if args.threads is not None and args.threads < 0:
         raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
     if args.threads and args.threads > (cores := usable_cores()):

@@ -31,6 +31,7 @@ from .pairs import check_pair
 from .proposers import create_method, method_names
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .sampling import SamplingParams
+from .round_sizer import RoundSizer
 from .scheduler import Scheduler
 from .time_split import TimeSplit
 from .tree import BatchLayout, TokenTree
@@ -113,6 +114,9 @@ class EngineConfig:
     # pass more per draft on a CPU, where it does not. None: where plain steps were seen to wait for their
     # logits after llama_decode returned (ASYNC_WAIT_SHARE), and until one is timed, on a GPU
     overlap: bool | None = None
+    # in rounds of one size that draft while they decode: plain one-token steps where rounds of
+    # ``round_size`` would write fewer tokens than they cost, and back (round_sizer.py)
+    round_switch: bool = True
 
 
 @dataclass
@@ -248,6 +252,7 @@ class Engine:
         self.history = History(target)      # state kept across requests (phrase pool, suffix tries, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
+        self._sizers: dict[str, RoundSizer] = {}   # per method (round_sizer.py)
         self._learned_saved_at = 0.0        # when the scheduler's estimates were last saved (learned.py)
 
     # ---- construction ---------------------------------------------------------------------------
@@ -502,6 +507,7 @@ class Engine:
         # in rounds of one size every round does: a round's guesses are the last draft's tokens past what
         # its round wrote (``_Round.guesses``), so a draft is never verified in the open
         pipelined = overlap and round_size > 1
+        sizer = self._round_sizer(proposer.name, round_size) if pipelined else None
         carried: tuple[TokenTree, int] | None = None   # a draft and the child the last plain step accepted
         guesses: list[int] = []
         observe_later: Callable[[], None] | None = None
@@ -524,7 +530,10 @@ class Engine:
                 was_carried = carried is not None
                 if ahead:
                     step = self._step_ahead(proposer, sched, committed, room, sampling, rng, observe_later,
-                                            round_size, draft_budget, guesses)
+                                            round_size, draft_budget, guesses,
+                                            sizer.size() if sizer is not None else round_size)
+                    if sizer is not None:
+                        sizer.observe(step.tree.batch_size, step.stand_in, step.result.tokens)
                     observe_later = None
                     ahead_drafts += step.drafted > 0
                     ahead_carried += step.carried is not None or bool(step.guesses)
@@ -568,6 +577,8 @@ class Engine:
             stats.extra.update(proposer.stats())
             if overlap:
                 stats.extra["overlap"] = {"drafts": ahead_drafts, "carried": ahead_carried}
+            if sizer is not None:
+                stats.extra["round_switch"] = {"plain_rounds": sizer.plain_rounds, "changes": sizer.changes}
             if sched is not None and proposer.name in sched.retired:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
@@ -587,16 +598,18 @@ class Engine:
     def _step_ahead(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], room: int,
                     sampling: SamplingParams, rng: np.random.Generator,
                     observe_last: Callable[[], None] | None, round_size: int, draft_budget: int,
-                    guesses: Sequence[int]) -> "_Round":
+                    guesses: Sequence[int], size: int) -> "_Round":
         """A round without a draft, decoding while the last round is observed (``observe_last``) and the
         next draft is made (``EngineConfig.overlap``): on a GPU, llama_decode returns before the decode
         ends. By default a plain step of the root: it checks the draft's first level, and the subtree
         below the child it accepted is carried to the next round (``_Round.carried``). In rounds of one
         size, the root and ``guesses`` (the last draft's tokens past what its round wrote; filled): what
         the round wrote judges the draft, ``draft_budget`` tokens deep, and its tokens past that are the
-        next round's guesses (``_Round.guesses``)."""
+        next round's guesses (``_Round.guesses``); ``size`` 1 decodes the root alone, its round of
+        ``round_size`` standing in (``_Round.stand_in``)."""
         root = TokenTree.rooted_at(committed[-1])
-        tree = filled(root, self._round_tokens(round_size, room), committed, guesses) if round_size > 1 else root
+        chain = filled(root, self._round_tokens(round_size, room), committed, guesses) if round_size > 1 else root
+        tree = chain if size > 1 else root
         draft: TokenTree | None = None
         t0 = time.perf_counter()
 
@@ -618,6 +631,8 @@ class Engine:
             self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         seen = result if tree is root else _as_proposed(result, root)
         step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None)
+        if tree is not chain:
+            step.stand_in = chain.tokens[1:]
         if draft is not None and draft.n_candidates:
             step.drafted = draft.n_candidates
             if round_size > 1:
@@ -662,6 +677,20 @@ class Engine:
         (what passes the token budget is cut from the answer; a smaller round would make llama.cpp
         build a graph, on a GPU without its CUDA graph: ~2 steps), unless the context or a batch is full."""
         return min(round_size, room, self.target_ctx.n_batch)
+
+    def _round_sizer(self, method: str, round_size: int) -> RoundSizer | None:
+        """Plain steps where a method's rounds of ``round_size`` would not pay (``EngineConfig.round_switch``),
+        as the calibrated costs of both, each decoded back to back, say; None where they are not measured."""
+        if not self.config.round_switch or self.config.calibration == "off":
+            return None
+        costs = self.scheduler().costs
+        if costs.round_size != round_size or costs.plain_seconds <= 0:
+            return None
+        sizer = self._sizers.get(method)
+        if sizer is None:
+            sizer = self._sizers[method] = RoundSizer(round_size, costs.cost(round_size) / costs.plain_seconds)
+        sizer.begin_request()
+        return sizer
 
     def _overlaps(self, proposer: Proposer) -> bool:
         """Does this generation draft while a round without a draft decodes (``EngineConfig.overlap``)?
@@ -744,6 +773,8 @@ class _Round:
     plain: bool = True             # the proposer's part was the root alone (whatever ``filled`` added)
     guesses: list[int] = field(default_factory=list)   # rounds of one size: the draft's tokens past what
     #                                                     this round wrote, the next round's guesses
+    stand_in: list[int] = field(default_factory=list)  # a plain step in their place: the guesses its round
+    #                                                     of one size would have checked after the root
 
 
 class _Output:

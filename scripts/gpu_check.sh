@@ -31,9 +31,10 @@
 #                                         $OUT/NAME-runs.tgz (NAME: AB_LABEL, else the set). A run of
 #                                         vanilla and auto takes ~25 s (1.5B) and ~20 s (SmolLM2)
 #   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes
-#                                         (timeout_s ~560): preflight, then the full comparisons with the
-#                                         peers under the GPU's defaults (rounds of 4, flash attention
-#                                         auto): bench qwen15, then bench smol, each interrupted at a
+#                                         (timeout_s ~560): preflight, SmolLM2's auto with --round-switch
+#                                         off against on, then the full comparisons with the peers under
+#                                         the GPU's defaults (rounds of 4, flash attention auto, round
+#                                         switch on): bench qwen15, then bench smol, each interrupted at a
 #                                         deadline (BENCH_DEADLINE, epoch seconds: SIGINT, the prompts done
 #                                         are reported), then profile (if a minute is left), so that the
 #                                         call ends by ~525 s
@@ -303,14 +304,18 @@ case "${1:-}" in
     # comparisons with the peers ran without the rounds of 4 made the CUDA default (libggml not found
     # beside LLAMA_CPP_LIB_PATH's build; fixed in 98bda2e) and with flash attention off (llama.cpp's own
     # default is auto, ours too on a GPU since 081fb85). So: preflight (devices listed, rounds of 4 and
-    # flash attention auto by default; where not, the benches ask for them by flag and say so), then the
-    # 1.5B's full comparison and SmolLM2's, each interrupted at its deadline (the prompts done are kept),
-    # then where auto's Python goes (if a minute is left).
+    # flash attention auto by default; where not, the benches ask for them by flag and say so), then
+    # SmolLM2 with plain steps where rounds of 4 do not pay (--round-switch, default on since the
+    # forty-second session, never run on a GPU) against rounds of 4 throughout (~50 s), then the 1.5B's
+    # full comparison and SmolLM2's, each interrupted at its deadline (the prompts done are kept), then
+    # where auto's Python goes (if a minute is left).
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
     FORCE=()
     "$0" preflight || { FORCE=(--round-size 4 --flash-attn auto); echo "preflight failed: benches run with ${FORCE[*]}"; }
-    BENCH_DEADLINE=$((end - 150)) LABEL=q15 "$0" bench qwen15 "${FORCE[@]}"
-    BENCH_DEADLINE=$((end - 40)) LABEL=smol "$0" bench smol "${FORCE[@]}"
+    BENCH_DEADLINE=$((end - 360)) AB_LABEL=smol-rs "$0" ab smol 1 '--round-switch off' '' \
+      --methods vanilla,auto --peers '' "${FORCE[@]}"
+    BENCH_DEADLINE=$((end - 110)) LABEL=q15 "$0" bench qwen15 "${FORCE[@]}"
+    BENCH_DEADLINE=$((end - 20)) LABEL=smol "$0" bench smol "${FORCE[@]}"
     [ "$(date +%s)" -lt $((end - 60)) ] && "$0" profile > /dev/null
     ls "$OUT"
     ;;

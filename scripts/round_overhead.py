@@ -130,6 +130,8 @@ def main() -> None:
     ap.add_argument("--round-size", type=int, default=None, metavar="K",
                     help="rounds of K tokens (default: the engine's, 4 where the whole target is on a CUDA GPU)")
     ap.add_argument("--overlap", action="store_true", help="draft during rounds without a draft")
+    ap.add_argument("--fixed-rounds", action="store_true",
+                    help="with --round-size and --overlap: every round K tokens (EngineConfig.round_switch off)")
     ap.add_argument("--profile", type=int, default=0, metavar="K", help="print each method's K costliest functions")
     args = ap.parse_args()
     methods = list(args.methods)
@@ -140,7 +142,7 @@ def main() -> None:
         methods += ["chain-hit", "chain-miss"]
     sampling = SamplingParams(temperature=args.temperature, seed=0)
     engine = Engine.load(args.model, progress=False, round_size=args.round_size,
-                         overlap=True if args.overlap else None)
+                         overlap=True if args.overlap else None, round_switch=not args.fixed_rounds)
     for method in methods:
         engine.generate(PROMPT, max_tokens=32, method=method, sampling=sampling)   # logits to freeze
     rows = engine.target_ctx.logits(args.chain + 1)   # chain-miss, run last, decoded that many rows
