@@ -125,3 +125,19 @@ def test_the_engine_sizes_rounds_from_the_calibrated_costs(tiny_target) -> None:
         assert engine._round_sizer("auto", K) is sizer          # one per method, kept across requests
         engine.config.round_switch = False
         assert engine._round_sizer("auto", K) is None
+
+
+def test_seeded_sampling_is_unchanged_by_plain_steps_between_rounds_of_k(switching_engine: Engine) -> None:
+    """Each emitted token consumes one uniform, whether a plain step or a round of 4 wrote it."""
+    from ouroboros_local.sampling import SamplingParams
+
+    plain = 0
+    for seed in range(3):
+        prompt = switching_engine.prompt_tokens(PROMPTS[seed % 2])
+        prompt = prompt + switching_engine.generate(prompt, max_tokens=12).tokens + prompt   # copyable
+        sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+        base = switching_engine.generate(prompt, max_tokens=30, method="vanilla", sampling=sp)
+        res = switching_engine.generate(prompt, max_tokens=30, method="auto", sampling=sp)
+        assert res.tokens == base.tokens
+        plain += res.stats.extra["round_switch"]["plain_rounds"]
+    assert plain > 0
