@@ -8,7 +8,7 @@ import pytest
 from ouroboros_local.engine import Engine
 from ouroboros_local.round_sizer import RESUME_MARGIN, WEIGHT, RoundSizer
 from ouroboros_local.testing.engines import tiny_engine
-from ouroboros_local.testing.lossless import assert_greedy_equals_vanilla
+from ouroboros_local.testing.lossless import assert_greedy_equals_vanilla, assert_seeded_auto_equals_vanilla
 
 K = 4
 
@@ -129,15 +129,5 @@ def test_the_engine_sizes_rounds_from_the_calibrated_costs(tiny_target) -> None:
 
 def test_seeded_sampling_is_unchanged_by_plain_steps_between_rounds_of_k(switching_engine: Engine) -> None:
     """Each emitted token consumes one uniform, whether a plain step or a round of 4 wrote it."""
-    from ouroboros_local.sampling import SamplingParams
-
-    plain = 0
-    for seed in range(3):
-        prompt = switching_engine.prompt_tokens(PROMPTS[seed % 2])
-        prompt = prompt + switching_engine.generate(prompt, max_tokens=12).tokens + prompt   # copyable
-        sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
-        base = switching_engine.generate(prompt, max_tokens=30, method="vanilla", sampling=sp)
-        res = switching_engine.generate(prompt, max_tokens=30, method="auto", sampling=sp)
-        assert res.tokens == base.tokens
-        plain += res.stats.extra["round_switch"]["plain_rounds"]
-    assert plain > 0
+    answers = assert_seeded_auto_equals_vanilla(switching_engine, PROMPTS[:2])
+    assert sum(a.stats.extra["round_switch"]["plain_rounds"] for a in answers) > 0

@@ -121,6 +121,22 @@ def assert_greedy_equals_vanilla(engine: "Engine", prompts: Sequence[str], metho
     return res
 
 
+def assert_seeded_auto_equals_vanilla(engine: "Engine", prompts: Sequence[str],
+                                      seeds: Sequence[int] = (0, 1, 2)) -> list["GenerationResult"]:
+    """Seeded ``auto`` answers as seeded vanilla's, token for token (each emitted token consumes one
+    uniform, however it was drafted), on prompts made copyable (the prompt, its greedy answer, the
+    prompt again); returns ``auto``'s answers."""
+    answers = []
+    for seed in seeds:
+        prompt = engine.prompt_tokens(prompts[seed % len(prompts)])
+        prompt = prompt + engine.generate(prompt, max_tokens=12).tokens + prompt
+        sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
+        base = engine.generate(prompt, max_tokens=30, method="vanilla", sampling=sp)
+        answers.append(engine.generate(prompt, max_tokens=30, method="auto", sampling=sp))
+        assert answers[-1].tokens == base.tokens, seed
+    return answers
+
+
 def seeded_generations(engine: "Engine", prompt: str, params: SamplingParams, n: int,
                        **generate_kwargs: Any) -> list["GenerationResult"]:
     """``n`` generations of ``prompt`` with seeds 0 .. n-1 (``params`` otherwise)."""
