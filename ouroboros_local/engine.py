@@ -30,8 +30,8 @@ from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
 from .proposers import create_method, method_names
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
-from .sampling import SamplingParams
 from .round_sizer import RoundSizer
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .time_split import TimeSplit
 from .tree import BatchLayout, TokenTree
