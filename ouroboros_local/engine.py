@@ -680,7 +680,8 @@ class Engine:
 
     def _round_sizer(self, method: str, round_size: int) -> RoundSizer | None:
         """Plain steps where a method's rounds of ``round_size`` would not pay (``EngineConfig.round_switch``),
-        as the calibrated costs of both, each decoded back to back, say; None where they are not measured."""
+        as the calibrated costs of both, each decoded back to back, and of a change of size say; None
+        where they are not measured."""
         if not self.config.round_switch or self.config.calibration == "off":
             return None
         costs = self.scheduler().costs
@@ -688,7 +689,8 @@ class Engine:
             return None
         sizer = self._sizers.get(method)
         if sizer is None:
-            sizer = self._sizers[method] = RoundSizer(round_size, costs.cost(round_size) / costs.plain_seconds)
+            sizer = self._sizers[method] = RoundSizer(round_size, costs.cost(round_size) / costs.plain_seconds,
+                                                      max(costs.switch_seconds, 0.0) / costs.plain_seconds)
         sizer.begin_request()
         return sizer
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ouroboros_local.engine import Engine
-from ouroboros_local.round_sizer import RESUME_MARGIN, WEIGHT, RoundSizer
+from ouroboros_local.round_sizer import NOISE_STEPS, RoundSizer
 from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.lossless import assert_greedy_equals_vanilla, assert_seeded_auto_equals_vanilla
 
@@ -18,55 +18,43 @@ def rounds_of_k(sizer: RoundSizer, written: int, n: int) -> None:
         sizer.observe(K, [], list(range(written)))
 
 
-def test_rounds_that_write_less_than_they_cost_give_way_to_plain_steps() -> None:
-    sizer = RoundSizer(K, cost_ratio=1.33)
-    assert sizer.size() == K                        # as without the sizer, until rounds are counted
-    rounds_of_k(sizer, 1, 2)
-    assert sizer.size() == K                        # 4 -> 3.4 -> 2.9 tokens: still above 1.33
-    rounds_of_k(sizer, 1, 10)
-    assert sizer.size() == 1 and sizer.changes == 1
-    cheap = RoundSizer(K, cost_ratio=1.33)
-    rounds_of_k(cheap, 2, 30)                       # 2 tokens a round for 1.33 steps: they pay
-    assert cheap.size() == K and cheap.changes == 0
+def test_rounds_that_lose_give_way_once_the_loss_passes_a_change_there_and_back() -> None:
+    """A round of 4 writing 1 token for 1.33 steps loses 0.25 of a step; with a change costing 2 steps,
+    plain steps begin once the rounds have lost 2 x 2 + NOISE_STEPS = 5 steps."""
+    sizer = RoundSizer(K, cost_ratio=1.33, switch_steps=2.0)
+    assert sizer.size() == K and sizer.threshold == 4.0 + NOISE_STEPS   # as without the sizer
+    rounds_of_k(sizer, 1, 20)                       # 20 x 0.248 = 4.96 steps lost
+    assert sizer.size() == K
+    rounds_of_k(sizer, 1, 1)
+    assert sizer.size() == 1 and sizer.changes == 1 and sizer.balance == 0.0
+    paying = RoundSizer(K, cost_ratio=1.33, switch_steps=2.0)
+    for _ in range(30):                             # losses and gains in turn: what they save absorbs it
+        rounds_of_k(paying, 1, 1)
+        rounds_of_k(paying, 2, 1)
+    assert paying.size() == K and paying.changes == 0
 
 
 def test_a_plain_step_counts_what_its_round_would_have_written() -> None:
     """A stand-in's guesses meet the tokens written after its root: its round would have written one
     token more than the leading guesses that match them, at most K."""
-    sizer = RoundSizer(K, cost_ratio=1.0)
-    sizer.plain, sizer.tokens = True, 2.0
+    sizer = RoundSizer(K, cost_ratio=1.0, switch_steps=10.0)
+    sizer.plain = True
     sizer.observe(1, [7, 8, 9], [7])                # the first guess meets this step's token
-    assert sizer._pending and sizer.tokens == 2.0    # not judged until a guess misses or all three match
-    sizer.observe(1, [1, 1, 1], [8])                # this one misses at once: 1; the first matches 8
-    sizer.observe(1, [2, 2, 2], [5])                # the first misses 9: 3; this one: 1
-    expected = 2.0
-    for written in (1, 3, 1):
-        expected += WEIGHT * (written - expected)
-    assert sizer.tokens == pytest.approx(expected)
-    assert sizer.plain_rounds == 3 and not sizer._pending
+    assert sizer._pending and sizer.balance == 0.0   # not judged until a guess misses or all three match
+    sizer.observe(1, [1, 1, 1], [8])                # this one misses at once: 1 token, nothing saved
+    sizer.observe(1, [2, 2, 2], [5])                # the first misses 9: 3 tokens, 2 steps saved
+    assert sizer.balance == pytest.approx(2.0)
+    assert sizer.plain_rounds == 3 and not sizer._pending and sizer.size() == 1
 
 
-def test_a_stand_in_that_matches_whole_resumes_rounds_of_k_at_once() -> None:
-    sizer = RoundSizer(K, cost_ratio=2.0)
-    rounds_of_k(sizer, 1, 20)
-    assert sizer.size() == 1
-    sizer.observe(1, [5, 6, 7], [5])
-    sizer.observe(1, [0, 0, 0], [6])
-    assert sizer.size() == 1
-    sizer.observe(1, [0, 0, 0], [7])                 # the first stand-in's guesses all matched: the
-    assert sizer.size() == K                         # average alone (~1.5 tokens) would keep plain steps
-    assert sizer.tokens == pytest.approx(2.0 * (1 + RESUME_MARGIN))
-
-
-@pytest.mark.parametrize("plain, rate, after", [
-    (False, 1.05, K), (False, 0.99, 1),              # rounds of K stop once they write less than they cost
-    (True, 1.05, 1), (True, 1.11, K),                # plain steps give way only past RESUME_MARGIN
-])
-def test_between_the_margins_the_size_holds(plain: bool, rate: float, after: int) -> None:
-    sizer = RoundSizer(K, cost_ratio=2.0)
-    sizer.plain, sizer.tokens = plain, 2.0 * rate
-    sizer._decide()
-    assert sizer.size() == after
+def test_a_copy_resumes_rounds_of_k_once_its_stand_ins_would_have_saved_a_change_there_and_back() -> None:
+    sizer = RoundSizer(K, cost_ratio=4 / 3, switch_steps=1.0)   # a whole stand-in saves 2 steps; 3 needed
+    sizer.plain = True
+    for token in (1, 2, 3):                         # a text copied: each stand-in guesses what follows
+        sizer.observe(1, [token, token + 1, token + 2], [token])
+    assert sizer.size() == 1 and sizer.balance == pytest.approx(2.0)    # one stand-in judged, whole
+    sizer.observe(1, [4, 5, 6], [4])                # a second: 4 steps saved
+    assert sizer.size() == K and sizer.changes == 1
 
 
 def test_a_new_request_keeps_the_size_and_forgets_its_stand_ins() -> None:
@@ -119,9 +107,11 @@ def test_the_engine_sizes_rounds_from_the_calibrated_costs(tiny_target) -> None:
     with tiny_engine(tiny_target, overlap=True, round_size=K) as flat:
         assert flat._round_sizer("auto", K) is None            # calibration off
     with tiny_engine(tiny_target, overlap=True, round_size=K, calibration="auto") as engine:
-        engine.scheduler().costs = CostModel(sizes=[1, 8], seconds=[1.0, 2.0]).with_rounds_of(K, 1.5)
+        curve = CostModel(sizes=[1, 8], seconds=[1.0, 2.0], switch_seconds=0.5)
+        engine.scheduler().costs = curve.with_rounds_of(K, 1.5)
         sizer = engine._round_sizer("auto", K)
         assert sizer is not None and sizer.cost_ratio == pytest.approx(1.5)
+        assert sizer.threshold == pytest.approx(2 * 0.5 + NOISE_STEPS)
         assert engine._round_sizer("auto", K) is sizer          # one per method, kept across requests
         engine.config.round_switch = False
         assert engine._round_sizer("auto", K) is None
