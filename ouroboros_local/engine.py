@@ -608,13 +608,14 @@ class Engine:
         next round's guesses (``_Round.guesses``); ``size`` 1 decodes the root alone, its round of
         ``round_size`` standing in (``_Round.stand_in``)."""
         root = TokenTree.rooted_at(committed[-1])
-        chain = filled(root, self._round_tokens(round_size, room), committed, guesses) if round_size > 1 else root
-        tree = chain if size > 1 else root
+        round_tokens = self._round_tokens(round_size, room) if round_size > 1 else 1
+        tree = filled(root, round_tokens, committed, guesses) if size > 1 else root
         draft: TokenTree | None = None
+        stand_in: list[int] = []
         t0 = time.perf_counter()
 
         def decode_and_draft(lay: BatchLayout | None = None) -> np.ndarray:
-            nonlocal draft
+            nonlocal draft, stand_in
             if lay is None:
                 self.kv.begin_step(root.tokens[0])
             else:
@@ -622,6 +623,8 @@ class Engine:
             if observe_last is not None:
                 observe_last()
             draft = self._propose_hidden(proposer, sched, committed, draft_budget, room)
+            if tree is root and round_tokens > 1:   # while the GPU decodes: the round it stands in for
+                stand_in = fill_tokens(root.tokens[0], round_tokens - 1, committed, guesses)
             return self.kv.step_logits() if lay is None else self.kv.layout_rows()
 
         if tree is root:
@@ -630,9 +633,7 @@ class Engine:
             result, lay = verify_round(tree, decode_and_draft, sampling, rng)
             self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         seen = result if tree is root else _as_proposed(result, root)
-        step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None)
-        if tree is not chain:
-            step.stand_in = chain.tokens[1:]
+        step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None, stand_in=stand_in)
         if draft is not None and draft.n_candidates:
             step.drafted = draft.n_candidates
             if round_size > 1:
@@ -829,8 +830,18 @@ def filled(tree: TokenTree, size: int, context: Sequence[int], guesses: Sequence
     need = size - len(tree.tokens)
     if need <= 0 or tree.extras or tree.n_extra_seqs or not tree.is_chain():
         return tree
+    # a copy, labels and draft distributions included (a root alone has none)
+    out = TokenTree.rooted_at(tree.tokens[0]) if len(tree.tokens) == 1 else tree.subtree(range(len(tree.tokens)))
+    out.add_path(len(out.tokens) - 1, fill_tokens(tree.tokens[-1], need, context, guesses), source="fill")
+    return out
+
+
+def fill_tokens(last: int, need: int, context: Sequence[int], guesses: Sequence[int] = ()) -> list[int]:
+    """The ``need`` tokens ``filled`` hangs below a chain ending in ``last``: ``guesses`` first, then
+    what followed the last of them where it last occurred in the context's last FILL_WINDOW tokens, else
+    that token again."""
     guess = list(guesses[:need])
-    last = guess[-1] if guess else tree.tokens[-1]
+    last = guess[-1] if guess else last
     more = need - len(guess)
     if more:
         start = max(len(context) - FILL_WINDOW, 0)
@@ -843,10 +854,7 @@ def filled(tree: TokenTree, size: int, context: Sequence[int], guesses: Sequence
         except ValueError:
             pass
         guess += [last] * (need - len(guess))
-    # a copy, labels and draft distributions included (a root alone has none)
-    out = TokenTree.rooted_at(tree.tokens[0]) if len(tree.tokens) == 1 else tree.subtree(range(len(tree.tokens)))
-    out.add_path(len(out.tokens) - 1, guess, source="fill")
-    return out
+    return guess
 
 
 def _as_proposed(result: VerifyResult, proposed: TokenTree) -> VerifyResult:
