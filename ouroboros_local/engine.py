@@ -452,8 +452,10 @@ class Engine:
         # `speculative` drafted with the 0.5B every round, however little it kept)
         priced = chosen.scheduled and (self.round_size < 2 or not chosen.proposer.free_drafts)
         sched = self.scheduler() if priced else None
+        sizer = self._round_sizer(chosen.proposer)   # measures the costs too, where none are yet
         with self._lock:
-            run = self._run(tokens, chosen.proposer, sched, max_tokens, sampling, list(stop), is_cancelled)
+            run = self._run(tokens, chosen.proposer, sched, sizer, max_tokens, sampling, list(stop),
+                            is_cancelled)
             saved = False
             try:
                 for event in run:
@@ -467,10 +469,12 @@ class Engine:
                 if not saved:
                     self.history.save()
 
-    def _run(self, prompt: list[int], proposer: Proposer, sched: Scheduler | None, max_tokens: int,
-             sampling: SamplingParams, stops: list[str], is_cancelled: Callable[[], bool]) -> Iterator[StreamEvent]:
+    def _run(self, prompt: list[int], proposer: Proposer, sched: Scheduler | None, sizer: RoundSizer | None,
+             max_tokens: int, sampling: SamplingParams, stops: list[str],
+             is_cancelled: Callable[[], bool]) -> Iterator[StreamEvent]:
         """``sched``: prices the proposer's drafts (None: they run as proposed; ``auto`` and scheduled
-        Ouroboros price their candidates themselves)."""
+        Ouroboros price their candidates themselves). ``sizer``: plain steps or rounds of one size, where
+        those draft while they decode (``_round_sizer``)."""
         stats = GenerationStats(method=proposer.name, prompt_tokens=len(prompt))
         rng = sampling.rng()
         eog = self.target.eog_tokens
@@ -507,7 +511,10 @@ class Engine:
         # in rounds of one size every round does: a round's guesses are the last draft's tokens past what
         # its round wrote (``_Round.guesses``), so a draft is never verified in the open
         pipelined = overlap and round_size > 1
-        sizer = self._round_sizer(proposer.name, round_size) if pipelined else None
+        if not pipelined:
+            sizer = None
+        elif sizer is not None:
+            sizer.begin_request()
         carried: tuple[TokenTree, int] | None = None   # a draft and the child the last plain step accepted
         guesses: list[int] = []
         observe_later: Callable[[], None] | None = None
@@ -679,20 +686,23 @@ class Engine:
         build a graph, on a GPU without its CUDA graph: ~2 steps), unless the context or a batch is full."""
         return min(round_size, room, self.target_ctx.n_batch)
 
-    def _round_sizer(self, method: str, round_size: int) -> RoundSizer | None:
-        """Plain steps where a method's rounds of ``round_size`` would not pay (``EngineConfig.round_switch``),
+    def _round_sizer(self, proposer: Proposer) -> RoundSizer | None:
+        """Plain steps where a method's rounds of one size would not pay (``EngineConfig.round_switch``),
         as the calibrated costs of both, each decoded back to back, and of a change of size say; None
-        where they are not measured."""
-        if not self.config.round_switch or self.config.calibration == "off":
+        where rounds take their draft's size or the costs are not measured. Asked before a generation
+        takes the engine's lock, which measuring the costs takes too."""
+        round_size = self.round_size
+        if (round_size < 2 or proposer.name == "vanilla" or not self.config.round_switch
+                or self.config.calibration == "off" or not self._overlaps(proposer)):
             return None
         costs = self.scheduler().costs
         if costs.round_size != round_size or costs.plain_seconds <= 0:
             return None
-        sizer = self._sizers.get(method)
+        sizer = self._sizers.get(proposer.name)
         if sizer is None:
-            sizer = self._sizers[method] = RoundSizer(round_size, costs.cost(round_size) / costs.plain_seconds,
-                                                      max(costs.switch_seconds, 0.0) / costs.plain_seconds)
-        sizer.begin_request()
+            sizer = self._sizers[proposer.name] = RoundSizer(
+                round_size, costs.cost(round_size) / costs.plain_seconds,
+                max(costs.switch_seconds, 0.0) / costs.plain_seconds)
         return sizer
 
     def _overlaps(self, proposer: Proposer) -> bool:

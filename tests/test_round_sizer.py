@@ -3,6 +3,8 @@ and an engine whose rounds of 4 give way to plain steps and back, its outputs un
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from ouroboros_local.engine import Engine
@@ -71,10 +73,10 @@ def switching_engine(tiny_target):
     engine = tiny_engine(tiny_target, overlap=True, round_size=K)
     sizers: dict[str, RoundSizer] = {}
 
-    def sizer(method: str, round_size: int) -> RoundSizer:
-        found = sizers.setdefault(method, RoundSizer(round_size, cost_ratio=3.0))
-        found.begin_request()
-        return found
+    def sizer(proposer) -> RoundSizer | None:
+        if proposer.name == "vanilla":
+            return None
+        return sizers.setdefault(proposer.name, RoundSizer(K, cost_ratio=3.0))
 
     engine._round_sizer = sizer
     yield engine
@@ -104,20 +106,41 @@ def test_the_engine_sizes_rounds_from_the_calibrated_costs(tiny_target) -> None:
     leave every round K tokens."""
     from ouroboros_local.calibration import CostModel
 
+    auto = SimpleNamespace(name="auto", drafts_ahead=True)
+    vanilla = SimpleNamespace(name="vanilla", drafts_ahead=True)
     with tiny_engine(tiny_target, overlap=True, round_size=K) as flat:
-        assert flat._round_sizer("auto", K) is None            # calibration off
+        assert flat._round_sizer(auto) is None                  # calibration off
     with tiny_engine(tiny_target, overlap=True, round_size=K, calibration="auto") as engine:
         curve = CostModel(sizes=[1, 8], seconds=[1.0, 2.0], switch_seconds=0.5)
         engine.scheduler().costs = curve.with_rounds_of(K, 1.5)
-        sizer = engine._round_sizer("auto", K)
+        sizer = engine._round_sizer(auto)
         assert sizer is not None and sizer.cost_ratio == pytest.approx(1.5)
         assert sizer.threshold == pytest.approx(2 * 0.5 + NOISE_STEPS)
-        assert engine._round_sizer("auto", K) is sizer          # one per method, kept across requests
+        assert engine._round_sizer(auto) is sizer               # one per method, kept across requests
+        assert engine._round_sizer(vanilla) is None
         engine.config.round_switch = False
-        assert engine._round_sizer("auto", K) is None
+        assert engine._round_sizer(auto) is None
 
 
 def test_seeded_sampling_is_unchanged_by_plain_steps_between_rounds_of_k(switching_engine: Engine) -> None:
     """Each emitted token consumes one uniform, whether a plain step or a round of 4 wrote it."""
     answers = assert_seeded_auto_equals_vanilla(switching_engine, PROMPTS[:2])
     assert sum(a.stats.extra["round_switch"]["plain_rounds"] for a in answers) > 0
+
+
+def test_a_first_generation_measures_the_costs_before_it_takes_the_engine(tiny_target) -> None:
+    """The sizer needs the calibrated costs; measuring them takes the engine's lock, which a generation
+    holds: a fresh engine's first generation in rounds of 4 (a method without a scheduler of its own)
+    must measure first, not wait for itself."""
+    import threading
+
+    engine = tiny_engine(tiny_target, overlap=True, round_size=K, calibration="auto")
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(
+        engine.generate(PROMPTS[0], max_tokens=16, method="prompt-lookup")), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    if not answers:   # the engine stays open: closing it would wait for the same lock
+        pytest.fail("the generation waited for the engine's lock, which it held")
+    engine.close()
+    assert "round_switch" in answers[0].stats.extra
