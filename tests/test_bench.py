@@ -456,6 +456,8 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     payload = json.loads((out / "results.json").read_text())
     payload["settings"]["engine_config"].update(round_size=4, overlap=False)
     assert "gpu layers 0, flash attention off, rounds of 4, overlap off, created" in report.render_markdown(payload)
+    payload["settings"]["engine_config"].update(round_switch=False)
+    assert "rounds of 4, overlap off, round switch off, created" in report.render_markdown(payload)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -276,6 +276,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  + (f", rounds of {engine['round_size']}" if engine.get("round_size")
                     else ", rounds of each draft's size" if engine else "")
                  + ("" if engine.get("overlap") is None else f", overlap {'on' if engine['overlap'] else 'off'}")
+                 + (", round switch off" if engine.get("round_size") and engine.get("round_switch") is False
+                    else "")
                  + f", created {payload.get('created')}")
     lines.append("")
     lines.append("tok/s: decode tokens per second (prefill apart); speedup: over vanilla (sum of tokens / "
