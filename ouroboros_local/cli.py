@@ -54,9 +54,10 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                         "CUDA graph). 0: each round takes its draft's size. Default auto: 4 where the whole "
                         "target is on a CUDA GPU, else 0")
     g.add_argument("--round-switch", choices=["on", "off"], default="on",
-                   help="with --round-size K and overlap: plain one-token steps where rounds of K would write "
-                        "fewer tokens than they cost (counted on the guesses they would have checked), and "
-                        "back to rounds of K where they pay again (default on)")
+                   help="with --round-size K and overlap: plain one-token steps where rounds of K write fewer "
+                        "tokens than they cost, once they have lost more than a change of size there and back "
+                        "costs, and back to rounds of K once they would have saved that much (counted on the "
+                        "guesses they would have checked) (default on)")
     g.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
                    help="draft while the target decodes a round without a draft (a plain step; with "
                         "--round-size, every round: the last draft's rest as guesses), that round checking "

@@ -45,8 +45,9 @@ class RoundSizer:
         return 1 if self.plain else self.round_size
 
     def observe(self, decoded: int, guesses: Sequence[int], written: Sequence[int]) -> None:
-        """A round that decoded ``decoded`` tokens wrote ``written``; ``guesses``: the K - 1 tokens a round
-        of K would have checked after the root (those it did check, where it was one)."""
+        """A round that decoded ``decoded`` tokens wrote ``written``; ``guesses``, for a plain step: the
+        K - 1 tokens the round of K it replaced would have checked after the root (a round of K's own
+        count is what it wrote, so it passes none)."""
         for token in written:    # the plain steps' stand-ins, judged on the tokens that followed them
             self._pending = [entry for entry in self._pending if self._advance(entry, token)]
         if decoded > 1:
