@@ -86,7 +86,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 def _add_method_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("method hyperparameters (defaults suit a small CPU)")
     g.add_argument("--method", default=DEFAULT_METHOD,
-                   help="auto | vanilla | speculative | ouroboros | lookahead | prompt-lookup | pearl "
+                   help="auto | vanilla | speculative | ouroboros | lookahead | prompt-lookup | suffix | pearl "
                         f"(default {DEFAULT_METHOD})")
     for option in FLAGGED_OPTIONS:
         kwargs: dict[str, Any] = {"dest": f"opt_{option.name}", "default": None, "help": option.help}

@@ -88,6 +88,13 @@ def test_cli_flags_come_from_the_definitions():
             "--adaedl", "--adaedl-lambda", "--pearl-mode"} <= flags
 
 
+def test_method_help_names_every_registered_method():
+    generate = build_parser()._subparsers._group_actions[0].choices["generate"]
+    help_text = next(a.help for a in generate._actions if a.dest == "method")
+    named = {word.strip() for word in help_text.split("(")[0].split("|")}
+    assert named == set(method_names())
+
+
 def test_lookahead_level_and_guess_set_change_what_it_does(engine):
     base = engine.generate(PROMPT, max_tokens=12, method="lookahead")
     tuned = engine.generate(PROMPT, max_tokens=12, method="lookahead", options={"level": 5, "guess_set": 8})
