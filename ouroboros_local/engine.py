@@ -24,7 +24,7 @@ from .calibration import (CalibrationCache, CostModel, cached_or_measured, calib
 from .errors import ContextOverflowError, MethodOptionError, ParameterError, PoolError
 from .history import History
 from .kv import KVCache
-from .learned import RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, estimates_key
+from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, copy_priors, estimates_key
 from .llama import Context, ContextParams, Device, Model, TextStream, devices, supports_gpu_offload
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
@@ -345,6 +345,9 @@ class Engine:
         return estimates_key(self.target.path, self.draft.path if self.draft is not None else None)
 
     def _restore_learned(self, sched: Scheduler) -> None:
+        """The copy priors (learned.py), then what earlier sessions learned with these models, which
+        replaces them proposer by proposer."""
+        sched.restore_estimates(copy_priors(), PRIOR_WEIGHT)
         key = self._learned_key()
         saved = LearnedEstimates().get(key) if key else None
         if saved:

@@ -34,6 +34,9 @@ FORMAT = 1               # bump when the meaning of saved classes changes: older
 RESTORE_WEIGHT = 10.0    # observations' worth each restored class (and depth) keeps at most
 MAX_ENTRIES = 32         # model pairs kept in the file (the least recently saved go first)
 SAVE_INTERVAL = 60.0     # seconds between saves after generations (a long-lived server); close() saves too
+PRIORS_FILE = Path(__file__).with_name("copy_priors.json")   # scripts/learn_copy_priors.py writes it
+PRIOR_SOURCES = ("prompt-lookup", "suffix")   # the drafters it holds priors for: those that run no model
+PRIOR_WEIGHT = RESTORE_WEIGHT   # observations' worth each class of the copy priors starts with
 
 
 def cache_path() -> Path:
@@ -89,12 +92,29 @@ class LearnedEstimates:
         write_atomic(self.path, json.dumps(data).encode(), "learned estimates")
 
 
+def copy_priors() -> dict[str, Any]:
+    """What the drafters that run no model start from before anything is learned or restored: what
+    ``auto`` learned of them on prompts the benchmarks do not measure (``PRIORS_FILE``, written by
+    scripts/learn_copy_priors.py), in the form of ``Scheduler.estimates()``. How often a copy is right
+    depends on the copy (after a 16-token match nearly always, after a 1-token one seldom) more than on the
+    model; the generic prior trusts every class alike, so a fresh process drafted short copies that fail
+    and held back long ones. Restored like saved estimates, at PRIOR_WEIGHT observations a class, so that
+    the request's own text soon outweighs them; saved estimates replace them proposer by proposer. {} if
+    the file is missing or unreadable."""
+    estimates = read_json_object(PRIORS_FILE).get("estimates")
+    if not isinstance(estimates, dict):
+        log.debug("copy priors not read from %s", PRIORS_FILE)
+        return {}
+    return {source: entry for source, entry in estimates.items() if source in PRIOR_SOURCES}
+
+
 def describe(target: Path, draft: Path | None) -> str:
     """One line for ``doctor``: what the next start with these models begins from."""
     store = LearnedEstimates()
     entry = store.entry(estimates_key(target, draft))
     if entry is None:
-        return f"learned estimates: none yet for these models ({store.path}); a run saves them at its end"
+        return (f"learned estimates: none yet for these models ({store.path}); a run starts copies from the "
+                "shipped priors and saves what it learned at its end")
     stamp = entry.get("saved_at")
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if isinstance(stamp, (int, float)) else "?"
     names = ", ".join(sorted(entry["estimates"])) or "no proposer"
@@ -102,4 +122,5 @@ def describe(target: Path, draft: Path | None) -> str:
             "--no-learned: from the priors)")
 
 
-__all__ = ["LearnedEstimates", "RESTORE_WEIGHT", "SAVE_INTERVAL", "cache_path", "describe", "estimates_key"]
+__all__ = ["LearnedEstimates", "PRIORS_FILE", "PRIOR_SOURCES", "PRIOR_WEIGHT", "RESTORE_WEIGHT", "SAVE_INTERVAL", "cache_path",
+           "copy_priors", "describe", "estimates_key"]

@@ -53,7 +53,7 @@ import numpy as np
 
 from ouroboros_local.calibration import CostModel
 from ouroboros_local.history import History
-from ouroboros_local.learned import RESTORE_WEIGHT
+from ouroboros_local.learned import PRIOR_WEIGHT, RESTORE_WEIGHT, copy_priors
 from ouroboros_local.proposers import DraftingContext, create_method
 from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.testing.sim import make_setup
@@ -149,13 +149,16 @@ class ShapeClock:
 def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, noise: float, seed: int,
            limit: int, max_tokens: int, max_draft: int, method: str = "auto",
            learned: dict[str, Any] | None = None, python_scale: float = 1.0, charge_python: bool = False,
-           gpu: dict[str, Any] | None = None) -> dict[str, tuple[float, Counter]]:
+           gpu: dict[str, Any] | None = None, priors: float = PRIOR_WEIGHT, fresh_each: bool = False
+           ) -> dict[str, tuple[float, Counter]]:
     """One seeded replay of the sets in ``order``; per pass: (speed-up, round counts). ``learned``: the
     session starts from ``learned["estimates"]`` where present, restored as the engine restores an
     earlier session's (learned.py), and leaves its own there at the end. ``python_scale``: the proposals'
     timings, as the scheduler sees them, times this (see --python-scale); ``charge_python``: the clock
     counts each drafting step's time at that scale too (plain decoding has none). ``gpu``: {"sizes", "seconds",
-    "step", "old"} for a ShapeClock (see --gpu-clock), which then replaces ``curve``."""
+    "step", "old"} for a ShapeClock (see --gpu-clock), which then replaces ``curve``. ``priors``: start
+    from the copy priors at this weight, as an engine does (learned.py; 0: the generic priors); ``fresh_each``: each answer from a fresh
+    scheduler and history (a process per request, as an editor calling ``generate`` on a fresh cache)."""
     ids = sorted({t for a in answers for t in a["prompt"] + a["answer"]})
     dense = {t: i for i, t in enumerate(ids)}   # a small vocabulary keeps the stand-in's rows small
     vocab = len(ids) + 1
@@ -164,21 +167,30 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
         clock = ShapeClock(CostModel(sizes=gpu["sizes"], seconds=gpu["seconds"]), gpu["step"])
         curve = clock.priced(gpu.get("old", False))
     step = clock.step if gpu is not None else curve.cost(1)
-    sched = Scheduler(curve, max_length=max_draft)
-    if python_scale != 1.0:
-        slow_cache(sched, python_scale)
-    if learned is not None and learned.get("estimates"):
-        sched.restore_estimates(json.loads(json.dumps(learned["estimates"])), RESTORE_WEIGHT)
-    # no draft model: the free proposers need only the history and the scheduler
-    ctx = DraftingContext(target=None, target_context=None, draft=None,  # type: ignore[arg-type]
-                          pair_compatible=None, pair_reason=None, draft_kv=None,  # type: ignore[arg-type]
-                          history=History(), scheduler=lambda: sched)
+
+    def session() -> tuple[Scheduler, DraftingContext]:
+        sched = Scheduler(curve, max_length=max_draft)
+        if python_scale != 1.0:
+            slow_cache(sched, python_scale)
+        if priors:
+            sched.restore_estimates(copy_priors(), priors)
+        if learned is not None and learned.get("estimates"):
+            sched.restore_estimates(json.loads(json.dumps(learned["estimates"])), RESTORE_WEIGHT)
+        # no draft model: the free proposers need only the history and the scheduler
+        ctx = DraftingContext(target=None, target_context=None, draft=None,  # type: ignore[arg-type]
+                              pair_compatible=None, pair_reason=None, draft_kv=None,  # type: ignore[arg-type]
+                              history=History(), scheduler=lambda: sched)
+        return sched, ctx
+
+    sched, ctx = session()
     rng = np.random.default_rng(seed)
     out: dict[str, tuple[float, Counter]] = {}
     for name in order:
         plain = replayed = 0.0
         counts: Counter = Counter()
         for record in pick(answers, name, limit):
+            if fresh_each:
+                sched, ctx = session()
             prompt = [dense[t] for t in record["prompt"]]
             answer = [dense[t] for t in record["answer"]]
             chosen = create_method(method, ctx, {})
@@ -254,6 +266,11 @@ def main() -> int:
                     help='a GPU\'s clock instead of this machine\'s curve: {"sizes": [...], "seconds": [...] '
                          '(decodes timed size after size), "step": plain step back to back, "old": true to '
                          'price with the curve as measured before 5c4cdb1}')
+    ap.add_argument("--prior-weight", type=float, default=PRIOR_WEIGHT, metavar="W",
+                    help="observations' worth a class of the copy priors starts with (learned.py; default "
+                         "%(default)s, an engine's; 0: the generic priors)")
+    ap.add_argument("--fresh-each", action="store_true",
+                    help="replay each answer from a fresh scheduler and history: a process per request")
     args = ap.parse_args()
 
     from ouroboros_local.engine import Engine
@@ -275,7 +292,7 @@ def main() -> int:
                               max_tokens=args.max_tokens, max_draft=max_draft, method=args.method,
                               learned={} if earlier else None, python_scale=args.python_scale,
                               charge_python=args.charge_python,
-                              gpu=gpu)
+                              gpu=gpu, priors=args.prior_weight, fresh_each=args.fresh_each)
             if earlier:
                 session(earlier)
             runs.append(session(order))

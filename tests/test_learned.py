@@ -11,7 +11,9 @@ import pytest
 
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable
 from ouroboros_local.calibration import CostModel
-from ouroboros_local.learned import MAX_ENTRIES, LearnedEstimates, estimates_key
+from ouroboros_local import learned as learned_module
+from ouroboros_local.learned import (MAX_ENTRIES, PRIOR_SOURCES, PRIOR_WEIGHT, RESTORE_WEIGHT, LearnedEstimates, copy_priors,
+                                     estimates_key)
 from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.tree import TokenTree
 
@@ -134,8 +136,9 @@ def test_an_engine_saves_what_it_learned_and_the_next_one_starts_from_it(tiny_ta
         assert restored != Acceptance().to_dict()
         assert engine.generate(prompt, max_tokens=24, method="auto").tokens == want
     before = cache_path().read_text()
-    with make_engine(tiny_target, learned=False) as engine:   # neither read nor written
-        assert engine.scheduler().estimate("prompt-lookup").to_dict() == Acceptance().to_dict()
+    with make_engine(tiny_target, learned=False) as engine:   # neither read nor written: the copy priors
+        priors = Acceptance.from_dict(copy_priors()["prompt-lookup"]["acceptance"], PRIOR_WEIGHT)
+        assert engine.scheduler().estimate("prompt-lookup").to_dict() == priors.to_dict()
         engine.generate(prompt, max_tokens=24, method="auto")
     assert cache_path().read_text() == before
 
@@ -168,3 +171,58 @@ def test_a_long_lived_engine_saves_after_an_answer_at_most_once_a_minute(tiny_ta
         first = cache_path().read_text()
         engine.generate(prompt, max_tokens=8, method="auto")
         assert cache_path().read_text() == first           # not again within the minute
+
+
+# SmolLM2-135M's verify-cost curve on this project's 2-core VM
+SMOL_CPU = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[1.0, 1.71, 2.57, 4.04, 7.24])
+
+
+def copy_chain(match: int, length: int = 16) -> TokenTree:
+    """A prompt-lookup draft after a ``match``-token match, labelled as it labels ("ctx16d1", ...)."""
+    return chain([f"ctx{match}d{min(depth, 4)}" for depth in range(1, length + 1)])
+
+
+def test_the_copy_priors_trust_a_long_match_and_not_a_short_one() -> None:
+    priors = copy_priors()
+    assert set(priors) == set(PRIOR_SOURCES)
+    generic = Scheduler(SMOL_CPU, max_length=16)
+    generic.labels("prompt-lookup")
+    shipped = Scheduler(SMOL_CPU, max_length=16)
+    assert sorted(shipped.restore_estimates(priors, PRIOR_WEIGHT)) == sorted(PRIOR_SOURCES)
+    # restored at PRIOR_WEIGHT a class, so that a request's own text soon outweighs them; how often the
+    # text copies (the mix of first classes) is the request's to learn
+    assert max(shipped.confidence["prompt-lookup"].trials.values()) <= PRIOR_WEIGHT + 1e-9
+    assert not shipped.confidence["prompt-lookup"].first
+    for sched in (generic, shipped):
+        sched.begin_request()
+    # from the start: the priors draft a copy after a 16-token match, the generic prior does not
+    assert shipped.trim("prompt-lookup", copy_chain(16)).n_candidates >= 4
+    assert generic.trim("prompt-lookup", copy_chain(16)).n_candidates == 0
+    assert shipped.trim("prompt-lookup", copy_chain(1)).n_candidates == 0
+    # one long copy accepted whole: the generic prior now drafts every copy alike, a 1-token match's too;
+    # the priors still tell them apart
+    for sched in (generic, shipped):
+        sched.learn("prompt-lookup", copy_chain(16), 16)
+    assert generic.trim("prompt-lookup", copy_chain(1)).n_candidates > 0
+    assert shipped.trim("prompt-lookup", copy_chain(1)).n_candidates == 0
+    assert shipped.trim("prompt-lookup", copy_chain(16)).n_candidates >= 8
+
+
+def test_without_the_priors_file_the_generic_priors_stand(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(learned_module, "PRIORS_FILE", tmp_path / "missing.json")
+    assert copy_priors() == {}
+    (tmp_path / "bad.json").write_text('{"estimates": [1, 2]')
+    monkeypatch.setattr(learned_module, "PRIORS_FILE", tmp_path / "bad.json")
+    assert copy_priors() == {}
+
+
+def test_saved_estimates_replace_the_copy_priors_proposer_by_proposer(tiny_target) -> None:
+    from ouroboros_local.testing.engines import tiny_engine as make_engine
+
+    mine = taught().estimates()["x"]
+    LearnedEstimates().put(estimates_key(Path(tiny_target), None), {"prompt-lookup": mine})
+    with make_engine(tiny_target) as engine:
+        sched = engine.scheduler()
+        assert sched.estimate("prompt-lookup").to_dict() == Acceptance.from_dict(mine["acceptance"], RESTORE_WEIGHT).to_dict()
+        suffix = Acceptance.from_dict(copy_priors()["suffix"]["acceptance"], PRIOR_WEIGHT)
+        assert sched.estimate("suffix").to_dict() == suffix.to_dict()

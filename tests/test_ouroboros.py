@@ -358,11 +358,15 @@ def test_bad_options(pair_engine: Engine) -> None:
     assert len(pair_engine.generate("x y", max_tokens=3, method="ouroboros").tokens) == 3
 
 
-def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_draft) -> None:
+def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_draft, monkeypatch) -> None:
     """With the cost model on (the default), ouroboros picks per round between phrases copied from the
     context and its pool and the draft model; the text still equals plain decoding, and a flat cost
-    curve (a GPU-like machine) lets both kinds of draft run."""
+    curve (a GPU-like machine) lets both kinds of draft run. From the generic priors, which try every
+    copy class: the copy priors, learned on real text, rate the tiny model's short copies below its draft."""
+    from ouroboros_local import engine as engine_module
     from ouroboros_local.proposers import create_proposer
+
+    monkeypatch.setattr(engine_module, "copy_priors", lambda: {})
     from ouroboros_local.proposers.auto import AutoProposer
 
     engine = make_engine(tiny_target, tiny_draft, adaptive=True)   # calibration "off": flat costs

@@ -65,13 +65,35 @@ def test_a_session_that_starts_from_learned_estimates_drafts_sooner() -> None:
     for i in range(4):
         prompt = list(range(1000 + 200 * i, 1100 + 200 * i))
         copies.append({"set": "copy", "id": f"c{i}", "prompt": prompt, "answer": prompt[10:70]})
-    run = dict(curve=mid, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16)
+    run = dict(curve=mid, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16, priors=0.0)
     cold = replay_auto.replay(copies, ["copy:2"], **run)["copy:2"]
     learned: dict = {}
     replay_auto.replay(copies, ["copy:1"], **run, learned=learned)
     assert {"prompt-lookup", "suffix"} <= set(learned["estimates"])
     warm = replay_auto.replay(copies, ["copy:2"], **run, learned=learned)["copy:2"]
     assert warm[1]["rounds"] < cold[1]["rounds"] and warm[0] > 1.05 * cold[0]
+
+
+def mid_copies() -> list[dict]:
+    return [{"set": "copy", "id": f"c{i}", "prompt": list(range(1000 + 200 * i, 1100 + 200 * i)),
+             "answer": list(range(1010 + 200 * i, 1070 + 200 * i))} for i in range(4)]
+
+
+def test_a_fresh_process_per_answer_learns_nothing_from_the_last() -> None:
+    run = dict(curve=CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0]), noise=0.0, seed=0, limit=16,
+               max_tokens=128, max_draft=16)
+    copies = mid_copies()
+    alone = [replay_auto.replay([c], ["copy"], **run)["copy"][1]["rounds"] for c in copies]
+    assert replay_auto.replay(copies, ["copy"], **run, fresh_each=True)["copy"][1]["rounds"] == sum(alone)
+    assert replay_auto.replay(copies, ["copy"], **run)["copy"][1]["rounds"] < sum(alone)
+
+
+def test_the_copy_priors_make_a_fresh_process_draft_sooner() -> None:
+    run = dict(curve=CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0]), noise=0.0, seed=0, limit=16,
+               max_tokens=128, max_draft=16, fresh_each=True)
+    generic = replay_auto.replay(mid_copies(), ["copy"], **run, priors=0.0)["copy"]
+    shipped = replay_auto.replay(mid_copies(), ["copy"], **run)["copy"]
+    assert shipped[1]["rounds"] < generic[1]["rounds"] and shipped[0] > generic[0]
 
 
 def test_the_scheduler_sees_proposals_at_the_python_scale_asked() -> None:
