@@ -14,6 +14,8 @@ from .calibration import SWITCH_STEPS, CostModel
 SWITCH_SAMPLES = 9      # drafted rounds whose wake ``RoundCosts.switch`` is the median of
 END_SAMPLES = 32        # drafted rounds ``RoundCosts.end_share`` counts, after END_PRIOR that ended a run
 END_PRIOR = 2
+STALE_KEEP = 0.5        # a drafted size not measured in a request keeps this share of its factor's excess
+                        # over the plain steps' into the next (``RoundCosts.begin_request``)
 
 
 class RoundCosts:
@@ -42,6 +44,7 @@ class RoundCosts:
         self._ends_seen = 0     # rounds appended to ``_ends``
         self._after = 0         # plain steps still to come in the current drafted round's wake
         self._lost = 0.0        # what they lost so far
+        self._measured: set[int] = set()   # drafted sizes measured in this request
 
     def observe(self, n_tokens: int, seconds: float, calibrated: float) -> None:
         """A round of ``n_tokens`` took ``seconds`` where the curve says ``calibrated``. The SWITCH_STEPS
@@ -65,11 +68,29 @@ class RoundCosts:
             return
         if n_tokens > 1:
             self._after, self._lost = SWITCH_STEPS, 0.0
+            self._measured.add(n_tokens)
         factor = seconds / calibrated
         old = self._ema.get(n_tokens)
         ema = self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
         seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
         if seen <= self.MIN_ROUNDS or (n_tokens > 1 and self._drifted(n_tokens, ema)):
+            self._version += 1
+
+    def begin_request(self) -> None:
+        """A new request: each drafted size not measured in the last one forgets half of what its factor
+        exceeds the plain steps' by. A size measured dear in a slow spell (another process busy) is drafted
+        no more, so nothing else would measure it again: on SmolLM2's code edits, a few drafted rounds
+        timed while a test suite ran beside the benchmark stopped all drafting for the 23 prompts left.
+        A size that really costs more is measured again and keeps its factor."""
+        plain = self.plain_factor()
+        changed = False
+        for size in self._drafted_sizes():
+            excess = self._ema[size] - plain
+            if size not in self._measured and excess > self.DRIFT * plain:
+                self._ema[size] = plain + STALE_KEEP * excess
+                changed = True
+        self._measured.clear()
+        if changed:
             self._version += 1
 
     def _drifted(self, n_tokens: int, factor: float) -> bool:

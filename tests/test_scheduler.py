@@ -1357,6 +1357,34 @@ def test_round_costs_are_redrawn_once_a_size_is_measured_or_drifts() -> None:
     assert not sched.round_seconds(4).flags.writeable
 
 
+def test_a_size_measured_dear_in_a_slow_spell_is_drafted_again_within_a_few_requests() -> None:
+    # a copy right 97% of the time pays on this CPU curve; a few drafted rounds timed while another
+    # process ran cost 4x what the curve says, and nothing drafted would measure them again
+    sched = trained(CPU, {"sure": 0.97})
+    chain = ["sure"] * 4
+    assert sched.trim("x", labelled_chain(chain)).n_candidates == 4
+    for _ in range(6):
+        sched.observe_round(5, 4 * CPU.cost(5))
+        for _ in range(SWITCH_STEPS + 3):
+            sched.observe_round(1, CPU.cost(1))
+    assert sched.trim("x", labelled_chain(chain)).n_candidates == 0
+    requests = 0
+    while sched.trim("x", labelled_chain(chain)).n_candidates == 0 and requests < 10:
+        sched.begin_request()                           # requests of plain steps only
+        for _ in range(30):
+            sched.observe_round(1, CPU.cost(1))
+        requests += 1
+    assert 1 <= requests <= 6
+    # a size that really is dear keeps its factor: measured again in every request, it is not forgotten
+    dear = trained(CPU, {"sure": 0.97})
+    for _ in range(5):
+        for _ in range(6):
+            dear.observe_round(5, 4 * CPU.cost(5))
+            dear.observe_round(1, CPU.cost(1))
+        dear.begin_request()
+    assert dear.round_costs.factor(5) == pytest.approx(4.0, rel=0.01)
+
+
 class SometimesSure(CopyDraft):
     """A copy drafter that finds nothing 20% of the time, else a chain whose class is sure 30% of the time;
     ``drafted``: where its last chain starts in the text, and its tokens."""
