@@ -122,5 +122,5 @@ def describe(target: Path, draft: Path | None) -> str:
             "--no-learned: from the priors)")
 
 
-__all__ = ["LearnedEstimates", "PRIORS_FILE", "PRIOR_SOURCES", "PRIOR_WEIGHT", "RESTORE_WEIGHT", "SAVE_INTERVAL", "cache_path",
-           "copy_priors", "describe", "estimates_key"]
+__all__ = ["LearnedEstimates", "PRIORS_FILE", "PRIOR_SOURCES", "PRIOR_WEIGHT", "RESTORE_WEIGHT", "SAVE_INTERVAL",
+           "cache_path", "copy_priors", "describe", "estimates_key"]

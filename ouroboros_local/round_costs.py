@@ -81,7 +81,8 @@ class RoundCosts:
         exceeds the plain steps' by. A size measured dear in a slow spell (another process busy) is drafted
         no more, so nothing else would measure it again: on SmolLM2's code edits, a few drafted rounds
         timed while a test suite ran beside the benchmark stopped all drafting for the 23 prompts left.
-        A size that really costs more is measured again and keeps its factor."""
+        A size that really costs more is drafted again once forgiven enough, measured dear again, and so
+        costs a drafted round now and then; one measured in every request keeps its factor."""
         plain = self.plain_factor()
         changed = False
         for size in self._drafted_sizes():

@@ -114,9 +114,10 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
     for source, entry in total.items():
         classes = entry["classes"]
-        print(f"{source}: {len(classes['trials'])} classes, "
-              f"{sum(classes['trials'].values()):.0f} trials; pooled acceptance "
-              f"{entry['acceptance']['successes'] / max(entry['acceptance']['successes'] + entry['acceptance']['failures'], 1e-9):.2f}")
+        acc = entry["acceptance"]
+        pooled = acc["successes"] / max(acc["successes"] + acc["failures"], 1e-9)
+        print(f"{source}: {len(classes['trials'])} classes, {sum(classes['trials'].values()):.0f} trials; "
+              f"pooled acceptance {pooled:.2f}")
     return 0
 
 

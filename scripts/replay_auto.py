@@ -157,8 +157,9 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
     timings, as the scheduler sees them, times this (see --python-scale); ``charge_python``: the clock
     counts each drafting step's time at that scale too (plain decoding has none). ``gpu``: {"sizes", "seconds",
     "step", "old"} for a ShapeClock (see --gpu-clock), which then replaces ``curve``. ``priors``: start
-    from the copy priors at this weight, as an engine does (learned.py; 0: the generic priors); ``fresh_each``: each answer from a fresh
-    scheduler and history (a process per request, as an editor calling ``generate`` on a fresh cache)."""
+    from the copy priors at this weight, as an engine does (learned.py; 0: the generic priors);
+    ``fresh_each``: each answer from a fresh scheduler and history (a process per request, as an editor
+    calling ``generate`` on a fresh cache)."""
     ids = sorted({t for a in answers for t in a["prompt"] + a["answer"]})
     dense = {t: i for i, t in enumerate(ids)}   # a small vocabulary keeps the stand-in's rows small
     vocab = len(ids) + 1

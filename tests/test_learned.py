@@ -12,8 +12,8 @@ import pytest
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable
 from ouroboros_local.calibration import CostModel
 from ouroboros_local import learned as learned_module
-from ouroboros_local.learned import (MAX_ENTRIES, PRIOR_SOURCES, PRIOR_WEIGHT, RESTORE_WEIGHT, LearnedEstimates, copy_priors,
-                                     estimates_key)
+from ouroboros_local.learned import (MAX_ENTRIES, PRIOR_SOURCES, PRIOR_WEIGHT, RESTORE_WEIGHT, LearnedEstimates,
+                                     copy_priors, estimates_key)
 from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.tree import TokenTree
 
@@ -223,6 +223,7 @@ def test_saved_estimates_replace_the_copy_priors_proposer_by_proposer(tiny_targe
     LearnedEstimates().put(estimates_key(Path(tiny_target), None), {"prompt-lookup": mine})
     with make_engine(tiny_target) as engine:
         sched = engine.scheduler()
-        assert sched.estimate("prompt-lookup").to_dict() == Acceptance.from_dict(mine["acceptance"], RESTORE_WEIGHT).to_dict()
+        restored = Acceptance.from_dict(mine["acceptance"], RESTORE_WEIGHT)
+        assert sched.estimate("prompt-lookup").to_dict() == restored.to_dict()
         suffix = Acceptance.from_dict(copy_priors()["suffix"]["acceptance"], PRIOR_WEIGHT)
         assert sched.estimate("suffix").to_dict() == suffix.to_dict()
