@@ -3,7 +3,7 @@
 ``ouroboros_local/copy_priors.json``, which every engine starts from (learned.py, ``copy_priors``).
 
     python3 scripts/learn_copy_priors.py -m smollm2-135m-instruct -m qwen2.5-coder-1.5b-instruct \\
-        --prompts S/codeedit.jsonl:40:60,S/humaneval.jsonl:40:82,S/gsm8k.jsonl:100:160 -n 128 \\
+        --prompts S/codeedit.jsonl:40:60,S/humaneval.jsonl:40:70,S/gsm8k.jsonl:100:140 -n 128 \\
         --out ouroboros_local/copy_priors.json
 
 How often a copy is right depends on the copy (after a 16-token match, nearly always; after a 1-token

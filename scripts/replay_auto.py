@@ -169,12 +169,14 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
         curve = clock.priced(gpu.get("old", False))
     step = clock.step if gpu is not None else curve.cost(1)
 
+    shipped = copy_priors() if priors else {}   # read once: a fresh session per answer restores copies
+
     def session() -> tuple[Scheduler, DraftingContext]:
         sched = Scheduler(curve, max_length=max_draft)
         if python_scale != 1.0:
             slow_cache(sched, python_scale)
-        if priors:
-            sched.restore_estimates(copy_priors(), priors)
+        if shipped:
+            sched.restore_estimates(shipped, priors)
         if learned is not None and learned.get("estimates"):
             sched.restore_estimates(json.loads(json.dumps(learned["estimates"])), RESTORE_WEIGHT)
         # no draft model: the free proposers need only the history and the scheduler
