@@ -16,24 +16,14 @@ END_SAMPLES = 32        # drafted rounds ``RoundCosts.end_share`` counts, after 
 END_PRIOR = 2
 STALE_KEEP = 0.5        # a drafted size not measured in a request keeps this share of its factor's excess
                         # over the plain steps' into the next (``RoundCosts.begin_request``)
-SPEED_WEIGHT = 0.3      # the machine's speed follows every round this fast (its sizes' factors: ``WEIGHT``)
-SPEED_STEP = 2.0        # one round moves the speed as if it were at most this many times faster or slower
-SPEED_DRIFT = 0.05      # prices follow the speed once it moved this much (it scales them all alike)
 
 
 class RoundCosts:
-    """What each batch size n costs against the calibrated c(n): the machine's speed now (the plain steps'
-    factor) times n's factor relative to a plain step (EMAs).
-
-    Every round measures the speed, each against its own size's factor: a VM's speed moves by 20-30%
-    from one few-second spell to the next, and factors that moved only when their own size ran priced one
-    size at one spell's speed against another's. Seen on SmolLM2's gsm8k: plain steps timed in a slow spell
-    (11.5 ms against 8.6), then drafted rounds in a fast one looked a quarter cheaper than a plain step
-    made them; every round of eleven requests was drafted (0.6-0.9x each), and with no plain step left
-    to time, nothing corrected it. A drafted size seen fewer than ``MIN_ROUNDS`` times borrows from the
-    nearest measured drafted sizes (interpolated; outside them, the nearest one's factor), or where none
-    is measured costs a plain step's share of the calibrated curve. With nothing measured the
-    calibration stands (factor 1)."""
+    """Measured round cost / calibrated c(n), per batch size n (EMA). A drafted size seen fewer than
+    ``MIN_ROUNDS`` times borrows from the nearest measured drafted sizes (interpolated; outside them, the
+    nearest one's factor); plain steps lend theirs only while no drafted size is measured (they may cost
+    differently in kind: a CUDA graph), so that a machine running slower or faster than when the curve
+    was measured scales every size alike. With nothing measured the calibration stands (factor 1)."""
 
     WEIGHT = 0.1
     MIN_ROUNDS = 3
@@ -41,14 +31,12 @@ class RoundCosts:
                    # share of a step: redraw
 
     def __init__(self) -> None:
-        self._ema: dict[int, float] = {}    # drafted sizes: measured cost / c(n), over the speed then
+        self._ema: dict[int, float] = {}
         self._seen: dict[int, int] = {}
-        self._speed: float | None = None    # plain steps' measured cost / c(1), followed by every round
-        self._speed_seen = 0
         self._version = 0       # bumped by what must show at once: a size now measured, a drafted size's
                                 # factor or ``switch`` moved DRIFT
         self._cache: tuple[int, tuple[float, ...]] | None = None   # (version, the factors drawn then)
-        self._priced_speed = 1.0   # the speed prices use (``priced_plain``)
+        self._priced_plain = 1.0   # the plain steps' factor prices use (``priced_plain``)
         self._prices: _Prices | None = None   # ``seconds``
         self.switch: float | None = None   # seconds the plain steps after a drafted round lose (median)
         self._switches: deque[float] = deque(maxlen=SWITCH_SAMPLES)
@@ -61,9 +49,9 @@ class RoundCosts:
     def observe(self, n_tokens: int, seconds: float, calibrated: float) -> None:
         """A round of ``n_tokens`` took ``seconds`` where the curve says ``calibrated``. The SWITCH_STEPS
         plain steps after a drafted round are the drafted round's cost (see ``measure_costs``): what they
-        take beyond a plain step goes to ``switch``, not to the speed. ``switch`` is the median of the
-        last SWITCH_SAMPLES: one step slowed by another process must not stop drafting, since only
-        drafted rounds could then correct it."""
+        take beyond a plain step goes to ``switch``, not to the plain steps' factor. ``switch`` is the
+        median of the last SWITCH_SAMPLES: one step slowed by another process must not stop drafting,
+        since only drafted rounds could then correct it."""
         if self._after == SWITCH_STEPS:   # the round after a drafted one: did the drafting stop?
             self._ends.append(int(n_tokens == 1))
             self._ends_seen += 1
@@ -78,29 +66,15 @@ class RoundCosts:
                         self.switch = switch
                         self._version += 1
             return
-        ratio = seconds / calibrated
-        if n_tokens == 1:
-            self._move_speed(ratio)
-            return
-        self._after, self._lost = SWITCH_STEPS, 0.0
-        self._measured.add(n_tokens)
+        if n_tokens > 1:
+            self._after, self._lost = SWITCH_STEPS, 0.0
+            self._measured.add(n_tokens)
+        factor = seconds / calibrated
         old = self._ema.get(n_tokens)
-        seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
-        if old is not None and seen > self.MIN_ROUNDS:
-            self._move_speed(ratio / old)
-        factor = ratio / (self._speed or 1.0)
         ema = self._ema[n_tokens] = factor if old is None else old + self.WEIGHT * (factor - old)
-        if seen <= self.MIN_ROUNDS or self._drifted(n_tokens, ema):
+        seen = self._seen[n_tokens] = self._seen.get(n_tokens, 0) + 1
+        if seen <= self.MIN_ROUNDS or (n_tokens > 1 and self._drifted(n_tokens, ema)):
             self._version += 1
-
-    def _move_speed(self, speed: float) -> None:
-        """A round ran as if the machine's speed were ``speed`` (its factor taken out)."""
-        if self._speed is None:
-            self._speed = speed
-        else:
-            speed = min(max(speed, self._speed / SPEED_STEP), self._speed * SPEED_STEP)
-            self._speed += SPEED_WEIGHT * (speed - self._speed)
-        self._speed_seen += 1
 
     def begin_request(self) -> None:
         """A new request: each drafted size not measured in the last one forgets half of what its factor
@@ -109,11 +83,12 @@ class RoundCosts:
         timed while a test suite ran beside the benchmark stopped all drafting for the 23 prompts left.
         A size that really costs more is drafted again once forgiven enough, measured dear again, and so
         costs a drafted round now and then; one measured in every request keeps its factor."""
+        plain = self.plain_factor()
         changed = False
         for size in self._drafted_sizes():
-            excess = self._ema[size] - 1.0
-            if size not in self._measured and excess > self.DRIFT:
-                self._ema[size] = 1.0 + STALE_KEEP * excess
+            excess = self._ema[size] - plain
+            if size not in self._measured and excess > self.DRIFT * plain:
+                self._ema[size] = plain + STALE_KEEP * excess
                 changed = True
         self._measured.clear()
         if changed:
@@ -137,34 +112,40 @@ class RoundCosts:
         return (sum(self._ends) + END_PRIOR) / (len(self._ends) + END_PRIOR)
 
     def plain_factor(self) -> float:
-        """The machine's speed: a plain step's measured cost / c(1) (1 until MIN_ROUNDS rounds measured it)."""
-        return self._speed if self._speed is not None and self._speed_seen >= self.MIN_ROUNDS else 1.0
+        """The plain steps' factor (1 until MIN_ROUNDS of them were measured)."""
+        return self._ema[1] if self._seen.get(1, 0) >= self.MIN_ROUNDS else 1.0
 
     def factors(self, n_max: int) -> np.ndarray:
         """The factors of sizes 1..n_max as priced (a fresh array: callers scale it in place)."""
-        return np.array(self.shared_table(n_max)[:n_max]) * self.priced_plain()
+        table = np.array(self.shared_table(n_max)[:n_max])
+        table[0] = self.priced_plain()
+        return table
 
     def shared_table(self, n_max: int) -> tuple[float, ...]:
-        """The factors of sizes 1..max(n_max, 64) against a plain step's (1 first) as last drawn; a new
-        tuple each time it is drawn: once a size is measured, or a drafted size's factor or ``switch``
-        moved DRIFT (``_version``); the speed scales them apart (``priced_plain``). Plain floats, drawn as
-        rarely as that: with the caches cold after a decode, a table redrawn every 8 plain steps cost an
-        idle run 10-15 µs a round; after every drafted round, 29 µs a round of SmolLM2's code edits; on
-        each drift of the plain steps' (step times wander a few percent: every 4-10 reads), 10-30 µs a
-        round of gsm8k, where a draw in numpy, and the seconds derived from it, took ~150 µs."""
+        """The factors of sizes 1..max(n_max, 64) as last drawn (the plain steps' is ``priced_plain``); a
+        new tuple each time it is drawn: once a size is measured, or a drafted size's factor or ``switch``
+        moved DRIFT (``_version``), or, while no drafted size is measured (every size borrows the plain
+        steps' factor), the plain steps' factor moved DRIFT. Plain floats, drawn as rarely as that: with
+        the caches cold after a decode, a table redrawn every 8 plain steps cost an idle run 10-15 µs a
+        round; after every drafted round, 29 µs a round of SmolLM2's code edits; on each plain drift
+        (step times wander a few percent: every 4-10 reads), 10-30 µs a round of gsm8k, where a draw in
+        numpy, and the seconds derived from it, took ~150 µs."""
         cached = self._cache
-        if cached is None or cached[0] != self._version or len(cached[1]) < n_max:
+        if cached is None or cached[0] != self._version or len(cached[1]) < n_max \
+                or (self._plain_drifted() and not self._drafted_sizes()):
             self._cache = cached = (self._version, self._draw(max(n_max, 64)))
+            self._priced_plain = cached[1][0]
         return cached[1]
 
     def _draw(self, n: int) -> tuple[float, ...]:
-        """Factors of sizes 1..n against a plain step's: 1 first; a drafted size's measured, else
-        interpolated between the nearest measured drafted sizes (outside them, the nearest one's); 1
+        """Factors of sizes 1..n: the plain steps' first; a drafted size's measured, else interpolated
+        between the nearest measured drafted sizes (outside them, the nearest one's); the plain steps'
         where no drafted size is measured."""
+        plain = self.plain_factor()
         sizes = self._drafted_sizes()
         if not sizes:
-            return (1.0,) * n
-        table, i = [1.0], 0
+            return (plain,) * n
+        table, i = [plain], 0
         for size in range(2, n + 1):
             while i < len(sizes) - 1 and sizes[i + 1] <= size:
                 i += 1
@@ -177,13 +158,14 @@ class RoundCosts:
         return tuple(table)
 
     def priced_plain(self) -> float:
-        """The speed as rounds are priced: moved to the measured one once that moved SPEED_DRIFT from it
-        (checked at the read). It scales every price alike, so only what is added to them (``switch``, a
-        draft model's own cost) sees the difference."""
-        speed = self.plain_factor()
-        if abs(speed - self._priced_speed) > SPEED_DRIFT * self._priced_speed:
-            self._priced_speed = speed
-        return self._priced_speed
+        """The plain steps' factor as rounds are priced: moved to the measured one once that moved DRIFT
+        from it (checked at the read: the EMA of every plain step crosses the band and comes back)."""
+        if self._plain_drifted():
+            self._priced_plain = self.plain_factor()
+        return self._priced_plain
+
+    def _plain_drifted(self) -> bool:
+        return abs(self.plain_factor() - self._priced_plain) > self.DRIFT * self._priced_plain
 
     def _drafted_sizes(self) -> list[int]:
         """The drafted sizes measured MIN_ROUNDS times, ascending."""
@@ -191,23 +173,27 @@ class RoundCosts:
 
     def seconds(self, curve: CostModel, limit: int) -> list[float]:
         """Seconds a round verifying k = 0..limit draft tokens costs on ``curve`` (at least that many
-        entries; not to be written to): the calibrated c(k + 1) times the factors and the speed, plus, for
-        a drafted round, what the plain steps after it lose (``switch``, else the curve's figure) when
-        they follow it (``end_share``); where every round has one size (``CostModel.round_size``), only a
-        larger one changes shape. Plain floats, computed again when the table is drawn, the priced speed
-        moved, or that loss moved DRIFT of a step (~5 µs, where drawing the table and the seconds in
-        numpy took ~150 µs with the caches cold)."""
+        entries; not to be written to): the calibrated c(k + 1) times the factors, plus, for a drafted
+        round, what the plain steps after it lose (``switch``, else the curve's figure) when they follow
+        it (``end_share``); where every round has one size (``CostModel.round_size``), only a larger one
+        changes shape. Plain floats, computed again when the table is drawn or that loss moved DRIFT of a
+        step; a plain factor's drift moves the plain step's price alone (~3 µs, where drawing the table
+        and the seconds in numpy took ~150 µs with the caches cold)."""
         table = self.shared_table(limit + 1)
-        speed = self.priced_plain()
+        plain = self.priced_plain()
         prices = self._prices
         if prices is None or prices.curve is not curve or prices.table is not table \
-                or prices.plain != speed or self._switch_moved(curve, prices):
+                or self._switch_moved(curve, prices):
             switch = self._switch_seconds(curve)
             start = max(curve.round_size, 1)
-            floats = [c * f * speed + (switch if k >= start else 0.0)
+            floats = [c * f + (switch if k >= start else 0.0)
                       for k, (c, f) in enumerate(zip(curve.costs(len(table)), table))]
-            floats[0] = curve.cost(1) * speed
-            prices = self._prices = _Prices(curve, table, switch, self._ends_seen, speed, floats)
+            floats[0] = curve.cost(1) * plain
+            prices = self._prices = _Prices(curve, table, switch, self._ends_seen, plain, floats)
+        elif prices.plain != plain:
+            prices.floats = prices.floats.copy()   # a caller may keep the list it was given
+            prices.floats[0] = curve.cost(1) * plain
+            prices.plain, prices.array = plain, None
         return prices.floats
 
     def seconds_array(self, curve: CostModel, limit: int) -> np.ndarray:
@@ -238,6 +224,6 @@ class _Prices:
     table: tuple[float, ...]    # the factors drawn
     switch: float               # the drafted rounds' share of the switch
     ends_seen: int              # ``RoundCosts._ends_seen`` when ``switch`` was last compared
-    plain: float                # the speed priced
+    plain: float                # the plain steps' factor priced
     floats: list[float]
     array: np.ndarray | None = None

@@ -1336,31 +1336,22 @@ def test_round_costs_are_redrawn_once_a_size_is_measured_or_drifts() -> None:
         for _ in range(SWITCH_STEPS):
             sched.observe_round(1, 4 * CPU.cost(1))
     assert sched.round_seconds(4)[4] == pytest.approx(3 * CPU.cost(5) + sched.round_costs.switch)
-
-    def drafted_round(factor: float) -> None:
-        sched.observe_round(5, factor * CPU.cost(5))
+    table = sched.round_costs.shared_table(4)
+    for _ in range(20):                                # drafted rounds at a steady cost: not redrawn
+        sched.observe_round(5, 3 * CPU.cost(5) * (1 + RoundCosts.DRIFT / 2))
         for _ in range(SWITCH_STEPS):
             sched.observe_round(1, 4 * CPU.cost(1))      # (the same wake: the same switch)
-
-    for _ in range(10):                                # the speed settles between the two sizes' rounds
-        drafted_round(3)
-    table = sched.round_costs.shared_table(4)
-    for i in range(20):                                # drafted rounds at a steady cost: not redrawn
-        drafted_round(3 * (1 + (-1) ** i * RoundCosts.DRIFT / 2))
         assert sched.round_costs.shared_table(4) is table
-    sched.observe_round(5, 6 * CPU.cost(5))            # a dearer drafted round moves its factor 5%
+    sched.observe_round(5, 6 * CPU.cost(5))            # a dearer drafted round moves the EMA 10%
     assert sched.round_costs.shared_table(4) is not table
     assert not sched.round_seconds(4).flags.writeable
-    prices, table = sched.round_seconds(4).copy(), sched.round_costs.shared_table(4)
-    switch = sched.round_costs.switch * sched.round_costs.end_share()
-    speed = sched.round_costs.priced_plain()
-    for _ in range(5):                                 # the machine slows down: every price moves alike
+    drafted, table = sched.round_seconds(4)[1:].copy(), sched.round_costs.shared_table(4)
+    for _ in range(5):                                 # the plain steps slow down: only their price moves
         sched.observe_round(1, 8 * CPU.cost(1))
     plain_factor = sched.round_costs.plain_factor()
-    assert plain_factor > 1.5 * speed
     assert sched.round_seconds(4)[0] == pytest.approx(plain_factor * CPU.cost(1))
     assert sched._round_seconds_list(4)[0] == pytest.approx(plain_factor * CPU.cost(1))
-    assert sched.round_seconds(4)[1:] == pytest.approx((prices[1:] - switch) * plain_factor / speed + switch)
+    assert sched.round_seconds(4)[1:] == pytest.approx(drafted)
     assert sched.round_costs.factor(1) == pytest.approx(plain_factor)
     assert sched.round_costs.shared_table(4) is table  # priced apart, not drawn again (~150 µs, caches cold)
     assert not sched.round_seconds(4).flags.writeable
@@ -1392,26 +1383,6 @@ def test_a_size_measured_dear_in_a_slow_spell_is_drafted_again_within_a_few_requ
             dear.observe_round(1, CPU.cost(1))
         dear.begin_request()
     assert dear.round_costs.factor(5) == pytest.approx(4.0, rel=0.01)
-
-
-def test_plain_steps_timed_in_a_slow_spell_do_not_make_drafting_look_cheap_after_it() -> None:
-    """On SmolLM2's gsm8k, plain steps timed in a slow spell (11.5 ms against 8.6) priced the drafted
-    rounds timed in the fast spell that followed a quarter cheaper than a plain step: every round of
-    eleven requests was drafted, at 0.6-0.9x each, and with no plain step left to time nothing corrected
-    it. Every round measures the machine's speed, each against its own size's factor."""
-    sched = trained(CPU, {"so-so": 0.6})     # a 1-token draft right 60% of the time: a loss on this curve
-    assert sched.trim("x", labelled_chain(["so-so"])).n_candidates == 0
-    for _ in range(6):                       # both sizes timed at the curve's speed
-        sched.observe_round(2, CPU.cost(2))
-        for _ in range(SWITCH_STEPS + 3):
-            sched.observe_round(1, CPU.cost(1))
-    for _ in range(30):                      # a slow spell of plain steps
-        sched.observe_round(1, 1.32 * CPU.cost(1))
-    for _ in range(30):                      # then drafted rounds only, back at the curve's speed
-        sched.observe_round(2, CPU.cost(2))
-    seconds = sched.round_seconds(1)
-    assert seconds[1] / seconds[0] == pytest.approx(CPU.cost(2) / CPU.cost(1), rel=0.06)
-    assert sched.trim("x", labelled_chain(["so-so"])).n_candidates == 0
 
 
 class SometimesSure(CopyDraft):
