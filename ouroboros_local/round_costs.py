@@ -77,8 +77,8 @@ class RoundCosts:
             self._version += 1
 
     def begin_request(self) -> None:
-        """A new request: each drafted size not measured in the last one forgets half of what its factor
-        exceeds the plain steps' by. A size measured dear in a slow spell (another process busy) is drafted
+        """A new request of this method: each drafted size not measured in its last one forgets half of
+        what its factor exceeds the plain steps' by. A size measured dear in a slow spell (another process busy) is drafted
         no more, so nothing else would measure it again: on SmolLM2's code edits, a few drafted rounds
         timed while a test suite ran beside the benchmark stopped all drafting for the 23 prompts left.
         A size that really costs more is drafted again once forgiven enough, measured dear again, and so

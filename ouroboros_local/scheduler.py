@@ -441,8 +441,7 @@ class Scheduler:
         self._request_began[self._method] = self._elapsed.get(self._method, 0.0)
         self._request_first_round = self._rounds
         self.looks.begin_request(self.confidence)   # every labelling drafter is looked at in its first round
-        for costs in self._round_costs.values():
-            costs.begin_request()
+        self.round_costs.begin_request()   # this method's: what another method's requests measured is apart
         self._epoch += 1
 
     def learn(self, source: str, tree: TokenTree, accepted: int, path: Sequence[int] | None = None) -> None:

@@ -1383,6 +1383,21 @@ def test_a_size_measured_dear_in_a_slow_spell_is_drafted_again_within_a_few_requ
             dear.observe_round(1, CPU.cost(1))
         dear.begin_request()
     assert dear.round_costs.factor(5) == pytest.approx(4.0, rel=0.01)
+    # ... also where another method's requests come between (a benchmark, a server's mixed requests)
+    mixed = trained(CPU, {"sure": 0.97})
+    for _ in range(5):
+        mixed.use_method("auto")
+        mixed.begin_request()
+        for _ in range(6):
+            mixed.observe_round(5, 4 * CPU.cost(5))
+            mixed.observe_round(1, CPU.cost(1))
+        mixed.use_method("prompt-lookup")
+        mixed.begin_request()
+        for _ in range(6):
+            mixed.observe_round(1, CPU.cost(1))
+    mixed.use_method("auto")
+    mixed.begin_request()
+    assert mixed.round_costs.factor(5) == pytest.approx(4.0, rel=0.01)
 
 
 class SometimesSure(CopyDraft):
