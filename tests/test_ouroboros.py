@@ -365,9 +365,9 @@ def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_
     copy class: the copy priors, learned on real text, rate the tiny model's short copies below its draft."""
     from ouroboros_local import engine as engine_module
     from ouroboros_local.proposers import create_proposer
+    from ouroboros_local.proposers.auto import AutoProposer
 
     monkeypatch.setattr(engine_module, "copy_priors", lambda: {})
-    from ouroboros_local.proposers.auto import AutoProposer
 
     engine = make_engine(tiny_target, tiny_draft, adaptive=True)   # calibration "off": flat costs
     try:

@@ -17,6 +17,7 @@ spec.loader.exec_module(replay_auto)
 
 GPU_LIKE = CostModel(sizes=[1, 64], seconds=[1.0, 1.2])           # verification nearly free
 CPU_STEEP = CostModel(sizes=[1, 2, 17], seconds=[1.0, 2.0, 17.0])  # n tokens cost n steps: nothing pays
+MID = CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0])         # verifying 16 tokens costs 5 steps
 
 
 def answers() -> list[dict]:
@@ -58,14 +59,16 @@ def test_a_scheduled_method_is_replayed_through_the_scheduler(method: str) -> No
     assert all(speedup > 0.9 and counts["drafted"] < 20 for speedup, counts in out.values())
 
 
+def mid_copies() -> list[dict]:
+    """Four answers that copy 60 tokens of their prompts (each prompt its own tokens)."""
+    return [{"set": "copy", "id": f"c{i}", "prompt": list(range(1000 + 200 * i, 1100 + 200 * i)),
+             "answer": list(range(1010 + 200 * i, 1070 + 200 * i))} for i in range(4)]
+
+
 def test_a_session_that_starts_from_learned_estimates_drafts_sooner() -> None:
     # what a later process gets (learned.py): estimates learned on other copies, no shared history
-    mid = CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0])
-    copies = []
-    for i in range(4):
-        prompt = list(range(1000 + 200 * i, 1100 + 200 * i))
-        copies.append({"set": "copy", "id": f"c{i}", "prompt": prompt, "answer": prompt[10:70]})
-    run = dict(curve=mid, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16, priors=0.0)
+    copies = mid_copies()
+    run = dict(curve=MID, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16, priors=0.0)
     cold = replay_auto.replay(copies, ["copy:2"], **run)["copy:2"]
     learned: dict = {}
     replay_auto.replay(copies, ["copy:1"], **run, learned=learned)
@@ -74,14 +77,8 @@ def test_a_session_that_starts_from_learned_estimates_drafts_sooner() -> None:
     assert warm[1]["rounds"] < cold[1]["rounds"] and warm[0] > 1.05 * cold[0]
 
 
-def mid_copies() -> list[dict]:
-    return [{"set": "copy", "id": f"c{i}", "prompt": list(range(1000 + 200 * i, 1100 + 200 * i)),
-             "answer": list(range(1010 + 200 * i, 1070 + 200 * i))} for i in range(4)]
-
-
 def test_a_fresh_process_per_answer_learns_nothing_from_the_last() -> None:
-    run = dict(curve=CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0]), noise=0.0, seed=0, limit=16,
-               max_tokens=128, max_draft=16)
+    run = dict(curve=MID, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16)
     copies = mid_copies()
     alone = [replay_auto.replay([c], ["copy"], **run)["copy"][1]["rounds"] for c in copies]
     assert replay_auto.replay(copies, ["copy"], **run, fresh_each=True)["copy"][1]["rounds"] == sum(alone)
@@ -89,8 +86,7 @@ def test_a_fresh_process_per_answer_learns_nothing_from_the_last() -> None:
 
 
 def test_the_copy_priors_make_a_fresh_process_draft_sooner() -> None:
-    run = dict(curve=CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0]), noise=0.0, seed=0, limit=16,
-               max_tokens=128, max_draft=16, fresh_each=True)
+    run = dict(curve=MID, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16, fresh_each=True)
     generic = replay_auto.replay(mid_copies(), ["copy"], **run, priors=0.0)["copy"]
     shipped = replay_auto.replay(mid_copies(), ["copy"], **run)["copy"]
     assert shipped[1]["rounds"] < generic[1]["rounds"] and shipped[0] > generic[0]
@@ -101,11 +97,8 @@ def test_the_scheduler_sees_proposals_at_the_python_scale_asked() -> None:
     # the scheduler are drafted less (here a lookup of microseconds made to look like seconds: at 1e6 a
     # draft token ~2.5 s against a 1 s step; at 1e5, ~0.25 s, a 16-token copy still pays, 5 s + 4 s of
     # drafting against 17 steps, and is drafted once an early look finds it)
-    mid = CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0])
-    copies = [{"set": "copy", "id": f"c{i}", "prompt": list(range(1000 + 200 * i, 1100 + 200 * i)),
-               "answer": list(range(1010 + 200 * i, 1070 + 200 * i))} for i in range(4)]
-    sets = answers()[1:] + copies                        # text with nothing to copy first: lookups timed
-    run = dict(curve=mid, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16)
+    sets = answers()[1:] + mid_copies()                  # text with nothing to copy first: lookups timed
+    run = dict(curve=MID, noise=0.0, seed=0, limit=16, max_tokens=128, max_draft=16)
     as_timed = replay_auto.replay(sets, ["fresh", "copy"], **run)["copy"]
     dear = replay_auto.replay(sets, ["fresh", "copy"], **run, python_scale=1e6)["copy"]
     assert dear[1]["drafted"] < as_timed[1]["drafted"] / 2 and dear[0] < as_timed[0]
@@ -144,7 +137,7 @@ def test_a_replay_on_the_stand_in_clock_decides_alike_every_time() -> None:
     # of the code that decide alike print the same table (how a refactor is checked to change nothing)
     import time
 
-    run = dict(curve=CostModel(sizes=[1, 2, 17], seconds=[1.0, 1.6, 5.0]), noise=0.1, seed=3, limit=16,
+    run = dict(curve=MID, noise=0.1, seed=3, limit=16,
                max_tokens=128, max_draft=16, python_scale=1e3, charge_python=True)   # timed: 1.81x, 1.93x
     outs = []
     for _ in range(2):
