@@ -16,6 +16,8 @@ END_SAMPLES = 32        # drafted rounds ``RoundCosts.end_share`` counts, after 
 END_PRIOR = 2
 STALE_KEEP = 0.5        # a drafted size not measured in a request keeps this share of its factor's excess
                         # over the plain steps' into the next (``RoundCosts.begin_request``)
+GAP_SAMPLES = 9         # requests that timed both kinds of round whose plain-to-drafted ratio ``_gap`` is
+                        # the median of
 
 
 class RoundCosts:
@@ -46,6 +48,7 @@ class RoundCosts:
         self._lost = 0.0        # what they lost so far
         self._measured: set[int] = set()   # drafted sizes measured in this request
         self._plain_timed = 0   # plain steps timed in this request outside a drafted round's wake
+        self._gaps: deque[float] = deque(maxlen=GAP_SAMPLES)   # plain factor / drafted sizes' (``_gap``)
 
     def observe(self, n_tokens: int, seconds: float, calibrated: float) -> None:
         """A round of ``n_tokens`` took ``seconds`` where the curve says ``calibrated``. The SWITCH_STEPS
@@ -87,7 +90,8 @@ class RoundCosts:
           would measure it again: on SmolLM2's code edits, a few drafted rounds timed while a test suite
           ran beside the benchmark stopped all drafting for the 23 prompts left.
         - The mirror image: where fewer than MIN_ROUNDS plain steps were timed, the plain steps' factor
-          forgets half of what it exceeds the drafted sizes measured by. Plain steps timed in a slow spell
+          forgets half of what it exceeds its usual ratio (``_gap``) to the drafted sizes measured by
+          (once MIN_ROUNDS requests that timed both measured that ratio). Plain steps timed in a slow spell
           make every drafted round of a fast one look cheap, so every round is drafted and no plain step
           is timed again: on SmolLM2's gsm8k (11.5 ms a plain step against 8.6), eleven requests in a row
           drafted every round, at 0.6-0.9x of plain decoding each.
@@ -102,16 +106,27 @@ class RoundCosts:
                 self._ema[size] = plain + STALE_KEEP * excess
                 changed = True
         measured = [self._ema[size] for size in self._drafted_sizes() if size in self._measured]
-        if measured and self._plain_timed < self.MIN_ROUNDS and self._seen.get(1, 0) >= self.MIN_ROUNDS:
+        if measured and self._seen.get(1, 0) >= self.MIN_ROUNDS:
             speed = sum(measured) / len(measured)
-            excess = plain - speed
-            if excess > self.DRIFT * speed:
-                self._ema[1] = speed + STALE_KEEP * excess
-                changed = True
+            if self._plain_timed >= self.MIN_ROUNDS:
+                self._gaps.append(plain / speed)
+            elif len(self._gaps) >= self.MIN_ROUNDS:
+                usual = speed * self._gap()
+                excess = plain - usual
+                if excess > self.DRIFT * usual:
+                    self._ema[1] = usual + STALE_KEEP * excess
+                    changed = True
         self._measured.clear()
         self._plain_timed = 0
         if changed:
             self._version += 1
+
+    def _gap(self) -> float:
+        """The plain steps' factor over the drafted sizes' where a request timed both (the median of the
+        last GAP_SAMPLES). About 1 on a CPU; above it where a round's fixed cost (Python, a launch) is a
+        larger share of a plain step's few milliseconds than of a drafted round's, as on a GPU, where a
+        request drafted throughout must not price plain steps as cheap as drafted ones."""
+        return float(np.median(self._gaps))
 
     def _drifted(self, n_tokens: int, factor: float) -> bool:
         """Has a measured drafted size's factor moved DRIFT from the table drawn last?"""
