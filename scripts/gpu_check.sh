@@ -308,10 +308,11 @@ case "${1:-}" in
     # SmolLM2 with plain steps where rounds of 4 do not pay (--round-switch, default on since the
     # forty-second session, never run on a GPU) against rounds of 4 throughout (~50 s), then the 1.5B's
     # full comparison and SmolLM2's, each interrupted at its deadline (the prompts done are kept), then
-    # where auto's Python goes (if a minute is left). Since b0cccc8 (forty-fifth session, not yet run on a
-    # GPU) a request of auto's that timed fewer than 3 plain steps outside drafted rounds' wakes pulls the
-    # plain steps' factor halfway to the drafted sizes'; on the code sets, where copies can fill whole
-    # requests, check in the runs' results.json how many auto records have extra.time_split "plain" < 3.
+    # where auto's Python goes (if a minute is left). Since b0cccc8 and f00b772 (forty-fifth session, not
+    # yet run on a GPU) a request of auto's that timed fewer than 3 plain steps outside drafted rounds'
+    # wakes pulls the plain steps' factor halfway to its usual ratio to the drafted sizes'; on the code
+    # sets, where copies can fill whole requests, check in the runs' results.json how many auto records
+    # have extra.time_split "plain" < 3, and whether auto's speed-up held.
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
     FORCE=()
     "$0" preflight || { FORCE=(--round-size 4 --flash-attn auto); echo "preflight failed: benches run with ${FORCE[*]}"; }
