@@ -99,13 +99,14 @@ class RoundCosts:
         A factor that really is that dear is measured dear again once forgiven enough; one measured in
         every request keeps its factor."""
         plain = self.plain_factor()
+        sizes = self._drafted_sizes()
         changed = False
-        for size in self._drafted_sizes():
+        for size in sizes:
             excess = self._ema[size] - plain
             if size not in self._measured and excess > self.DRIFT * plain:
                 self._ema[size] = plain + STALE_KEEP * excess
                 changed = True
-        measured = [self._ema[size] for size in self._drafted_sizes() if size in self._measured]
+        measured = [self._ema[size] for size in sizes if size in self._measured]
         if measured and self._seen.get(1, 0) >= self.MIN_ROUNDS:
             speed = sum(measured) / len(measured)
             if self._plain_timed >= self.MIN_ROUNDS:
