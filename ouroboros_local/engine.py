@@ -693,10 +693,12 @@ class Engine:
         """Plain steps where a method's rounds of one size would not pay (``EngineConfig.round_switch``),
         as the calibrated costs of both, each decoded back to back, and of a change of size say; None
         where rounds take their draft's size or the costs are not measured. Asked before a generation
-        takes the engine's lock, which measuring the costs takes too."""
+        takes the engine's lock, which measuring the costs takes too. Whether ``proposer`` drafts ahead
+        is not asked here: a draft model's depends on the request's sampling, which it learns when its
+        generation begins (``_run`` drops the sizer where its rounds do not draft while they decode)."""
         round_size = self.round_size
         if (round_size < 2 or proposer.name == "vanilla" or not self.config.round_switch
-                or self.config.calibration == "off" or not self._overlaps(proposer)):
+                or self.config.calibration == "off" or not self._overlap_here()):
             return None
         costs = self.scheduler().costs
         if costs.round_size != round_size or costs.plain_seconds <= 0:
@@ -711,9 +713,12 @@ class Engine:
     def _overlaps(self, proposer: Proposer) -> bool:
         """Does this generation draft while a round without a draft decodes (``EngineConfig.overlap``)?
         By default where llama_decode has been seen to return well before its decode ends
-        (``ASYNC_WAIT_SHARE``), and before any step was timed, where the target's layers are on a GPU."""
-        if not proposer.drafts_ahead:
-            return False
+        (``ASYNC_WAIT_SHARE``), and before any step was timed, where the target's layers are on a GPU.
+        Asked once ``proposer`` has begun its generation (``Proposer.drafts_ahead``)."""
+        return proposer.drafts_ahead and self._overlap_here()
+
+    def _overlap_here(self) -> bool:
+        """``_overlaps`` for a proposer that drafts ahead: the setting, or what this machine's steps say."""
         if self.config.overlap is not None:
             return self.config.overlap
         share = self.target_ctx.step_wait_share()

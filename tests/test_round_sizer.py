@@ -144,3 +144,19 @@ def test_a_first_generation_measures_the_costs_before_it_takes_the_engine(tiny_t
         pytest.fail("the generation waited for the engine's lock, which it held")
     engine.close()
     assert "round_switch" in answers[0].stats.extra
+
+
+def test_a_draft_model_runs_in_rounds_of_k_under_the_calibrated_costs(tiny_target, tiny_draft) -> None:
+    """The GPU defaults (rounds of 4, drafting while they decode, costs calibrated, the round switch on)
+    with a draft model: whether its drafts ride a plain step depends on the request's sampling, which
+    the proposer learns only when its generation begins, after the sizer was asked. ``speculative``
+    raised there (AttributeError) on every request; now greedy runs equal plain decoding with the
+    sizer, and sampled ones run without it (a sampled draft does not draft ahead)."""
+    with tiny_engine(tiny_target, tiny_draft, overlap=True, round_size=K, calibration="auto") as engine:
+        prompt = PROMPTS[1]
+        greedy = engine.generate(prompt, max_tokens=24, method="speculative")
+        assert greedy.tokens == engine.generate(prompt, max_tokens=24).tokens
+        assert "round_switch" in greedy.stats.extra
+        sampled = engine.generate(prompt, max_tokens=24, method="speculative",
+                                  sampling={"temperature": 0.8, "seed": 7})
+        assert sampled.stats.tokens == 24 and "round_switch" not in sampled.stats.extra

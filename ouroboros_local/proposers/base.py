@@ -89,6 +89,7 @@ class Proposer(ABC):
     # True when a proposal may be made while the target decodes the root alone, its first level checked
     # by that step and the rest verified next round (``EngineConfig.overlap``): no extras ride along, and
     # ``observe`` reads no predictions beyond the accepted path (a ``JoinedPredictions`` has no others).
+    # Read once ``begin`` has run: a draft model's depends on the request's sampling.
     drafts_ahead: bool = False
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
