@@ -14,6 +14,9 @@
 #                                        and the GGUFs cut into parts (default: SmolLM2-135M, then
 #                                        Qwen2.5-Coder-0.5B and -1.5B, from the catalogue's cache: 28
 #                                        folders). Prints the device calls to make.
+#   scripts/gpu_check.sh rehearse        `next` on this CPU (cached models, 1 prompt a set, 8 tokens, a CUDA
+#                                        GPU's defaults forced): fails where a part of the plan would fail
+#                                        there (~2 minutes; run it before any device time)
 # On the device machine (the `run` tool; each call carries one folder, timeout_s a little above need):
 #   scripts/gpu_check.sh start            carry .gpu/c1: unpack, start the CUDA build in the background
 #   scripts/gpu_check.sh stash .gpu/cK    carry .gpu/cK, K = 2..N: back to back while the build runs (an
@@ -87,8 +90,8 @@
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
-MODELS=/tmp/gpu-models
-LLAMA=/tmp/llama
+MODELS="${GPU_CHECK_MODELS:-/tmp/gpu-models}"   # both set by `rehearse` only
+LLAMA="${GPU_CHECK_LLAMA:-/tmp/llama}"
 OUT="${OUT:-/tmp/gpu-out}"
 PY=python3
 SDIST_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
@@ -164,6 +167,10 @@ EOF
 
 setup_env() {
   mkdir -p "$SITE" "$MODELS" "$OUT"
+  if [ -n "${REHEARSE:-}" ]; then   # this machine's llama_cpp package and its own library
+    export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+    return
+  fi
   export PYTHONPATH="$PWD:$SITE" PYTHONUNBUFFERED=1 LLAMA_CPP_LIB_PATH="$LLAMA/build/bin"
   export OUROBOROS_CACHE=/tmp/ouroboros-cache
   # The image's /opt/gcc toolchain links a copy of libstdc++ into libggml-cuda.so and exports it;
@@ -180,6 +187,7 @@ stash() {
 }
 
 wait_for_build() {
+  [ -n "${REHEARSE:-}" ] && return   # `rehearse`: the build of scripts/build_llama_cpp.sh
   local i
   for i in $(seq 1 120); do
     [ -f /tmp/build.done ] && break
@@ -194,6 +202,7 @@ wait_for_build() {
 
 # reassemble every stashed model and check it against the sha256 that pack wrote
 assemble() {
+  [ -n "${REHEARSE:-}" ] && return   # `rehearse`: the catalogue's cache, checked when it was fetched
   local sum name
   for sum in "$MODELS"/*.sha256; do
     name=$(basename "$sum" .sha256)
@@ -316,12 +325,35 @@ case "${1:-}" in
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
     FORCE=()
     "$0" preflight || { FORCE=(--round-size 4 --flash-attn auto); echo "preflight failed: benches run with ${FORCE[*]}"; }
+    [ -n "${REHEARSE:-}" ] && FORCE+=(--overlap on)   # a GPU's llama_decode returns early: a CPU's does not
     BENCH_DEADLINE=$((end - 360)) AB_LABEL=smol-rs "$0" ab smol 1 '--round-switch off' '' \
       --methods vanilla,auto --peers '' "${FORCE[@]}"
     BENCH_DEADLINE=$((end - 110)) LABEL=q15 "$0" bench qwen15 "${FORCE[@]}"
     BENCH_DEADLINE=$((end - 20)) LABEL=smol "$0" bench smol "${FORCE[@]}"
     [ "$(date +%s)" -lt $((end - 60)) ] && "$0" profile > /dev/null
     ls "$OUT"
+    ;;
+  rehearse)
+    # Here, before any device time, no GPU needed: `next` on this machine, as a GPU session would run it,
+    # with what it can stand in for there: the catalogue's cached models, the prompt sets of BENCH_DIR,
+    # llama.cpp's binaries from scripts/build_llama_cpp.sh (REHEARSE_LLAMA: its prefix), one prompt a set
+    # and 8 tokens, and a CUDA GPU's defaults forced (rounds of 4 drafting while they decode, flash
+    # attention auto). A flag the CLI no longer takes, or a method failing under those defaults, then
+    # shows here and not in a session's 15 minutes: the forty-sixth session found `speculative` raising
+    # on every request in rounds of 4 this way (fixed), which would have cost the 1.5B's whole bench.
+    # ~2 minutes on 2 cores (118 s here); fails, with the lines that say why, where any part of `next` failed.
+    cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}"
+    dir=$(mktemp -d)
+    ln -s "$cache"/models/*.gguf "$dir"/ && ln -s "$(cd "${BENCH_DIR:-../shared/bench}" && pwd)"/*.jsonl "$dir"/ \
+      || { echo "no models in $cache/models or prompt sets in ${BENCH_DIR:-../shared/bench}"; exit 1; }
+    REHEARSE=1 GPU_CHECK_MODELS="$dir" GPU_CHECK_LLAMA="${REHEARSE_LLAMA:-$cache/llama.cpp-$SDIST_VERSION}" \
+      OUT="$dir/out" LIMIT=1 TOKENS=8 NEXT_SECONDS=1200 "$0" next > "$dir/next.log" 2>&1
+    for f in "$dir"/out/*.tgz; do tar xzf "$f" -C "$dir/out"; done
+    if grep -rnE "Traceback|^error|rror:|unrecognized arguments|no time left" "$dir/next.log" "$dir/out" \
+         --include=*.log --include=*.txt --include=*.md; then
+      echo "rehearsal FAILED (logs in $dir)"; exit 1
+    fi
+    ls "$dir/out"; echo "rehearsal passed: every part of next ran (logs in $dir)"
     ;;
   preflight)
     # what a bench here will run with: llama.cpp's devices, and the engine's defaults on this GPU (rounds
