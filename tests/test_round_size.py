@@ -26,9 +26,29 @@ def round_engine(tiny_target, tiny_draft):
     engine.close()
 
 
+@pytest.fixture(scope="module")
+def gpu_defaults_engine(tiny_target, tiny_draft):
+    """What a CUDA GPU runs by default, on the CPU: rounds of 4 drafting while they decode, the costs
+    calibrated (so the round switch sizes rounds), the scheduler on."""
+    engine = tiny_engine(tiny_target, tiny_draft, round_size=4, overlap=True, calibration="auto",
+                         adaptive=True)
+    yield engine
+    engine.close()
+
+
 @pytest.mark.parametrize("method", [m for m in method_names() if m != "vanilla"])
 def test_every_method_is_greedy_lossless_in_rounds_of_one_size(round_engine: Engine, method: str) -> None:
     assert_greedy_equals_vanilla(round_engine, PROMPTS, method)
+
+
+@pytest.mark.parametrize("method", [m for m in method_names() if m != "vanilla"])
+def test_every_method_runs_under_a_gpus_defaults(gpu_defaults_engine: Engine, method: str) -> None:
+    """Greedy and sampled: paths only a GPU takes by default (``speculative`` raised on every request
+    there until dd7760d, and no test ran it)."""
+    assert_greedy_equals_vanilla(gpu_defaults_engine, PROMPTS, method)
+    sampled = gpu_defaults_engine.generate(PROMPTS[1], max_tokens=16, method=method,
+                                           sampling={"temperature": 0.8, "seed": 5})
+    assert sampled.stats.tokens == 16
 
 
 @pytest.mark.parametrize("method", ["prompt-lookup", "speculative"])
