@@ -19,7 +19,9 @@ is verified; only the draft model is priced as above, where neither drafted.
 
 Every draft is deterministic (prompt lookup, greedy draft-model chains), so with sampling the verifier
 uses sample-and-match: each emitted token consumes exactly one uniform of the seeded generator, and a
-seeded ``auto`` run gives the same text as seeded plain decoding, however the rounds were drafted.
+seeded ``auto`` run gives the same text as seeded plain decoding, however the rounds were drafted, up to
+the batch shape's floating-point effects on the rows (on quantised models often within a few tokens:
+docs/design.md#exactness).
 
 The scheduler (scheduler.py) holds an acceptance estimate per proposer and the measured verify-cost
 curve, so on a CPU where verification is expensive ``auto`` drafts short or not at all, and on a GPU

@@ -143,7 +143,8 @@ class DraftModelProposer(Proposer):
         self.adaedl_init = adaedl
         self.adaedl: AdaEDL | None = None
         # Greedy drafts even when sampling: verified by sample-and-match, every emitted token uses
-        # exactly one uniform, so a seeded run equals plain seeded decoding whatever the draft lengths.
+        # exactly one uniform, so a seeded run equals plain seeded decoding whatever the draft lengths
+        # (up to the batch shape's floating-point effects on the rows: docs/design.md#exactness).
         self.greedy_draft = greedy_draft
         self._catch_up = CatchUp()
         self._reset_counters()
