@@ -349,7 +349,7 @@ case "${1:-}" in
     REHEARSE=1 GPU_CHECK_MODELS="$dir" GPU_CHECK_LLAMA="${REHEARSE_LLAMA:-$cache/llama.cpp-$SDIST_VERSION}" \
       OUT="$dir/out" LIMIT=1 TOKENS=8 NEXT_SECONDS=1200 "$0" next > "$dir/next.log" 2>&1
     for f in "$dir"/out/*.tgz; do tar xzf "$f" -C "$dir/out"; done
-    if grep -rnE "Traceback|^error|rror:|unrecognized arguments|no time left" "$dir/next.log" "$dir/out" \
+    if grep -rnE "Traceback|^error|rror:|unrecognized arguments|no time left|failed on|bench: skipping|errors\]" "$dir/next.log" "$dir/out" \
          --include=*.log --include=*.txt --include=*.md; then
       echo "rehearsal FAILED (logs in $dir)"; exit 1
     fi
