@@ -50,6 +50,7 @@ SWITCH_SIZE = 8          # the decode whose switch cost is timed (the largest ca
 SWITCH_STEPS = 2         # plain steps that may run slower after it (CUDA: one without a graph, one capturing)
 SWITCH_SETTLE = 3        # plain steps in a row, the last timed (``_settled_step``; more than SWITCH_STEPS)
 SWITCH_REPEATS = 5
+MAX_CURVES = 64          # curves kept in the file (the least recently measured go first)
 
 
 @dataclass
@@ -295,8 +296,16 @@ class CalibrationCache:
     def put(self, model: CostModel) -> None:
         data = self._read()
         data[model.key] = model.to_dict()
+        if len(data) > MAX_CURVES:   # every model, device and thread setting tried adds one: keep the file bounded
+            for old in sorted(data, key=lambda k: _measured_at(data[k]))[:len(data) - MAX_CURVES]:
+                del data[old]
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(data, indent=1).encode(), "cost curve")
+
+
+def _measured_at(entry: Any) -> float:
+    stamp = entry.get("measured_at") if isinstance(entry, dict) else None
+    return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else 0.0
 
 
 def _is_curve(sizes: Any, seconds: Any) -> bool:

@@ -142,6 +142,18 @@ def test_old_and_broken_cache_entries(tmp_path) -> None:
     assert cache.get("ok").seconds == [0.05]
 
 
+def test_the_cache_keeps_the_most_recently_measured_curves(tmp_path, monkeypatch) -> None:
+    import ouroboros_local.calibration as calibration
+
+    monkeypatch.setattr(calibration, "MAX_CURVES", 3)
+    cache = CalibrationCache(tmp_path / "cal.json")
+    for i, stamp in enumerate((5.0, 1.0, 4.0, 2.0)):   # measured out of order: the stamp decides
+        cache.put(CostModel(sizes=[1], seconds=[0.01 * (i + 1)], key=f"k{i}", measured_at=stamp))
+    assert [k for k in ("k0", "k1", "k2", "k3") if cache.get(k) is not None] == ["k0", "k2", "k3"]
+    cache.put(CostModel(sizes=[1], seconds=[0.05], key="k4"))   # now: the oldest left (k3, 2.0) goes
+    assert [k for k in ("k0", "k2", "k3", "k4") if cache.get(k) is not None] == ["k0", "k2", "k4"]
+
+
 class FakeClock:
     """``time.perf_counter`` for ``measure_costs``: each decode of n tokens advances it by ``cost(n)``
     (times ``slow`` for the decodes whose running index is in ``burst``)."""
