@@ -128,7 +128,8 @@ ADAEDL_LAMBDA = Option("adaedl_lambda", "float", None, "AdaEDL's initial thresho
 ADAEDL_TUNING = tuple(Option(f"adaedl_{name}", "float", None, f"AdaEDL {name}", lo, hi, flag=False)
                       for name, lo, hi in (("gamma_e", 0.0, 1.0), ("alpha", 0.0, 1.0), ("beta1", 0.0, 1.0),
                                            ("beta2", 0.0, 1.0), ("eps", 0.0, 1.0)))
-GREEDY_DRAFT = Option("greedy_draft", "bool", False, "draft with the draft's argmax even when sampling",
+GREEDY_DRAFT = Option("greedy_draft", "bool", None, "draft with the draft's argmax even when sampling "
+                      "(default: when the request has a seed, so that it repeats plain seeded decoding)",
                       flag=False)
 MAP_SPECIALS = Option("map_specials", "bool", True, "cross-vocabulary drafts: map special tokens by text",
                       flag=False)

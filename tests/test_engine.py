@@ -212,6 +212,28 @@ def test_seeded_sampling_is_reproducible(pair_engine: Engine) -> None:
     assert a.tokens == b.tokens
 
 
+def test_seeded_speculative_repeats_whatever_its_draft_lengths(pair_engine: Engine) -> None:
+    # A sampled draft uses as many uniforms as its (timing-scheduled) length: a seeded request drafts
+    # greedily instead, so its text is plain seeded decoding's however long the drafts were.
+    for seed in range(3):
+        sp = SamplingParams(temperature=0.8, seed=seed)
+        base = pair_engine.generate(PROMPTS[seed % 3], max_tokens=30, method="vanilla", sampling=sp)
+        for options in ({}, {"adaptive": False, "gamma": 2}, {"adaptive": False, "gamma": 4}):
+            res = pair_engine.generate(PROMPTS[seed % 3], max_tokens=30, method="speculative", sampling=sp,
+                                       options=options)
+            assert res.tokens == base.tokens, (seed, options)
+    # asked for, sampled drafts still run with a seed (accepted by min(1, p/q), their own uniforms drawn)
+    sampled = {"greedy_draft": False, "adaptive": False, "gamma": 4}
+    differs = 0
+    for seed in range(3):
+        sp = SamplingParams(temperature=0.8, seed=seed)
+        base = pair_engine.generate(PROMPTS[seed % 3], max_tokens=30, method="vanilla", sampling=sp)
+        res = pair_engine.generate(PROMPTS[seed % 3], max_tokens=30, method="speculative", sampling=sp,
+                                   options=sampled)
+        differs += res.tokens != base.tokens
+    assert differs > 0
+
+
 def test_seeded_auto_equals_seeded_vanilla(pair_engine: Engine) -> None:
     # auto drafts deterministically (sample-and-match), so its scheduler state, which changes from
     # call to call, never changes a seeded run's text

@@ -135,7 +135,7 @@ class DraftModelProposer(Proposer):
     confidence_classes = True
 
     def __init__(self, kv: KVCache, n_target_vocab: int, gamma: int = 4, p_min: float = 0.0,
-                 adaedl: AdaEDL | None = None, greedy_draft: bool = False):
+                 adaedl: AdaEDL | None = None, greedy_draft: bool | None = None):
         self.kv = kv
         self.gamma = gamma
         self.p_min = p_min
@@ -145,7 +145,11 @@ class DraftModelProposer(Proposer):
         # Greedy drafts even when sampling: verified by sample-and-match, every emitted token uses
         # exactly one uniform, so a seeded run equals plain seeded decoding whatever the draft lengths
         # (up to the batch shape's floating-point effects on the rows: docs/design.md#exactness).
-        self.greedy_draft = greedy_draft
+        # Sampled drafts are accepted more often (min(1, p/q)), but how many uniforms a round uses
+        # depends on its draft's length, which the scheduler sets from timings: a seeded text would
+        # change from run to run. None: greedy exactly when the request has a seed.
+        self.greedy_draft_option = greedy_draft
+        self.greedy_draft = bool(greedy_draft)
         self._catch_up = CatchUp()
         self._reset_counters()
 
@@ -172,6 +176,8 @@ class DraftModelProposer(Proposer):
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
+        option = self.greedy_draft_option
+        self.greedy_draft = setup.sampling.seed is not None if option is None else option
         self._reset_counters()
         self._catch_up.start()
         # a fresh copy per generation: lambda adapts within a generation, never across requests
