@@ -363,6 +363,10 @@ BAD_REQUESTS = [
      "method_options"),
     ("lookahead window 20000", "/v1/completions",
      {"prompt": "x", "method": "lookahead", "method_options": {"window": 20000}}, 400, "method_options"),
+    # checked once the generation begins, where the window meets the context's sequence ids
+    ("lookahead window beyond the sequence ids", "/v1/completions",
+     {"prompt": "x", "max_tokens": 3, "method": "lookahead", "method_options": {"window": 16}}, 400,
+     "method_options"),
     ("ouroboros window 100000", "/v1/completions",
      {"prompt": "x", "method": "ouroboros", "method_options": {"window": 100000}}, 400, "method_options"),
     ("prompt-lookup max_ngram 1e9", "/v1/completions",
@@ -406,6 +410,24 @@ def test_bad_request_then_normal_request(live, engine, name, path, body, status,
     ok_status, _, ok_body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6})
     assert ok_status == 200, ok_body
     assert json.loads(ok_body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
+
+
+def test_a_method_the_draft_cannot_run_is_refused_by_name(tiny_target, tiny_other_vocab):
+    """pearl needs a draft of the target's vocabulary: with another one it is the request's method that is
+    wrong (400 naming it), and the server goes on with what the pair can run."""
+    eng = Engine(Model(tiny_target), Model(tiny_other_vocab), EngineConfig(n_ctx=N_CTX, n_batch=64, n_seq_max=8,
+                                                                           threads=1, threads_batch=1))
+    srv = LiveServer(create_app(eng, ServerConfig(model_id="tiny", sampling=SamplingParams(temperature=0.0))))
+    try:
+        got = http(srv.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "method": "pearl"})
+        assert assert_error(got[0], got[2], 400, "method")["type"] == "invalid_request_error"
+        ok_status, _, ok_body = http(srv.base, "/v1/completions",
+                                     {"prompt": PROMPT, "max_tokens": 6, "method": "speculative"})
+        assert ok_status == 200, ok_body
+        assert json.loads(ok_body)["choices"][0]["text"] == greedy(eng, PROMPT, 6).text
+    finally:
+        srv.stop()
+        eng.close()
 
 
 def test_json_only_cross_origin_style_request_is_refused(live, engine, tmp_path):

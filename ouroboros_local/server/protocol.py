@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..chat import validate_messages
-from ..errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError
+from ..errors import ContextOverflowError, IncompatiblePairError, MethodOptionError, OuroborosError, ParameterError
 from ..proposers import applicable_options, check_options, method_names
 from ..sampling import SamplingParams
 
@@ -55,6 +55,8 @@ def engine_error(exc: BaseException, user_options: bool) -> ApiError:
         return ApiError(413, str(exc), code="context_length_exceeded")
     if isinstance(exc, MethodOptionError) and user_options:
         return bad_request("method_options", f"invalid method_options: {exc}")
+    if isinstance(exc, IncompatiblePairError):   # a method this server's draft cannot run
+        return bad_request("method", str(exc))
     if isinstance(exc, OuroborosError):
         return ApiError(400, str(exc), code="invalid_value")
     if isinstance(exc, (ValueError, TypeError)) and user_options:
