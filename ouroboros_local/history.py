@@ -79,15 +79,17 @@ class History:
     def pool(self, phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
         """The history phrase pool: reused across requests; loaded from ``path`` when that file exists.
 
-        A pool of another geometry (phrase length, phrases per key) is re-shaped into a new one, so the
-        history is kept and the settings of this request hold. Naming ``path`` makes the engine save the
-        pool there after each generation.
+        One pool serves every method and request: it only grows to the longest phrases and the most
+        phrases per key any of them asked for (re-shaped into a new one then, the history kept), and each
+        reads its own with ``PhrasePool.lookup(max_len=...)``. Shrinking it to one request's settings
+        would throw away what the others learned, and re-shape up to ``max_tokens`` tokens per request
+        where methods alternate. Naming ``path`` makes the engine save the pool there after each generation.
         """
         path = resolve_pool_path(path)
         pool = self.reload(self.phrase_pool, self.phrase_pool_file, path, PhrasePool.load)
-        if pool is not None and (pool.phrase_len != phrase_len or pool.max_per_key != max_per_key
+        if pool is not None and (pool.phrase_len < phrase_len or pool.max_per_key < max_per_key
                                  or pool.key_len != 1):
-            pool = _reshaped(pool, phrase_len, max_per_key)
+            pool = _reshaped(pool, max(phrase_len, pool.phrase_len), max(max_per_key, pool.max_per_key))
         if pool is None:
             pool = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len)
         self.phrase_pool = pool

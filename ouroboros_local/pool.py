@@ -80,8 +80,10 @@ class PhrasePool:
             return None
         return tuple(int(t) for t in tokens[len(tokens) - self.key_len:])
 
-    def lookup(self, key_tokens: Sequence[int], k: int | None = None) -> list[Phrase]:
-        """The ``k`` most recent phrases (all if None) for the context's key, most recent first.
+    def lookup(self, key_tokens: Sequence[int], k: int | None = None, max_len: int | None = None) -> list[Phrase]:
+        """The ``k`` most recent phrases (all if None) for the context's key, most recent first; with
+        ``max_len``, each cut to that length and the repeats the cuts make left out (what a pool of
+        phrases that long would hold: a pool shared by several methods has the longest any asked for).
 
         A hit counts as a use of the key for the global LRU order.
         """
@@ -94,6 +96,8 @@ class PhrasePool:
                 return []
             self._map.move_to_end(key)
             out = phrases[::-1]
+        if max_len is not None and max_len < self.phrase_len:
+            out = list(dict.fromkeys(p[:max_len] for p in out))
         return out if k is None else out[:max(k, 0)]
 
     def items(self) -> list[tuple[Key, list[Phrase]]]:

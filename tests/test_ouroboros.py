@@ -350,6 +350,21 @@ def test_pool_persistence_round_trip(tiny_target, tiny_draft, tiny_other_vocab, 
             engine.generate("x", max_tokens=2, method="ouroboros", options={"pool": str(path)})
 
 
+def test_methods_sharing_one_pool_stay_lossless(tiny_target, tiny_draft, tmp_path) -> None:
+    # one engine's pool serves every method: it grows to the longest phrases asked for (prompt lookup's 4,
+    # then a level of 6) and each method reads its own length from it
+    path = str(tmp_path / "shared.pool")
+    with make_engine(tiny_target, tiny_draft) as engine:
+        for method, options in (("prompt-lookup", {}), ("ouroboros", {}), ("lookahead", {"level": 6}),
+                                ("ouroboros", {"guess_set": 1}), ("lookahead", {}), ("prompt-lookup", {})):
+            for prompt in PROMPTS[:2]:
+                base = engine.generate(prompt, max_tokens=24)
+                res = engine.generate(prompt, max_tokens=24, method=method, options={**options, "pool": path})
+                assert res.tokens == base.tokens, (method, options)
+        pool = engine.history.pool(2, 1, path)
+        assert (pool.phrase_len, pool.max_per_key) == (5, 8)
+
+
 def test_bad_options(pair_engine: Engine) -> None:
     for opts, msg in (({"gamma": 0}, "gamma"), ({"level": 2}, "level"), ({"window": 9}, "window"),
                       ({"harvest": "nope"}, "harvest"), ({"gamma": "x"}, "gamma")):

@@ -356,3 +356,32 @@ def test_none_strategy_and_full_acceptance() -> None:
     for s in ("predicted-tail", "agreeing-runs"):
         assert harvest_verification(pool, tree, preds, [0, 1, 2], s) == 0   # nothing was rejected
     assert len(pool) == 0
+
+
+def test_lookup_cut_to_a_shorter_length_reads_what_a_pool_that_short_would_hold() -> None:
+    long, short = PhrasePool(max_per_key=8, phrase_len=4), PhrasePool(max_per_key=8, phrase_len=2)
+    for phrase in ((1, 2, 3, 4), (1, 2, 9, 9), (5, 6, 7, 8), (1, 3, 3, 3)):
+        long.add([0], phrase)
+        short.add([0], phrase)
+    assert long.lookup([0], max_len=2) == short.lookup([0]) == [(1, 3), (5, 6), (1, 2)]
+    assert long.lookup([0], k=2, max_len=2) == [(1, 3), (5, 6)]
+    assert long.lookup([0], max_len=9) == long.lookup([0])
+
+
+def test_the_shared_pool_keeps_every_methods_phrases(tmp_path) -> None:
+    """A request whose method keeps shorter phrases, or fewer per key, must not cut the shared pool (or
+    the file it is saved to) down to its own settings."""
+    from ouroboros_local.history import History
+
+    history = History(None)
+    path = str(tmp_path / "shared.pool")
+    pool = history.pool(4, 8, path)
+    for i in range(8):
+        pool.add([0], (1, 2, 3, i))
+    stored = pool.lookup([0])
+    narrow = history.pool(2, 2, path)                 # lookahead N=3, G=2 on the same engine
+    assert narrow is pool and narrow.lookup([0]) == stored
+    wider = history.pool(6, 16, path)                 # longer phrases, more per key: grown, history kept
+    assert (wider.phrase_len, wider.max_per_key) == (6, 16) and wider.lookup([0]) == stored
+    history.save()
+    assert PhrasePool.load(path, history.fingerprint()).lookup([0]) == stored

@@ -261,11 +261,12 @@ class CrossVocabOuroboros(CrossVocabProposer):
 
     def __init__(self, kv: "KVCache", target: "Model", draft: "Model", inner: Proposer,
                  pool: "PhrasePool", *, gamma: int, topk: int, harvest: str, pool_from_prompt: bool,
-                 map_specials: bool = True):
+                 phrase_len: int, map_specials: bool = True):
         super().__init__(kv, target, draft, gamma=gamma, map_specials=map_specials)
         self.inner = inner
         self.pool = pool
         self.topk = topk
+        self.phrase_len = phrase_len    # of the pool's phrases it hangs (the shared pool may hold longer)
         self.harvest = harvest
         self.pool_from_prompt = pool_from_prompt
         self._fed = 0
@@ -322,7 +323,8 @@ class CrossVocabOuroboros(CrossVocabProposer):
         eog = self.setup.eog_tokens
         last = toks[-1] if toks else committed[-1]
         if self.topk and last not in eog:
-            phrases = ((cut_at_eog(p, eog), "pool") for p in self.pool.lookup([last], k=self.topk))
+            phrases = ((cut_at_eog(p, eog), "pool")
+                       for p in self.pool.lookup([last], k=self.topk, max_len=self.phrase_len))
             self.suffix_nodes += hang_phrases(tree, node, phrases, budget, self.setup.max_branches)
         if not tree.n_candidates:
             self.empty_rounds += 1
@@ -366,7 +368,7 @@ def create_ouroboros(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
                               seed=options["seed"], check=ctx.check_kv)
     drafter = CrossVocabOuroboros(kv, ctx.target, ctx.draft, inner, pool, gamma=gamma, topk=topk,
                                   harvest=harvest, pool_from_prompt=options["pool_from_prompt"],
-                                  map_specials=options["map_specials"])
+                                  phrase_len=level - 1, map_specials=options["map_specials"])
     return scheduled(ctx, drafter, pool, options)
 
 

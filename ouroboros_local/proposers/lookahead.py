@@ -110,7 +110,7 @@ class LookaheadProposer(Proposer):
         max_nodes = min(budget, self.setup.max_tree_nodes - n_extra)
         max_leaves = min(self.G, self.setup.max_branches - (self.W if with_window else 0))
         if max_nodes > 0 and max_leaves >= 1:
-            phrases = self.pool.lookup(committed, k=self.G)
+            phrases = self.pool.lookup(committed, k=self.G, max_len=self.N - 1)
             hang_phrases(tree, 0, ((p, "lookahead") for p in phrases), max_nodes, max_leaves,
                          stop_after_skips=3)
             self._stats["branch_nodes"] += tree.n_candidates

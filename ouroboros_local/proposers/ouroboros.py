@@ -145,7 +145,8 @@ class OuroborosProposer(Proposer):
         if d and d[-1] not in eog and self.topk:
             kl = self.pool.key_len
             ctx = d[-kl:] if len(d) >= kl else list(committed[len(committed) - (kl - len(d)):]) + d
-            phrases = ((cut_at_eog(p, eog), "pool") for p in self.pool.lookup(ctx, k=self.topk))
+            phrases = ((cut_at_eog(p, eog), "pool")
+                       for p in self.pool.lookup(ctx, k=self.topk, max_len=self.window.K))
             self._stats["suffix_nodes"] += hang_phrases(tree, node, phrases, budget, self.setup.max_branches)
         return tree
 
@@ -207,7 +208,8 @@ class OuroborosProposer(Proposer):
             max_len = min(self.window.K + 1, depth_room - 1)
             eog = self.setup.eog_tokens
             phrases = ((cut_at_eog(p[:max_len], eog), "pool")
-                       for p in self.pool.lookup(self._key_context(chain, committed, d), k=self.G))
+                       for p in self.pool.lookup(self._key_context(chain, committed, d), k=self.G,
+                                                 max_len=self.window.K))
             hang_phrases(tree, u_node, phrases, ctx.n_batch - 1, ctx.n_seq_max)
         lay = layout(tree)
         if self._checking():

@@ -159,7 +159,7 @@ class PromptLookupProposer(Proposer):
                 seen.append((phrase, match_class(length)))
             yield phrase, "prompt-lookup"
         if self.pool is not None:
-            for phrase in self.pool.lookup(committed, k=max(self.max_branches, 2)):
+            for phrase in self.pool.lookup(committed, k=max(self.max_branches, 2), max_len=POOL_PHRASE_LEN):
                 phrase = cut_at_eog(phrase[:self.gamma], eog)
                 if seen is not None:
                     seen.append((phrase, "pool"))
