@@ -178,8 +178,9 @@ def parse(method: str, declared: Iterable[Option], raw: Mapping[str, Any] | None
             known = ", ".join(sorted({o.name for o in by_name.values()})) or "none"
             raise MethodOptionError(f"{method} has no option {key!r} (its options: {known})")
         if per_request and not option.per_request:
-            raise MethodOptionError(f"option {key!r} cannot be set per request: it is set when the server "
-                                    f"starts (ouroboros-local serve --{key.replace('_', '-')} ...)")
+            where = (f"it is set when the server starts (ouroboros-local serve {option.flag_name} ...)"
+                     if option.flag_name else "it holds for every request the server answers")
+            raise MethodOptionError(f"option {key!r} cannot be set per request: {where}")
         checked = option.check(value)
         out[option.name] = option.default if checked is None else checked
     return out

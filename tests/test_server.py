@@ -377,6 +377,11 @@ BAD_REQUESTS = [
     ("pool path from a request", "/v1/completions",
      {"prompt": "x", "method": "ouroboros", "method_options": {"pool": "/tmp/evil.pool"}}, 400,
      "method_options"),
+    # the shared suffix trie's bounds: one request must not evict the others' history or unbound the trie
+    ("suffix history cut to one request", "/v1/completions",
+     {"prompt": "x", "method": "suffix", "method_options": {"max_requests": 1}}, 400, "method_options"),
+    ("suffix history of 10M tokens", "/v1/completions",
+     {"prompt": "x", "method": "suffix", "method_options": {"max_tokens": 10_000_000}}, 400, "method_options"),
     ("option of the wrong type", "/v1/completions",
      {"prompt": "x", "method": "lookahead", "method_options": {"level": [3]}}, 400, "method_options"),
     ("unknown role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,

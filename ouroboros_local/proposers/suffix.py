@@ -41,9 +41,12 @@ OPTIONS: tuple[opt.Option, ...] = (
     opt.Option("max_depth", "int", 16, "suffix: longest draft path", 1, 64, flag=False),
     opt.Option("max_branches", "int", 4, "suffix: leaf paths per tree", 1, 16, flag=False),
     opt.Option("min_match", "int", 2, "suffix: shortest match that drafts", 1, TRIE_DEPTH, flag=False),
-    opt.Option("max_requests", "int", 256, "suffix: requests kept in the global trie", 1, 100_000, flag=False),
+    # the global trie's bounds hold for every request: one request must neither evict the others' history
+    # (max_requests 1) nor let the trie grow to gigabytes (10M tokens, up to 17 nodes each)
+    opt.Option("max_requests", "int", 256, "suffix: requests kept in the global trie", 1, 100_000, flag=False,
+               per_request=False),
     opt.Option("max_tokens", "int", 65_536, "suffix: output tokens kept in the global trie", 1, 10_000_000,
-               flag=False),
+               flag=False, per_request=False),
     opt.Option("spec_factor", "float", 1.0, "suffix: tree nodes per matched token", 0.0, 64.0, flag=False),
     opt.Option("spec_offset", "int", 4, "suffix: tree nodes added to that", 0, 64, flag=False),
     opt.Option("min_prob", "float", 0.1, "suffix: least path frequency drafted", 0.0, 1.0, flag=False),
