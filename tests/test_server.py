@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.client as httpclient
 import json
+import logging
 import os
 import re
 import signal
@@ -572,6 +573,19 @@ def _hard_close(conn: httpclient.HTTPConnection) -> None:
     if sock is not None:
         sock.shutdown(socket.SHUT_RDWR)
     conn.close()
+
+
+def test_a_client_gone_while_sending_its_body_logs_no_error(live, engine, caplog):
+    # starlette raises ClientDisconnect while the body is read: once a 500 logged as "unhandled error"
+    with socket.create_connection((HOST, int(live.base.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)
+        sock.shutdown(socket.SHUT_RDWR)
+    time.sleep(0.3)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    ok_status, _, ok_body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6})
+    assert ok_status == 200 and json.loads(ok_body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
 
 
 def test_client_disconnect_cancels_generation(slow_live, slow_engine):

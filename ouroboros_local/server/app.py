@@ -20,6 +20,7 @@ import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from .. import __version__
 from ..errors import OuroborosError, ParameterError
@@ -73,6 +74,7 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
     app.state.default_method = service.default_method
     app.add_exception_handler(ApiError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnected)
     app.add_exception_handler(Exception, _internal_error)
     app.get("/v1/models")(service.list_models)
     app.get("/v1/models/{model:path}")(service.get_model)
@@ -94,6 +96,11 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     message = f"{request.method} {request.url.path}: {exc.detail}"
     return JSONResponse(error_body(message, "invalid_request_error", None, code),
                         status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _client_disconnected(request: Request, exc: ClientDisconnect) -> Response:
+    # the client closed the connection while sending its body: nobody to answer, nothing to log
+    return Response(status_code=CLIENT_CLOSED)
 
 
 async def _internal_error(request: Request, exc: Exception) -> JSONResponse:  # pragma: no cover
