@@ -225,7 +225,11 @@ class DraftView:
             if j == 0 or is_chunk_start(run, ends[j - 1]):
                 return j
         self.inexact_restarts += 1
-        return bisect_right(ends, max(self._covered - self.tail_bytes, 0))
+        j = bisect_right(ends, max(self._covered - self.tail_bytes, 0))
+        # a byte-level token may end inside a character: restart where one begins (the window is decoded)
+        while j > 0 and run[ends[j - 1]] & 0xC0 == 0x80:
+            j -= 1
+        return j
 
     def _retokenize(self) -> None:
         run = self._run

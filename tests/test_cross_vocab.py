@@ -107,6 +107,19 @@ def test_incremental_view_equals_full_retokenization(models, text: str) -> None:
     assert view.n_target == len(tokens)
 
 
+def test_a_long_run_without_word_boundaries_restarts_on_a_character(models) -> None:
+    # no space or newline for far more than the backtrack: the re-tokenization restarts after a draft token
+    # whose bytes may end inside a character (once a UnicodeDecodeError)
+    target, draft = models
+    text = "日本語のテキストです" * 30
+    tokens = target.tokenize(text, add_special=False)
+    view = DraftView(target, draft)
+    for i in range(0, len(tokens), 3):
+        view.extend(tokens[i:i + 3])
+    assert view.inexact_restarts > 0
+    assert draft.detokenize(view.tokens) == target.detokenize(tokens)
+
+
 # ---- exactness in the engine ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("method", ["speculative", "ouroboros", "auto"])
