@@ -298,3 +298,14 @@ def test_stress_many_rounds(tiny_target, tiny_draft) -> None:
             res = eng.generate(prompt, max_tokens=300, method="pearl", options={**PAR, "gamma": 3})
             assert res.tokens == base.tokens
             assert res.stats.extra["pearl_rounds_parallel"] > 50
+
+
+@pytest.mark.parametrize("mode", ["parallel", "sequential"])
+def test_a_prompt_longer_than_the_drafts_context_decodes_plainly(tiny_target, tiny_draft, mode: str) -> None:
+    # parallel mode prefilled the draft in the background and raised ContextOverflowError at the first round
+    from ouroboros_local.testing.engines import tiny_engine
+
+    with tiny_engine(tiny_target, tiny_draft, n_ctx=512, draft_n_ctx=256, threads=2) as engine:
+        prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 40)[:300]
+        base = engine.generate(prompt, max_tokens=20, method="vanilla").tokens
+        assert engine.generate(prompt, max_tokens=20, method="pearl", options={"mode": mode}).tokens == base

@@ -189,9 +189,10 @@ class PearlProposer(Proposer):
             self.gamma = int(self.gamma_option)
         self._remember_threads()
         self._apply_threads(self.mode)
-        if self.mode == PARALLEL:
+        if self.mode == PARALLEL and len(prompt) < self.kv.ctx.n_ctx:
             # The draft's prompt prefill runs in the background: it overlaps the target's first
             # step (and the target's prefill too, if the engine calls begin() before prefilling).
+            # A prompt the draft's context cannot hold is never drafted after (_draft): no prefill.
             prefix = list(prompt[:-1])
             self._prefill = self._submit(lambda: self.kv.sync_to(prefix))
 
