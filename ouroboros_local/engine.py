@@ -582,6 +582,11 @@ class Engine:
                     split.add_observe(time.perf_counter() - t_observe)
             if observe_later is not None:   # cancelled, or the context full, before the next step began
                 observe_later()
+        except BaseException:
+            # raised mid-round (a proposer's error, Ctrl-C): the round's cells were decoded but never
+            # committed, and the next request on this engine would decode on top of them
+            self.kv.discard_uncommitted()
+            raise
         finally:
             proposer.end()
             stats.extra.update(proposer.stats())

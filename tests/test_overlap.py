@@ -261,3 +261,28 @@ def test_in_rounds_of_one_size_a_draft_is_judged_by_what_its_round_wrote() -> No
     assert verdict.accepted_by_source == {"a": 1} and [verdict.predictions[i] for i in (0, 1)] == [1, 2]
     left, node = judged(draft, [1, 9])            # the path left the draft: walked's verdict
     assert node is None and left.tree is draft and left.path == [0, 1] and left.tokens == [1, 9]
+
+
+def test_an_error_mid_round_leaves_the_cache_as_committed(either_engine: Engine, monkeypatch) -> None:
+    """A proposer that raises while a round decodes (any error, Ctrl-C): the round's cells were written
+    but never committed; the next request, which extends the cached text as a chat turn does, must
+    decode as on a fresh cache (once: llama_decode failed, or stray cells read as context)."""
+    from ouroboros_local.proposers.draft_model import DraftModelProposer
+
+    propose, calls = DraftModelProposer.propose, []
+
+    def failing(self, committed, budget):
+        calls.append(budget)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return propose(self, committed, budget)
+
+    monkeypatch.setattr(DraftModelProposer, "propose", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        either_engine.generate(PROMPTS[0], max_tokens=30, method="speculative")
+    monkeypatch.setattr(DraftModelProposer, "propose", propose)
+    either_engine.kv.check()
+    follow_up = list(either_engine.kv.cached) + either_engine.tokenize(" and", add_special=False)
+    got = either_engine.generate(follow_up, max_tokens=16, method="vanilla").tokens
+    either_engine.kv.reset()
+    assert got == either_engine.generate(follow_up, max_tokens=16, method="vanilla").tokens
