@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
@@ -21,7 +22,7 @@ import numpy as np
 
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
-from .errors import ContextOverflowError, MethodOptionError, ParameterError, PoolError
+from .errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError, PoolError
 from .history import History
 from .kv import KVCache
 from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, copy_priors, estimates_key
@@ -249,6 +250,7 @@ class Engine:
         self._draft_ctx: Context | None = None
         self._draft_kv: KVCache | None = None
         self._lock = threading.Lock()
+        self._lock_owner: int | None = None   # the thread holding it (_exclusive)
         self.history = History(target)      # state kept across requests (phrase pool, suffix tries, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
@@ -312,7 +314,7 @@ class Engine:
         if self.config.calibration == "off":
             return CostModel.flat()
         key = calibration_key(self.target.path, self.calibration_settings())
-        with self._lock:   # a cached curve is checked with a few decodes, a stale one re-measured
+        with self._exclusive():   # a cached curve is checked with a few decodes, a stale one re-measured
             curve = cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
             size = min(self.round_size, self.target_ctx.n_batch)
             return curve.with_rounds_of(size, measure_round(self.kv, size)) if size > 1 else curve
@@ -324,7 +326,7 @@ class Engine:
             return None
         kv = self.draft_kv()
         key = calibration_key(self.draft.path, self.calibration_settings(draft=True))
-        with self._lock:
+        with self._exclusive():
             return cached_or_measured(kv, key, CalibrationCache(), refresh, measure=measure_costs)
 
     def scheduler(self) -> Scheduler:
@@ -374,8 +376,25 @@ class Engine:
                                draft_kv=self.draft_kv, history=self.history, scheduler=self.scheduler,
                                adaptive=self.config.adaptive, check_kv=self.check_kv)
 
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """The engine's lock. A thread that asks for it while holding it (a stream it started and has not
+        read to its end or closed) gets an error, where a plain lock would wait for itself forever."""
+        self._refuse_reentry()
+        with self._lock:
+            self._lock_owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._lock_owner = None
+
+    def _refuse_reentry(self) -> None:
+        if self._lock_owner == threading.get_ident():
+            raise OuroborosError("this thread has a generation of this engine still open (a stream() not "
+                                 "read to its end): read it to the end or close() it first")
+
     def close(self) -> None:
-        with self._lock:   # after a generation still running in another thread: it changes the estimates
+        with self._exclusive():   # after a generation still running in another thread: it changes the estimates
             self.save_learned()
             for ctx in (self._draft_ctx, self.target_ctx):
                 if ctx is not None:
@@ -428,6 +447,7 @@ class Engine:
                chat: bool = False, options: dict[str, Any] | None = None,
                cancel: Callable[[], bool] | threading.Event | None = None) -> Iterator[StreamEvent]:
         """Yield text pieces as they are accepted; the last event carries the GenerationResult."""
+        self._refuse_reentry()   # before anything that would wait for the lock (calibration)
         sampling = _sampling_params(sampling)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
@@ -456,7 +476,7 @@ class Engine:
         priced = chosen.scheduled and (self.round_size < 2 or not chosen.proposer.free_drafts)
         sched = self.scheduler() if priced else None
         sizer = self._round_sizer(chosen.proposer)   # measures the costs too, where none are yet
-        with self._lock:
+        with self._exclusive():
             run = self._run(tokens, chosen.proposer, sched, sizer, max_tokens, sampling, list(stop),
                             is_cancelled)
             saved = False
@@ -582,10 +602,13 @@ class Engine:
                     split.add_observe(time.perf_counter() - t_observe)
             if observe_later is not None:   # cancelled, or the context full, before the next step began
                 observe_later()
-        except BaseException:
+        except BaseException as exc:
             # raised mid-round (a proposer's error, Ctrl-C): the round's cells were decoded but never
-            # committed, and the next request on this engine would decode on top of them
-            self.kv.discard_uncommitted()
+            # committed, and the next request on this engine would decode on top of them. A stream
+            # closed at a yield (GeneratorExit) has committed all it decoded: nothing to drop, and its
+            # context may be gone already (a stream collected after its engine).
+            if not isinstance(exc, GeneratorExit):
+                self.kv.discard_uncommitted()
             raise
         finally:
             proposer.end()

@@ -259,3 +259,23 @@ def test_the_tie_rule_reads_plain_decodings_own_row(pair_engine: Engine) -> None
     other[5] = (ref[5] + 1) % pair_engine.target.n_vocab
     report = compare_greedy(pair_engine, prompt, ref, other)
     assert report.first_difference == 5 and report.margin is not None and report.margin > 0
+
+
+def test_a_stream_left_open_makes_the_same_threads_next_call_fail_not_hang(pair_engine: Engine) -> None:
+    import faulthandler
+
+    from ouroboros_local.errors import OuroborosError
+
+    stream = pair_engine.stream(PROMPTS[0], max_tokens=20)
+    next(stream)
+    faulthandler.dump_traceback_later(120, exit=True)   # a plain lock waited for itself forever: end the run
+    try:
+        with pytest.raises(OuroborosError, match="still open"):
+            pair_engine.generate(PROMPTS[1], max_tokens=3)
+        with pytest.raises(OuroborosError, match="still open"):
+            next(pair_engine.stream(PROMPTS[1], max_tokens=3))
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    stream.close()
+    assert pair_engine.generate(PROMPTS[1], max_tokens=3).tokens == \
+        pair_engine.generate(PROMPTS[1], max_tokens=3).tokens
