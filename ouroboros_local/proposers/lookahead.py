@@ -73,12 +73,12 @@ class LookaheadProposer(Proposer):
         super().begin(prompt, setup)
         if setup.max_branches < self.W + 1:
             raise MethodOptionError(f"lookahead window W={self.W} needs {self.W + 1} sequence ids, the "
-                                 f"context has {setup.max_branches} (at most its batch of "
-                                 f"{setup.max_tree_nodes + 1} tokens); lower the window, or raise --seqs "
-                                 "and --batch-size")
+                                    f"context has {setup.max_branches} (at most its batch of "
+                                    f"{setup.max_tree_nodes + 1} tokens); lower the window, or raise --seqs "
+                                    "and --batch-size")
         if setup.max_tree_nodes < self.n_extras:
             raise MethodOptionError(f"lookahead window W={self.W}, N={self.N} needs {self.n_extras + 1} "
-                                 f"batch tokens, the batch holds {setup.max_tree_nodes + 1}")
+                                    f"batch tokens, the batch holds {setup.max_tree_nodes + 1}")
         # Random prompt tokens (LADE) rather than llama.cpp's dummy ids: plausible tokens converge faster.
         self.window.reset(prompt, self.seed, level_by_level=True)
         self._pending = None
