@@ -198,7 +198,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
         path = Path(args.file)
         if str(path) == "-":
             return read_stdin()
-        if not path.is_file():
+        if not path.exists():
             raise ParameterError(f"prompt file not found: {path}")
         return read_text(path)
     if args.prompt is None:

@@ -23,8 +23,16 @@ def decode_utf8(raw: bytes, name: str) -> str:
 
 
 def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's contents (``decode_utf8``'s error otherwise)."""
-    return decode_utf8(Path(path).read_bytes(), str(path))
+    """A UTF-8 text file's contents (``decode_utf8``'s error otherwise); a pipe (``<(...)``) too."""
+    try:
+        data = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise ParameterError(f"file not found: {path}") from None
+    except IsADirectoryError:
+        raise ParameterError(f"{path} is a directory, not a text file") from None
+    except OSError as exc:
+        raise ParameterError(f"cannot read {path}: {exc.strerror or exc}") from None
+    return decode_utf8(data, str(path))
 
 
 def read_stdin() -> str:

@@ -140,3 +140,20 @@ def test_randomized_extreme_values_stay_bounded(engine, tmp_path):
     engine.history.clear()
     assert ran > 50 and refused > 50, (ran, refused)
     assert _max_rss_mib() - before < 300, "an option value made the process allocate far too much"
+
+
+def test_text_files_read_from_pipes_and_fail_in_one_line(tmp_path) -> None:
+    import os
+
+    from ouroboros_local.errors import ParameterError
+    from ouroboros_local.text_input import read_text
+
+    read_fd, write_fd = os.pipe()          # what <(...) and /dev/stdin name: not a regular file
+    os.write(write_fd, "héllo".encode())
+    os.close(write_fd)
+    assert read_text(f"/dev/fd/{read_fd}") == "héllo"
+    os.close(read_fd)
+    with pytest.raises(ParameterError, match="is a directory"):
+        read_text(tmp_path)
+    with pytest.raises(ParameterError, match="not found"):
+        read_text(tmp_path / "missing.txt")

@@ -107,7 +107,7 @@ def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
         return {}
     if text.startswith("@"):
         path = Path(text[1:])
-        if not path.is_file():
+        if not path.exists():
             raise ParameterError(f"--method-options file not found: {path}")
         text = read_text(path)
     try:

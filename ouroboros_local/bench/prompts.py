@@ -93,7 +93,7 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
     A file that is not `.jsonl`/`.json` is one raw prompt: its whole text.
     """
     p = Path(path)
-    if not p.is_file():
+    if not p.exists():
         raise ParameterError(f"prompt file not found: {p}")
     if p.suffix.lower() not in (".jsonl", ".json"):
         return [PromptItem(id=p.stem, task="raw", turns=[read_text(p)], source=str(p))]
