@@ -584,3 +584,12 @@ def test_bench_learns_first_on_the_prompts_after_the_limit(tiny_target: Path, tm
     assert data["settings"]["learn_first"] == 2 and any("warm start" in n for n in data["notes"])
     assert main([*common, "--learn-first", "2", "--out", str(out)]) == 2          # no --limit: nothing to learn from
     assert main([*common, "--limit", "1", "--learn-first", "-1", "--out", str(out)]) == 2
+
+
+def test_an_empty_turn_is_refused_with_its_line(tmp_path) -> None:
+    from ouroboros_local.errors import ParameterError
+
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"id": "a", "turns": ["hi"]}\n{"id": "c", "turns": [""]}\n')
+    with pytest.raises(ParameterError, match=r"p.jsonl:2: a turn is empty"):
+        prompts.read_prompt_file(path)

@@ -115,6 +115,8 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
         if (not isinstance(turns, list) or not turns
                 or not all(isinstance(t, str) for t in turns)):
             raise ParameterError(f"{p}:{lineno}: 'turns' must be a non-empty list of strings")
+        if not all(turns):   # checked here: an empty prompt found mid-run once discarded the whole run
+            raise ParameterError(f"{p}:{lineno}: a turn is empty")
         item_id = str(obj.get("id", f"{p.stem}-{lineno}"))
         if item_id in seen:
             raise ParameterError(f"{p}:{lineno}: duplicate id {item_id!r}")
