@@ -198,9 +198,7 @@ def _read_prompt(args: argparse.Namespace) -> str:
         path = Path(args.file)
         if str(path) == "-":
             return read_stdin()
-        if not path.exists():
-            raise ParameterError(f"prompt file not found: {path}")
-        return read_text(path)
+        return read_text(path, "prompt file")
     if args.prompt is None:
         raise ParameterError("a prompt is needed: -p TEXT or -f FILE")
     return args.prompt

@@ -22,12 +22,13 @@ def decode_utf8(raw: bytes, name: str) -> str:
                              f"{exc.start}); {_FIX}") from None
 
 
-def read_text(path: str | Path) -> str:
-    """A UTF-8 text file's contents (``decode_utf8``'s error otherwise); a pipe (``<(...)``) too."""
+def read_text(path: str | Path, what: str = "file") -> str:
+    """A UTF-8 text file's contents (``decode_utf8``'s error otherwise); a pipe (``<(...)``) too.
+    ``what``: the file's part, for the error where it does not exist."""
     try:
         data = Path(path).read_bytes()
     except FileNotFoundError:
-        raise ParameterError(f"file not found: {path}") from None
+        raise ParameterError(f"{what} not found: {path}") from None
     except IsADirectoryError:
         raise ParameterError(f"{path} is a directory, not a text file") from None
     except OSError as exc:

@@ -106,10 +106,7 @@ def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
     if not text:
         return {}
     if text.startswith("@"):
-        path = Path(text[1:])
-        if not path.exists():
-            raise ParameterError(f"--method-options file not found: {path}")
-        text = read_text(path)
+        text = read_text(Path(text[1:]), "--method-options file")
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:

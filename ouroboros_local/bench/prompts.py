@@ -93,14 +93,13 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
     A file that is not `.jsonl`/`.json` is one raw prompt: its whole text.
     """
     p = Path(path)
-    if not p.exists():
-        raise ParameterError(f"prompt file not found: {p}")
+    text = read_text(p, "prompt file")
     if p.suffix.lower() not in (".jsonl", ".json"):
-        return [PromptItem(id=p.stem, task="raw", turns=[read_text(p)], source=str(p))]
+        return [PromptItem(id=p.stem, task="raw", turns=[text], source=str(p))]
     items: list[PromptItem] = []
     seen: set[str] = set()
     # split at newlines only: str.splitlines also breaks at U+2028 and others, which JSON strings may hold
-    for lineno, line in enumerate(read_text(p).split("\n"), 1):
+    for lineno, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
