@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, contended, usable_cores
 from .errors import PoolError
-from .filestore import read_json_object, write_atomic
+from .filestore import keep_newest, read_json_object, write_atomic
 from .tree import TokenTree, layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -296,16 +296,9 @@ class CalibrationCache:
     def put(self, model: CostModel) -> None:
         data = self._read()
         data[model.key] = model.to_dict()
-        if len(data) > MAX_CURVES:   # every model, device and thread setting tried adds one: keep the file bounded
-            for old in sorted(data, key=lambda k: _measured_at(data[k]))[:len(data) - MAX_CURVES]:
-                del data[old]
+        keep_newest(data, MAX_CURVES, "measured_at")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(data, indent=1).encode(), "cost curve")
-
-
-def _measured_at(entry: Any) -> float:
-    stamp = entry.get("measured_at") if isinstance(entry, dict) else None
-    return float(stamp) if isinstance(stamp, (int, float)) and not isinstance(stamp, bool) else 0.0
 
 
 def _is_curve(sizes: Any, seconds: Any) -> bool:

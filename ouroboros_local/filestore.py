@@ -49,6 +49,19 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def keep_newest(data: dict[str, Any], keep: int, stamp_key: str) -> None:
+    """Drop from ``data`` all but the ``keep`` entries with the latest ``stamp_key`` (a time.time()); an
+    entry without a numeric stamp counts as the oldest. Keeps a state file bounded however many models,
+    devices and settings are tried."""
+    def stamp(key: str) -> float:
+        entry = data[key]
+        value = entry.get(stamp_key) if isinstance(entry, dict) else None
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+    for old in sorted(data, key=stamp)[:max(0, len(data) - keep)]:
+        del data[old]
+
+
 def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, header: struct.Struct,
                  what: str) -> tuple[Path, tuple, bytes]:
     """Read a state file: (its path, its header fields after magic and version, the bytes after the

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalogue import default_cache_dir
-from .filestore import read_json_object, write_atomic
+from .filestore import keep_newest, read_json_object, write_atomic
 
 log = logging.getLogger("ouroboros_local")
 
@@ -80,14 +80,7 @@ class LearnedEstimates:
     def put(self, key: str, estimates: dict[str, Any]) -> None:
         data = self._read()
         data[key] = {"format": FORMAT, "saved_at": time.time(), "estimates": estimates}
-        if len(data) > MAX_ENTRIES:
-            def saved_at(k: str) -> float:
-                entry = data[k]
-                stamp = entry.get("saved_at") if isinstance(entry, dict) else None
-                return float(stamp) if isinstance(stamp, (int, float)) else 0.0
-
-            for old in sorted(data, key=saved_at)[:len(data) - MAX_ENTRIES]:
-                del data[old]
+        keep_newest(data, MAX_ENTRIES, "saved_at")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(data).encode(), "learned estimates")
 
