@@ -13,9 +13,10 @@ _FIX = "save or send it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
 
 
 def decode_utf8(raw: bytes, name: str) -> str:
-    """``raw`` as text; ``name`` (a path, "<stdin>") heads the error, with the line of the bad byte."""
+    """``raw`` as text; ``name`` (a path, "<stdin>") heads the error, with the line of the bad byte. A
+    leading byte-order mark (Windows editors write one) is dropped: it would reach the model as text."""
     try:
-        return raw.decode("utf-8")
+        return raw.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise ParameterError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "

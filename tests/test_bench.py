@@ -90,6 +90,16 @@ def test_load_sets(tmp_path: Path) -> None:
     sep = tmp_path / "sep.jsonl"
     sep.write_text('{"id": "a", "turns": ["one\u2028two"]}\n', encoding="utf-8")
     assert prompts.load_sets(str(sep))[0].items[0].turns == ["one\u2028two"]
+    # a byte-order mark (Notepad's UTF-8) is not text: neither JSON's first line nor the prompt holds it
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + b'{"id": "a", "turns": ["hi"]}\n')
+    assert prompts.load_sets(str(bom))[0].items[0].turns == ["hi"]
+    bom_txt = tmp_path / "bom.txt"
+    bom_txt.write_bytes(b"\xef\xbb\xbfhello")
+    assert prompts.load_sets(str(bom_txt))[0].items[0].turns == ["hello"]
+    # a file named like the report's pooled row keeps its own name beside it
+    pooled = write_jsonl(tmp_path / "all.jsonl", [{"id": "a", "turns": ["x"]}])
+    assert [s.name for s in prompts.load_sets(f"{pooled},{w}")] == ["all-2", "w"]
     assert prompts.looks_like_chat_model("Qwen2.5 Coder 1.5B Instruct", True)
     assert not prompts.looks_like_chat_model("Qwen2.5 Coder 1.5B", True)
     assert not prompts.looks_like_chat_model("x-instruct", False)

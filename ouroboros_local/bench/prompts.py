@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ParameterError
 from ..text_input import read_text
+from .report import ALL_SETS
 
 TASKS = ("humaneval", "cnndm", "gsm8k", "mt_bench", "wmt", "raw")
 
@@ -146,7 +147,7 @@ def load_sets(spec: str | Sequence[str], task: str | None = None, limit: int | N
     if fewshot < 0:
         raise ParameterError("--fewshot must be >= 0")
     sets: list[PromptSet] = []
-    names: set[str] = set()
+    names: set[str] = {ALL_SETS}   # the report's pooled row: a file all.jsonl becomes set "all-2"
     for path in paths:
         items = read_prompt_file(path)
         if len(items) == 1 and limit is not None and limit > 1:
