@@ -263,6 +263,23 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: P
     assert f"--out {taken}: cannot write there" in err and "loading" not in err
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--method-options", '{"ouroboro": {"gamma": 4}}'], "--method-options names no method or peer: 'ouroboro'"),
+    (["--method-options", '{"suffix": {"max_depth": 999}}'], "max_depth"),
+    (["--sweep", "lookahead:windw=2,3"], "windw"),
+    (["--sweep", "vanilla:gamma=2,3"], "cannot sweep vanilla"),
+    (["--variant", "big=lookahead:{\"levle\": 5}"], "levle"),
+])
+def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(
+        flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--method-options once ignored a key naming no method; a bad option was found mid-run."""
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello"]}])
+    assert main(["bench", "-m", str(tmp_path / "no-model.gguf"), "--prompts", str(pfile),
+                 "--methods", "vanilla,lookahead,suffix", "-n", "2", "--out", str(tmp_path / "o"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no-model.gguf" not in err
+
+
 def test_a_note_when_others_or_the_host_took_cpu_while_ours_ran() -> None:
     """On this VM a peer process's exit brought host steal into the next few seconds, charged to our
     method that ran then; the records keep others' busy cores per run of ours, the notes say so."""

@@ -116,6 +116,32 @@ def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
     return obj
 
 
+def check_contender_options(method_opts: dict[str, dict[str, Any]], methods: list[str],
+                            sweep: tuple[list[str], str, list[Any]] | None,
+                            variants: list[tuple[str, str, dict[str, Any]]], base_opts: dict[str, Any],
+                            known: list[str]) -> None:
+    """Every option of every contender of ours checked before a model loads: a misspelt method or option
+    name is a one-line error now, not silently ignored or found after the first methods ran. A known
+    method this run does not run is allowed (one options file may serve several runs)."""
+    from ..proposers import applicable_options, check_options
+    from .runner import CUSTOM_METHODS
+
+    unknown = [name for name in method_opts if name not in known]
+    if unknown:
+        raise ParameterError(f"--method-options names no method or peer: {', '.join(map(repr, unknown))}; "
+                             f"known: {', '.join(known)}")
+    for m in methods:
+        if m in CUSTOM_METHODS:
+            continue
+        opts = {**applicable_options(m, base_opts), **method_opts.get(m, {})}
+        swept = sweep is not None and m in sweep[0]
+        for value in (sweep[2] if swept else [None]):
+            check_options(m, {**opts, sweep[1]: value} if swept else opts)
+    for label, m, o in variants:
+        check_options(m, {**applicable_options(m, base_opts),
+                          **{k: v for k, v in o.items() if k != "reset_pool"}})
+
+
 def parse_variant(spec: str, available: list[str]) -> tuple[str, str, dict[str, Any]]:
     """``LABEL=METHOD[:JSON]`` -> (label, method, options)."""
     label, eq, rest = spec.partition("=")
@@ -198,6 +224,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     learn_sets = [dataclasses.replace(ps, items=ps.items[args.limit:]) for ps in sets] if learn_n else []
     sets = [dataclasses.replace(ps, items=ps.items[:args.limit]) for ps in sets] if learn_n else sets
     peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)
+    base_opts = _method_options(args)
+    check_contender_options(method_opts, methods, sweep, variants_from_args, base_opts,
+                            known=method_names() + custom + peers_mod.peer_names())
     notes: list[str] = []
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
 
@@ -254,7 +283,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                        tokens=warm_tokens, chat=False, max_tokens=8)
 
         # ---- our methods (with per-method options, and the sweep's variants) ----
-        base_opts = _method_options(args)
         sweep_info: dict[str, Any] | None = None
         if sweep:
             swept, param, values = sweep

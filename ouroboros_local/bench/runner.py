@@ -427,6 +427,9 @@ def parse_sweep(spec: str, methods: Iterable[str]) -> tuple[list[str], str, list
     if method:
         swept = [m.strip() for m in method.split(",") if m.strip()]
         for m in swept:
+            if m == REFERENCE:
+                raise ParameterError(f"--sweep cannot sweep {REFERENCE}: it is the reference every value is "
+                                     "measured against")
             if m not in methods:
                 raise ParameterError(f"--sweep method {m!r} is not in --methods")
     else:
