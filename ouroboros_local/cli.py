@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import logging
 import sys
@@ -243,7 +244,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         full = stats.to_dict()
         payload = {"text": result.text, "tokens": result.tokens,
                    "stats": {**{k: full[k] for k in keys}, **{k: v for k, v in full.items() if k not in keys}}}
-        print(json.dumps(payload, ensure_ascii=False))
+        print_json(payload)
     engine.close()
     return 0
 
@@ -315,7 +316,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _writes_utf8(stream: Any) -> bool:
+    return (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "") == "utf8"
+
+
+def print_json(payload: Any) -> None:
+    """One JSON line on stdout: as UTF-8 where stdout takes it, else with \\u escapes (same JSON, readable
+    by any parser) rather than characters a cp1252 console would turn into '?'."""
+    print(json.dumps(payload, ensure_ascii=not _writes_utf8(sys.stdout)))
+
+
+def tolerate_console_encoding() -> None:
+    """A console in another encoding (Windows cp1252, a latin-1 locale) cannot show every character a
+    model writes or a path holds: it shows '?' for those instead of a UnicodeEncodeError traceback."""
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper) and not _writes_utf8(stream):
+            stream.reconfigure(errors="replace")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    tolerate_console_encoding()
     parser = build_parser()
     args = parser.parse_args(argv)
     _show_progress(quiet=getattr(args, "json", False))

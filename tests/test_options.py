@@ -157,3 +157,29 @@ def test_text_files_read_from_pipes_and_fail_in_one_line(tmp_path) -> None:
         read_text(tmp_path)
     with pytest.raises(ParameterError, match="not found"):
         read_text(tmp_path / "missing.txt")
+
+
+def test_a_console_in_another_encoding_gets_one_line_not_a_traceback(tmp_path) -> None:
+    """On a cp1252 console (PYTHONIOENCODING or a Windows code page) a path or a generated character
+    outside it raised UnicodeEncodeError while printing; JSON falls back to \\u escapes."""
+    import io
+    import subprocess
+    import sys
+
+    from ouroboros_local import cli
+
+    missing = tmp_path / "日本.txt"
+    run = subprocess.run([sys.executable, "-m", "ouroboros_local", "generate", "-f", str(missing)],
+                         capture_output=True, env={**__import__("os").environ, "PYTHONIOENCODING": "cp1252"})
+    assert run.returncode == 2 and b"Traceback" not in run.stderr, run.stderr.decode("cp1252", "replace")
+    assert b"prompt file not found" in run.stderr
+
+    console = io.TextIOWrapper(io.BytesIO(), encoding="cp1252")
+    old = sys.stdout
+    sys.stdout = console
+    try:
+        cli.print_json({"text": "日本 café"})
+        console.flush()
+    finally:
+        sys.stdout = old
+    assert console.buffer.getvalue().decode("ascii").strip() == '{"text": "\\u65e5\\u672c caf\\u00e9"}'
