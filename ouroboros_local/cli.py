@@ -272,6 +272,8 @@ def cmd_models(args: argparse.Namespace) -> int:
         for entry in list_models():
             print(entry)
         return 0
+    if not args.names:
+        raise ParameterError("models fetch needs the names of the models to fetch (see: models list)")
     for name in args.names:
         print(resolve_model(name, progress=True))
     return 0

@@ -280,6 +280,19 @@ def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(
     assert message in err and "no-model.gguf" not in err
 
 
+def test_the_report_refuses_a_file_that_is_not_results_in_one_line(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture) -> None:
+    other = tmp_path / "other.json"
+    other.write_text('{"a": 1}')
+    broken = tmp_path / "broken.json"
+    broken.write_text("{")
+    for files, message in (([str(tmp_path / "missing.json")], "results file not found"),
+                           ([str(other)], "is not a bench results.json"),
+                           (["--pool", "auto", str(broken)], "broken.json is not JSON")):
+        assert report.main(files) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_a_note_when_others_or_the_host_took_cpu_while_ours_ran() -> None:
     """On this VM a peer process's exit brought host steal into the next few seconds, charged to our
     method that ran then; the records keep others' busy cores per run of ours, the notes say so."""

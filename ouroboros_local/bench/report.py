@@ -6,10 +6,13 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..errors import ParameterError
+from ..text_input import read_text
 from ..time_split import DECODE_PARTS, PARTS
 
 SCHEMA = "ouroboros-local-bench/1"
@@ -395,13 +398,24 @@ def rerender(results: str | Path) -> Path:
     """Recompute a results.json's summary from its records (for columns added since it was written)
     and rewrite it and the results.md beside it; returns the Markdown file's path."""
     path = Path(results)
-    payload = json.loads(path.read_text(encoding="utf-8"))
+    payload = read_results(path)
     target = (payload.get("models") or {}).get("target") or {}
     payload["summary"] = summarize(payload["records"], payload["methods"], target.get("size_bytes"))
     write_json(path, payload)
     md = path.with_name("results.md")
     md.write_text(render_markdown(payload), encoding="utf-8")
     return md
+
+
+def read_results(path: str | Path) -> dict[str, Any]:
+    """A bench results.json (ParameterError in one line when it is missing, not JSON or not one)."""
+    try:
+        payload = json.loads(read_text(path, "results file"))
+    except ValueError as exc:
+        raise ParameterError(f"{path} is not JSON ({exc})") from None
+    if not isinstance(payload, dict) or not isinstance(payload.get("records"), list) or "methods" not in payload:
+        raise ParameterError(f"{path} is not a bench results.json (no records and methods)")
+    return payload
 
 
 def _same_method(label: str) -> str:
@@ -444,11 +458,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="print METHOD's speed-up per set over all the files' prompts (paired bootstrap)")
     p.add_argument("--against", metavar="METHOD", default="vanilla", help="reference of --pool")
     args = p.parse_args(argv)
-    if args.pool is None:
-        for f in args.files:
-            print(f"wrote {rerender(f)}")
-        return 0
-    payloads = [json.loads(Path(f).read_text(encoding="utf-8")) for f in args.files]
+    try:
+        if args.pool is None:
+            for f in args.files:
+                print(f"wrote {rerender(f)}")
+            return 0
+        payloads = [read_results(f) for f in args.files]
+    except ParameterError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     pooled = pooled_speedups(payloads, args.pool, args.against)
     if not pooled:
         print(f"no prompt has both {args.pool} and {args.against}")
