@@ -280,6 +280,29 @@ def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(
     assert message in err and "no-model.gguf" not in err
 
 
+def test_ctrl_c_while_the_results_are_saved_waits_for_them(tiny_target: Path, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during the write-up (bandwidth measurement, hashing, charts) once lost every measurement."""
+    import os
+    import signal
+
+    from ouroboros_local.bench import machine
+
+    real = machine.machine_info
+
+    def interrupted_info(**kwargs: object) -> dict:
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(**kwargs)
+
+    monkeypatch.setattr(machine, "machine_info", interrupted_info)
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    out = tmp_path / "out"
+    assert main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+                 "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth", "--no-warmup"]) == 130
+    assert [r["label"] for r in json.loads((out / "results.json").read_text())["records"]] == ["vanilla"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 def test_the_report_refuses_a_file_that_is_not_results_in_one_line(tmp_path: Path,
                                                                     capsys: pytest.CaptureFixture) -> None:
     other = tmp_path / "other.json"

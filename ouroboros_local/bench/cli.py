@@ -12,14 +12,17 @@ See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..errors import ParameterError
 from ..text_input import read_text
@@ -100,6 +103,27 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     # --method is generate's flag (default auto); here it is only a shorthand when given explicitly
     p.set_defaults(func=cmd_bench, method=None)
     return p
+
+
+@contextlib.contextmanager
+def saving_first(log: Callable[[str], None]) -> Iterator[list[bool]]:
+    """While the results are summarized and written, Ctrl-C is noted (the list it yields fills) instead
+    of raised: the user who pressed it once to stop a long run and again while it saved lost everything."""
+    pressed: list[bool] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield pressed
+        return
+
+    def note(signum: int, frame: Any) -> None:
+        if not pressed:
+            log("bench: saving what was measured first, then stopping")
+        pressed.append(True)
+
+    previous = signal.signal(signal.SIGINT, note)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
@@ -356,67 +380,69 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    tolerance_margin=args.tolerance_margin, progress=not args.no_progress,
                                    save_text=args.save_text, log=log, learn_prompts=learn_built)
 
-        if run.interrupted:
-            notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
-        disturbed = runner.disturbed_note(run.records)
-        if disturbed is not None:
-            notes.append(disturbed)
-        machine = machine_info(measure_bandwidth=not args.no_bandwidth)
-        model_bytes = target.size_bytes
-        summary = report.summarize(run.records, run.contenders, model_bytes)
-        set_entries = []
-        for s in sets:
-            n_run = sum(1 for b in built if b.set_name == s.name)
-            set_entries.append({"name": s.name, "file": s.path, "task": s.task, "prompts": n_run,
-                                "max_tokens": args.max_tokens or prompts_mod.DEFAULT_MAX_TOKENS.get(s.task, 128),
-                                "chat": chat, "fewshot": len(s.fewshot)})
-        payload: dict[str, Any] = {
-            "schema": report.SCHEMA,
-            "created": started,
-            "command": ["ouroboros-local"] + sys.argv[1:],
-            "settings": {
-                "target": args.model, "draft": args.draft, "prompts": args.prompts, "task": args.task,
-                "methods": methods, "peers": peer_labels, "llama_cpp_bin": args.llama_cpp_bin,
-                "limit": args.limit, "learn_first": learn_n, "max_tokens": args.max_tokens, "chat": chat,
-                "fewshot": args.fewshot,
-                "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
-                             "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed},
-                "sampling_desc": _sampling_desc(sampling), "method_options": method_opts,
-                "cli_method_options": base_opts, "sweep": args.sweep,
-                "tolerance_margin": args.tolerance_margin, "warmup": not args.no_warmup,
-                "reset_pool": args.reset_pool, "prefill": "warm" if args.warm_prefill else "cold",
-                "threads": threads, "n_ctx": n_ctx,
-                "n_batch": engine.target_ctx.n_batch, "n_seq_max": engine.target_ctx.n_seq_max,
-                "gpu_layers": gpu_layers, "draft_gpu_layers": engine.config.draft_gpu_layers,
-                "flash_attn": engine.config.flash_attn, "order": "balanced per prompt (Williams design)",
-                "engine_config": dataclasses.asdict(engine.config),
-            },
-            "machine": machine,
-            "versions": versions(),
-            "models": {"target": model_info(target, force_hash=args.hash_models),
-                       "draft": model_info(engine.draft, force_hash=args.hash_models)},
-            "sets": set_entries,
-            "methods": run.contenders,
-            "skipped": run.skipped,
-            "summary": summary,
-            "mismatches": report.mismatch_list(run.records),
-            "records": run.records,
-            "sweep": sweep_info,
-            "notes": notes,
-            "wall_seconds": run.wall_seconds,
-        }
-        report.write_json(out_dir / "results.json", payload)
-        md = report.render_markdown(payload)
-        (out_dir / "results.md").write_text(md, encoding="utf-8")
-        offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
-        where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
-        title = f"{Path(target.path).name} on {where}"
-        if charts.plot_speedup(summary, out_dir / "speedup.png", title=title):
-            log(f"bench: wrote {out_dir / 'speedup.png'}")
-        else:
-            log("bench: matplotlib is not installed (pip install matplotlib): no speedup.png")
-        if sweep_info and charts.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
-            log(f"bench: wrote {out_dir / 'sweep.png'}")
+        with saving_first(log) as pressed:   # a second Ctrl-C must not lose a long run's measurements
+            if run.interrupted:
+                notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
+            disturbed = runner.disturbed_note(run.records)
+            if disturbed is not None:
+                notes.append(disturbed)
+            machine = machine_info(measure_bandwidth=not (args.no_bandwidth or run.interrupted))
+            model_bytes = target.size_bytes
+            summary = report.summarize(run.records, run.contenders, model_bytes)
+            set_entries = []
+            for s in sets:
+                n_run = sum(1 for b in built if b.set_name == s.name)
+                set_entries.append({"name": s.name, "file": s.path, "task": s.task, "prompts": n_run,
+                                    "max_tokens": args.max_tokens or prompts_mod.DEFAULT_MAX_TOKENS.get(s.task, 128),
+                                    "chat": chat, "fewshot": len(s.fewshot)})
+            payload: dict[str, Any] = {
+                "schema": report.SCHEMA,
+                "created": started,
+                "command": ["ouroboros-local"] + sys.argv[1:],
+                "settings": {
+                    "target": args.model, "draft": args.draft, "prompts": args.prompts, "task": args.task,
+                    "methods": methods, "peers": peer_labels, "llama_cpp_bin": args.llama_cpp_bin,
+                    "limit": args.limit, "learn_first": learn_n, "max_tokens": args.max_tokens, "chat": chat,
+                    "fewshot": args.fewshot,
+                    "sampling": {"temperature": sampling.temperature, "top_k": sampling.top_k,
+                                 "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed},
+                    "sampling_desc": _sampling_desc(sampling), "method_options": method_opts,
+                    "cli_method_options": base_opts, "sweep": args.sweep,
+                    "tolerance_margin": args.tolerance_margin, "warmup": not args.no_warmup,
+                    "reset_pool": args.reset_pool, "prefill": "warm" if args.warm_prefill else "cold",
+                    "threads": threads, "n_ctx": n_ctx,
+                    "n_batch": engine.target_ctx.n_batch, "n_seq_max": engine.target_ctx.n_seq_max,
+                    "gpu_layers": gpu_layers, "draft_gpu_layers": engine.config.draft_gpu_layers,
+                    "flash_attn": engine.config.flash_attn, "order": "balanced per prompt (Williams design)",
+                    "engine_config": dataclasses.asdict(engine.config),
+                },
+                "machine": machine,
+                "versions": versions(),
+                "models": {"target": model_info(target, force_hash=args.hash_models),
+                           "draft": model_info(engine.draft, force_hash=args.hash_models)},
+                "sets": set_entries,
+                "methods": run.contenders,
+                "skipped": run.skipped,
+                "summary": summary,
+                "mismatches": report.mismatch_list(run.records),
+                "records": run.records,
+                "sweep": sweep_info,
+                "notes": notes,
+                "wall_seconds": run.wall_seconds,
+            }
+            report.write_json(out_dir / "results.json", payload)
+            md = report.render_markdown(payload)
+            (out_dir / "results.md").write_text(md, encoding="utf-8")
+            offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
+            where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
+            title = f"{Path(target.path).name} on {where}"
+            if charts.plot_speedup(summary, out_dir / "speedup.png", title=title):
+                log(f"bench: wrote {out_dir / 'speedup.png'}")
+            else:
+                log("bench: matplotlib is not installed (pip install matplotlib): no speedup.png")
+            if sweep_info and charts.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
+                log(f"bench: wrote {out_dir / 'sweep.png'}")
+        run.interrupted = run.interrupted or bool(pressed)
         print(md)
         log(f"bench: wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
         n_bad = sum(1 for m in payload["mismatches"] if m["match"] == "mismatch")
