@@ -211,6 +211,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 import readline  # noqa: F401  (line editing and history for input())
             except ImportError:  # pragma: no cover
                 pass
+        engine.prepare(method, options)   # a first calibration here, where Ctrl-C quits, not in the first answer
         print(f"chatting with {engine.target.path.name} (method {method}, context {session.n_ctx}); {HELP}",
               file=sys.stderr, flush=True)
         return run_repl(session)

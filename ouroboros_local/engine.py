@@ -29,7 +29,7 @@ from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimat
 from .llama import Context, ContextParams, Device, Model, TextStream, devices, supports_gpu_offload
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
-from .proposers import create_method, method_names
+from .proposers import Method, create_method, method_names
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .round_sizer import RoundSizer
 from .sampling import SamplingParams
@@ -461,21 +461,7 @@ class Engine:
                 f"the prompt has {len(tokens)} tokens but the context holds {self.target_ctx.n_ctx}; "
                 "use a larger --ctx-size or a shorter prompt")
         is_cancelled = _cancel_check(cancel)
-        try:
-            chosen = create_method(method, self.drafting_context(), options or {})
-        except MethodOptionError:
-            raise
-        except ParameterError as exc:
-            if not options:
-                raise
-            raise MethodOptionError(str(exc)) from None
-        # calibrates before taking the lock; in rounds of one size every draft up to it costs the same,
-        # so a copy's draft is not priced but verified as proposed (cut to the size); a draft model's
-        # steps still cost their time, so its drafts are priced against rounds of that size (unpriced,
-        # `speculative` drafted with the 0.5B every round, however little it kept)
-        priced = chosen.scheduled and (self.round_size < 2 or not chosen.proposer.free_drafts)
-        sched = self.scheduler() if priced else None
-        sizer = self._round_sizer(chosen.proposer)   # measures the costs too, where none are yet
+        chosen, sched, sizer = self._plan(method, options)
         with self._exclusive():
             run = self._run(tokens, chosen.proposer, sched, sizer, max_tokens, sampling, list(stop),
                             is_cancelled)
@@ -491,6 +477,36 @@ class Engine:
                 run.close()
                 if not saved:
                     self.history.save()
+
+    def prepare(self, method: str = "vanilla", options: dict[str, Any] | None = None) -> None:
+        """Measure now what the first generation with ``method`` would measure first (this machine's
+        cost curves, where none are cached yet: seconds to a minute), so that it starts at once. The chat
+        does this before its first prompt: there Ctrl-C quits, while during an answer it only stops it."""
+        self._refuse_reentry()
+        if method not in method_names():
+            raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+        self._plan(method, options)   # the proposer it makes has not begun: nothing to end
+
+    def _plan(self, method: str, options: dict[str, Any] | None
+              ) -> tuple[Method, Scheduler | None, RoundSizer | None]:
+        """A generation's proposer, the scheduler that prices its drafts and its round sizer; the first
+        call measures the cost curves, before the generation takes the lock."""
+        try:
+            chosen = create_method(method, self.drafting_context(), options or {})
+        except MethodOptionError:
+            raise
+        except ParameterError as exc:
+            if not options:
+                raise
+            raise MethodOptionError(str(exc)) from None
+        # in rounds of one size every draft up to it costs the same, so a copy's draft is not priced but
+        # verified as proposed (cut to the size); a draft model's steps still cost their time, so its
+        # drafts are priced against rounds of that size (unpriced, `speculative` drafted with the 0.5B
+        # every round, however little it kept)
+        priced = chosen.scheduled and (self.round_size < 2 or not chosen.proposer.free_drafts)
+        sched = self.scheduler() if priced else None
+        sizer = self._round_sizer(chosen.proposer)   # measures the costs too, where none are yet
+        return chosen, sched, sizer
 
     def _run(self, prompt: list[int], proposer: Proposer, sched: Scheduler | None, sizer: RoundSizer | None,
              max_tokens: int, sampling: SamplingParams, stops: list[str],

@@ -217,6 +217,26 @@ def test_chat_in_a_pty_ctrl_c_at_the_prompt_quits(tiny_target):
 
 
 @needs_pty
+def test_chat_measures_before_the_first_prompt_where_ctrl_c_quits(tmp_path_factory, tmp_path):
+    """The first calibration (seconds to a minute) once ran inside the first answer, where Ctrl-C only
+    asks the answer to stop: it went unheeded until the measurement ended. It runs before the prompt now."""
+    model = slow_chat_model(tmp_path_factory)   # its calibration takes a second or more: time for Ctrl-C
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "TERM": "dumb", "PYTHONUNBUFFERED": "1", "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "costs.json")}
+    args = ["-m", "ouroboros_local.cli", "chat", "-m", str(model), "-c", "2048", "-b", "64", "-t", "1",
+            "--method", "prompt-lookup"]
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", codec_errors="replace", timeout=60)
+    try:
+        child.expect_exact("measuring this machine's verify cost")
+        child.sendintr()
+        child.expect(pexpect.EOF, timeout=30)
+        assert "chatting with" not in child.before
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 130, (child.exitstatus, child.signalstatus)
+
+
+@needs_pty
 def test_chat_in_a_pty_quit_command(tiny_target):
     child = _spawn(tiny_target, "-n", "8", "--system", "Be brief.")
     try:

@@ -714,9 +714,10 @@ def test_requests_are_served_first_in_first_out(slow_engine, monkeypatch):
 
 
 # ---- the real CLI in a subprocess ----------------------------------------------------------------
-def test_serve_cli_subprocess(tiny_target):
+def test_serve_cli_subprocess(tiny_target, tmp_path):
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "costs.json")}   # none cached: it measures
     env.pop("OUROBOROS_API_KEY", None)
     cmd = [sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tiny_target), "-c", "256",
            "-b", "32", "-t", "1", "--port", str(port), "--api-key", "k3y", "--max-queue", "2",
@@ -750,6 +751,8 @@ def test_serve_cli_subprocess(tiny_target):
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
     assert f"http://127.0.0.1:{port}/v1" in out
+    # the first calibration before it listens, not in the first request (a client may time out)
+    assert -1 < out.find("measuring this machine's verify cost") < out.find(f"http://127.0.0.1:{port}/v1"), out
 
 
 def test_serve_cli_errors_without_loading(tmp_path):

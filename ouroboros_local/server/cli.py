@@ -88,6 +88,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         method = args.method or default_method(engine.draft is not None)
         parse_options("serve", ALL_OPTIONS, options)            # types and bounds of every flag
         check_options(method, applicable_options(method, options))
+        # a first calibration now, not in the first request (a client's timeout may be shorter)
+        engine.prepare(method, applicable_options(method, options))
         model_id = args.model_name or Path(str(engine.target.path)).name
         aliases = tuple({str(args.model), Path(str(engine.target.path)).stem} - {model_id})
         config = ServerConfig(model_id=model_id, aliases=aliases, method=method, method_options=options,
