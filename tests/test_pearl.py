@@ -92,6 +92,19 @@ def test_post_verify_chains_with_a_perfect_draft(tiny_target, tiny_self_draft) -
 
 
 @needs_two_cores
+def test_a_perfect_drafts_continuation_survives_rounds_of_one_size(tiny_target, tiny_self_draft) -> None:
+    """In rounds of one size (a CUDA GPU's default) the engine fills a short chain with guesses; when
+    some were accepted, the continuation was once placed after them, its tokens off by those, and the
+    target rejected a perfect draft's tokens."""
+    with make_engine(tiny_target, tiny_self_draft, round_size=8) as eng:
+        for prompt in PROMPTS:
+            base = eng.generate(prompt, max_tokens=60)
+            res = eng.generate(prompt, max_tokens=60, method="pearl", options={**PAR, "gamma": 3})
+            assert res.tokens == base.tokens
+            assert res.stats.extra["pearl_continuations_dropped"] == 0, prompt
+
+
+@needs_two_cores
 def test_limits_stop_strings_and_small_budgets(engine) -> None:
     for n in (1, 2, 3, 5):
         base = engine.generate(PROMPTS[0], max_tokens=n)

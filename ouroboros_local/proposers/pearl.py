@@ -169,6 +169,7 @@ class PearlProposer(Proposer):
         self._t_propose = 0.0
         self._t_proposed = 0.0
         self._agreed = 0     # the draft KV holds committed[:_agreed] (see _truncate_to_chain)
+        self._base: list[int] = []   # what the background job drafts after (committed + the chain)
         self._seq_committed = 0   # committed tokens at the start of the sequence _draft syncs to
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
@@ -310,7 +311,7 @@ class PearlProposer(Proposer):
         if self.mode == PARALLEL:
             n_bg = 0 if ends else min(self.gamma, budget - len(cands))
             if n_bg > 0:
-                base = committed + cands
+                base = self._base = committed + cands
                 self._seq_committed = len(committed)
                 self._future = self._submit(lambda: self._draft(base, n_bg))
             if cands:
@@ -345,8 +346,12 @@ class PearlProposer(Proposer):
             self._tree = None
             return
         self.draft_steps += steps
-        if cont and len(result.accepted) == tree.n_candidates and result.bonus == cont[0]:
-            self.chain = list(committed) + cont[1:]
+        # the job drafted after the whole chain: it carries on if the target's next token was its first.
+        # Tokens a round of one size wrote past that (``filled``, accepted) must agree with it too.
+        chain = self._base + cont
+        if (cont and len(result.accepted) == tree.n_candidates and result.bonus == cont[0]
+                and len(chain) > len(committed) and chain[:len(committed)] == list(committed)):
+            self.chain = chain
             self.kept += 1
         else:
             self.chain = list(committed)
