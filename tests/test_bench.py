@@ -112,6 +112,12 @@ def test_option_parsing() -> None:
     assert runner.parse_sweep("speculative,prompt-lookup:adaptive=true,false",
                               ["vanilla", "speculative", "prompt-lookup", "auto"]) == \
         (["speculative", "prompt-lookup"], "adaptive", [True, False])
+    # without METHOD: the methods that have the option (a misspelt option is in none)
+    has = {"speculative": {"gamma"}, "lookahead": {"window"}}
+    assert runner.parse_sweep("gamma=2,4", ["vanilla", "speculative", "lookahead"],
+                              lambda m, name: name in has[m])[0] == ["speculative"]
+    with pytest.raises(ParameterError, match="no method of this run has the option 'gamm'"):
+        runner.parse_sweep("gamm=2,4", ["vanilla", "speculative", "lookahead"], lambda m, name: name in has[m])
     assert runner.parse_sweep("lookahead:guess-set=4,8", ["vanilla", "lookahead"]) == \
         (["lookahead"], "guess_set", [4, 8])
     with pytest.raises(ParameterError):
@@ -268,6 +274,8 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: P
     (["--method-options", '{"suffix": {"max_depth": 999}}'], "max_depth"),
     (["--sweep", "lookahead:windw=2,3"], "windw"),
     (["--sweep", "vanilla:gamma=2,3"], "cannot sweep vanilla"),
+    (["--sweep", "windw=2,3"], "no method of this run has the option 'windw'"),
+    (["--sweep", "window=2,3"], "model file not found"),   # lookahead's option; suffix is not swept
     (["--variant", "big=lookahead:{\"levle\": 5}"], "levle"),
 ])
 def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(
@@ -277,7 +285,7 @@ def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(
     assert main(["bench", "-m", str(tmp_path / "no-model.gguf"), "--prompts", str(pfile),
                  "--methods", "vanilla,lookahead,suffix", "-n", "2", "--out", str(tmp_path / "o"), *flags]) == 2
     err = capsys.readouterr().err
-    assert message in err and "no-model.gguf" not in err
+    assert message in err and ("no-model.gguf" not in err or message == "model file not found")
 
 
 def test_ctrl_c_while_the_results_are_saved_waits_for_them(tiny_target: Path, tmp_path: Path,

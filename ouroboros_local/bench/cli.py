@@ -71,8 +71,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
                    help='per-method options, e.g. \'{"ouroboros": {"gamma": 4}, '
                         '"llama-cpp-python-pld": {"num_pred_tokens": 2}}\' (or @FILE)')
     g.add_argument("--sweep", default=None, metavar="[METHOD[,METHOD...]:]NAME=V1,V2,...",
-                   help="run METHOD (default: every non-vanilla method) once per value of one option; "
-                        "plots sweep.png (e.g. speculative,prompt-lookup:adaptive=true,false: scheduled "
+                   help="run METHOD (default: every non-vanilla method that has the option) once per value "
+                        "of one option; plots sweep.png (e.g. speculative,prompt-lookup:adaptive=true,false: scheduled "
                         "and fixed-parameter runs side by side)")
     g.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD[:JSON]",
                    help="also run METHOD with these options under LABEL (repeatable; an ablation in one run), "
@@ -232,7 +232,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     method_opts = parse_method_options(args.method_options)
     custom = list(runner.CUSTOM_METHODS)
     methods = resolve_methods(args, method_names(), custom)
-    sweep = runner.parse_sweep(args.sweep, methods) if args.sweep else None
+    def has_option(method: str, name: str) -> bool:
+        return method in custom or bool(applicable_options(method, {name: None}))
+
+    sweep = runner.parse_sweep(args.sweep, methods, has_option) if args.sweep else None
     variants_from_args = [parse_variant(v, method_names()) for v in args.variant]
     labels = [v[0] for v in variants_from_args]
     if len(set(labels)) < len(labels) or set(labels) & set(methods):

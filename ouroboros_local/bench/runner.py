@@ -412,9 +412,10 @@ def parse_value(text: str) -> Any:
     return t
 
 
-def parse_sweep(spec: str, methods: Iterable[str]) -> tuple[list[str], str, list[Any]]:
+def parse_sweep(spec: str, methods: Iterable[str], has_option: Callable[[str, str], bool] = lambda m, name: True
+                ) -> tuple[list[str], str, list[Any]]:
     """`[METHOD[,METHOD...]:]NAME=v1,v2,...` -> (methods swept, option name, values). Without METHOD
-    every non-vanilla method is swept."""
+    every non-vanilla method that has the option (``has_option(method, name)``) is swept."""
     if "=" not in spec:
         raise ParameterError(f"--sweep takes [METHOD:]NAME=v1,v2,... (got {spec!r})")
     key, _, values = spec.partition("=")
@@ -433,7 +434,9 @@ def parse_sweep(spec: str, methods: Iterable[str]) -> tuple[list[str], str, list
             if m not in methods:
                 raise ParameterError(f"--sweep method {m!r} is not in --methods")
     else:
-        swept = [m for m in methods if m != REFERENCE]
+        swept = [m for m in methods if m != REFERENCE and has_option(m, name)]
+        if not swept and any(m != REFERENCE for m in methods):
+            raise ParameterError(f"--sweep: no method of this run has the option {name!r}")
     if not swept:
         raise ParameterError("--sweep needs a method other than vanilla")
     return swept, name, vals
