@@ -118,6 +118,8 @@ class JacobiWindow:
         if self.W:
             rng = np.random.default_rng(seed)
             src = np.asarray(prompt, dtype=np.int64)
+            if not src.size:   # a draft of another vocabulary may see no text yet (a prompt of a BOS alone)
+                src = np.zeros(1, dtype=np.int64)
             if level_by_level:
                 self.cells[0, 1:] = rng.choice(src, size=self.W - 1)
                 for lev in range(1, self.N - 1):

@@ -130,6 +130,15 @@ def test_greedy_equals_vanilla(cross_engine: Engine, method: str) -> None:
         assert res.stats.drafted > 0
 
 
+@pytest.mark.parametrize("method", ["ouroboros", "speculative", "auto"])
+def test_a_prompt_the_draft_sees_no_text_of(cross_engine: Engine, method: str) -> None:
+    """A prompt of the target's BOS alone is no text to the draft: ouroboros's window drew its guesses
+    from an empty prompt and raised a numpy ValueError."""
+    prompt = [cross_engine.target.bos]
+    assert cross_engine.generate(prompt, max_tokens=8, method=method).tokens == \
+        cross_engine.generate(prompt, max_tokens=8).tokens
+
+
 def test_auto_leaves_the_draft_model_idle_until_it_drafts(cross_engine: Engine) -> None:
     """speculative prefills the draft model in begin (counted as prefill); auto and ouroboros do not,
     as they may never ask the draft model: it catches up when it first drafts, timed apart."""
