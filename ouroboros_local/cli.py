@@ -141,6 +141,8 @@ def _engine_from_args(args: argparse.Namespace):
     for name in ("ctx_size", "batch_size", "seqs"):
         if getattr(args, name) < 1:
             raise ParameterError(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads is not None and args.threads < 0:
+        raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
     round_size = _round_size(args.round_size, args.batch_size)
     config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
                           threads=args.threads, flash_attn=args.flash_attn,
@@ -152,8 +154,6 @@ def _engine_from_args(args: argparse.Namespace):
                           huge_pages=args.huge_pages,
                           overlap={"auto": None, "on": True, "off": False}[args.overlap],
                           round_switch=args.round_switch == "on")
-    if args.threads is not None and args.threads < 0:
-        raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
     if args.threads and args.threads > (cores := usable_cores()):
         say(f"note: -t {args.threads} is more threads than the {cores} cores this process may use: llama.cpp's "
             "threads wait for each other at every step, so threads sharing a core slow decoding down, "

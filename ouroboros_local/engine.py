@@ -10,9 +10,12 @@ decode, emit the accepted tokens, let the proposer learn. Only the proposer diff
 
 from __future__ import annotations
 
+import inspect
 import logging
+import numbers
 import threading
 import time
+import weakref
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -118,6 +121,30 @@ class EngineConfig:
     # in rounds of one size that draft while they decode: plain one-token steps where rounds of
     # ``round_size`` would write fewer tokens than they cost, and back (round_sizer.py)
     round_switch: bool = True
+
+    def __post_init__(self) -> None:
+        """Every value checked here, in one line each: a bad one once failed deep in a generation (a
+        numpy error from the scheduler for max_draft=0) or was taken silently (round_size=-1)."""
+        least = {"n_ctx": 0, "n_batch": 1, "n_seq_max": 1, "threads": 0, "threads_batch": 0, "gpu_layers": -1,
+                 "draft_gpu_layers": -1, "main_gpu": 0, "draft_n_ctx": 0, "max_draft": 1, "round_size": 0}
+        optional = {"threads", "threads_batch", "draft_n_ctx", "round_size"}
+        for name, low in least.items():
+            value = getattr(self, name)
+            if value is None and name in optional:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ParameterError(f"EngineConfig.{name} must be an integer >= {low}"
+                                     f"{' or None' if name in optional else ''} (got {value!r})")
+        choices = {"flash_attn": (None, "on", "off", "auto"), "calibration": ("auto", "off"),
+                   "overlap": (None, True, False)}
+        for name in ("adaptive", "learned", "huge_pages", "round_switch"):
+            choices[name] = (True, False)
+        for name, allowed in choices.items():
+            value = getattr(self, name)
+            # ``is`` for None/True/False: 1 == True must not pass for a flag
+            if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
+                raise ParameterError(f"EngineConfig.{name} must be one of {', '.join(map(repr, allowed))} "
+                                     f"(got {value!r})")
 
 
 @dataclass
@@ -235,6 +262,11 @@ class Engine:
             self.config = replace(self.config, flash_attn=default_flash_attn(target))
         self.target = target
         self.draft = draft
+        for model in (target, draft):   # two engines may share a model: the last to close frees it
+            if model is not None:
+                model.hold()
+        self._closed = False
+        self._streams: weakref.WeakSet[Iterator[StreamEvent]] = weakref.WeakSet()   # close() ends this thread's
         if draft is not None and pair_compatible is None:
             pair_reason = check_pair(target.path, draft.path).reason
             pair_compatible = pair_reason is None
@@ -262,11 +294,10 @@ class Engine:
     def load(cls, target: str | Path, draft: str | Path | None = None, *,
              config: EngineConfig | None = None, progress: bool = True, **overrides: Any) -> "Engine":
         """Resolve (path, hf://, catalogue name), validate and load a target and optional draft."""
-        config = config or EngineConfig()
-        for key, value in overrides.items():
-            if not hasattr(config, key):
-                raise ParameterError(f"unknown engine option {key!r}")
-            setattr(config, key, value)
+        unknown = [key for key in overrides if key not in EngineConfig.__dataclass_fields__]
+        if unknown:
+            raise ParameterError(f"unknown engine option {unknown[0]!r}")
+        config = replace(config or EngineConfig(), **overrides)   # checked; the caller's config unchanged
         target_path, draft_path, compatible, reason = resolve_and_check(target, draft, progress=progress)
         log.info("loading %s (%.0f MiB)%s ...", target_path.name, target_path.stat().st_size / 2**20,
                  f" and draft {draft_path.name} ({draft_path.stat().st_size / 2**20:.0f} MiB)" if draft_path else "")
@@ -389,19 +420,29 @@ class Engine:
                 self._lock_owner = None
 
     def _refuse_reentry(self) -> None:
+        self._check_open()
         if self._lock_owner == threading.get_ident():
             raise OuroborosError("this thread has a generation of this engine still open (a stream() not "
                                  "read to its end): read it to the end or close() it first")
 
     def close(self) -> None:
+        """Free the contexts, and the models no other engine holds. A stream this thread left open (a
+        ``with`` block left mid-stream) is closed first; one running in another thread is waited for."""
+        if self._closed:
+            return
+        if self._lock_owner == threading.get_ident():
+            for stream in list(self._streams):
+                if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:   # the one holding the lock
+                    stream.close()
         with self._exclusive():   # after a generation still running in another thread: it changes the estimates
             self.save_learned()
+            self._closed = True
             for ctx in (self._draft_ctx, self.target_ctx):
                 if ctx is not None:
                     ctx.close()
             for model in (self.draft, self.target):
                 if model is not None:
-                    model.close()
+                    model.let_go()
 
     def __enter__(self) -> "Engine":
         return self
@@ -411,10 +452,18 @@ class Engine:
 
     # ---- text helpers ---------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if not isinstance(text, str):
+            raise ParameterError(f"tokenize takes a str (got {type(text).__name__})")
+        self._check_open()
         return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        return self.target.detokenize(tokens)
+        self._check_open()
+        return self.target.detokenize(_token_ids(tokens, "detokenize"))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise OuroborosError("this engine is closed")
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         from .chat import render_chat
@@ -427,7 +476,7 @@ class Engine:
                 text = self.apply_chat_template([{"role": "user", "content": prompt}])
                 return self.tokenize(text, add_special=False, parse_special=True)
             return self.tokenize(prompt)
-        tokens = [int(t) for t in prompt]
+        tokens = _token_ids(prompt, "the prompt")
         n_vocab = self.target.n_vocab
         if tokens and not 0 <= min(tokens) <= max(tokens) < n_vocab:   # llama.cpp says only "failed to decode"
             bad = next(t for t in tokens if not 0 <= t < n_vocab)
@@ -443,11 +492,21 @@ class Engine:
         return result
 
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
-               sampling: SamplingParams | dict[str, Any] | None = None, stop: Sequence[str] = (),
+               sampling: SamplingParams | dict[str, Any] | None = None, stop: str | Sequence[str] = (),
                chat: bool = False, options: dict[str, Any] | None = None,
                cancel: Callable[[], bool] | threading.Event | None = None) -> Iterator[StreamEvent]:
-        """Yield text pieces as they are accepted; the last event carries the GenerationResult."""
+        """Yield text pieces as they are accepted; the last event carries the GenerationResult. Nothing
+        runs before the first ``next()``."""
+        stream = self._stream(prompt, max_tokens, method, sampling, stop, chat, options, cancel)
+        self._streams.add(stream)
+        return stream
+
+    def _stream(self, prompt: str | Sequence[int], max_tokens: int, method: str,
+                sampling: SamplingParams | dict[str, Any] | None, stop: str | Sequence[str], chat: bool,
+                options: dict[str, Any] | None,
+                cancel: Callable[[], bool] | threading.Event | None) -> Iterator[StreamEvent]:
         self._refuse_reentry()   # before anything that would wait for the lock (calibration)
+        stops = _stop_strings(stop)
         sampling = _sampling_params(sampling)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
@@ -463,7 +522,7 @@ class Engine:
         is_cancelled = _cancel_check(cancel)
         chosen, sched, sizer = self._plan(method, options)
         with self._exclusive():
-            run = self._run(tokens, chosen.proposer, sched, sizer, max_tokens, sampling, list(stop),
+            run = self._run(tokens, chosen.proposer, sched, sizer, max_tokens, sampling, stops,
                             is_cancelled)
             saved = False
             try:
@@ -473,6 +532,7 @@ class Engine:
                         self.save_learned(SAVE_INTERVAL)
                         saved = True
                     yield event
+                    self._lock_owner = threading.get_ident()   # whichever thread reads the stream holds it
             finally:
                 run.close()
                 if not saved:
@@ -993,4 +1053,31 @@ def _cancel_check(cancel: Callable[[], bool] | threading.Event | None) -> Callab
         return lambda: False
     if isinstance(cancel, threading.Event):
         return cancel.is_set
+    if not callable(cancel):
+        raise ParameterError(f"cancel takes a threading.Event or a function returning True to stop "
+                             f"(got {type(cancel).__name__})")
     return cancel
+
+
+def _token_ids(tokens: Any, what: str) -> list[int]:
+    """``tokens`` as a list of ints; a float, bool, str or bytes among them is an error, not a guess
+    (``int()`` took 1.9 as 1 and b"hi" as the ids 104, 105)."""
+    if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, (Sequence, np.ndarray)):
+        raise ParameterError(f"{what} must be a str or a sequence of token ids (got {type(tokens).__name__})")
+    out = []
+    for t in tokens:
+        if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)):
+            raise ParameterError(f"{what}: token ids are integers (got {t!r})")
+        out.append(int(t))
+    return out
+
+
+def _stop_strings(stop: Any) -> list[str]:
+    """``stop`` as a list of strings: one str is one stop string (list("dad") would be three)."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+        raise ParameterError(f"stop takes a string or a list of strings (got {stop!r})")
+    return list(stop)

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..cpu_load import busy_cores_now, idle_threads, usable_cores  # noqa: F401 (re-exported)
-from ..errors import ContextOverflowError, ModelError, OuroborosError
+from ..errors import ContextOverflowError, ModelError, OuroborosError, ParameterError
 from ..text_input import utf8_bytes
 from . import huge_pages as huge_pages_mod
 
@@ -226,7 +226,8 @@ class Model(_Native):
             detail = last_log_error()
             raise ModelError(f"llama.cpp could not load {self.path}" + (f": {detail}" if detail else ""))
         self._ptr = ptr
-        self.vocab = lc.llama_model_get_vocab(ptr)
+        self._vocab = lc.llama_model_get_vocab(ptr)
+        self._holders = 0   # engines using this model (``hold``/``let_go``)
         if not vocab_only and (lc.llama_model_is_recurrent(ptr) or lc.llama_model_is_hybrid(ptr)):
             kind = "recurrent" if lc.llama_model_is_recurrent(ptr) else "hybrid"
             self.close()
@@ -248,6 +249,29 @@ class Model(_Native):
         if self._ptr is None:
             raise OuroborosError("model is closed")
         return self._ptr
+
+    @property
+    def vocab(self):
+        """The vocabulary's pointer; an error once the model is closed (it points into freed memory)."""
+        if self._ptr is None:
+            raise OuroborosError("model is closed")
+        return self._vocab
+
+    def hold(self) -> None:
+        """An engine uses this model: ``let_go`` closes it when the last one is done with it."""
+        self._holders += 1
+
+    def let_go(self) -> None:
+        self._holders -= 1
+        if self._holders <= 0:
+            self.close()
+
+    def _checked(self, token: int) -> int:
+        """``token`` as an int in the vocabulary: llama.cpp aborts the process on any other id."""
+        t = int(token)
+        if not 0 <= t < self.n_vocab:
+            raise ParameterError(f"token {t} is not in the vocabulary (0..{self.n_vocab - 1})")
+        return t
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(4096)
@@ -281,18 +305,19 @@ class Model(_Native):
 
     # ---- vocabulary -----------------------------------------------------------------------------
     def token_text(self, token: int) -> str:
-        raw = lc.llama_vocab_get_text(self.vocab, int(token))
+        raw = lc.llama_vocab_get_text(self.vocab, self._checked(token))
         return raw.decode("utf-8", "replace") if raw else ""
 
     def is_control(self, token: int) -> bool:
-        return bool(lc.llama_vocab_is_control(self.vocab, int(token)))
+        return bool(lc.llama_vocab_is_control(self.vocab, self._checked(token)))
 
     @property
     def eog_tokens(self) -> frozenset[int]:
         """Every end-of-generation token (EOS, EOT, <|im_end|>, ...), found once by asking llama.cpp."""
         if self._eog is None:
             is_eog = lc.llama_vocab_is_eog
-            self._eog = frozenset(t for t in range(self.n_vocab) if is_eog(self.vocab, t))
+            vocab = self.vocab
+            self._eog = frozenset(t for t in range(self.n_vocab) if is_eog(vocab, t))
         return self._eog
 
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
@@ -313,11 +338,12 @@ class Model(_Native):
         cached = self._pieces.get(key)
         if cached is not None:
             return cached
+        token = self._checked(token)
         buf = ctypes.create_string_buffer(64)
-        n = lc.llama_token_to_piece(self.vocab, int(token), buf, len(buf), 0, special)
+        n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
             buf = ctypes.create_string_buffer(-n)
-            n = lc.llama_token_to_piece(self.vocab, int(token), buf, len(buf), 0, special)
+            n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         out = buf.raw[:n]
         self._pieces[key] = out
         return out
