@@ -120,10 +120,10 @@ class CostModel:
         return cls(sizes=[1, 64], seconds=[1.0, 1.0])
 
 
-def calibration_key(model_path: str | Path, settings: dict) -> str:
-    path = Path(model_path)
-    st = path.stat()
-    payload = json.dumps({"path": str(path.resolve()), "size": st.st_size, "mtime": st.st_mtime_ns,
+def calibration_key(file_id: Sequence[Any], settings: dict) -> str:
+    """``file_id``: the model file's ``filestore.file_identity``."""
+    path, size, mtime = file_id
+    payload = json.dumps({"path": path, "size": size, "mtime": mtime,
                           "method": CALIBRATION_METHOD, **settings}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 

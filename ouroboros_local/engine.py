@@ -344,7 +344,7 @@ class Engine:
         """The target's verify-cost curve: from the on-disk cache, else measured now (a few decodes)."""
         if self.config.calibration == "off":
             return CostModel.flat()
-        key = calibration_key(self.target.path, self.calibration_settings())
+        key = calibration_key(self.target.file_id, self.calibration_settings())
         with self._exclusive():   # a cached curve is checked with a few decodes, a stale one re-measured
             curve = cached_or_measured(self.kv, key, CalibrationCache(), refresh, measure=measure_costs)
             size = min(self.round_size, self.target_ctx.n_batch)
@@ -356,7 +356,7 @@ class Engine:
         if self.draft is None or self.config.calibration == "off":
             return None
         kv = self.draft_kv()
-        key = calibration_key(self.draft.path, self.calibration_settings(draft=True))
+        key = calibration_key(self.draft.file_id, self.calibration_settings(draft=True))
         with self._exclusive():
             return cached_or_measured(kv, key, CalibrationCache(), refresh, measure=measure_costs)
 
@@ -375,7 +375,7 @@ class Engine:
     def _learned_key(self) -> str | None:
         if not self.config.learned:
             return None
-        return estimates_key(self.target.path, self.draft.path if self.draft is not None else None)
+        return estimates_key(self.target.file_id, self.draft.file_id if self.draft is not None else None)
 
     def _restore_learned(self, sched: Scheduler) -> None:
         """The copy priors (learned.py), then what earlier sessions learned with these models, which
@@ -528,7 +528,7 @@ class Engine:
             try:
                 for event in run:
                     if event.result is not None:   # saved before the caller hears that the answer is done
-                        self.history.save()        # (the history files, when some were named)
+                        self._save_history(event.result.stats)   # (the history files, when some were named)
                         self.save_learned(SAVE_INTERVAL)
                         saved = True
                     yield event
@@ -536,7 +536,7 @@ class Engine:
             finally:
                 run.close()
                 if not saved:
-                    self.history.save()
+                    self._save_history(None)
 
     def prepare(self, method: str = "vanilla", options: dict[str, Any] | None = None) -> None:
         """Measure now what the first generation with ``method`` would measure first (this machine's
@@ -567,6 +567,16 @@ class Engine:
         sched = self.scheduler() if priced else None
         sizer = self._round_sizer(chosen.proposer)   # measures the costs too, where none are yet
         return chosen, sched, sizer
+
+    def _save_history(self, stats: GenerationStats | None) -> None:
+        """Save the history files; a failure (a full disk, a folder made read-only) is a warning, and a
+        note in the answer's stats: the answer itself must reach the caller (it was once discarded)."""
+        try:
+            self.history.save()
+        except PoolError as exc:
+            log.warning("warning: %s (the answer is kept; the history is saved again after the next one)", exc)
+            if stats is not None:
+                stats.extra["history_not_saved"] = str(exc)
 
     def _run(self, prompt: list[int], proposer: Proposer, sched: Scheduler | None, sizer: RoundSizer | None,
              max_tokens: int, sampling: SamplingParams, stops: list[str],

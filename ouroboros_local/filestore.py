@@ -49,6 +49,14 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
+def file_identity(path: str | os.PathLike[str]) -> list[Any]:
+    """What a file's learned state belongs to: its resolved path, size and modification time (a file
+    re-downloaded or edited starts afresh). Taken when a model loads: the file may go while it runs."""
+    target = Path(path)
+    st = target.stat()
+    return [str(target.resolve()), st.st_size, st.st_mtime_ns]
+
+
 def keep_newest(data: dict[str, Any], keep: int, stamp_key: str) -> None:
     """Drop from ``data`` all but the ``keep`` entries with the latest ``stamp_key`` (a time.time()); an
     entry without a numeric stamp counts as the oldest. Keeps a state file bounded however many models,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .catalogue import default_cache_dir
-from .filestore import keep_newest, read_json_object, write_atomic
+from .filestore import file_identity, keep_newest, read_json_object, write_atomic
 
 log = logging.getLogger("ouroboros_local")
 
@@ -45,15 +45,9 @@ def cache_path() -> Path:
     return Path(override) if override else default_cache_dir() / "estimates.json"
 
 
-def estimates_key(target: Path, draft: Path | None) -> str:
-    """The model files the estimates belong to (a re-downloaded or edited file starts afresh)."""
-    def identity(path: Path | None) -> Any:
-        if path is None:
-            return None
-        st = path.stat()
-        return [str(path.resolve()), st.st_size, st.st_mtime_ns]
-
-    payload = json.dumps({"format": FORMAT, "target": identity(target), "draft": identity(draft)})
+def estimates_key(target: list[Any], draft: list[Any] | None) -> str:
+    """The model files the estimates belong to (their ``filestore.file_identity``)."""
+    payload = json.dumps({"format": FORMAT, "target": list(target), "draft": list(draft) if draft else None})
     return hashlib.sha256(payload.encode()).hexdigest()[:32]
 
 
@@ -104,7 +98,7 @@ def copy_priors() -> dict[str, Any]:
 def describe(target: Path, draft: Path | None) -> str:
     """One line for ``doctor``: what the next start with these models begins from."""
     store = LearnedEstimates()
-    entry = store.entry(estimates_key(target, draft))
+    entry = store.entry(estimates_key(file_identity(target), file_identity(draft) if draft else None))
     if entry is None:
         return (f"learned estimates: none yet for these models ({store.path}); a run starts copies from the "
                 "shipped priors and saves what it learned at its end")

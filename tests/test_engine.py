@@ -383,3 +383,22 @@ def test_engine_arguments_are_checked(tiny_target) -> None:
     mine = EngineConfig(n_ctx=256, n_batch=32, threads=1, calibration="off")
     Engine.load(str(tiny_target), config=mine, progress=False, n_ctx=512).close()
     assert mine.n_ctx == 256                         # the caller's config is not written to
+
+
+def test_an_answer_whose_history_cannot_be_saved_still_arrives(tiny_target, tmp_path, monkeypatch, caplog) -> None:
+    """A full disk at the pool's save discarded the answer: generate --json printed nothing, the chat
+    dropped the turn, the server answered 400."""
+    from ouroboros_local.errors import PoolError
+    from ouroboros_local.pool import PhrasePool
+
+    def full_disk(self, path, fingerprint):
+        raise PoolError(f"cannot save the phrase pool to {path}: [Errno 28] No space left on device")
+
+    with make_engine(tiny_target) as engine:
+        want = engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").tokens
+        monkeypatch.setattr(PhrasePool, "save", full_disk)
+        got = engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup",
+                              options={"pool": str(tmp_path / "pool.bin")})
+        assert got.tokens == want
+        assert "No space left" in got.stats.extra["history_not_saved"]
+        assert "the answer is kept" in caplog.text

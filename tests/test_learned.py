@@ -12,6 +12,7 @@ import pytest
 from ouroboros_local.acceptance import Acceptance, ConfidenceTable
 from ouroboros_local.calibration import CostModel
 from ouroboros_local import learned as learned_module
+from ouroboros_local.filestore import file_identity
 from ouroboros_local.learned import (MAX_ENTRIES, PRIOR_SOURCES, PRIOR_WEIGHT, RESTORE_WEIGHT, LearnedEstimates,
                                      copy_priors, estimates_key)
 from ouroboros_local.scheduler import Scheduler
@@ -114,6 +115,7 @@ def test_the_key_names_both_model_files(tmp_path: Path) -> None:
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     a.write_bytes(b"1")
     b.write_bytes(b"2")
+    a, b = file_identity(a), file_identity(b)
     keys = {estimates_key(a, None), estimates_key(b, None), estimates_key(a, b), estimates_key(b, a)}
     assert len(keys) == 4
     assert estimates_key(a, b) == estimates_key(a, b)
@@ -128,7 +130,7 @@ def test_an_engine_saves_what_it_learned_and_the_next_one_starts_from_it(tiny_ta
         want = engine.generate(prompt, max_tokens=24, method="vanilla").tokens
         assert engine.generate(prompt, max_tokens=24, method="auto").tokens == want
         learned = engine.scheduler().estimates()
-    saved = LearnedEstimates().get(estimates_key(Path(tiny_target), None))
+    saved = LearnedEstimates().get(estimates_key(file_identity(tiny_target), None))
     assert saved is not None and set(saved) == set(learned) and "prompt-lookup" in saved
     with make_engine(tiny_target) as engine:
         restored = engine.scheduler().estimate("prompt-lookup").to_dict()
@@ -149,7 +151,7 @@ def test_doctor_says_what_the_next_start_begins_from(tmp_path: Path) -> None:
     target = tmp_path / "t.gguf"
     target.write_bytes(b"1")
     assert "none yet" in describe(target, None)
-    LearnedEstimates().put(estimates_key(target, None), {"suffix": {}, "prompt-lookup": {}})
+    LearnedEstimates().put(estimates_key(file_identity(target), None), {"suffix": {}, "prompt-lookup": {}})
     line = describe(target, None)
     assert "prompt-lookup, suffix, saved" in line and "none yet" in describe(target, target)   # another pair
 
@@ -220,10 +222,27 @@ def test_saved_estimates_replace_the_copy_priors_proposer_by_proposer(tiny_targe
     from ouroboros_local.testing.engines import tiny_engine as make_engine
 
     mine = taught().estimates()["x"]
-    LearnedEstimates().put(estimates_key(Path(tiny_target), None), {"prompt-lookup": mine})
+    LearnedEstimates().put(estimates_key(file_identity(tiny_target), None), {"prompt-lookup": mine})
     with make_engine(tiny_target) as engine:
         sched = engine.scheduler()
         restored = Acceptance.from_dict(mine["acceptance"], RESTORE_WEIGHT)
         assert sched.estimate("prompt-lookup").to_dict() == restored.to_dict()
         suffix = Acceptance.from_dict(copy_priors()["suffix"]["acceptance"], PRIOR_WEIGHT)
         assert sched.estimate("suffix").to_dict() == suffix.to_dict()
+
+
+def test_a_model_file_deleted_while_loaded_keeps_its_engine_working(tiny_target, tmp_path) -> None:
+    """The learned state's key stat()ed the model file at every save: a chat or server whose file was
+    deleted or moved failed every answer after it (and its exit) with FileNotFoundError."""
+    import shutil
+
+    from ouroboros_local.testing.engines import tiny_engine as make_engine
+
+    copy = tmp_path / "copy.gguf"
+    shutil.copyfile(tiny_target, copy)
+    engine = make_engine(copy, adaptive=True, calibration="auto")
+    want = engine.generate("hello hello", max_tokens=6, method="auto").tokens
+    copy.unlink()
+    assert engine.generate("hello hello", max_tokens=6, method="auto").tokens == want
+    engine.save_learned()
+    engine.close()

@@ -20,6 +20,7 @@ import numpy as np
 
 from ..cpu_load import busy_cores_now, idle_threads, usable_cores  # noqa: F401 (re-exported)
 from ..errors import ContextOverflowError, ModelError, OuroborosError, ParameterError
+from ..filestore import file_identity
 from ..text_input import utf8_bytes
 from . import huge_pages as huge_pages_mod
 
@@ -207,6 +208,7 @@ class Model(_Native):
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelError(f"model file not found: {self.path}")
+        self.file_id = file_identity(self.path)   # learned state's key, whatever happens to the file later
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.vocab_only = bool(vocab_only)
