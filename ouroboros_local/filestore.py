@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 import tempfile
 from pathlib import Path
@@ -22,6 +23,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        if target.is_file():   # keep its permissions (mkstemp's 0600 made a group's shared pool unreadable)
+            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -42,8 +45,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
 def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON state file's object; {} when it is missing, unreadable, not JSON or not an object (a file
     edited by hand is measured or learned again, never fatal)."""
+    target = Path(path)
+    if not target.is_file():   # missing, or a FIFO that would block the read forever
+        return {}
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(target.read_text())
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
@@ -75,6 +81,8 @@ def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, heade
     """Read a state file: (its path, its header fields after magic and version, the bytes after the
     header); PoolError in one line when it cannot be read, is another kind of file or another version."""
     target = Path(path)
+    if target.exists() and not target.is_file():   # a FIFO would block the read forever
+        raise PoolError(f"the {what} {target} is not a regular file")
     try:
         data = target.read_bytes()
     except OSError as e:

@@ -202,6 +202,32 @@ def test_missing_file_is_a_pool_error(tmp_path) -> None:
         PhrasePool.load(tmp_path / "nope.bin", FP)
 
 
+def test_a_fifo_is_refused_and_a_saved_file_keeps_its_permissions(tmp_path) -> None:
+    """A FIFO as pool, calibration or estimates file blocked forever; a save reset a shared pool to 0600."""
+    import faulthandler
+    import os
+    import stat
+
+    from ouroboros_local.filestore import read_json_object
+
+    fifo = tmp_path / "pool.fifo"
+    os.mkfifo(fifo)
+    faulthandler.dump_traceback_later(60, exit=True)   # the old read waited for a writer forever
+    try:
+        with pytest.raises(PoolError, match="not a regular file"):
+            PhrasePool.load(fifo, FP)
+        assert read_json_object(fifo) == {}
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    pool = PhrasePool(key_len=1, max_per_key=4, phrase_len=3)
+    pool.add((1,), (2, 3, 4))
+    shared = tmp_path / "shared.pool"
+    pool.save(shared, FP)
+    shared.chmod(0o644)
+    pool.save(shared, FP)
+    assert stat.S_IMODE(shared.stat().st_mode) == 0o644
+
+
 def test_a_history_file_in_a_missing_folder_is_refused_before_any_answer(tmp_path) -> None:
     """Saved after each answer, such a file once failed only then: the chat turn was lost with it."""
     from ouroboros_local.history import History
