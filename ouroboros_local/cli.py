@@ -116,16 +116,18 @@ def _gpu_layers(value: str) -> int:
     return n
 
 
-def _round_size(value: str, batch_size: int) -> int | None:
-    """--round-size: auto (None: the engine decides), 0, or 2 to --batch-size."""
+def _round_size(value: str, batch_size: int, ctx_size: int) -> int | None:
+    """--round-size: auto (None: the engine decides), 0, or 2 to --batch-size (and --ctx-size)."""
     if value == "auto":
         return None
     try:
         size = int(value)
     except ValueError:
         size = -1
-    if size != 0 and not 2 <= size <= batch_size:
-        raise ParameterError(f"--round-size must be auto, 0 or 2 to --batch-size ({batch_size}), got {value}")
+    largest = min(batch_size, ctx_size) if ctx_size > 0 else batch_size
+    if size != 0 and not 2 <= size <= largest:
+        raise ParameterError(f"--round-size must be auto, 0 or 2 to {largest} (--batch-size and --ctx-size), "
+                             f"got {value}")
     return size
 
 
@@ -143,7 +145,7 @@ def _engine_from_args(args: argparse.Namespace):
             raise ParameterError(f"--{name.replace('_', '-')} must be >= 1")
     if args.threads is not None and args.threads < 0:
         raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
-    round_size = _round_size(args.round_size, args.batch_size)
+    round_size = _round_size(args.round_size, args.batch_size, args.ctx_size)
     config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
                           threads=args.threads, flash_attn=args.flash_attn,
                           gpu_layers=_gpu_layers(args.gpu_layers),
@@ -161,6 +163,10 @@ def _engine_from_args(args: argparse.Namespace):
     engine = Engine.load(args.model, args.draft, config=config, progress=True)
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")
+    trained = engine.target.n_ctx_train
+    if 0 < trained < engine.target_ctx.n_ctx:
+        say(f"note: a context of {engine.target_ctx.n_ctx} tokens is more than the {trained} the model was trained "
+            "on: text past that degrades, and its cache takes memory all the same")
     return engine
 
 

@@ -85,6 +85,11 @@ def default_flash_attn(model: Model) -> str:
     return "auto" if model.n_gpu_layers != 0 and supports_gpu_offload() else "off"
 
 
+MAX_CTX = 2**24        # tokens: a context, a batch (llama.cpp: 32-bit; 16M cells is already ~TBs of KV)
+MAX_SEQS = 256         # llama.cpp's LLAMA_MAX_SEQ
+MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
+
+
 @dataclass
 class EngineConfig:
     n_ctx: int = 4096
@@ -125,16 +130,23 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Every value checked here, in one line each: a bad one once failed deep in a generation (a
         numpy error from the scheduler for max_draft=0) or was taken silently (round_size=-1)."""
-        least = {"n_ctx": 0, "n_batch": 1, "n_seq_max": 1, "threads": 0, "threads_batch": 0, "gpu_layers": -1,
-                 "draft_gpu_layers": -1, "main_gpu": 0, "draft_n_ctx": 0, "max_draft": 1, "round_size": 0}
+        # llama.cpp takes these as 32-bit integers: 2**32 + 512 became a context of 512, a batch of
+        # 2**32 + 2 failed an assertion, 10**11 threads aborted the process
+        bounds = {"n_ctx": (0, MAX_CTX), "n_batch": (1, MAX_CTX), "n_seq_max": (1, MAX_SEQS),
+                  "threads": (0, MAX_THREADS), "threads_batch": (0, MAX_THREADS), "gpu_layers": (-1, 2**31 - 1),
+                  "draft_gpu_layers": (-1, 2**31 - 1), "main_gpu": (0, 2**31 - 1), "draft_n_ctx": (0, MAX_CTX),
+                  "max_draft": (1, MAX_CTX), "round_size": (0, MAX_CTX)}
         optional = {"threads", "threads_batch", "draft_n_ctx", "round_size"}
-        for name, low in least.items():
+        for name, (low, high) in bounds.items():
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ParameterError(f"EngineConfig.{name} must be an integer >= {low}"
+            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+                raise ParameterError(f"EngineConfig.{name} must be an integer from {low} to {high}"
                                      f"{' or None' if name in optional else ''} (got {value!r})")
+        if self.round_size and (self.round_size > self.n_batch or 0 < self.n_ctx < self.round_size):
+            raise ParameterError(f"EngineConfig.round_size ({self.round_size}) must fit the batch ({self.n_batch}) "
+                                 f"and the context ({self.n_ctx})")
         choices = {"flash_attn": (None, "on", "off", "auto"), "calibration": ("auto", "off"),
                    "overlap": (None, True, False)}
         for name in ("adaptive", "learned", "huge_pages", "round_switch"):

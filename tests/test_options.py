@@ -183,3 +183,19 @@ def test_a_console_in_another_encoding_gets_one_line_not_a_traceback(tmp_path) -
     finally:
         sys.stdout = old
     assert console.buffer.getvalue().decode("ascii").strip() == '{"text": "\\u65e5\\u672c caf\\u00e9"}'
+
+
+def test_context_flags_are_bounded_and_a_context_past_training_is_named(tiny_target, capsys) -> None:
+    """-c 2**32+512 ran with 512 cells, -b 2**32+2 aborted in llama.cpp, --round-size past the context said
+    'the context is full' for a one-token prompt; a context past the trained one went unmentioned."""
+    from ouroboros_local.cli import main
+
+    base = ["generate", "-m", str(tiny_target), "-t", "1", "-p", "hi", "-n", "2", "--quiet"]
+    assert main(base + ["-c", str(2**32 + 512)]) == 2
+    assert "n_ctx must be an integer from 0 to" in capsys.readouterr().err
+    assert main(base + ["-c", "512", "-b", str(2**32 + 2)]) == 2
+    assert "n_batch must be" in capsys.readouterr().err
+    assert main(base + ["-c", "512", "-b", "1000", "--round-size", "513"]) == 2
+    assert "--round-size must be auto, 0 or 2 to 512" in capsys.readouterr().err
+    assert main(base + ["-c", "4096"]) == 0                   # the tiny model was trained on 2048
+    assert "more than the 2048 the model was trained on" in capsys.readouterr().err
