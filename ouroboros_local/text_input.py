@@ -38,6 +38,8 @@ def read_text(path: str | Path, what: str = "file") -> str:
 
 
 def read_stdin() -> str:
+    if sys.stdin is None:   # closed (<&-)
+        raise ParameterError("stdin is closed: nothing to read the prompt from")
     return decode_utf8(sys.stdin.buffer.read(), "<stdin>")
 
 

