@@ -714,10 +714,12 @@ def test_requests_are_served_first_in_first_out(slow_engine, monkeypatch):
 
 
 # ---- the real CLI in a subprocess ----------------------------------------------------------------
-def test_serve_cli_subprocess(tiny_target, tmp_path):
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])   # Ctrl-C; systemd's and docker's stop
+def test_serve_cli_subprocess(tiny_target, tmp_path, stop):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "costs.json")}   # none cached: it measures
+           "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "costs.json"),   # none cached: it measures
+           "OUROBOROS_ESTIMATES_FILE": str(tmp_path / "estimates.json")}
     env.pop("OUROBOROS_API_KEY", None)
     cmd = [sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tiny_target), "-c", "256",
            "-b", "32", "-t", "1", "--port", str(port), "--api-key", "k3y", "--max-queue", "2",
@@ -743,13 +745,14 @@ def test_serve_cli_subprocess(tiny_target, tmp_path):
         assert resp.usage.completion_tokens <= 8
         assert resp.model_extra["stats"]["method"] in ("auto", "prompt-lookup", "vanilla")
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         try:
             out, _ = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
             out, _ = proc.communicate()
     assert proc.returncode == 0, out
+    assert (tmp_path / "estimates.json").is_file(), "closed without saving what it learned"   # SIGTERM once skipped it
     assert f"http://127.0.0.1:{port}/v1" in out
     # the first calibration before it listens, not in the first request (a client may time out)
     assert -1 < out.find("measuring this machine's verify cost") < out.find(f"http://127.0.0.1:{port}/v1"), out
@@ -761,6 +764,12 @@ def test_serve_cli_errors_without_loading(tmp_path):
                           "--port", str(free_port())], env=env, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     assert bad.stderr.strip().startswith("error:")
+    # an empty key turned authentication off; a blank one locked every client out
+    for flag, environ in ((["--api-key", ""], {}), ([], {"OUROBOROS_API_KEY": "  "})):
+        run = subprocess.run([sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tmp_path / "none.gguf"),
+                              "--port", str(free_port()), *flag], env={**env, **environ}, capture_output=True,
+                             text=True, timeout=60)
+        assert run.returncode == 2 and "is empty: give a key" in run.stderr, run.stderr
 
 
 # ---- the examples -------------------------------------------------------------------------------

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -78,7 +80,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ParameterError("--default-max-tokens must be >= 1")
     if args.method is not None and args.method not in method_names():
         raise ParameterError(f"unknown method {args.method!r}; choose one of {', '.join(method_names())}")
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    api_key = _api_key(args.api_key, os.environ.get(API_KEY_ENV))
     sampling = cli._sampling_from_args(args)
     options = cli._method_options(args)
     sock = _listen(args.host, args.port)   # before loading: a taken port fails in a second, not minutes
@@ -108,14 +110,36 @@ def cmd_serve(args: argparse.Namespace) -> int:
               file=sys.stderr, flush=True)
         server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                                                access_log=args.log_level in ("info", "debug", "trace")))
+        # uvicorn re-raises the Ctrl-C or SIGTERM it already served by shutting down; SIGTERM's default
+        # action (systemd's and docker's stop) would end the process before ``engine.close`` saves
+        previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
         try:
             server.run(sockets=[sock])
-        except KeyboardInterrupt:   # uvicorn re-raises the Ctrl-C it already served by shutting down
+        except KeyboardInterrupt:
             pass
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     finally:
         sock.close()
         engine.close()
     return 0
+
+
+def _api_key(flag: str | None, env: str | None) -> str | None:
+    """The key clients must send: --api-key, else $OUROBOROS_API_KEY (empty: none). Spaces around it go,
+    as the client's token loses them; a key of nothing but spaces is refused (an empty --api-key turned
+    authentication off, a blank one locked every client out)."""
+    raw, name = (flag, "--api-key") if flag is not None else (env or None, API_KEY_ENV)
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ParameterError(f"{name} is empty: give a key, or leave it out to serve without one")
+    return raw.strip()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _listen(host: str, port: int) -> socket.socket:
