@@ -302,6 +302,8 @@ def _cached_copy(entry: CatalogueEntry, models_dir: Path, progress: bool) -> Pat
         if _verified(dest, sidecar, entry, progress):
             return dest
         # Not the catalogue's file (damaged, or the entry changed): drop it and fetch afresh.
+        log.warning("%s is not the catalogue's file (its sha256 differs: damaged, or the catalogue changed): "
+                    "removed, to be fetched again", dest)
         for p in (dest, sidecar):
             with contextlib.suppress(OSError):
                 p.unlink()

