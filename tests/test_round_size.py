@@ -128,7 +128,7 @@ def test_round_size_is_checked_before_anything_loads(capsys) -> None:
 
     for bad in ("1", "four", "65"):   # 65: more than --batch-size's 64
         assert main(["generate", "-m", "no-such-model.gguf", "--round-size", bad, "-b", "64", "-p", "hi"]) != 0
-        assert "--round-size must be auto, 0 or 2 to --batch-size (64)" in capsys.readouterr().err
+        assert "--round-size must be auto, 0 or 2 to 64 (--batch-size and --ctx-size)" in capsys.readouterr().err
 
 
 class _Target:
