@@ -155,6 +155,7 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, out: T
             print("(Ctrl-C again, Ctrl-D or /quit to leave)", file=err, flush=True)
             continue
         interrupted = False
+        line = line.removeprefix("\ufeff")   # a byte-order mark opening piped input is not text
         text = line.strip()
         if not text:
             continue

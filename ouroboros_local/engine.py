@@ -483,17 +483,27 @@ class Engine:
         return render_chat(self.target, messages, add_generation_prompt=add_generation_prompt)
 
     def prompt_tokens(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """The prompt's tokens; ContextOverflowError where they leave no room in the context."""
         if isinstance(prompt, str):
-            if chat:
-                text = self.apply_chat_template([{"role": "user", "content": prompt}])
-                return self.tokenize(text, add_special=False, parse_special=True)
-            return self.tokenize(prompt)
+            text = self.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            if not isinstance(text, str):
+                raise ParameterError(f"the prompt must be a str or a sequence of token ids (got {type(text).__name__})")
+            self._check_open()
+            try:
+                return self.target.tokenize(text, add_special=not chat, parse_special=True,
+                                            limit=self.target_ctx.n_ctx - 1)
+            except ContextOverflowError as exc:
+                raise self._overflow(exc.n_tokens or 0) from None
         tokens = _token_ids(prompt, "the prompt")
         n_vocab = self.target.n_vocab
         if tokens and not 0 <= min(tokens) <= max(tokens) < n_vocab:   # llama.cpp says only "failed to decode"
             bad = next(t for t in tokens if not 0 <= t < n_vocab)
             raise ParameterError(f"prompt token {bad} is not in the vocabulary (0..{n_vocab - 1})")
         return tokens
+
+    def _overflow(self, n_tokens: int) -> ContextOverflowError:
+        return ContextOverflowError(f"the prompt has {n_tokens} tokens but the context holds {self.target_ctx.n_ctx}; "
+                                    "use a larger --ctx-size or a shorter prompt", n_tokens=n_tokens)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
@@ -528,9 +538,7 @@ class Engine:
         if not tokens:
             raise ParameterError("the prompt is empty")
         if len(tokens) + 1 > self.target_ctx.n_ctx:
-            raise ContextOverflowError(
-                f"the prompt has {len(tokens)} tokens but the context holds {self.target_ctx.n_ctx}; "
-                "use a larger --ctx-size or a shorter prompt")
+            raise self._overflow(len(tokens))
         is_cancelled = _cancel_check(cancel)
         chosen, sched, sizer = self._plan(method, options)
         with self._exclusive():

@@ -16,6 +16,10 @@ class IncompatiblePairError(OuroborosError):
 class ContextOverflowError(OuroborosError):
     """The prompt (plus the room generation needs) does not fit the context window."""
 
+    def __init__(self, message: str, n_tokens: int | None = None):
+        super().__init__(message)
+        self.n_tokens = n_tokens   # the text's tokens, where they were counted
+
 
 class ParameterError(OuroborosError):
     """A generation or configuration parameter is out of range."""

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 from .errors import ParameterError
 
 _FIX = "save or send it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+# more text than we read from a file or stdin: tens of millions of tokens, past any context, where reading
+# /dev/zero or `yes` as a prompt would fill the memory
+MAX_TEXT_BYTES = 256 * 2**20
 
 
 def decode_utf8(raw: bytes, name: str) -> str:
@@ -26,8 +30,11 @@ def decode_utf8(raw: bytes, name: str) -> str:
 def read_text(path: str | Path, what: str = "file") -> str:
     """A UTF-8 text file's contents (``decode_utf8``'s error otherwise); a pipe (``<(...)``) too.
     ``what``: the file's part, for the error where it does not exist."""
+    if not str(path):
+        raise ParameterError(f"the {what} name is empty")
     try:
-        data = Path(path).read_bytes()
+        with open(path, "rb") as f:
+            data = _bounded_read(f, str(path))
     except FileNotFoundError:
         raise ParameterError(f"{what} not found: {path}") from None
     except IsADirectoryError:
@@ -40,7 +47,15 @@ def read_text(path: str | Path, what: str = "file") -> str:
 def read_stdin() -> str:
     if sys.stdin is None:   # closed (<&-)
         raise ParameterError("stdin is closed: nothing to read the prompt from")
-    return decode_utf8(sys.stdin.buffer.read(), "<stdin>")
+    return decode_utf8(_bounded_read(sys.stdin.buffer, "<stdin>"), "<stdin>")
+
+
+def _bounded_read(f: Any, name: str) -> bytes:
+    data = f.read(MAX_TEXT_BYTES + 1)
+    if len(data) > MAX_TEXT_BYTES:
+        raise ParameterError(f"{name} holds more than {MAX_TEXT_BYTES // 2**20} MiB of text: more than any "
+                             "context holds")
+    return data
 
 
 def utf8_bytes(text: str) -> bytes:

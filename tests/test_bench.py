@@ -276,6 +276,8 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: P
     (["--sweep", "vanilla:gamma=2,3"], "cannot sweep vanilla"),
     (["--sweep", "windw=2,3"], "no method of this run has the option 'windw'"),
     (["--sweep", "window=2,3"], "model file not found"),   # lookahead's option; suffix is not swept
+    (["--tolerance-margin", "nan"], "--tolerance-margin must be >= 0"),
+    (["--peer-timeout", "-1"], "--peer-timeout must be > 0"),
     (["--variant", "big=lookahead:{\"levle\": 5}"], "levle"),
 ])
 def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(

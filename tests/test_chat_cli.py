@@ -128,6 +128,15 @@ def test_repl_commands_without_a_terminal(engine):
     assert run_repl(session, read=eof, out=io.StringIO(), err=io.StringIO()) == 0
 
 
+def test_a_byte_order_mark_opening_piped_input_is_not_a_message(engine):
+    """'\ufeff/stats' (a Windows editor's file piped in) went to the model as a message."""
+    lines = iter(["\ufeff/stats", "/quit"])
+    session = ChatSession(engine, method="vanilla", max_tokens=8)
+    err = io.StringIO()
+    assert run_repl(session, read=lambda prompt: next(lines), out=io.StringIO(), err=err) == 0
+    assert "0 answers" in err.getvalue() and session.totals.turns == 0
+
+
 # ---- the real CLI in a pseudo-terminal ----------------------------------------------------------
 try:
     import pexpect

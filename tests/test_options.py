@@ -214,3 +214,27 @@ def test_output_and_input_that_fail_are_one_line(tiny_target) -> None:
                                (f"{cmd} -f - <&-", 2, "stdin is closed")):
         run = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=env, timeout=120)
         assert run.returncode == rc and "Traceback" not in run.stderr and message in run.stderr, (shell, run.stderr)
+
+
+def test_text_inputs_and_prompts_are_bounded(tiny_target, tmp_path, monkeypatch, capfd) -> None:
+    """/dev/zero or `yes` as a prompt filled the memory; a prompt far past the context became a list of
+    Python ints first (a 21 MB file took 1.2 GB); OUROBOROS_VERBOSE=0 turned llama.cpp's log on."""
+    from ouroboros_local import text_input
+    from ouroboros_local.errors import ContextOverflowError, ParameterError
+    from ouroboros_local.llama import binding
+    from ouroboros_local.testing.engines import tiny_engine
+
+    monkeypatch.setattr(text_input, "MAX_TEXT_BYTES", 16)
+    big = tmp_path / "big.txt"
+    big.write_text("x" * 17)
+    with pytest.raises(ParameterError, match="more than 0 MiB of text"):
+        text_input.read_text(big)
+    with pytest.raises(ParameterError, match="prompt file name is empty"):
+        text_input.read_text("", "prompt file")
+    with tiny_engine(tiny_target, n_ctx=256) as engine:
+        with pytest.raises(ContextOverflowError, match="the prompt has 3000 tokens but the context holds 256") as exc:
+            engine.prompt_tokens(" a" * 3000)
+        assert exc.value.n_tokens == 3000
+    monkeypatch.setenv("OUROBOROS_VERBOSE", "0")
+    binding._on_log(2, b"llama.cpp says hello\n", None)
+    assert "llama.cpp says hello" not in capfd.readouterr().err

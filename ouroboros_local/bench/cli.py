@@ -224,7 +224,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ParameterError("-n/--max-tokens must be >= 1")
-    if args.tolerance_margin is not None and args.tolerance_margin < 0:
+    if args.peer_timeout is not None and not args.peer_timeout > 0:
+        raise ParameterError("--peer-timeout must be > 0 seconds")
+    if args.tolerance_margin is not None and not args.tolerance_margin >= 0:   # nan too
         raise ParameterError("--tolerance-margin must be >= 0")
     if args.exact:
         args.tolerance_margin = None

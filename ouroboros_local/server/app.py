@@ -23,15 +23,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from .. import __version__
-from ..errors import OuroborosError, ParameterError
+from ..errors import ContextOverflowError, OuroborosError, ParameterError
 from ..proposers import method_names
 from ..sampling import SamplingParams
 from . import default_method
 from .gate import RequestGate
 from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (DEFAULT_COMPLETION_TOKENS, ApiError, GenerationRequest, Reply, bad_request,
-                       chat_messages, check_model, completion_budget, completion_prompt, engine_error,
-                       error_body, now, parse_generation, parse_json_body, require_json, sse)
+                       chat_messages, check_model, completion_budget, completion_prompt, context_exceeded,
+                       engine_error, error_body, now, parse_generation, parse_json_body, require_json, sse)
 from .worker import Cancelled, ClientGone, GenerationWorker, Job, QueueFull
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -208,6 +208,8 @@ class _Service:
         make_tokens = self._chat_tokens if parsed.chat else self._completion_tokens
         try:
             return await anyio.to_thread.run_sync(make_tokens, parsed.prompt)
+        except ContextOverflowError as exc:   # counted, never listed (a huge prompt's memory stays bounded)
+            raise context_exceeded(exc.n_tokens or 0, self.engine.target_ctx.n_ctx, parsed.param) from None
         except OuroborosError as exc:
             raise bad_request(parsed.param, str(exc)) from None
 

@@ -328,15 +328,19 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         raise bad_request("messages", str(exc)) from None
 
 
+def context_exceeded(n_prompt: int, n_ctx: int, param: str) -> ApiError:
+    return ApiError(413, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: "
+                         "shorten the prompt (or start the server with a larger --ctx-size)",
+                    param=param, code="context_length_exceeded")
+
+
 def completion_budget(n_prompt: int, max_tokens: int | None, n_ctx: int, default: int, param: str) -> int:
     """The completion's token limit: the request's if the context holds it, else ``default`` capped to
     the room left. Refuses an empty prompt and one the context cannot hold."""
     if not n_prompt:
         raise bad_request(param, "the prompt is empty")
     if n_prompt + 1 > n_ctx:
-        raise ApiError(413, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: "
-                            "shorten the prompt (or start the server with a larger --ctx-size)",
-                       param=param, code="context_length_exceeded")
+        raise context_exceeded(n_prompt, n_ctx, param)
     room = n_ctx - n_prompt
     if max_tokens is None:
         return min(default, room)
