@@ -89,7 +89,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     available = huge_pages.memory_available()
     if available:
         print(f"memory available: {available / 2**30:.1f} GiB")
-    total = 0
+    total = kv = 0
+    n_ctx = args.ctx_size   # 0: each model's trained context
     args.draft = resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft
     suggested = None if args.draft else default_draft_for(args.model)
     for label, spec in (("target", args.model), ("draft", args.draft)):
@@ -98,6 +99,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         path = resolve_model(spec, progress=True)
         info = validate_gguf(path)
         total += info.file_size
+        kv += (info.kv_bytes_per_token or 0) * (n_ctx or info.context_length or 0)
         print(f"{label}: {path} ({info.arch}, vocab {info.n_vocab}, {info.file_size / 2**20:.0f} MiB, "
               f"trained context {info.context_length})")
         if label == "draft":
@@ -118,15 +120,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                           else f"different vocabularies: {report.reason}"))
         if report.compatible:
             print(pair_speed_line(args))
-    # weights plus a rough KV/compute allowance for the default context
-    need = total * 1.1 + 512 * 2**20
+    # weights, the KV cache of -c tokens (F16; once ignored: -c 99999999 "fit" and then failed to
+    # allocate) and an allowance for llama.cpp's compute buffers
+    need = total * 1.1 + kv + 512 * 2**20
+    parts = f"weights {total / 2**30:.1f}, KV cache of {n_ctx or 'the trained'} tokens {kv / 2**30:.1f}"
     gpu_free = sum(dev.memory_free for dev in found if dev.kind in ("gpu", "igpu"))
     if total and gpu and gpu_free:
-        verdict = "fits" if need < gpu_free else "does NOT fit (offload fewer layers: --gpu-layers N)"
-        print(f"memory: the models need about {need / 2**30:.1f} GiB: {verdict} in free GPU memory")
+        verdict = "fits" if need < gpu_free else "does NOT fit (offload fewer layers: --gpu-layers N, or a smaller -c)"
+        print(f"memory: the models need about {need / 2**30:.1f} GiB ({parts}): {verdict} in free GPU memory")
     elif total and available:
-        verdict = "fits" if need < available else "does NOT fit"
-        print(f"memory: the models need about {need / 2**30:.1f} GiB: {verdict} in available memory")
+        verdict = "fits" if need < available else "does NOT fit (a smaller -c needs less)"
+        print(f"memory: the models need about {need / 2**30:.1f} GiB ({parts}): {verdict} in available memory")
     return 0
 
 

@@ -52,6 +52,7 @@ class GGUFInfo:
     n_tensors: int
     is_recurrent: bool  # recurrent or hybrid architecture: refuse for speculation
     chat_template: str | None
+    kv_bytes_per_token: int | None = None   # an F16 KV cache's bytes per context token (None: unknown)
 
 
 @dataclass(frozen=True)
@@ -296,7 +297,26 @@ def validate_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
         n_tensors=parsed.n_tensors,
         is_recurrent=arch in RECURRENT_ARCHS,
         chat_template=template if isinstance(template, str) else None,
+        kv_bytes_per_token=_kv_bytes_per_token(meta, arch),
     )
+
+
+def _kv_bytes_per_token(meta: Mapping[str, Any], arch: str) -> int | None:
+    """Keys and values of every layer for one token in an F16 cache: what a context of n tokens takes
+    besides the weights (n_layer x n_head_kv x (key_length + value_length) x 2 bytes)."""
+    n_layer = _int_or_none(meta.get(f"{arch}.block_count"))
+    n_embd = _int_or_none(meta.get(f"{arch}.embedding_length"))
+    n_head = meta.get(f"{arch}.attention.head_count")
+    n_head_kv = meta.get(f"{arch}.attention.head_count_kv", n_head)
+    heads = n_head if isinstance(n_head, int) else max(n_head, default=0) if isinstance(n_head, list) else 0
+    # a per-layer list (some architectures) sums over the layers
+    kv_heads = ([int(h) for h in n_head_kv] if isinstance(n_head_kv, list)
+                else [int(n_head_kv)] * (n_layer or 0) if isinstance(n_head_kv, int) else [])
+    if not n_layer or not n_embd or not heads or not kv_heads:
+        return None
+    key = _int_or_none(meta.get(f"{arch}.attention.key_length")) or n_embd // heads
+    value = _int_or_none(meta.get(f"{arch}.attention.value_length")) or n_embd // heads
+    return sum(kv_heads[:n_layer]) * (key + value) * 2
 
 
 def _tokens(meta: Mapping[str, Any]) -> list[bytes]:

@@ -166,6 +166,18 @@ def test_doctor_says_how_many_tokens_a_round_decodes_and_whether_attention_is_fl
     assert doctor.flash_attention_line(True).startswith("flash attention: auto by default")
 
 
+def test_doctor_counts_the_kv_cache_of_the_context_asked_for(tiny_target, capsys) -> None:
+    """doctor -c 99999999 said the models fit, and generate then failed to allocate the KV cache."""
+    from ouroboros_local import cli
+    from ouroboros_local.gguf_file import validate_gguf
+
+    per_token = validate_gguf(tiny_target).kv_bytes_per_token
+    assert per_token == 2 * 2 * 2 * 16 * 2   # the tiny model: 2 layers x 2 KV heads x (16 + 16) x 2 bytes
+    assert cli.main(["doctor", "-m", str(tiny_target), "-c", "99999999"]) == 0
+    out = capsys.readouterr().out
+    assert f"KV cache of 99999999 tokens {per_token * 99999999 / 2**30:.1f}" in out and "does NOT fit" in out
+
+
 def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monkeypatch, capsys) -> None:
     """-t above the usable cores runs (llama.cpp allows it) but says why it may crawl: on 2 cores,
     -t 64 decoded SmolLM2 at 4 tok/s against 160; a negative count is a parameter error (status 2)."""
