@@ -414,6 +414,9 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
     """Turn a model spec (local path, hf://OWNER/REPO[@REV]/FILE.gguf, or catalogue name) into the
     path of a validated GGUF file, downloading it if needed. Raises ModelError."""
     text = os.fspath(spec)
+    if not text.strip():
+        raise ModelError("the model name is empty: give a GGUF path, hf://OWNER/REPO/FILE.gguf or a catalogue "
+                         "name (models list)")
     if text.startswith("hf://"):
         repo, filename, revision = _parse_hf_spec(text)
         path = _hf_download(repo, filename, revision, offline=_hf_offline(offline), progress=progress)
