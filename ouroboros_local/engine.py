@@ -484,11 +484,9 @@ class Engine:
 
     def prompt_tokens(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """The prompt's tokens; ContextOverflowError where they leave no room in the context."""
+        self._check_open()
         if isinstance(prompt, str):
             text = self.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
-            if not isinstance(text, str):
-                raise ParameterError(f"the prompt must be a str or a sequence of token ids (got {type(text).__name__})")
-            self._check_open()
             try:
                 return self.target.tokenize(text, add_special=not chat, parse_special=True,
                                             limit=self.target_ctx.n_ctx - 1)
@@ -502,8 +500,9 @@ class Engine:
         return tokens
 
     def _overflow(self, n_tokens: int) -> ContextOverflowError:
-        return ContextOverflowError(f"the prompt has {n_tokens} tokens but the context holds {self.target_ctx.n_ctx}; "
-                                    "use a larger --ctx-size or a shorter prompt", n_tokens=n_tokens)
+        return ContextOverflowError(f"the prompt has {n_tokens} tokens but the context holds "
+                                    f"{self.target_ctx.n_ctx}; use a larger --ctx-size or a shorter prompt",
+                                    n_tokens=n_tokens)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:

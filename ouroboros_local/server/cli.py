@@ -112,7 +112,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                access_log=args.log_level in ("info", "debug", "trace")))
         # uvicorn re-raises the Ctrl-C or SIGTERM it already served by shutting down; SIGTERM's default
         # action (systemd's and docker's stop) would end the process before ``engine.close`` saves
-        previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
+        in_main = threading.current_thread() is threading.main_thread()   # signals are the main thread's
+        previous = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:
