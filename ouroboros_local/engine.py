@@ -141,9 +141,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
-            if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            if not _is_integer(value) or not low <= value <= high:
                 raise ParameterError(f"EngineConfig.{name} must be an integer from {low} to {high}"
                                      f"{' or None' if name in optional else ''} (got {value!r})")
+            setattr(self, name, int(value))   # numpy's integers too
         if self.round_size and (self.round_size > self.n_batch or 0 < self.n_ctx < self.round_size):
             raise ParameterError(f"EngineConfig.round_size ({self.round_size}) must fit the batch ({self.n_batch}) "
                                  f"and the context ({self.n_ctx})")
@@ -153,6 +154,9 @@ class EngineConfig:
             choices[name] = (True, False)
         for name, allowed in choices.items():
             value = getattr(self, name)
+            if isinstance(value, np.bool_):
+                value = bool(value)
+                setattr(self, name, value)
             # ``is`` for None/True/False: 1 == True must not pass for a flag
             if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
                 raise ParameterError(f"EngineConfig.{name} must be one of {', '.join(map(repr, allowed))} "
@@ -274,9 +278,6 @@ class Engine:
             self.config = replace(self.config, flash_attn=default_flash_attn(target))
         self.target = target
         self.draft = draft
-        for model in (target, draft):   # two engines may share a model: the last to close frees it
-            if model is not None:
-                model.hold()
         self._closed = False
         self._streams: weakref.WeakSet[Iterator[StreamEvent]] = weakref.WeakSet()   # close() ends this thread's
         if draft is not None and pair_compatible is None:
@@ -300,6 +301,9 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._sizers: dict[str, RoundSizer] = {}   # per method (round_sizer.py)
         self._learned_saved_at = 0.0        # when the scheduler's estimates were last saved (learned.py)
+        for model in (target, draft):   # two engines may share a model: the last to close frees it
+            if model is not None:       # (held once nothing above can fail: a failed engine holds none)
+                model.hold()
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
@@ -425,6 +429,7 @@ class Engine:
         read to its end or closed) gets an error, where a plain lock would wait for itself forever."""
         self._refuse_reentry()
         with self._lock:
+            self._check_open()   # closed while this call waited for the lock
             self._lock_owner = threading.get_ident()
             try:
                 yield
@@ -446,15 +451,23 @@ class Engine:
             for stream in list(self._streams):
                 if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:   # the one holding the lock
                     stream.close()
-        with self._exclusive():   # after a generation still running in another thread: it changes the estimates
-            self.save_learned()
-            self._closed = True
-            for ctx in (self._draft_ctx, self.target_ctx):
-                if ctx is not None:
-                    ctx.close()
-            for model in (self.draft, self.target):
-                if model is not None:
-                    model.let_go()
+        if self._lock_owner == threading.get_ident():   # a plain lock would wait for itself
+            raise OuroborosError("this thread has a generation of this engine still open: close it first")
+        with self._lock:   # after a generation still running in another thread: it changes the estimates
+            if self._closed:   # another thread closed it while this one waited
+                return
+            self._lock_owner = threading.get_ident()
+            try:
+                self.save_learned()
+                self._closed = True
+                for ctx in (self._draft_ctx, self.target_ctx):
+                    if ctx is not None:
+                        ctx.close()
+                for model in (self.draft, self.target):
+                    if model is not None:
+                        model.let_go()
+            finally:
+                self._lock_owner = None
 
     def __enter__(self) -> "Engine":
         return self
@@ -463,11 +476,13 @@ class Engine:
         self.close()
 
     # ---- text helpers ---------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True,
+                 limit: int | None = None) -> list[int]:
+        """``limit``: more tokens raise ContextOverflowError (with ``n_tokens``) before they are listed."""
         if not isinstance(text, str):
             raise ParameterError(f"tokenize takes a str (got {type(text).__name__})")
         self._check_open()
-        return self.target.tokenize(text, add_special=add_special, parse_special=parse_special)
+        return self.target.tokenize(text, add_special=add_special, parse_special=parse_special, limit=limit)
 
     def detokenize(self, tokens: Sequence[int]) -> str:
         self._check_open()
@@ -488,8 +503,7 @@ class Engine:
         if isinstance(prompt, str):
             text = self.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
             try:
-                return self.target.tokenize(text, add_special=not chat, parse_special=True,
-                                            limit=self.target_ctx.n_ctx - 1)
+                return self.tokenize(text, add_special=not chat, parse_special=True, limit=self.target_ctx.n_ctx - 1)
             except ContextOverflowError as exc:
                 raise self._overflow(exc.n_tokens or 0) from None
         tokens = _token_ids(prompt, "the prompt")
@@ -1088,17 +1102,29 @@ def _cancel_check(cancel: Callable[[], bool] | threading.Event | None) -> Callab
     return cancel
 
 
+def _is_integer(value: Any) -> bool:
+    """An int or a numpy integer; not a bool (True is 1 to Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def _items(values: Any, what: str, expected: str) -> list[Any]:
+    """Any iterable but a str or bytes, as a list (a generator, an array, a set)."""
+    if isinstance(values, (str, bytes, bytearray)) or (isinstance(values, np.ndarray) and values.ndim != 1):
+        raise ParameterError(f"{what} must be {expected} (got {type(values).__name__})")
+    try:
+        return list(values)
+    except TypeError:
+        raise ParameterError(f"{what} must be {expected} (got {type(values).__name__})") from None
+
+
 def _token_ids(tokens: Any, what: str) -> list[int]:
     """``tokens`` as a list of ints; a float, bool, str or bytes among them is an error, not a guess
     (``int()`` took 1.9 as 1 and b"hi" as the ids 104, 105)."""
-    if isinstance(tokens, (str, bytes, bytearray)) or not isinstance(tokens, (Sequence, np.ndarray)):
-        raise ParameterError(f"{what} must be a str or a sequence of token ids (got {type(tokens).__name__})")
-    out = []
-    for t in tokens:
-        if not isinstance(t, numbers.Integral) or isinstance(t, (bool, np.bool_)):
+    out = _items(tokens, what, "a str or a sequence of token ids")
+    for t in out:
+        if not _is_integer(t):
             raise ParameterError(f"{what}: token ids are integers (got {t!r})")
-        out.append(int(t))
-    return out
+    return [int(t) for t in out]
 
 
 def _stop_strings(stop: Any) -> list[str]:
@@ -1107,6 +1133,7 @@ def _stop_strings(stop: Any) -> list[str]:
         return []
     if isinstance(stop, str):
         return [stop]
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+    stops = _items(stop, "stop", "a string or a list of strings")
+    if not all(isinstance(s, str) for s in stops):
         raise ParameterError(f"stop takes a string or a list of strings (got {stop!r})")
-    return list(stop)
+    return stops

@@ -51,11 +51,16 @@ def read_stdin() -> str:
 
 
 def _bounded_read(f: Any, name: str) -> bytes:
-    data = f.read(MAX_TEXT_BYTES + 1)
-    if len(data) > MAX_TEXT_BYTES:
-        raise ParameterError(f"{name} holds more than {MAX_TEXT_BYTES // 2**20} MiB of text: more than any "
-                             "context holds")
-    return data
+    """Everything ``f`` holds, in chunks (one read of the whole limit would allocate it for a 6-byte file)."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := f.read(2**20):
+        size += len(chunk)
+        if size > MAX_TEXT_BYTES:
+            raise ParameterError(f"{name} holds more than {MAX_TEXT_BYTES // 2**20} MiB of text: more than any "
+                                 "context holds")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def utf8_bytes(text: str) -> bytes:

@@ -403,3 +403,49 @@ def test_an_answer_whose_history_cannot_be_saved_still_arrives(tiny_target, tmp_
         assert got.tokens == want
         assert "No space left" in got.stats.extra["history_not_saved"]
         assert "the answer is kept" in caplog.text
+
+
+def test_closing_from_two_threads_frees_a_shared_model_once(tiny_target, monkeypatch) -> None:
+    """A second close() waiting for the lock ran the whole close again: the shared model's count went
+    to 0 under the other engine. An engine that failed to build held its models for ever."""
+    import threading
+    import time
+
+    from ouroboros_local.engine import EngineConfig
+    from ouroboros_local.errors import ModelError
+    from ouroboros_local.llama import Model
+
+    lonely = Model(tiny_target)
+    with pytest.raises(ModelError):
+        Engine(lonely, None, EngineConfig(n_ctx=256, n_batch=32, threads=1, type_k="bogus"))
+    assert lonely._holders == 0
+    lonely.close()
+    shared = Model(tiny_target)
+    config = EngineConfig(n_ctx=256, n_batch=32, threads=1, calibration="off")
+    first, second = Engine(shared, None, config), Engine(shared, None, config)
+    monkeypatch.setattr(first, "save_learned", lambda *a: time.sleep(0.3))   # widen the window
+    closers = [threading.Thread(target=first.close) for _ in range(2)]
+    for t in closers:
+        t.start()
+    for t in closers:
+        t.join()
+    assert shared._holders == 1
+    assert second.generate("hello", max_tokens=3).tokens    # the model is still the second engine's
+    second.close()
+    assert shared._ptr is None                               # and freed with it
+
+
+def test_numpy_integers_and_any_iterable_are_taken(tiny_target) -> None:
+    from ouroboros_local.engine import EngineConfig
+
+    config = EngineConfig(n_ctx=np.int64(256), n_batch=np.int32(32), threads=1, calibration="off",
+                          adaptive=np.bool_(False))
+    assert type(config.n_ctx) is int and config.n_ctx == 256 and config.adaptive is False
+    with Engine.load(str(tiny_target), config=config, progress=False) as engine:
+        prompt = engine.tokenize(PROMPTS[0])
+        want = engine.generate(prompt, max_tokens=6)
+        assert engine.generate(iter(prompt), max_tokens=6).tokens == want.tokens
+        assert engine.generate(prompt, max_tokens=6, stop=(s for s in [want.text[2:4]])).text == \
+            engine.generate(prompt, max_tokens=6, stop=[want.text[2:4]]).text
+        with pytest.raises(ParameterError):
+            engine.generate(np.array(3), max_tokens=2)

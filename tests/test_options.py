@@ -192,9 +192,9 @@ def test_context_flags_are_bounded_and_a_context_past_training_is_named(tiny_tar
 
     base = ["generate", "-m", str(tiny_target), "-t", "1", "-p", "hi", "-n", "2", "--quiet"]
     assert main(base + ["-c", str(2**32 + 512)]) == 2
-    assert "n_ctx must be an integer from 0 to" in capsys.readouterr().err
+    assert "--ctx-size must be from 1 to 16777216" in capsys.readouterr().err
     assert main(base + ["-c", "512", "-b", str(2**32 + 2)]) == 2
-    assert "n_batch must be" in capsys.readouterr().err
+    assert "--batch-size must be from 1 to" in capsys.readouterr().err
     assert main(base + ["-c", "512", "-b", "1000", "--round-size", "513"]) == 2
     assert "--round-size must be auto, 0 or 2 to 512" in capsys.readouterr().err
     assert main(base + ["-c", "4096"]) == 0                   # the tiny model was trained on 2048

@@ -176,6 +176,11 @@ def test_doctor_counts_the_kv_cache_of_the_context_asked_for(tiny_target, capsys
     assert cli.main(["doctor", "-m", str(tiny_target), "-c", "99999999"]) == 0
     out = capsys.readouterr().out
     assert f"KV cache of 99999999 tokens {per_token * 99999999 / 2**30:.1f}" in out and "does NOT fit" in out
+    # a quantised cache takes less: q8_0 is 34 bytes a block of 32 against F16's 64
+    assert cli.main(["doctor", "-m", str(tiny_target), "-c", "99999999", "--cache-type-k", "q8_0",
+                     "--cache-type-v", "q8_0"]) == 0
+    assert f"KV cache of 99999999 tokens {per_token * 99999999 * 34 / 64 / 2**30:.1f}" in capsys.readouterr().out
+    assert cli.main(["doctor", "-m", str(tiny_target), "-c", "-5"]) == 2
 
 
 def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monkeypatch, capsys) -> None:

@@ -230,6 +230,7 @@ class Model(_Native):
         self._ptr = ptr
         self._vocab = lc.llama_model_get_vocab(ptr)
         self._holders = 0   # engines using this model (``hold``/``let_go``)
+        self._holders_lock = threading.Lock()
         if not vocab_only and (lc.llama_model_is_recurrent(ptr) or lc.llama_model_is_hybrid(ptr)):
             kind = "recurrent" if lc.llama_model_is_recurrent(ptr) else "hybrid"
             self.close()
@@ -261,11 +262,14 @@ class Model(_Native):
 
     def hold(self) -> None:
         """An engine uses this model: ``let_go`` closes it when the last one is done with it."""
-        self._holders += 1
+        with self._holders_lock:
+            self._holders += 1
 
     def let_go(self) -> None:
-        self._holders -= 1
-        if self._holders <= 0:
+        with self._holders_lock:
+            self._holders -= 1
+            last = self._holders <= 0
+        if last:
             self.close()
 
     def _checked(self, token: int) -> int:
@@ -327,12 +331,12 @@ class Model(_Native):
         """``limit``: more tokens than that raise ContextOverflowError (naming the count) before they
         become a Python list, ~36 bytes a token (a 21 MB prompt file once took 1.2 GB)."""
         data = utf8_bytes(text)
-        cap = len(data) + 16
+        cap = len(data) + 16 if limit is None else min(len(data) + 16, limit + 1)
         while True:
             buf = (lc.llama_token * cap)()
             n = lc.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)
-            if n >= 0 and limit is not None and n > limit:
-                raise ContextOverflowError(f"the text has {n} tokens, more than {limit}", n_tokens=n)
+            if limit is not None and abs(n) > limit and n != -(2**31):   # -n: the count a larger buffer needs
+                raise ContextOverflowError(f"the text has {abs(n)} tokens, more than {limit}", n_tokens=abs(n))
             if n >= 0:
                 return list(buf[:n])
             if n == -(2**31):

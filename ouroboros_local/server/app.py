@@ -222,7 +222,7 @@ class _Service:
             text = self.engine.apply_chat_template(clean)
         except ParameterError as exc:
             raise bad_request("messages", str(exc)) from None
-        return self.engine.tokenize(text, add_special=False, parse_special=True)
+        return self.engine.tokenize(text, add_special=False, parse_special=True, limit=self.n_ctx - 1)
 
     def _submit(self, parsed: GenerationRequest, tokens: list[int]) -> Job:
         """Queue the generation (after checking that the context holds it), or answer 503."""
