@@ -376,6 +376,9 @@ def test_cached_file_rehashed_when_touched_and_replaced_when_wrong(fake: FakeMod
     path.write_bytes(bytes(data))
     os.utime(path, ns=(stamp, stamp))
     assert catalogue.fetch_model("fake-model", **kw).read_bytes() == bytes(data)
+    with pytest.raises(ModelError):   # force where it cannot fetch: the cached copy stays (it was deleted first)
+        catalogue.fetch_model("fake-model", force=True, **{**kw, "offline": True})
+    assert path.read_bytes() == bytes(data)
     assert catalogue.fetch_model("fake-model", force=True, **kw).read_bytes() == fake.data
 
 
