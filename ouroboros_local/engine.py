@@ -30,6 +30,7 @@ from .history import History
 from .kv import KVCache
 from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, copy_priors, estimates_key
 from .llama import Context, ContextParams, Device, Model, TextStream, devices, supports_gpu_offload
+from .llama.binding import KV_CACHE_TYPES
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
 from .proposers import Method, create_method, method_names
@@ -152,6 +153,8 @@ class EngineConfig:
                    "overlap": (None, True, False)}
         for name in ("adaptive", "learned", "huge_pages", "round_switch"):
             choices[name] = (True, False)
+        for name in ("type_k", "type_v", "draft_type_k", "draft_type_v"):   # refused before the weights load
+            choices[name] = tuple(KV_CACHE_TYPES)
         for name, allowed in choices.items():
             value = getattr(self, name)
             if isinstance(value, np.bool_):

@@ -376,7 +376,7 @@ def test_engine_arguments_are_checked(tiny_target) -> None:
         for kwargs in ({"stop": [1]}, {"cancel": True}):
             with pytest.raises(ParameterError):
                 engine.generate(PROMPTS[0], max_tokens=2, **kwargs)
-    for bad in ({"max_draft": 0}, {"round_size": -1}, {"n_ctx": "big"}, {"flash_attn": "yes"},
+    for bad in ({"max_draft": 0}, {"round_size": -1}, {"n_ctx": "big"}, {"flash_attn": "yes"}, {"type_v": "q3"},
                 {"overlap": 1}, {"calibration": "sometimes"}, {"n_ctx": 2**32 + 512}, {"n_batch": 2**32 + 2},
                 {"threads": 10**11}, {"n_seq_max": 257}, {"round_size": 513, "n_ctx": 512, "n_batch": 1024}):
         with pytest.raises(ParameterError, match=f"EngineConfig.{next(iter(bad))}"):
@@ -415,9 +415,16 @@ def test_closing_from_two_threads_frees_a_shared_model_once(tiny_target, monkeyp
     from ouroboros_local.errors import ModelError
     from ouroboros_local.llama import Model
 
+    from ouroboros_local import engine as engine_mod
+
+    def no_context(*args, **kwargs):
+        raise ModelError("llama.cpp could not create a context")
+
     lonely = Model(tiny_target)
-    with pytest.raises(ModelError):
-        Engine(lonely, None, EngineConfig(n_ctx=256, n_batch=32, threads=1, type_k="bogus"))
+    with monkeypatch.context() as patch:
+        patch.setattr(engine_mod, "Context", no_context)
+        with pytest.raises(ModelError):
+            Engine(lonely, None, EngineConfig(n_ctx=256, n_batch=32, threads=1))
     assert lonely._holders == 0
     lonely.close()
     shared = Model(tiny_target)

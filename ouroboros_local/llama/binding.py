@@ -413,7 +413,7 @@ class ContextParams:
     offload_kqv: bool = True
 
 
-_KV_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0,
+KV_CACHE_TYPES = {"f32": lc.GGML_TYPE_F32, "f16": lc.GGML_TYPE_F16, "q8_0": lc.GGML_TYPE_Q8_0,
              "q4_0": lc.GGML_TYPE_Q4_0, "q4_1": lc.GGML_TYPE_Q4_1, "q5_0": lc.GGML_TYPE_Q5_0,
              "q5_1": lc.GGML_TYPE_Q5_1}
 _FLASH = {"off": lc.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": lc.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -596,8 +596,8 @@ class Context(_Native):
         cp.n_threads_batch = params.n_threads_batch or threads
         try:
             cp.flash_attn_type = _FLASH[params.flash_attn]
-            cp.type_k = _KV_TYPES[params.type_k]
-            cp.type_v = _KV_TYPES[params.type_v]
+            cp.type_k = KV_CACHE_TYPES[params.type_k]
+            cp.type_v = KV_CACHE_TYPES[params.type_v]
         except KeyError as exc:
             raise ModelError(f"unknown setting {exc.args[0]!r}") from None
         cp.kv_unified = True
