@@ -139,9 +139,7 @@ def _method_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _engine_from_args(args: argparse.Namespace):
-    from .engine import Engine, EngineConfig
-
-    from .engine import MAX_CTX, MAX_SEQS, MAX_THREADS
+    from .engine import MAX_CTX, MAX_SEQS, MAX_THREADS, Engine, EngineConfig
 
     for name, high in (("ctx_size", MAX_CTX), ("batch_size", MAX_CTX), ("seqs", MAX_SEQS)):
         if not 1 <= getattr(args, name) <= high:

@@ -10,9 +10,9 @@ import time
 from .errors import ParameterError
 
 OMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-# a KV cache type's bytes per element (blocks of 32 with their scales for the quantised ones)
-KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
-                 "q5_0": 22 / 32, "q5_1": 24 / 32, "iq4_nl": 18 / 32}
+# bytes per element of each KV cache type the CLI offers (blocks of 32 with their scales where quantised)
+KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32,
+                 "q5_0": 22 / 32, "q5_1": 24 / 32}
 
 
 def load_lines() -> list[str]:
@@ -99,7 +99,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     if n_ctx < 0:
         raise ParameterError("-c/--ctx-size must be >= 0 (0: the model's trained context)")
     # bytes per cached element of the -ctk/-ctv types against F16's 2 (keys and values taken as alike)
-    kv_scale = (KV_TYPE_BYTES.get(args.cache_type_k, 2.0) + KV_TYPE_BYTES.get(args.cache_type_v, 2.0)) / 4
+    kv_scale = (KV_TYPE_BYTES[args.cache_type_k] + KV_TYPE_BYTES[args.cache_type_v]) / 4
     args.draft = resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft
     suggested = None if args.draft else default_draft_for(args.model)
     for label, spec in (("target", args.model), ("draft", args.draft)):

@@ -181,6 +181,10 @@ def test_doctor_counts_the_kv_cache_of_the_context_asked_for(tiny_target, capsys
                      "--cache-type-v", "q8_0"]) == 0
     assert f"KV cache of 99999999 tokens {per_token * 99999999 * 34 / 64 / 2**30:.1f}" in capsys.readouterr().out
     assert cli.main(["doctor", "-m", str(tiny_target), "-c", "-5"]) == 2
+    from ouroboros_local.doctor import KV_TYPE_BYTES
+    from ouroboros_local.llama.binding import KV_CACHE_TYPES
+
+    assert set(KV_TYPE_BYTES) == set(KV_CACHE_TYPES)   # every cache type the engine takes has its size
 
 
 def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monkeypatch, capsys) -> None:

@@ -140,30 +140,46 @@ def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
     return obj
 
 
-def check_contender_options(method_opts: dict[str, dict[str, Any]], methods: list[str],
-                            sweep: tuple[list[str], str, list[Any]] | None,
-                            variants: list[tuple[str, str, dict[str, Any]]], base_opts: dict[str, Any],
-                            known: list[str]) -> None:
+def plan_contenders(methods: list[str], method_opts: dict[str, dict[str, Any]], base_opts: dict[str, Any],
+                    sweep: tuple[list[str], str, list[Any]] | None,
+                    variants: list[tuple[str, str, dict[str, Any]]],
+                    reset_pool: bool) -> list[tuple[str, str, dict[str, Any], bool]]:
+    """(label, method, options, reset_pool) of each contender of ours: the command line's method flags go
+    to the methods that have them, --method-options is per method, a swept method runs once per value,
+    and each --variant with its own options."""
+    from ..proposers import applicable_options
+    from .runner import sweep_label
+
+    planned = []
+    for m in methods:
+        opts = {**applicable_options(m, base_opts), **method_opts.get(m, {})}
+        if sweep is not None and m in sweep[0]:
+            _, name, values = sweep
+            planned += [(sweep_label(m, name, v), m, {**opts, name: v}, reset_pool) for v in values]
+        else:
+            planned.append((m, m, opts, reset_pool))
+    for label, m, o in variants:
+        rest = {k: v for k, v in o.items() if k != "reset_pool"}
+        reset = bool(o.get("reset_pool", reset_pool))
+        planned.append((label, m, {**applicable_options(m, base_opts), **rest}, reset))
+    return planned
+
+
+def check_contender_options(method_opts: dict[str, dict[str, Any]],
+                            planned: list[tuple[str, str, dict[str, Any], bool]], known: list[str]) -> None:
     """Every option of every contender of ours checked before a model loads: a misspelt method or option
     name is a one-line error now, not silently ignored or found after the first methods ran. A known
     method this run does not run is allowed (one options file may serve several runs)."""
-    from ..proposers import applicable_options, check_options
+    from ..proposers import check_options
     from .runner import CUSTOM_METHODS
 
     unknown = [name for name in method_opts if name not in known]
     if unknown:
         raise ParameterError(f"--method-options names no method or peer: {', '.join(map(repr, unknown))}; "
                              f"known: {', '.join(known)}")
-    for m in methods:
-        if m in CUSTOM_METHODS:
-            continue
-        opts = {**applicable_options(m, base_opts), **method_opts.get(m, {})}
-        swept = sweep is not None and m in sweep[0]
-        for value in (sweep[2] if swept else [None]):
-            check_options(m, {**opts, sweep[1]: value} if swept else opts)
-    for label, m, o in variants:
-        check_options(m, {**applicable_options(m, base_opts),
-                          **{k: v for k, v in o.items() if k != "reset_pool"}})
+    for _, method, options, _ in planned:
+        if method not in CUSTOM_METHODS:
+            check_options(method, options)
 
 
 def parse_variant(spec: str, available: list[str]) -> tuple[str, str, dict[str, Any]]:
@@ -254,8 +270,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     sets = [dataclasses.replace(ps, items=ps.items[:args.limit]) for ps in sets] if learn_n else sets
     peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)
     base_opts = _method_options(args)
-    check_contender_options(method_opts, methods, sweep, variants_from_args, base_opts,
-                            known=method_names() + custom + peers_mod.peer_names())
+    planned = plan_contenders(methods, method_opts, base_opts, sweep, variants_from_args, args.reset_pool)
+    check_contender_options(method_opts, planned, known=method_names() + custom + peers_mod.peer_names())
     notes: list[str] = []
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
 
@@ -311,34 +327,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warm = prompts_mod.BuiltPrompt(set_name="warmup", id="warmup", task="raw", text="warm up",
                                        tokens=warm_tokens, chat=False, max_tokens=8)
 
-        # ---- our methods (with per-method options, and the sweep's variants) ----
+        # ---- our methods (with per-method options, the sweep's values and the variants) ----
         sweep_info: dict[str, Any] | None = None
         if sweep:
             swept, param, values = sweep
-            sweep_info = {"param": param, "methods": swept, "values": values, "labels": {}}
-        for m in methods:
-            # the command line's method flags go to the methods that have them; --method-options is per method
-            opts = {**applicable_options(m, base_opts), **method_opts.get(m, {})}
-            variants = [(m, opts)]
-            if sweep_info and m in sweep_info["methods"]:
-                variants = []
-                for v in sweep_info["values"]:
-                    label = runner.sweep_label(m, sweep_info["param"], v)
-                    variants.append((label, {**opts, sweep_info["param"]: v}))
-                    sweep_info["labels"][label] = {"method": m, "value": v}
-            for label, o in variants:
-                if m in runner.CUSTOM_METHODS:
-                    contenders.append(runner.FnContender(engine, label, runner.CUSTOM_METHODS[m], sampling,
-                                                         options=o, method=m))
-                else:
-                    contenders.append(runner.EngineContender(engine, label, m, o, sampling,
-                                                             reset_shared=args.reset_pool,
-                                                             cold=not args.warm_prefill))
-
-        for label, m, o in variants_from_args:
-            reset = bool(o.pop("reset_pool", args.reset_pool))
-            contenders.append(runner.EngineContender(engine, label, m, {**applicable_options(m, base_opts), **o},
-                                                     sampling, reset_shared=reset, cold=not args.warm_prefill))
+            sweep_info = {"param": param, "methods": swept, "values": values,
+                          "labels": {runner.sweep_label(m, param, v): {"method": m, "value": v}
+                                     for m in methods if m in swept for v in values}}
+        for label, m, o, reset in planned:
+            if m in runner.CUSTOM_METHODS:
+                contenders.append(runner.FnContender(engine, label, runner.CUSTOM_METHODS[m], sampling,
+                                                     options=o, method=m))
+            else:
+                contenders.append(runner.EngineContender(engine, label, m, o, sampling, reset_shared=reset,
+                                                         cold=not args.warm_prefill))
 
         # ---- peers ----
         threads = engine.target_ctx.n_threads
