@@ -197,18 +197,13 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, out: T
 
 def cmd_chat(args: argparse.Namespace) -> int:
     from . import cli
-    from .proposers import method_names
-    from .server import default_method
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ParameterError("-n/--max-tokens must be >= 1")
-    if args.method is not None and args.method not in method_names():
-        raise ParameterError(f"unknown method {args.method!r}; choose one of {', '.join(method_names())}")
     sampling = cli._sampling_from_args(args)
-    options = cli._method_options(args)
+    method, options = cli.checked_method(args)
     engine = cli._engine_from_args(args)
     try:
-        method = args.method or default_method(engine.draft is not None)
         cli.warn_without_chat_template(engine)
         session = ChatSession(engine, method=method, sampling=sampling, options=options, system=args.system,
                               max_tokens=args.max_tokens, stop=args.stop or ())

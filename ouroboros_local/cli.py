@@ -138,6 +138,30 @@ def _method_options(args: argparse.Namespace) -> dict[str, Any]:
             if getattr(args, f"opt_{o.name}", None) is not None}
 
 
+def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) -> tuple[str, dict[str, Any]]:
+    """The method (``--method``, else the default for the models given) and its option flags, checked before
+    a model loads (a large one takes minutes): an unknown method, a bad option and a pool file whose folder
+    cannot take it are refused now. ``for_any_method``: the flags go to the methods that have them (a
+    server's request may pick another method), so each is checked only for its type and bounds there."""
+    from .history import check_history_folder
+    from .options import parse as parse_options
+    from .proposers import applicable_options, check_options, method_names
+    from .server import default_method
+
+    method = args.method or default_method(args.draft is not None)
+    if method not in method_names():
+        raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+    options = _method_options(args)
+    if for_any_method:
+        parse_options("serve", ALL_OPTIONS, options)
+        check_options(method, applicable_options(method, options))
+    else:
+        check_options(method, options)
+    if options.get("pool") is not None:
+        check_history_folder(options["pool"])
+    return method, options
+
+
 def _engine_from_args(args: argparse.Namespace):
     from .engine import MAX_CTX, MAX_SEQS, MAX_THREADS, Engine, EngineConfig
 
@@ -219,14 +243,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = _sampling_from_args(args)
     if args.max_tokens < 0:
         raise ParameterError("-n/--max-tokens must be >= 0")
+    method, options = checked_method(args)
     engine = _engine_from_args(args)
-    options = _method_options(args)
     if args.chat:
         warn_without_chat_template(engine)
     kwargs = dict(max_tokens=args.max_tokens, sampling=sampling, stop=args.stop or (), chat=args.chat)
     out = sys.stdout
     result = None
-    for event in engine.stream(prompt, method=args.method, options=options, **kwargs):
+    for event in engine.stream(prompt, method=method, options=options, **kwargs):
         if event.text and not args.quiet:
             out.write(event.text)
             out.flush()
@@ -235,11 +259,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         out.write("\n")
     stats = result.stats
-    if args.compare and args.method != "vanilla":
+    if args.compare and method != "vanilla":
         say("running plain decoding to compare ...")
         base = engine.generate(prompt, method="vanilla", **kwargs)
         speedup = stats.tokens_per_second / base.stats.tokens_per_second if base.stats.tokens_per_second else 0
-        print(f"[{args.method}] {stats.tokens_per_second:.1f} tok/s vs [vanilla] "
+        print(f"[{method}] {stats.tokens_per_second:.1f} tok/s vs [vanilla] "
               f"{base.stats.tokens_per_second:.1f} tok/s: {speedup:.2f}x, "
               f"{stats.tokens_per_pass:.2f} tokens per target pass, "
               f"{_same_output(engine, prompt, args, base, result)}", file=sys.stderr)

@@ -10,9 +10,12 @@ import stat
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import PoolError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import numpy as np
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
@@ -107,6 +110,19 @@ def check_fingerprint(target: Path, body: bytes, fp_len: int, fingerprint: str, 
         raise PoolError(f"{target} was built for another tokenizer ({what} fingerprint {_short(stored)}, "
                         f"model fingerprint {_short(fingerprint)})")
     return body[fp_len:]
+
+
+def check_token_ids(target: Path, tokens: "np.ndarray", n_vocab: int | None) -> None:
+    """PoolError when a saved token id lies outside the model's vocabulary (a crafted or foreign file whose
+    fingerprint matches would otherwise fail every later generation inside llama_decode)."""
+    if n_vocab is not None and tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= n_vocab):
+        raise PoolError(f"{target} is corrupt (token ids outside the vocabulary of {n_vocab})")
+
+
+def is_empty_file(path: str | os.PathLike[str]) -> bool:
+    """A regular file of no bytes (made by ``touch``): read as no saved state yet, written at the next save."""
+    target = Path(path)
+    return target.is_file() and target.stat().st_size == 0
 
 
 def _short(fingerprint: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, TypeVar
 
 from .errors import PoolError
+from .filestore import is_empty_file
 from .pool import PhrasePool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,9 +58,7 @@ class History:
         A folder that cannot take the file is refused now, not after the first answer (whose chat turn
         would be lost with the save's error)."""
         if path not in self._files:
-            folder = Path(path).parent
-            if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-                raise PoolError(f"cannot save history to {path}: {folder} is not a writable folder")
+            check_history_folder(path)
         self._files[path] = state
 
     def fingerprint(self) -> str:
@@ -69,11 +68,12 @@ class History:
         return self._fingerprint
 
     def reload(self, current: T | None, current_file: str | None, path: str | None,
-               load: Callable[[str, str], T]) -> T | None:
+               load: Callable[[str, str, int | None], T]) -> T | None:
         """``current``, or the state saved at ``path`` when that file is named for the first time and
-        exists (``load(path, fingerprint)`` refuses another tokenizer's file)."""
-        if path is not None and path != current_file and os.path.exists(path):
-            return load(path, self.fingerprint())
+        holds something (``load(path, fingerprint, n_vocab)`` refuses another tokenizer's file, and token
+        ids outside the target's vocabulary). An empty file, made by ``touch``, starts afresh."""
+        if path is not None and path != current_file and os.path.exists(path) and not is_empty_file(path):
+            return load(path, self.fingerprint(), self.target.n_vocab if self.target is not None else None)
         return current
 
     def pool(self, phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
@@ -86,7 +86,8 @@ class History:
         where methods alternate. Naming ``path`` makes the engine save the pool there after each generation.
         """
         path = resolve_pool_path(path)
-        pool = self.reload(self.phrase_pool, self.phrase_pool_file, path, PhrasePool.load)
+        pool = self.reload(self.phrase_pool, self.phrase_pool_file, path,
+                           lambda p, fingerprint, n_vocab: PhrasePool.load(p, fingerprint, n_vocab=n_vocab))
         if pool is not None and (pool.phrase_len < phrase_len or pool.max_per_key < max_per_key
                                  or pool.key_len != 1):
             pool = _reshaped(pool, max(phrase_len, pool.phrase_len), max(max_per_key, pool.max_per_key))
@@ -128,8 +129,15 @@ def _fingerprint(model: "Model | None") -> str:
         return h.hexdigest()
 
 
+def check_history_folder(path: str | os.PathLike[str]) -> None:
+    """PoolError unless the folder of ``path`` can take the file (and its ``.suffix`` sibling)."""
+    folder = Path(path).expanduser().resolve().parent
+    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
+        raise PoolError(f"cannot save history to {path}: {folder} is not a writable folder")
+
+
 def resolve_pool_path(path: str | os.PathLike[str] | None) -> str | None:
     return None if path is None else str(Path(path).expanduser().resolve())
 
 
-__all__ = ["History", "Persistable", "resolve_pool_path"]
+__all__ = ["History", "Persistable", "check_history_folder", "resolve_pool_path"]

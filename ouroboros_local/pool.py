@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ParameterError, PoolError
-from .filestore import check_fingerprint, read_checked, write_atomic
+from .filestore import check_fingerprint, check_token_ids, read_checked, write_atomic
 from .tree import TokenTree
 
 Phrase = tuple[int, ...]
@@ -245,8 +245,9 @@ class PhrasePool:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, *, max_per_key: int | None = None,
-             max_tokens: int | None = None) -> "PhrasePool":
-        """Read a saved pool; refuse another tokenizer's pool or a damaged file with a PoolError."""
+             max_tokens: int | None = None, n_vocab: int | None = None) -> "PhrasePool":
+        """Read a saved pool; refuse another tokenizer's pool or a damaged file (token ids of ``n_vocab``
+        or more included) with a PoolError."""
         target, fields, body = read_checked(path, _MAGIC, _VERSION, _HEADER, "phrase pool")
         kl, plen, fp_len, n_keys, n_phrases, n_tok, n_payload, crc = fields
         payload = check_fingerprint(target, body, fp_len, fingerprint, "pool")
@@ -266,6 +267,8 @@ class PhrasePool:
         if (counts < 1).any() or int(counts.sum()) != n_phrases or (lens < 1).any() \
                 or int(lens.sum()) != n_tok or (lens > plen).any():
             raise PoolError(f"{target} is corrupt (inconsistent phrase table)")
+        check_token_ids(target, keys, n_vocab)
+        check_token_ids(target, toks, n_vocab)
         pool = cls(key_len=int(kl), phrase_len=int(plen),
                    max_per_key=max_per_key if max_per_key is not None else max(8, int(counts.max(initial=1))),
                    max_tokens=max_tokens if max_tokens is not None else 2_000_000)

@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import PoolError
-from .filestore import check_fingerprint, read_checked, write_atomic
+from .filestore import check_fingerprint, check_token_ids, read_checked, write_atomic
 
 TRIE_DEPTH = 16
 ROOT = 0
@@ -405,8 +405,9 @@ class SuffixCache:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
-             max_tokens: int = 65_536, depth: int = TRIE_DEPTH) -> "SuffixCache":
-        """Read a saved history; another tokenizer's file or a damaged one raises PoolError (one line)."""
+             max_tokens: int = 65_536, depth: int = TRIE_DEPTH, n_vocab: int | None = None) -> "SuffixCache":
+        """Read a saved history; another tokenizer's file or a damaged one (token ids of ``n_vocab`` or
+        more included) raises PoolError (one line)."""
         target, (fp_len, n_docs, n_tokens, crc), body = read_checked(path, _MAGIC, _VERSION, _HEADER,
                                                                      "suffix history")
         payload = check_fingerprint(target, body, fp_len, fingerprint, "history")
@@ -416,6 +417,7 @@ class SuffixCache:
         lengths = arr[:n_docs]
         if (lengths < 0).any() or int(lengths.sum()) != n_tokens:
             raise PoolError(f"{target} is corrupt (inconsistent document lengths)")
+        check_token_ids(target, arr[n_docs:], n_vocab)
         tokens = arr[n_docs:].tolist()
         cache = cls(max_requests=max_requests, max_tokens=max_tokens, depth=depth)
         start = 0
@@ -431,9 +433,10 @@ def save_global(cache: SuffixCache, path: str | os.PathLike[str], fingerprint: s
 
 
 def load_global(path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
-                max_tokens: int = 65_536) -> SuffixCache:
+                max_tokens: int = 65_536, n_vocab: int | None = None) -> SuffixCache:
     """A global trie read from ``path`` (see ``SuffixCache.load``)."""
-    return SuffixCache.load(path, fingerprint, max_requests=max_requests, max_tokens=max_tokens)
+    return SuffixCache.load(path, fingerprint, max_requests=max_requests, max_tokens=max_tokens,
+                            n_vocab=n_vocab)
 
 
 __all__ = ["ROOT", "TRIE_DEPTH", "Matcher", "State", "SuffixCache", "SuffixTrie", "load_global",

@@ -95,6 +95,34 @@ def test_method_help_names_every_registered_method():
     assert named == set(method_names())
 
 
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+@pytest.mark.parametrize("flags, message", [
+    (["--method", "nosuch"], "unknown method 'nosuch'"),
+    (["--method", "vanilla", "--gamma", "3"], "vanilla has no option 'gamma'"),
+    (["--method", "lookahead", "--window", "999"], "option 'window' must be between"),
+    (["--pool", "/no/such/folder/h.pool"], "/no/such/folder is not a writable folder"),
+])
+def test_a_bad_method_option_or_pool_folder_is_refused_before_a_model_loads(
+        command: str, flags: list[str], message: str, tmp_path, capsys) -> None:
+    """Found only after the weights loaded (minutes for a large model; the pool folder in chat and serve
+    even after the first calibration)."""
+    from ouroboros_local.cli import main
+
+    if command == "serve":
+        pytest.importorskip("uvicorn")
+        if flags[:2] == ["--method", "vanilla"]:
+            message = "must be between"     # serve gives a flag to the methods that have it: --gamma 0
+            flags = ["--method", "vanilla", "--gamma", "0"]
+    argv = [command, "-m", str(tmp_path / "no-model.gguf"), *flags]
+    if command == "generate":
+        argv += ["-p", "hi"]
+    if command == "serve":
+        argv += ["--port", "0"]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert message in err and "no-model.gguf" not in err
+
+
 def test_lookahead_level_and_guess_set_change_what_it_does(engine):
     base = engine.generate(PROMPT, max_tokens=12, method="lookahead")
     tuned = engine.generate(PROMPT, max_tokens=12, method="lookahead", options={"level": 5, "guess_set": 8})

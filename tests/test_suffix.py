@@ -466,6 +466,38 @@ def test_engine_pool_file_survives_a_restart_and_refuses_another_tokenizer(engin
     engine.history.clear()
 
 
+def test_history_files_with_token_ids_outside_the_vocabulary_are_refused_and_empty_ones_start_afresh(
+        engine, tmp_path: Path) -> None:
+    """A crafted file with the right fingerprint but ids past the vocabulary failed every generation inside
+    llama_decode; a file made by ``touch`` was refused as "bad header"."""
+    from ouroboros_local.pool import PhrasePool
+
+    fingerprint, n_vocab = engine.history.fingerprint(), engine.target.n_vocab
+    prompt = E2E_PROMPTS[1]
+    for method in ("suffix", "prompt-lookup"):
+        given = tmp_path / f"{method}.pool"
+        crafted = SuffixCache()
+        crafted.add([1, 2, n_vocab + 5, 3])
+        save_global(crafted, suffix_file(str(given)), fingerprint)
+        pool = PhrasePool(key_len=1, phrase_len=4)
+        pool.add([engine.tokenize(prompt)[-1]], (n_vocab, 1, 2))
+        pool.save(given, fingerprint)
+        engine.history.clear()
+        with pytest.raises(PoolError, match="outside the vocabulary"):
+            engine.generate(prompt, max_tokens=8, method=method, options={"pool": str(given)})
+    empty = tmp_path / "touched.pool"
+    empty.touch()
+    Path(suffix_file(str(empty))).touch()
+    for method in ("suffix", "prompt-lookup"):
+        engine.history.clear()
+        base = engine.generate(prompt, max_tokens=8)
+        assert engine.generate(prompt, max_tokens=8, method=method, options={"pool": str(empty)}).tokens \
+            == base.tokens
+    assert PhrasePool.load(empty, fingerprint).n_tokens > 0               # written at the first save
+    assert load_global(suffix_file(str(empty)), fingerprint).n_requests == 1
+    engine.history.clear()
+
+
 def test_a_proposer_asked_now_and_then_drafts_what_one_that_followed_every_round_drafts() -> None:
     # observe() is lazy on the engine's committed list: rounds that do not ask suffix cost it nothing,
     # and a later propose() catches up (match states rebuilt from the last depth tokens when many are new)

@@ -57,7 +57,8 @@ def shared_cache(history: History, max_requests: int, max_tokens: int, path: str
     """The engine's global trie (``history.suffix_cache``), loaded from ``path`` the first time that file
     is named and exists; the limits of the latest request hold."""
     cache = history.reload(history.suffix_cache, history.suffix_file, path,
-                           lambda p, fingerprint: load_global(p, fingerprint, max_requests, max_tokens))
+                           lambda p, fingerprint, n_vocab: load_global(p, fingerprint, max_requests, max_tokens,
+                                                                      n_vocab))
     if cache is None:
         cache = SuffixCache(max_requests, max_tokens)
     cache.set_limits(max_requests, max_tokens)

@@ -67,10 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise OuroborosError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
                              "pip install fastapi uvicorn (or, in a checkout: pip install -e '.[server]')") from None
     from .. import cli
-    from ..options import ALL as ALL_OPTIONS
-    from ..options import parse as parse_options
-    from ..proposers import applicable_options, check_options, method_names
-    from . import default_method
+    from ..proposers import applicable_options
 
     if not 0 <= args.port <= 65535:
         raise ParameterError(f"--port must be in 0..65535 (got {args.port})")
@@ -78,18 +75,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ParameterError("--max-queue must be >= 0")
     if args.default_max_tokens < 1:
         raise ParameterError("--default-max-tokens must be >= 1")
-    if args.method is not None and args.method not in method_names():
-        raise ParameterError(f"unknown method {args.method!r}; choose one of {', '.join(method_names())}")
     api_key = _api_key(args.api_key, os.environ.get(API_KEY_ENV))
     sampling = cli._sampling_from_args(args)
-    options = cli._method_options(args)
+    method, options = cli.checked_method(args, for_any_method=True)
     sock = _listen(args.host, args.port)   # before loading: a taken port fails in a second, not minutes
 
     engine = cli._engine_from_args(args)
     try:
-        method = args.method or default_method(engine.draft is not None)
-        parse_options("serve", ALL_OPTIONS, options)            # types and bounds of every flag
-        check_options(method, applicable_options(method, options))
         # a first calibration now, not in the first request (a client's timeout may be shorter)
         engine.prepare(method, applicable_options(method, options))
         model_id = args.model_name or Path(str(engine.target.path)).name
