@@ -233,7 +233,8 @@ def support(logits: np.ndarray, params: SamplingParams) -> Sparse:
     else:
         ids, kept = _untruncated_support(x, params)
     temp = params.temperature if params.temperature > 0 else 1.0
-    weights = np.exp((kept - kept.max()) / temp)
+    with np.errstate(over="ignore"):   # a temperature near 0 (5e-324) sends the tail to -inf: weight 0
+        weights = np.exp((kept - kept.max()) / temp)
     probs = weights / weights.sum()
     positive = probs > 0
     if not positive.all():

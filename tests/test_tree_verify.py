@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -139,6 +141,10 @@ def test_distribution_applies_top_k_top_p_min_p_and_temperature() -> None:
     hot = distribution(logits, SamplingParams(temperature=2.0, top_k=0, top_p=1.0, min_p=0.0))
     cold = distribution(logits, SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0))
     assert hot[0] < 0.5 < cold[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")   # the smallest temperature printed numpy's overflow warning
+        frozen = distribution(logits, SamplingParams(temperature=5e-324, top_k=0, top_p=1.0, min_p=0.0))
+    assert frozen.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
 
 
 def test_residual_is_the_positive_part() -> None:
