@@ -642,7 +642,7 @@ class Engine:
 
         t0 = time.perf_counter()
         try:
-            self.kv.sync_to(prompt[:-1])
+            self.kv.sync_to(prompt[:-1], stop=is_cancelled)   # a cancel stops a long prefill too
         except BaseException:
             self.kv.reset()  # a failed prefill leaves the cache in an unknown state
             raise

@@ -8,7 +8,7 @@ metadata-only ``seq_cp`` (the cache is unified).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -60,8 +60,12 @@ class KVCache:
         """Drop the cells a decode wrote past the committed tokens without committing any (a timing's)."""
         self.ctx.seq_rm(-1, self.n_past, -1)
 
-    def feed(self, tokens: Sequence[int], logits_last: bool = False) -> np.ndarray | None:
-        """Append tokens to sequence 0 in n_batch chunks; returns the last token's logits row if asked."""
+    def feed(self, tokens: Sequence[int], logits_last: bool = False,
+             stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+        """Append tokens to sequence 0 in n_batch chunks; returns the last token's logits row if asked.
+        ``stop``: asked before each chunk after the first; when it says so, the cache keeps the chunks
+        decoded so far (a prefix: consistent) and None is returned (a long prompt's prefill can be
+        cancelled)."""
         if not tokens:
             return None
         if self.n_past + len(tokens) > self.ctx.n_ctx:
@@ -70,6 +74,8 @@ class KVCache:
         self._sync_seq(0)
         step = self.ctx.n_batch
         for start in range(0, len(tokens), step):
+            if start and stop is not None and stop():
+                return None
             chunk = tokens[start:start + step]
             last_chunk = start + step >= len(tokens)
             self.batch.clear()
@@ -79,15 +85,17 @@ class KVCache:
             self.synced[0] = self.n_past
         return self.ctx.logits(1)[0] if logits_last else None
 
-    def sync_to(self, tokens: Sequence[int], logits_last: bool = False, agreed: int = 0) -> np.ndarray | None:
+    def sync_to(self, tokens: Sequence[int], logits_last: bool = False, agreed: int = 0,
+                stop: Callable[[], bool] | None = None) -> np.ndarray | None:
         """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
 
-        ``agreed``: a length the caller knows the cache and ``tokens`` share (see ``common_prefix``)."""
+        ``agreed``: a length the caller knows the cache and ``tokens`` share (see ``common_prefix``).
+        ``stop``: as ``feed``'s (the cache then holds a prefix of ``tokens``)."""
         keep = common_prefix(self.cached, tokens, agreed)
         if logits_last and keep == len(tokens) and keep > 0:
             keep -= 1  # re-decode the last token to get its logits
         self.truncate(keep)
-        return self.feed(list(tokens[keep:]), logits_last=logits_last)
+        return self.feed(list(tokens[keep:]), logits_last=logits_last, stop=stop)
 
     def _sync_seq(self, s: int) -> None:
         if self.synced[s] < self.n_past:

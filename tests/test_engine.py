@@ -110,6 +110,26 @@ def test_cancellation(pair_engine: Engine) -> None:
         pair_engine.generate(PROMPTS[0], max_tokens=8, method="speculative").tokens
 
 
+def test_a_cancel_stops_a_long_prefill_between_its_batches(tiny_target) -> None:
+    """A client that hung up during a long prompt's prefill was heard only once all of it was decoded
+    (minutes on a CPU for a long prompt)."""
+    with make_engine(tiny_target, n_batch=16) as engine:
+        prompt = engine.tokenize("one two three four five six seven eight nine ten " * 12)
+        calls = {"n": 0}
+
+        def cancel() -> bool:
+            calls["n"] += 1
+            return calls["n"] > 1
+
+        res = engine.generate(prompt, max_tokens=8, cancel=cancel)
+        assert res.finish_reason == "cancelled" and res.tokens == []
+        assert 16 <= engine.kv.n_past <= 32 < len(prompt)          # one or two batches, not the whole prompt
+        engine.kv.check()
+        for method in ("vanilla", "prompt-lookup"):                # usable and exact afterwards
+            assert engine.generate(prompt, max_tokens=8, method=method).tokens == \
+                engine.generate(prompt[:], max_tokens=8, method="vanilla").tokens
+
+
 def test_bad_parameters_raise_clear_errors(pair_engine: Engine) -> None:
     with pytest.raises(ParameterError, match="temperature"):
         pair_engine.generate("x", sampling=SamplingParams(temperature=-1))
