@@ -81,12 +81,14 @@ class ChatSession:
             tokens = self.engine.tokenize(prompt, add_special=False, parse_special=True, limit=self.n_ctx - 1)
         except ContextOverflowError as exc:
             n_tokens = exc.n_tokens if exc.n_tokens is not None else self.n_ctx
+            shown = exc.counted
         else:
             n_tokens = len(tokens)
+            shown = str(n_tokens)
         room = self.n_ctx - n_tokens - 1
         if room <= 0:
             raise ContextOverflowError(
-                f"the conversation has {n_tokens} tokens and the context holds {self.n_ctx}: "
+                f"the conversation has {shown} tokens and the context holds {self.n_ctx}: "
                 "/reset to start over (or use a larger --ctx-size)")
         max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
         result = None

@@ -25,7 +25,7 @@ import numpy as np
 
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
-from .errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError, PoolError
+from .errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError, PoolError, counted
 from .history import History
 from .kv import KVCache
 from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, copy_priors, estimates_key
@@ -508,7 +508,7 @@ class Engine:
             try:
                 return self.tokenize(text, add_special=not chat, parse_special=True, limit=self.target_ctx.n_ctx - 1)
             except ContextOverflowError as exc:
-                raise self._overflow(exc.n_tokens or 0) from None
+                raise self._overflow(exc.n_tokens or 0, exc.at_least) from None
         tokens = _token_ids(prompt, "the prompt")
         n_vocab = self.target.n_vocab
         if tokens and not 0 <= min(tokens) <= max(tokens) < n_vocab:   # llama.cpp says only "failed to decode"
@@ -516,10 +516,10 @@ class Engine:
             raise ParameterError(f"prompt token {bad} is not in the vocabulary (0..{n_vocab - 1})")
         return tokens
 
-    def _overflow(self, n_tokens: int) -> ContextOverflowError:
-        return ContextOverflowError(f"the prompt has {n_tokens} tokens but the context holds "
+    def _overflow(self, n_tokens: int, at_least: bool = False) -> ContextOverflowError:
+        return ContextOverflowError(f"the prompt has {counted(n_tokens, at_least)} tokens but the context holds "
                                     f"{self.target_ctx.n_ctx}; use a larger --ctx-size or a shorter prompt",
-                                    n_tokens=n_tokens)
+                                    n_tokens=n_tokens, at_least=at_least)
 
     # ---- generation -----------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:

@@ -16,9 +16,19 @@ class IncompatiblePairError(OuroborosError):
 class ContextOverflowError(OuroborosError):
     """The prompt (plus the room generation needs) does not fit the context window."""
 
-    def __init__(self, message: str, n_tokens: int | None = None):
+    def __init__(self, message: str, n_tokens: int | None = None, at_least: bool = False):
         super().__init__(message)
         self.n_tokens = n_tokens   # the text's tokens, where they were counted
+        self.at_least = at_least   # n_tokens is a lower bound: the text was too long to be worth counting
+
+    @property
+    def counted(self) -> str:
+        return counted(self.n_tokens or 0, self.at_least)
+
+
+def counted(n_tokens: int, at_least: bool = False) -> str:
+    """A token count as a message says it ("4100", "at least 70000")."""
+    return f"{'at least ' if at_least else ''}{n_tokens}"
 
 
 class ParameterError(OuroborosError):

@@ -263,6 +263,18 @@ def test_text_inputs_and_prompts_are_bounded(tiny_target, tmp_path, monkeypatch,
         with pytest.raises(ContextOverflowError, match="the prompt has 3000 tokens but the context holds 256") as exc:
             engine.prompt_tokens(" a" * 3000)
         assert exc.value.n_tokens == 3000
+        # far past the context, the text's bytes alone refuse it: no token stands for more bytes than the
+        # longest one (tokenizing the whole of 8 MB took seconds only to be refused)
+        longest = engine.target.max_token_bytes()
+        assert longest == max(len(engine.target.piece(t, True)) for t in range(engine.target.n_vocab))
+        calls = []
+        monkeypatch.setattr(binding.lc, "llama_tokenize", lambda *a: calls.append(a) or 0)
+        huge = "ab " * (64 * 256 * longest)   # past the 64 bytes a token below which it is simply counted
+        with pytest.raises(ContextOverflowError, match=f"the prompt has at least {len(huge) // longest} tokens"):
+            engine.prompt_tokens(huge)
+        assert not calls
+        monkeypatch.undo()
+        assert len(engine.tokenize(huge)) >= len(huge) // longest   # the bound holds
     monkeypatch.setenv("OUROBOROS_VERBOSE", "0")
     binding._on_log(2, b"llama.cpp says hello\n", None)
     assert "llama.cpp says hello" not in capfd.readouterr().err

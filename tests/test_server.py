@@ -400,6 +400,12 @@ BAD_REQUESTS = [
     ("n = 2", "/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
     ("penalty", "/v1/chat/completions", {"messages": CHAT, "presence_penalty": 1.0}, 400, "presence_penalty"),
     ("logprobs", "/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    # completions' logprobs 0 still asks for the chosen tokens' logprobs (it was ignored)
+    ("logprobs 0", "/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs"),
+    # llama.cpp-style samplers that change the distribution were ignored
+    ("repeat_penalty", "/v1/completions", {"prompt": "x", "repeat_penalty": 1.1}, 400, "repeat_penalty"),
+    ("typical_p", "/v1/chat/completions", {"messages": CHAT, "typical_p": 0.9}, 400, "typical_p"),
+    ("mirostat", "/v1/completions", {"prompt": "x", "mirostat": 2}, 400, "mirostat"),
     ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
 ]
 
@@ -617,27 +623,53 @@ def test_client_disconnect_cancels_generation(slow_live, slow_engine):
     assert json.loads(body)["choices"][0]["message"]["content"] == greedy(slow_engine, messages, 12, chat=True).text
 
 
-def test_queue_full_503_and_queued_disconnect(slow_live, slow_engine):
-    """max_queue=0: one generation at a time, anything else is refused with 503 while it runs."""
+def test_client_disconnect_cancels_a_generation_that_is_not_streamed(slow_live, slow_engine):
+    """A non-streamed answer's items come every few milliseconds: the disconnect was polled only after a
+    quiet spell, so the whole answer was made for nobody (and a retrying client queued behind it)."""
+    prompt = long_answer_prompt(slow_engine)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+    metrics0 = http(slow_live.base, "/metrics")[2].decode()
+    conn = _open_stream(slow_live.base, {"messages": messages, "max_tokens": 1500})
+    deadline = time.monotonic() + 10
+    while not json.loads(http(slow_live.base, "/health")[2])["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    time.sleep(0.3)
+    _hard_close(conn)
+    wait_idle(slow_live.base, timeout=15)
+    text = http(slow_live.base, "/metrics")[2].decode()
+    assert metric(text, "ouroboros_generations_total", finish_reason="cancelled") == \
+        metric(metrics0, "ouroboros_generations_total", finish_reason="cancelled") + 1
+    generated = metric(text, "ouroboros_generated_tokens_total") - metric(metrics0, "ouroboros_generated_tokens_total")
+    assert generated < 1500, "the generation ran to its end for a client that had gone"
+
+
+def test_queue_full_503_and_queued_disconnect(slow_live, slow_engine, monkeypatch):
+    """max_queue=0: one generation at a time, anything else is refused with 503 while it runs (before its
+    prompt is tokenized: seconds of CPU for a long one)."""
     prompt = long_answer_prompt(slow_engine)
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
     conn = _open_stream(slow_live.base, {"messages": messages, "max_tokens": 1500, "stream": True})
     resp = conn.getresponse()
     assert resp.status == 200
     resp.readline()
+    tokenized: list[Any] = []
+    monkeypatch.setattr(slow_engine, "prompt_tokens", lambda *a, **k: tokenized.append(a) or [1, 2])
     try:
         status, headers, body = http(slow_live.base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        assert not tokenized
         err = assert_error(status, body, 503)
         assert err["code"] == "queue_full" and err["type"] == "server_error"
         assert headers.get("Retry-After") == "1"
         with pytest.raises(openai.APIStatusError) as exc:
             client_for(slow_live.base).completions.create(model="slow", prompt="x", max_tokens=2)
-        assert exc.value.status_code == 503
+        assert exc.value.status_code == 503 and not tokenized
         text = http(slow_live.base, "/metrics")[2].decode()
         assert metric(text, "ouroboros_requests_total", endpoint="/v1/completions", status="503") >= 2
         assert metric(text, "ouroboros_requests_rejected_total") >= 2
         assert metric(text, "ouroboros_generations_in_progress") == 1
     finally:
+        monkeypatch.undo()
         _hard_close(conn)
     wait_idle(slow_live.base)
     status, _, body = http(slow_live.base, "/v1/completions", {"prompt": "x", "max_tokens": 2})
@@ -661,6 +693,8 @@ def test_queued_request_disconnect_is_skipped(slow_engine):
             time.sleep(0.02)
         _hard_close(queued)
         time.sleep(0.6)          # > the disconnect poll interval
+        # it holds no place in the queue (a new client got a false 503 until its turn came)
+        assert json.loads(http(srv.base, "/health")[2])["queue_depth"] == 0
         _hard_close(first)
         wait_idle(srv.base)
         text = http(srv.base, "/metrics")[2].decode()
@@ -756,6 +790,64 @@ def test_serve_cli_subprocess(tiny_target, tmp_path, stop):
     assert f"http://127.0.0.1:{port}/v1" in out
     # the first calibration before it listens, not in the first request (a client may time out)
     assert -1 < out.find("measuring this machine's verify cost") < out.find(f"http://127.0.0.1:{port}/v1"), out
+
+
+def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(
+        slow_engine, tmp_path_factory, tmp_path):
+    """A running answer used to be cut by uvicorn's graceful timeout (a plain-text 500, a traceback in
+    the log) and a queued one started after the signal; both now end at once with a JSON 503."""
+    prompt = long_answer_prompt(slow_engine)
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "costs.json"),
+           "OUROBOROS_ESTIMATES_FILE": str(tmp_path / "estimates.json")}
+    env.pop("OUROBOROS_API_KEY", None)
+    cmd = [sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(slow_chat_model(tmp_path_factory)),
+           "-c", "2048", "-t", "1", "--port", str(port), "--method", "vanilla", "--max-queue", "2"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://{HOST}:{port}"
+    queued: dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if http(base, "/health", timeout=2)[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.1)
+        running = _open_stream(base, {"messages": messages, "max_tokens": 1500, "stream": True})
+        resp = running.getresponse()
+        assert resp.status == 200
+        while not resp.readline().startswith(b"data: {\"id"):
+            pass
+
+        def queue_one() -> None:
+            queued["answer"] = http(base, "/v1/completions", {"prompt": "x", "max_tokens": 1500})
+
+        waiter = threading.Thread(target=queue_one)
+        waiter.start()
+        while json.loads(http(base, "/health")[2])["queue_depth"] != 1:
+            time.sleep(0.02)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
+        waiter.join(timeout=30)
+        out, _ = proc.communicate(timeout=30)
+        elapsed = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out
+    assert events[-1] == "data: [DONE]" and json.loads(events[-2][6:])["error"]["code"] == "shutting_down"
+    status, _, body = queued["answer"]
+    assert status == 503 and json.loads(body)["error"]["code"] == "shutting_down"
+    assert "Traceback" not in out and "ERROR" not in out, out
+    assert elapsed < 4, f"stopping took {elapsed:.1f}s"
 
 
 def test_serve_cli_errors_without_loading(tmp_path):

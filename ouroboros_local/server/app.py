@@ -2,7 +2,8 @@
 
 The routes parse and check requests with ``.protocol``, queue generations on the ``.worker`` thread
 (one at a time, in a bounded FIFO: a full queue answers 503), and answer with ``.protocol``'s shapes.
-A client that disconnects, while queued or while streaming, cancels its generation (499).
+A client that disconnects, while queued or while its answer is made, cancels its generation (499); a
+server asked to stop ends the queued and running ones with 503 (``shutting_down``).
 ``.gate`` checks the API key and counts requests.
 
 Errors use OpenAI's body: ``{"error": {"message", "type", "param", "code"}}``.
@@ -14,7 +15,7 @@ import asyncio
 import logging
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import anyio
 from fastapi import FastAPI, Request
@@ -32,7 +33,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .protocol import (DEFAULT_COMPLETION_TOKENS, ApiError, GenerationRequest, Reply, bad_request,
                        chat_messages, check_model, completion_budget, completion_prompt, context_exceeded,
                        engine_error, error_body, now, parse_generation, parse_json_body, require_json, sse)
-from .worker import Cancelled, ClientGone, GenerationWorker, Job, QueueFull
+from .worker import Cancelled, ClientGone, GenerationWorker, Job, QueueFull, ShuttingDown
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine, GenerationResult
@@ -169,6 +170,7 @@ class _Service:
         check_model(body, self.model_ids, self.config.model_id)
         parsed = parse_generation(body, chat, self.sampling_default, self.default_method,
                                   self.config.method_options)
+        self._or_503(self.worker.check_room)   # before the prompt is tokenized: seconds of CPU for a long one
         job = self._submit(parsed, await self._prompt_tokens(parsed))
         try:
             first = await self._next_item(job, request)
@@ -209,7 +211,7 @@ class _Service:
         try:
             return await anyio.to_thread.run_sync(make_tokens, parsed.prompt)
         except ContextOverflowError as exc:   # counted, never listed (a huge prompt's memory stays bounded)
-            raise context_exceeded(exc.n_tokens or 0, self.engine.target_ctx.n_ctx, parsed.param) from None
+            raise context_exceeded(exc.counted, self.engine.target_ctx.n_ctx, parsed.param) from None
         except OuroborosError as exc:
             raise bad_request(parsed.param, str(exc)) from None
 
@@ -231,13 +233,19 @@ class _Service:
         params = dict(max_tokens=max_tokens, method=parsed.method, sampling=parsed.sampling,
                       stop=parsed.stops, options=parsed.options)
         job = Job(tokens, params, asyncio.get_running_loop(), user_options=parsed.user_options)
+        self._or_503(lambda: self.worker.submit(job))
+        return job
+
+    def _or_503(self, action: Callable[[], None]) -> None:
+        """Run ``action``, a worker call that may refuse a job; a refusal is a 503."""
         try:
-            self.worker.submit(job)
+            action()
+        except ShuttingDown as exc:
+            raise engine_error(exc, False) from None
         except QueueFull as exc:
             self.metrics.observe_rejected()
             raise ApiError(503, str(exc), type="server_error", code="queue_full",
                            headers={"Retry-After": "1"}) from None
-        return job
 
     async def _next_item(self, job: Job, request: Request) -> tuple[str, Any]:
         return await job.next_item(request.is_disconnected, self.config.disconnect_poll_seconds)

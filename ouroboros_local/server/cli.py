@@ -100,8 +100,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{', API key required' if api_key else ''}"
               f"{', history pool ' + options['pool'] if options.get('pool') else ''}); Ctrl-C stops",
               file=sys.stderr, flush=True)
-        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                               access_log=args.log_level in ("info", "debug", "trace")))
+        server = _server(uvicorn, uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                                 access_log=args.log_level in ("info", "debug", "trace")),
+                         app.state.worker.shut_down)
         # uvicorn re-raises the Ctrl-C or SIGTERM it already served by shutting down; SIGTERM's default
         # action (systemd's and docker's stop) would end the process before ``engine.close`` saves
         in_main = threading.current_thread() is threading.main_thread()   # signals are the main thread's
@@ -129,6 +130,20 @@ def _api_key(flag: str | None, env: str | None) -> str | None:
     if not raw.strip():
         raise ParameterError(f"{name} is empty: give a key, or leave it out to serve without one")
     return raw.strip()
+
+
+def _server(uvicorn: Any, config: Any, end_jobs: Callable[[], None]) -> Any:
+    """A uvicorn server that ends the queued and running generations as soon as it is asked to stop:
+    uvicorn waits for their connections to close, and after its graceful timeout a client got a plain-text
+    500 and the log a traceback, while queued jobs still started."""
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            # a thread: the signal may arrive while this one holds the worker's lock or a job's event
+            threading.Thread(target=end_jobs, name="ouroboros-stop", daemon=True).start()
+            super().handle_exit(sig, frame)
+
+    return Server(config)
 
 
 def _interrupt(signum: int, frame: Any) -> None:

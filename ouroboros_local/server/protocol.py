@@ -17,6 +17,7 @@ from ..chat import validate_messages
 from ..errors import ContextOverflowError, IncompatiblePairError, MethodOptionError, OuroborosError, ParameterError
 from ..proposers import applicable_options, check_options, method_names
 from ..sampling import SamplingParams
+from .worker import ShuttingDown
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import GenerationResult
@@ -51,6 +52,8 @@ def bad_request(param: str, message: str, code: str = "invalid_value") -> ApiErr
 
 def engine_error(exc: BaseException, user_options: bool) -> ApiError:
     """The answer to an exception the engine raised; ``user_options``: the request set method_options."""
+    if isinstance(exc, ShuttingDown):
+        return ApiError(503, str(exc), type="server_error", code="shutting_down")
     if isinstance(exc, ContextOverflowError):
         return ApiError(413, str(exc), code="context_length_exceeded")
     if isinstance(exc, MethodOptionError) and user_options:
@@ -222,7 +225,9 @@ def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     _refuse_penalties(body)
     if body.get("logit_bias"):
         raise _refusal("logit_bias", "decoding follows the target model's distribution")
-    if body.get("logprobs") not in (None, False, 0):
+    # chat's logprobs is a bool; completions' an int, where 0 still asks for the chosen tokens' logprobs
+    logprobs = body.get("logprobs")
+    if not (logprobs is None or logprobs is False or (chat and logprobs == 0)):
         raise _refusal("logprobs", "not implemented")
     if body.get("top_logprobs") not in (None, 0):
         raise _refusal("top_logprobs", "not implemented")
@@ -247,13 +252,20 @@ def _refuse_choices(body: dict[str, Any]) -> None:
         raise _refusal("best_of", "one choice per request")
 
 
+# samplers that change the target's distribution, by the value that leaves it alone: OpenAI's penalties,
+# and those of llama.cpp's server and other local servers that their clients send
+_DISTRIBUTION_CHANGES = {"presence_penalty": 0, "frequency_penalty": 0, "repeat_penalty": 1,
+                         "repetition_penalty": 1, "typical_p": 1, "tfs_z": 1, "top_a": 0, "mirostat": 0,
+                         "dry_multiplier": 0, "xtc_probability": 0}
+
+
 def _refuse_penalties(body: dict[str, Any]) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
+    for name, neutral in _DISTRIBUTION_CHANGES.items():
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise bad_request(name, f"{name} must be a number", "invalid_type")
-        if value not in (None, 0, 0.0):
-            raise _refusal(name, "penalties would change the target distribution; decoding is lossless")
+        if value is not None and value != neutral:
+            raise _refusal(name, "it would change the target's distribution; decoding is lossless")
 
 
 def _refuse_chat_features(body: dict[str, Any]) -> None:
@@ -328,7 +340,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         raise bad_request("messages", str(exc)) from None
 
 
-def context_exceeded(n_prompt: int, n_ctx: int, param: str) -> ApiError:
+def context_exceeded(n_prompt: int | str, n_ctx: int, param: str) -> ApiError:
+    """413; ``n_prompt``: the count, or how a ContextOverflowError says it ("at least 70000")."""
     return ApiError(413, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: "
                          "shorten the prompt (or start the server with a larger --ctx-size)",
                     param=param, code="context_length_exceeded")

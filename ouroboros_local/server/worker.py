@@ -2,8 +2,8 @@
 
 llama.cpp releases the GIL while it decodes, so the event loop keeps answering meanwhile. A full queue
 refuses a job (the app answers 503). Each job owns a cancel Event: a client that disconnects (while
-queued or while streaming) sets it, the engine's loop stops at the next round and the KV cache stays
-consistent. The worker sends each job's stream events (or its error) back to the event loop.
+queued or while its answer is made) sets it, the engine's loop stops at the next round (or prefill batch)
+and the KV cache stays consistent. A server asked to stop ends every job (``shut_down``). The worker sends each job's stream events (or its error) back to the event loop.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ log = logging.getLogger("ouroboros_local.server")
 
 
 class QueueFull(Exception):
-    """The queue holds its maximum of waiting jobs, or the server is shutting down."""
+    """The queue holds its maximum of waiting jobs."""
 
 
 class ClientGone(Exception):
@@ -34,6 +34,13 @@ class ClientGone(Exception):
 
 class Cancelled(Exception):
     """The job was cancelled before the worker started it."""
+
+
+class ShuttingDown(OuroborosError):
+    """The server began to shut down (Ctrl-C, SIGTERM) before the job was done: it was ended."""
+
+    def __init__(self) -> None:
+        super().__init__("the server is shutting down; retry on another instance or once it is back")
 
 
 class Job:
@@ -50,6 +57,7 @@ class Job:
         self.loop = loop
         self.items: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         self.enqueued = time.perf_counter()
+        self._next_poll = 0.0   # when next_item asks whether the client is still there (monotonic)
 
     def emit(self, kind: str, payload: Any) -> None:
         try:
@@ -59,17 +67,23 @@ class Job:
 
     async def next_item(self, is_disconnected: Callable[[], Awaitable[bool]],
                         poll_seconds: float) -> tuple[str, Any]:
-        """The next item; polls for a client disconnect while waiting (queued or generating), and on
-        one cancels the job and raises ClientGone."""
+        """The next item; asks every ``poll_seconds`` whether the client is still there (queued or
+        generating: a generation's items come every few milliseconds, so the clock decides, not a quiet
+        spell), and on a disconnect cancels the job and raises ClientGone."""
         getter = asyncio.ensure_future(self.items.get())
         try:
+            if not self._next_poll:
+                self._next_poll = time.monotonic() + poll_seconds
             while True:
-                done, _ = await asyncio.wait({getter}, timeout=poll_seconds)
+                wait = max(0.0, self._next_poll - time.monotonic())
+                done, _ = await asyncio.wait({getter}, timeout=wait)
+                if time.monotonic() >= self._next_poll:
+                    self._next_poll = time.monotonic() + poll_seconds
+                    if await is_disconnected():
+                        self.cancel.set()
+                        raise ClientGone()
                 if done:
                     return getter.result()
-                if await is_disconnected():
-                    self.cancel.set()
-                    raise ClientGone()
         finally:
             if not getter.done():
                 getter.cancel()
@@ -121,6 +135,7 @@ class GenerationWorker:
     @property
     def depth(self) -> int:
         with self._cond:
+            self._drop_cancelled()
             return len(self._waiting)
 
     @property
@@ -128,19 +143,36 @@ class GenerationWorker:
         with self._cond:
             return self._running is not None
 
-    def submit(self, job: Job) -> None:
+    def check_room(self) -> None:
+        """QueueFull or ShuttingDown where a job would be refused now (asked before a prompt is
+        tokenized, which takes seconds for a long one; ``submit`` asks again)."""
         with self._cond:
             if self._closed:
-                raise QueueFull("the server is shutting down")
+                raise ShuttingDown()
+            self._drop_cancelled()   # a client gone while queued holds no place
             # An idle server always takes a request; otherwise at most max_queue may wait.
             if len(self._waiting) >= self.max_queue and (self._running is not None or self._waiting):
                 raise QueueFull(f"the server is busy: {len(self._waiting)} requests are queued "
                                 f"(--max-queue {self.max_queue}); retry later")
+
+    def submit(self, job: Job) -> None:
+        with self._cond:
+            self.check_room()
             job.enqueued = time.perf_counter()
             self._waiting.append(job)
             self._cond.notify()
 
-    def close(self, timeout: float = 10.0) -> None:
+    def _drop_cancelled(self) -> None:
+        # (with the lock held) jobs whose client left while they waited: nobody reads their answer
+        if any(job.cancel.is_set() for job in self._waiting):
+            for job in [job for job in self._waiting if job.cancel.is_set()]:
+                self._waiting.remove(job)
+                self.metrics.observe_queue_wait(time.perf_counter() - job.enqueued)
+                job.emit("error", Cancelled())
+
+    def shut_down(self) -> None:
+        """Take no more jobs and end the queued and the running one, whose clients hear ShuttingDown
+        (503): called when the server is asked to stop, before it waits for its connections to end."""
         with self._cond:
             self._closed = True
             for job in self._waiting:
@@ -148,6 +180,9 @@ class GenerationWorker:
             if self._running is not None:
                 self._running.cancel.set()
             self._cond.notify_all()
+
+    def close(self, timeout: float = 10.0) -> None:
+        self.shut_down()
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
@@ -172,13 +207,16 @@ class GenerationWorker:
     def _run(self, job: Job) -> None:
         self.metrics.observe_queue_wait(time.perf_counter() - job.enqueued)
         if job.cancel.is_set():
-            job.emit("error", Cancelled())
+            job.emit("error", ShuttingDown() if self._closed else Cancelled())
             return
         stream = self.engine.stream(job.tokens, cancel=job.cancel, **job.params)
         try:
             for event in stream:
                 if event.result is not None:
                     self.metrics.observe_generation(event.result.stats)
+                    if event.result.stats.finish_reason == "cancelled" and self._closed:
+                        job.emit("error", ShuttingDown())   # not a short answer passed off as whole
+                        break
                 job.emit("event", event)
         except Exception as exc:  # reported to the client; the engine keeps its KV consistent
             if not isinstance(exc, (OuroborosError, ValueError, TypeError)):
