@@ -10,7 +10,7 @@ from ouroboros_local.errors import ContextOverflowError, ParameterError
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.testing.engines import tiny_engine as make_engine
-from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target,
+from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target, target_pair_distribution,
                                               assert_greedy_equals_vanilla)
 
 PROMPTS = [
@@ -224,6 +224,17 @@ def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft, adaptive:
 def test_sampling_is_lossless(pair_engine: Engine, tiny_target, method: str) -> None:
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
     assert_first_pairs_follow_the_target(pair_engine, tiny_target, PROMPTS[1], params, 600, method=method)
+
+
+@pytest.mark.parametrize("method", ["vanilla", "speculative"])
+def test_the_reference_distribution_ends_answers_at_an_end_token(pair_engine: Engine, tiny_target,
+                                                                 method: str) -> None:
+    """Hot and untruncated, an answer may end at once: the reference once went on decoding after the end
+    token (never emitted), and failed plain decoding itself with "outcomes of zero target probability"."""
+    params = SamplingParams(temperature=2.0, top_k=0, top_p=0.9, min_p=0.0)
+    joint = target_pair_distribution(tiny_target, pair_engine.prompt_tokens(PROMPTS[1]), params)
+    assert any(len(answer) < 2 for answer in joint) and abs(sum(joint.values()) - 1) < 1e-9
+    assert_first_pairs_follow_the_target(pair_engine, tiny_target, PROMPTS[1], params, 1500, method=method)
 
 
 def test_seeded_sampling_is_reproducible(pair_engine: Engine) -> None:

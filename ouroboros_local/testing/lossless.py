@@ -86,20 +86,35 @@ def assert_follows(counts: Mapping[Hashable, float] | np.ndarray, probs: Mapping
 # ---- sampling through an engine ------------------------------------------------------------------
 
 def target_pair_distribution(model_path: str | Path, prompt_tokens: Sequence[int],
-                             params: SamplingParams) -> dict[tuple[int, int], float]:
-    """Exact p(t1, t2) of the target after ``prompt_tokens`` (plain one-token decodes), over every
-    pair of nonzero probability."""
+                             params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Exact p(t1, t2) of the target after ``prompt_tokens``, over every pair of nonzero probability,
+    as plain decoding's answers begin: rows from one-token decodes (a batched row may move a token
+    across a top-p or min-p cutoff), and an end-of-generation token ends the answer there (``(t1,)`` or
+    ``()``: it is never emitted)."""
     model = Model(model_path)
     ctx = Context(model, ContextParams(n_ctx=256, n_batch=64, n_seq_max=1, n_threads=1))
     try:
         kv = KVCache(ctx)
         prompt = list(prompt_tokens)
-        p1 = distribution(kv.sync_to(prompt, logits_last=True).copy(), params)
-        joint = {}
+        eog = set(model.eog_tokens)
+
+        def next_distribution(tokens: list[int]) -> np.ndarray:
+            kv.sync_to(tokens[:-1])
+            return distribution(np.array(kv.decode_step(tokens[-1])[0]), params)
+
+        joint: dict[tuple[int, ...], float] = {}
+
+        def add(answer: tuple[int, ...], p: float) -> None:
+            joint[answer] = joint.get(answer, 0.0) + p
+
+        p1 = next_distribution(prompt)
         for t1 in map(int, np.nonzero(p1)[0]):
-            p2 = distribution(kv.sync_to(prompt + [t1], logits_last=True).copy(), params)
+            if t1 in eog:
+                add((), p1[t1])
+                continue
+            p2 = next_distribution(prompt + [t1])
             for t2 in map(int, np.nonzero(p2)[0]):
-                joint[(t1, t2)] = p1[t1] * p2[t2]
+                add((t1,) if t2 in eog else (t1, t2), p1[t1] * p2[t2])
         return joint
     finally:
         ctx.close()
