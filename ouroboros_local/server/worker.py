@@ -3,7 +3,8 @@
 llama.cpp releases the GIL while it decodes, so the event loop keeps answering meanwhile. A full queue
 refuses a job (the app answers 503). Each job owns a cancel Event: a client that disconnects (while
 queued or while its answer is made) sets it, the engine's loop stops at the next round (or prefill batch)
-and the KV cache stays consistent. A server asked to stop ends every job (``shut_down``). The worker sends each job's stream events (or its error) back to the event loop.
+and the KV cache stays consistent. A server asked to stop ends every job (``shut_down``). The worker
+sends each job's stream events (or its error) back to the event loop.
 """
 
 from __future__ import annotations
