@@ -28,6 +28,8 @@ T = TypeVar("T")
 class Persistable(Protocol):
     def save(self, path: str, fingerprint: str) -> None: ...
 
+    def save_merged(self, path: str, fingerprint: str, n_vocab: int | None) -> None: ...
+
 
 class History:
     """An engine's cross-request state. One per engine; the benchmark gives each contender its own."""
@@ -44,6 +46,8 @@ class History:
         self.suffix_file: str | None = None
         self._method_state: dict[Hashable, Any] = {}    # keyed by method and settings (see ``kept``)
         self._files: dict[str, Persistable] = {}
+        self._stamps: dict[str, tuple[int, ...] | None] = {}   # each file as this engine last read or wrote it
+        self._shared: set[str] = set()   # files another process writes too: merged at every save from then on
         self._fingerprint: str | None = None
 
     def kept(self, key: Hashable, make: Callable[[], T]) -> T:
@@ -59,6 +63,7 @@ class History:
         would be lost with the save's error)."""
         if path not in self._files:
             check_history_folder(path)
+            self._stamps.setdefault(path, _stamp(path))
         self._files[path] = state
 
     def fingerprint(self) -> str:
@@ -73,8 +78,12 @@ class History:
         holds something (``load(path, fingerprint, n_vocab)`` refuses another tokenizer's file, and token
         ids outside the target's vocabulary). An empty file, made by ``touch``, starts afresh."""
         if path is not None and path != current_file and os.path.exists(path) and not is_empty_file(path):
-            return load(path, self.fingerprint(), self.target.n_vocab if self.target is not None else None)
+            self._stamps[path] = _stamp(path)
+            return load(path, self.fingerprint(), self._n_vocab())
         return current
+
+    def _n_vocab(self) -> int | None:
+        return self.target.n_vocab if self.target is not None else None
 
     def pool(self, phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
         """The history phrase pool: reused across requests; loaded from ``path`` when that file exists.
@@ -101,11 +110,20 @@ class History:
         return pool
 
     def save(self) -> None:
-        """Write every persisted state to its file (each ``save`` writes atomically)."""
+        """Write every persisted state to its file (each ``save`` writes atomically). Where another
+        process (a second chat on the same --pool) wrote the file since this engine last read or wrote
+        it, what that one saved is kept too (``save_merged``), where each used to overwrite the other's."""
         if self._files:
             fingerprint = self.fingerprint()
             for path, state in self._files.items():
-                state.save(path, fingerprint)
+                found = _stamp(path)
+                if found is not None and found != self._stamps.get(path):
+                    self._shared.add(path)   # the file now holds the other's too: a plain save would drop it
+                if path in self._shared:
+                    state.save_merged(path, fingerprint, self._n_vocab())
+                else:
+                    state.save(path, fingerprint)
+                self._stamps[path] = _stamp(path)
 
 
 def _reshaped(pool: PhrasePool, phrase_len: int, max_per_key: int) -> PhrasePool:
@@ -127,6 +145,15 @@ def _fingerprint(model: "Model | None") -> str:
             for t in range(model.n_vocab):
                 h.update(model.token_text(t).encode("utf-8", "surrogatepass") + b"\0")
         return h.hexdigest()
+
+
+def _stamp(path: str) -> tuple[int, ...] | None:
+    """What tells one write of a file from another (each save is a new file: os.replace); None: none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def check_history_folder(path: str | os.PathLike[str]) -> None:

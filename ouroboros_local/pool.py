@@ -243,6 +243,25 @@ class PhrasePool:
                               n_tok, len(payload), zlib.crc32(payload))
         write_atomic(path, header + fp + payload, "phrase pool")
 
+    def save_merged(self, path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> None:
+        """``save``, keeping the phrases another process saved to ``path`` meanwhile as the older ones
+        (this pool's are the newest, and win where a key's list is full). This pool itself is left as it
+        is; a file that cannot be read is replaced."""
+        try:
+            theirs = PhrasePool.load(path, fingerprint, max_tokens=self.max_tokens, n_vocab=n_vocab)
+        except PoolError:
+            theirs = None
+        if theirs is None or theirs.key_len != self.key_len:
+            self.save(path, fingerprint)
+            return
+        merged = PhrasePool(key_len=self.key_len, max_per_key=max(self.max_per_key, theirs.max_per_key),
+                            max_tokens=self.max_tokens, phrase_len=max(self.phrase_len, theirs.phrase_len))
+        for pool in (theirs, self):
+            for key, phrases in pool.items():
+                for phrase in phrases:
+                    merged.add(key, phrase)
+        merged.save(path, fingerprint)
+
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, *, max_per_key: int | None = None,
              max_tokens: int | None = None, n_vocab: int | None = None) -> "PhrasePool":

@@ -395,36 +395,61 @@ class SuffixCache:
     # ---- persistence ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike[str], fingerprint: str) -> None:
         """Write the documents atomically (temp file + os.replace): an interrupted save keeps the old file."""
-        docs = self.documents()
-        lengths = np.array([len(d) for d in docs], dtype="<i4")
-        tokens = np.fromiter((t for d in docs for t in d), dtype="<i4", count=int(lengths.sum()))
-        payload = lengths.tobytes() + tokens.tobytes()
-        fp = fingerprint.encode("utf-8")
-        header = _HEADER.pack(_MAGIC, _VERSION, len(fp), len(docs), len(tokens), zlib.crc32(payload))
-        write_atomic(path, header + fp + payload, "suffix history")
+        _write_documents(path, fingerprint, self.documents())
+
+    def save_merged(self, path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> None:
+        """``save``, keeping the documents another process saved to ``path`` meanwhile as the oldest (the
+        limits hold: the newest are kept). This trie itself is left as it is; a file that cannot be read
+        is replaced."""
+        try:
+            theirs = read_documents(path, fingerprint, n_vocab)
+        except PoolError:
+            theirs = []
+        ours = self.documents()
+        known = {tuple(doc) for doc in ours}
+        docs = [doc for doc in theirs if tuple(doc) not in known] + ours
+        kept, n_tokens = 0, 0
+        for doc in reversed(docs):   # the newest that fit the limits
+            if kept == self.max_requests or n_tokens + len(doc) > self.max_tokens:
+                break
+            kept, n_tokens = kept + 1, n_tokens + len(doc)
+        _write_documents(path, fingerprint, docs[len(docs) - kept:])
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
              max_tokens: int = 65_536, depth: int = TRIE_DEPTH, n_vocab: int | None = None) -> "SuffixCache":
         """Read a saved history; another tokenizer's file or a damaged one (token ids of ``n_vocab`` or
         more included) raises PoolError (one line)."""
-        target, (fp_len, n_docs, n_tokens, crc), body = read_checked(path, _MAGIC, _VERSION, _HEADER,
-                                                                     "suffix history")
-        payload = check_fingerprint(target, body, fp_len, fingerprint, "history")
-        if len(payload) != 4 * (n_docs + n_tokens) or zlib.crc32(payload) != crc:
-            raise PoolError(f"{target} is truncated or corrupt")
-        arr = np.frombuffer(payload, dtype="<i4")
-        lengths = arr[:n_docs]
-        if (lengths < 0).any() or int(lengths.sum()) != n_tokens:
-            raise PoolError(f"{target} is corrupt (inconsistent document lengths)")
-        check_token_ids(target, arr[n_docs:], n_vocab)
-        tokens = arr[n_docs:].tolist()
         cache = cls(max_requests=max_requests, max_tokens=max_tokens, depth=depth)
-        start = 0
-        for length in lengths.tolist():
-            cache.add(tokens[start:start + length])
-            start += length
+        for doc in read_documents(path, fingerprint, n_vocab):
+            cache.add(doc)
         return cache
+
+
+def _write_documents(path: str | os.PathLike[str], fingerprint: str, docs: list[list[int]]) -> None:
+    lengths = np.array([len(d) for d in docs], dtype="<i4")
+    tokens = np.fromiter((t for d in docs for t in d), dtype="<i4", count=int(lengths.sum()))
+    payload = lengths.tobytes() + tokens.tobytes()
+    fp = fingerprint.encode("utf-8")
+    header = _HEADER.pack(_MAGIC, _VERSION, len(fp), len(docs), len(tokens), zlib.crc32(payload))
+    write_atomic(path, header + fp + payload, "suffix history")
+
+
+def read_documents(path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> list[list[int]]:
+    """The documents of a saved history, oldest first (PoolError as ``SuffixCache.load``)."""
+    target, (fp_len, n_docs, n_tokens, crc), body = read_checked(path, _MAGIC, _VERSION, _HEADER,
+                                                                 "suffix history")
+    payload = check_fingerprint(target, body, fp_len, fingerprint, "history")
+    if len(payload) != 4 * (n_docs + n_tokens) or zlib.crc32(payload) != crc:
+        raise PoolError(f"{target} is truncated or corrupt")
+    arr = np.frombuffer(payload, dtype="<i4")
+    lengths = arr[:n_docs]
+    if (lengths < 0).any() or int(lengths.sum()) != n_tokens:
+        raise PoolError(f"{target} is corrupt (inconsistent document lengths)")
+    check_token_ids(target, arr[n_docs:], n_vocab)
+    tokens = arr[n_docs:].tolist()
+    ends = np.cumsum(lengths).tolist()
+    return [tokens[end - length:end] for end, length in zip(ends, lengths.tolist())]
 
 
 def save_global(cache: SuffixCache, path: str | os.PathLike[str], fingerprint: str) -> None:

@@ -240,6 +240,40 @@ def test_a_history_file_in_a_missing_folder_is_refused_before_any_answer(tmp_pat
     assert (tmp_path / "h.pool").is_file()
 
 
+def test_two_processes_sharing_a_history_file_keep_each_others_phrases(tmp_path) -> None:
+    """Two chats on one --pool FILE: each save overwrote what the other had saved since it loaded."""
+    from ouroboros_local.history import History
+    from ouroboros_local.suffix_trie import SuffixCache, read_documents
+
+    path = str(tmp_path / "shared.pool")
+    first, second = History(None), History(None)          # both start before either has saved
+    fp = first.fingerprint()
+    pools = [history.pool(4, 8, path) for history in (first, second)]
+    tries = [SuffixCache(max_requests=4) for _ in (first, second)]
+    for history, trie in zip((first, second), tries):
+        history.persist(path + ".suffix", trie)
+    pools[0].add([1], (2, 3))
+    tries[0].add([1, 2, 3])
+    first.save()
+    pools[1].add([1], (4, 5))
+    pools[1].add([7], (8,))
+    tries[1].add([4, 5])
+    second.save()                                         # keeps the first one's, its own the newest
+    assert PhrasePool.load(path, fp).lookup([1]) == [(4, 5), (2, 3)]
+    assert read_documents(path + ".suffix", fp) == [[1, 2, 3], [4, 5]]
+    for docs in ([6], [7]):
+        pools[0].add([9], tuple(docs))
+        tries[0].add(docs)
+        first.save()                                      # and back, every save from then on
+    merged = PhrasePool.load(path, fp)
+    assert merged.lookup([1]) == [(2, 3), (4, 5)] and merged.lookup([7]) == [(8,)]
+    assert merged.lookup([9]) == [(7,), (6,)]
+    assert read_documents(path + ".suffix", fp) == [[4, 5], [1, 2, 3], [6], [7]]
+    tries[0].add([8])
+    first.save()                                          # the limits keep the newest
+    assert read_documents(path + ".suffix", fp) == [[1, 2, 3], [6], [7], [8]]
+
+
 def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch) -> None:
     path = tmp_path / "pool.bin"
     old = sample_pool()
