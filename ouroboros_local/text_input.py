@@ -74,3 +74,13 @@ def utf8_bytes(text: str) -> bytes:
         what = (f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF
                 else f"U+{code:04X}, half of a UTF-16 surrogate pair")
         raise ParameterError(f"the text is not valid Unicode: it holds {what}; {_FIX}") from None
+
+
+def check_argument(value: str | None, flag: str) -> None:
+    """ParameterError naming ``flag`` where its value is not UTF-8 text (a terminal in another encoding),
+    checked before a model loads: found later, the error named no flag (chat's --system on every turn)."""
+    if value is not None:
+        try:
+            utf8_bytes(value)
+        except ParameterError as exc:
+            raise ParameterError(f"{flag}: {exc}") from None

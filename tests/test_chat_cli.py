@@ -137,6 +137,62 @@ def test_a_byte_order_mark_opening_piped_input_is_not_a_message(engine):
     assert "0 answers" in err.getvalue() and session.totals.turns == 0
 
 
+def test_a_message_that_can_never_fit_says_so_and_one_stopped_before_its_first_token_is_dropped(engine):
+    """/reset was offered for a message too long on its own, and for a --system that no turn could fit
+    beside; Ctrl-C during a long paste's prefill kept the paste in the conversation (and re-prefilled it)."""
+    session = ChatSession(engine, method="vanilla", max_tokens=4)
+    with pytest.raises(ContextOverflowError, match="the message has .* shorten it") as exc:
+        session.ask("the sea " * 400)
+    assert "/reset" not in str(exc.value)
+    session.ask("hello")
+    with pytest.raises(ContextOverflowError, match="/reset to start over"):
+        session.ask("the sea " * 400)
+    with pytest.raises(ContextOverflowError, match="the system prompt has .* shorten --system"):
+        ChatSession(engine, method="vanilla", system="the sea " * 400).check_system()
+    ChatSession(engine, method="vanilla", system=SYSTEM).check_system()
+    before = list(session.messages)
+    stopped = threading.Event()
+    stopped.set()
+    result = session.ask("a long paste", cancel=stopped)
+    assert result.stats.finish_reason == "cancelled" and not result.tokens
+    assert session.messages == before and session.totals.cancelled == 1
+
+
+def test_repl_unknown_commands_escapes_and_messages_of_several_lines(engine):
+    """A question starting with a path was dropped in silence; there was no way to send several lines."""
+    sent: list[str] = []
+    lines = iter(["/usr/bin/python3 crashes, why?", "//usr/bin/python3 crashes", '"""first line',
+                  "  second line", 'third"""', '"""one line"""', '"""', "/stats", '"""', "/quit"])
+    session = ChatSession(engine, method="vanilla", max_tokens=2)
+    real_ask = session.ask
+    session.ask = lambda text, *a: (sent.append(text), real_ask(text, *a))[1]
+    err = io.StringIO()
+    assert run_repl(session, read=lambda prompt: next(lines), out=io.StringIO(), err=err) == 0
+    assert "unknown command /usr/bin/python3 (not sent; start the message with // to send it)" in err.getvalue()
+    assert sent == ["/usr/bin/python3 crashes", "first line\n  second line\nthird", "one line", "/stats"]
+
+
+def test_piped_chat_shows_no_prompt_and_takes_bytes_that_are_not_utf8(tiny_target, tmp_path):
+    """Piped, '>>> ' went into the answers on stdout; a strict stdin (any UTF-8 locale but C.UTF-8)
+    ended the chat with a traceback at the first byte that was not UTF-8."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "PYTHONIOENCODING": "utf-8", "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "c.json"),
+           "OUROBOROS_ESTIMATES_FILE": str(tmp_path / "e.json")}
+    run = subprocess.run([sys.executable, "-m", "ouroboros_local.cli", "chat", "-m", str(tiny_target), "-c", "512",
+                          "-t", "1", "-n", "4", "--method", "vanilla"], input=b"Hello caf\xe9\nhi\n", env=env,
+                         capture_output=True, timeout=120)
+    err = run.stderr.decode()
+    assert run.returncode == 0 and "Traceback" not in err, err
+    assert "error: the text is not valid Unicode: it holds the byte 0xe9" in err
+    assert len(STATS_LINE.findall(err)) == 1 and PROMPT not in run.stdout.decode()
+    bad = subprocess.run([sys.executable, "-m", "ouroboros_local.cli", "chat", "-m", str(tmp_path / "none.gguf"),
+                          "--system", b"caf\xe9".decode("utf-8", "surrogateescape")], env=env, capture_output=True,
+                         timeout=60, stdin=subprocess.DEVNULL)
+    assert bad.returncode == 2 and b"--system: the text is not valid Unicode" in bad.stderr, bad.stderr
+
+
 # ---- the real CLI in a pseudo-terminal ----------------------------------------------------------
 try:
     import pexpect

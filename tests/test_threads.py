@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ouroboros_local import cpu_load
@@ -181,6 +183,9 @@ def test_doctor_counts_the_kv_cache_of_the_context_asked_for(tiny_target, capsys
                      "--cache-type-v", "q8_0"]) == 0
     assert f"KV cache of 99999999 tokens {per_token * 99999999 * 34 / 64 / 2**30:.1f}" in capsys.readouterr().out
     assert cli.main(["doctor", "-m", str(tiny_target), "-c", "-5"]) == 2
+    # -c 0, each model's trained context: with a draft the report stopped halfway at "--ctx-size must be"
+    assert cli.main(["doctor", "-m", str(tiny_target), "-d", str(tiny_target), "-c", "0"]) == 0
+    assert "pair speed:" in capsys.readouterr().out
     from ouroboros_local.doctor import KV_TYPE_BYTES
     from ouroboros_local.llama.binding import KV_CACHE_TYPES
 
@@ -222,3 +227,16 @@ def test_seed_minus_one_is_random_as_in_llama_cpp(tiny_target, capsys) -> None:
     assert cli.main(args + ["--seed", "-1"]) == 0
     assert cli.main(args + ["--seed", "-2"]) == 2
     assert "seed must be an integer >= 0" in capsys.readouterr().err
+
+
+def test_calibrate_measures_the_draft_it_is_given(tiny_target, tiny_draft, capsys) -> None:
+    """calibrate -d loaded the draft and neither measured nor showed it."""
+    import json
+
+    from ouroboros_local import cli
+
+    assert cli.main(["calibrate", "-m", str(tiny_target), "-d", str(tiny_draft), "-c", "256"]) == 0
+    assert re.search(r"draft .*: one step [\d.]+s \([\d.]+ target steps\); decodes of 2: ", capsys.readouterr().out)
+    assert cli.main(["calibrate", "-m", str(tiny_target), "-d", str(tiny_draft), "-c", "256", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["draft"]["sizes"][0] == 1 and report["draft"]["origin"].startswith("cached")
