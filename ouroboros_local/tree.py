@@ -31,7 +31,7 @@ class ExtraToken:
     """A non-candidate token decoded in the target batch (e.g. a lookahead window cell).
 
     ``pos_offset`` is relative to the root (>= 1); ``seqs`` are extra-sequence indices (0-based, local to
-    the extras); ``want_logits`` asks for its logits row (returned in ``VerifyResult.extra_logits``).
+    the extras); ``want_logits`` asks for its logits row (its argmax is returned in ``VerifyResult.extra_predictions``).
     """
 
     token: int

@@ -112,7 +112,7 @@ class VerifyResult:
     accepted: list[int]           # accepted candidate tokens (path without the root)
     bonus: int                    # the target's own token after the accepted path
     predictions: Predictions | np.ndarray  # target argmax at every tree node (row i predicts the child of node i)
-    extra_logits: np.ndarray | None = None
+    extra_predictions: list[int] | None = None   # target argmax after each extra asking for logits
     winner_seq: int = 0
     accepted_by_source: dict[str, int] = field(default_factory=dict)
 
@@ -221,11 +221,11 @@ def verify_round(tree: TokenTree, decode: Callable[[BatchLayout], np.ndarray], p
     lay = layout(tree)
     rows = decode(lay)
     path, bonus, predictions = verify(tree, rows[:lay.n_tree], params, rng, lay.chain)
-    extra_rows = [r for r in lay.extra_rows if r >= 0] if lay.extra_rows else None
-    extra_logits = np.array(rows[extra_rows]) if extra_rows else None
+    # an argmax per extra row, read in place: copying the rows cost two vocabulary-sized copies each
+    extra = [int(rows[r].argmax()) for r in lay.extra_rows if r >= 0] if lay.extra_rows else None
     winner = min(s for s in lay.seq_ids[path[-1]] if s < len(lay.leaf_seq)) if lay.n_seqs > 1 else 0
     result = VerifyResult(tree=tree, path=path, accepted=[tree.tokens[i] for i in path[1:]], bonus=int(bonus),
-                          predictions=predictions, extra_logits=extra_logits, winner_seq=winner,
+                          predictions=predictions, extra_predictions=extra or None, winner_seq=winner,
                           accepted_by_source=_count_sources(tree, path[1:], {}))
     return result, lay
 

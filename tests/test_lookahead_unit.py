@@ -14,7 +14,7 @@ from ouroboros_local.proposers import check_options
 from ouroboros_local.pool import PhrasePool
 from ouroboros_local.proposers.lookahead import LookaheadProposer, create
 from ouroboros_local.testing.engines import E2E_PROMPTS
-from ouroboros_local.testing.sim import FakeTarget, assert_greedy_under_budgets, make_setup, one_hot, simulate
+from ouroboros_local.testing.sim import FakeTarget, assert_greedy_under_budgets, make_setup, simulate
 from ouroboros_local.tree import check_layout, layout
 
 
@@ -77,7 +77,7 @@ def test_shift_and_harvest_from_hand_made_logits() -> None:
     assert [e.token for e in tree.extras] == [11, 12, 20, 21, 22]
     new = [30, 31, 32]
     result = SimpleNamespace(tree=tree, path=[0], accepted=[], bonus=6, tokens=[6],
-                             predictions=np.array([6]), extra_logits=one_hot(new, 40), winner_seq=0)
+                             predictions=np.array([6]), extra_predictions=list(new), winner_seq=0)
     prop.observe([1, 2, 5, 6], result)
     # harvest: column i -> key = level-0 token (u = 5 for column 0), phrase = (a1[i], new[i])
     assert pool.lookup([5]) == [(20, 30)]
@@ -100,7 +100,7 @@ def test_window_harvest_with_two_token_keys() -> None:
     prop.window.levels = [[11], [20, 21]]
     tree = prop.propose([1, 2, 5], budget=10)
     result = SimpleNamespace(tree=tree, path=[0], accepted=[], bonus=6, tokens=[6],
-                             predictions=np.array([6]), extra_logits=one_hot([30, 31], 40))
+                             predictions=np.array([6]), extra_predictions=[30, 31])
     prop.observe([1, 2, 5, 6], result)
     assert pool.lookup([2, 5]) == [(20, 30)]
     assert pool.lookup([5, 11]) == [(21, 31)]
@@ -113,13 +113,13 @@ def test_window_pauses_without_room_and_ignores_foreign_results() -> None:
     small = prop.propose([1, 2, 3], budget=prop.window_depth - 1)
     assert small.extras == [] and small.n_extra_seqs == 0
     result = SimpleNamespace(tree=small, path=[0], accepted=[], bonus=4, tokens=[4],
-                             predictions=np.array([4]), extra_logits=None)
+                             predictions=np.array([4]), extra_predictions=None)
     prop.observe([1, 2, 3, 4], result)
     assert prop.window.levels == levels
     # a result for another tree (e.g. the engine replaced it) does not move the window either
     prop.propose([1, 2, 3, 4], budget=20)
     other = SimpleNamespace(tree=small, path=[0], accepted=[], bonus=5, tokens=[5],
-                            predictions=np.array([5]), extra_logits=one_hot([1, 2, 3, 4], 10))
+                            predictions=np.array([5]), extra_predictions=[1, 2, 3, 4])
     prop.observe([1, 2, 3, 4, 5], other)
     assert prop.window.levels == levels
 

@@ -122,7 +122,7 @@ def test_pool_is_consulted_and_fed() -> None:
     assert set(tree.sources.values()) == {"pool"}
     committed = prompt + [8, 9, 10, 11]
     result = SimpleNamespace(tree=tree, path=[0, 1, 2, 3], accepted=[8, 9, 10], bonus=11,
-                             predictions=np.array([8, 9, 10, 11]), extra_logits=None, winner_seq=0)
+                             predictions=np.array([8, 9, 10, 11]), extra_predictions=None, winner_seq=0)
     prop.observe(committed, result)
     assert pool.lookup([8]) == [(9, 10, 11)]
     assert pool.lookup([4]) == [(7, 8, 9)]

@@ -298,7 +298,7 @@ class CrossVocabOuroboros(CrossVocabProposer):
         view = self.view
         tree = self._start_round(committed)
         self.catch_up_seconds = 0.0
-        tokens = list(view.tokens)
+        tokens = view.tokens   # not copied (O(context) a round): nothing changes the view while it drafts
         if budget <= 0 or len(tokens) < 2 or view.pending or len(tokens) + 1 >= self.kv.ctx.n_ctx:
             self.empty_rounds += 1
             return tree

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Sequence
 
-import numpy as np
-
 from .. import options as opt
 from ..drafting import JacobiWindow, hang_phrases
 from ..errors import MethodOptionError, ParameterError
@@ -124,8 +122,8 @@ class LookaheadProposer(Proposer):
     def observe(self, committed: Sequence[int], result: "VerifyResult") -> None:
         pending, self._pending = self._pending, None
         self._stats["branch_accepted"] += getattr(result, "accepted_by_source", {}).get("lookahead", 0)
-        if pending is not None and pending[0] is result.tree and result.extra_logits is not None:
-            new = np.asarray(result.extra_logits).argmax(axis=1).tolist()
+        if pending is not None and pending[0] is result.tree and result.extra_predictions is not None:
+            new = list(result.extra_predictions)
             if len(new) != self.W:
                 raise RuntimeError(f"lookahead: expected {self.W} window rows, got {len(new)}")
             self._stats["window_phrases"] += self.window.harvest(self.pool, pending[1], new)

@@ -219,12 +219,20 @@ class OuroborosProposer(Proposer):
         rows = kv.decode_layout(lay)
         if rows.shape[1] > self.n_target_vocab:
             rows = rows[:, :self.n_target_vocab]   # tokens the target lacks can never be accepted
-        preds = rows.argmax(axis=1)               # preds[k] = draft argmax after node u_node + k
+        # the draft's argmax after a node, read in place and only where asked: along the walk and at the
+        # window's last level (every row's was 16 vocabulary-sized passes a forward, most never read)
+        preds: dict[int, int] = {}
+
+        def pred(node: int) -> int:
+            if node not in preds:
+                preds[node] = int(rows[node - u_node].argmax())
+            return preds[node]
+
         # Greedy walk from u through window and phrase nodes.
         path: list[int] = []
         node = u_node
         while True:
-            y = int(preds[node - u_node])
+            y = pred(node)
             nxt = tree.child_with_token(node, y)
             if nxt is None:
                 break
@@ -245,7 +253,7 @@ class OuroborosProposer(Proposer):
             else:
                 st["draft_window_tokens"] += 1
         if use_window:
-            new = preds[np.asarray(last_nodes, dtype=np.int64) - u_node]
+            new = np.array([pred(n) for n in last_nodes], dtype=np.int64)
             if win.ready:
                 st["window_phrases"] += self._harvest_window(chain, committed, d, new)
             win.shift(new)
@@ -265,7 +273,7 @@ class OuroborosProposer(Proposer):
         kv = self.kv
         prev = len(committed) - len(result.tokens)     # committed length when the tree was proposed
         start = min(kv.n_past, prev)                   # the draft KV is a prefix of the old committed + d
-        keep = start + common_prefix(kv.cached[start:], committed[start:])
+        keep = common_prefix(kv.cached, committed, start)   # no slices: O(new tokens), not O(context)
         kv.truncate(min(keep, len(committed) - 1))
         self._catch_up.observed()
         if self._checking():
