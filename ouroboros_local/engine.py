@@ -461,6 +461,8 @@ class Engine:
                 return
             self._lock_owner = threading.get_ident()
             try:
+                if self.history.pending:   # the last answers' history, not yet due when they ended
+                    self._save_history(None)
                 self.save_learned()
                 self._closed = True
                 for ctx in (self._draft_ctx, self.target_ctx):
@@ -564,7 +566,7 @@ class Engine:
             try:
                 for event in run:
                     if event.result is not None:   # saved before the caller hears that the answer is done
-                        self._save_history(event.result.stats)   # (the history files, when some were named)
+                        self._save_history(event.result.stats, if_due=True)   # (history files, if named)
                         self.save_learned(SAVE_INTERVAL)
                         saved = True
                     yield event
@@ -604,11 +606,12 @@ class Engine:
         sizer = self._round_sizer(chosen.proposer)   # measures the costs too, where none are yet
         return chosen, sched, sizer
 
-    def _save_history(self, stats: GenerationStats | None) -> None:
-        """Save the history files; a failure (a full disk, a folder made read-only) is a warning, and a
-        note in the answer's stats: the answer itself must reach the caller (it was once discarded)."""
+    def _save_history(self, stats: GenerationStats | None, if_due: bool = False) -> None:
+        """Save the history files (``if_due``: see ``History.save``); a failure (a full disk, a folder made
+        read-only) is a warning, and a note in the answer's stats: the answer itself must reach the
+        caller (it was once discarded)."""
         try:
-            self.history.save()
+            self.history.save(if_due=if_due)
         except PoolError as exc:
             log.warning("warning: %s (the answer is kept; the history is saved again after the next one)", exc)
             if stats is not None:

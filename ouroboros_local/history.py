@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, TypeVar
 
@@ -48,6 +49,8 @@ class History:
         self._files: dict[str, Persistable] = {}
         self._stamps: dict[str, tuple[int, ...] | None] = {}   # each file as this engine last read or wrote it
         self._shared: set[str] = set()   # files another process writes too: merged at every save from then on
+        self._saved_at = self._save_seconds = 0.0   # when the files were last written, and how long it took
+        self.pending = False                         # a save was skipped as not yet due (``save``)
         self._fingerprint: str | None = None
 
     def kept(self, key: Hashable, make: Callable[[], T]) -> T:
@@ -109,10 +112,27 @@ class History:
             self.persist(self.phrase_pool_file, pool)   # a re-shaped pool replaces the one saved there
         return pool
 
-    def save(self) -> None:
+    def save(self, if_due: bool = False) -> None:
         """Write every persisted state to its file (each ``save`` writes atomically). Where another
         process (a second chat on the same --pool) wrote the file since this engine last read or wrote
-        it, what that one saved is kept too (``save_merged``), where each used to overwrite the other's."""
+        it, what that one saved is kept too (``save_merged``), where each used to overwrite the other's.
+
+        ``if_due``: not sooner after the last save than 20 times what that took, so saves take at most
+        a twentieth of the time (a pool of a million tokens takes half a second to write, which every
+        answer of a long-lived server paid); ``pending`` says a save was skipped (the engine's close
+        writes it)."""
+        if not self._files:
+            return
+        if if_due and time.monotonic() - self._saved_at < 20 * self._save_seconds:
+            self.pending = True
+            return
+        started = time.monotonic()
+        self._save_files()
+        self._saved_at = time.monotonic()
+        self._save_seconds = self._saved_at - started
+        self.pending = False
+
+    def _save_files(self) -> None:
         if self._files:
             fingerprint = self.fingerprint()
             for path, state in self._files.items():

@@ -274,6 +274,46 @@ def test_two_processes_sharing_a_history_file_keep_each_others_phrases(tmp_path)
     assert read_documents(path + ".suffix", fp) == [[1, 2, 3], [6], [7], [8]]
 
 
+def test_history_saves_after_answers_take_at_most_a_twentieth_of_the_time(tmp_path, monkeypatch) -> None:
+    """A pool of a million tokens takes half a second to write, which every answer of a server paid."""
+    from ouroboros_local import history as history_module
+    from ouroboros_local.history import History
+
+    clock = [100.0]
+    monkeypatch.setattr(history_module.time, "monotonic", lambda: clock[0])
+    history = History(None)
+    path = tmp_path / "h.pool"
+    pool = history.pool(4, 8, str(path))
+    writes = []
+    real_save = PhrasePool.save
+    monkeypatch.setattr(PhrasePool, "save", lambda self, *a: (writes.append(clock[0]), clock.__setitem__(0, clock[0] + 0.5),
+                                                          real_save(self, *a)))
+    pool.add([1], (2,))
+    history.save(if_due=True)                 # the first is due: 0.5 s to write
+    pool.add([1], (3,))
+    clock[0] += 9.0
+    history.save(if_due=True)                 # 9 s later: not due before 10 s
+    assert len(writes) == 1 and history.pending
+    clock[0] += 1.0
+    history.save(if_due=True)
+    assert len(writes) == 2 and not history.pending
+    assert PhrasePool.load(path, history.fingerprint()).lookup([1]) == [(3,), (2,)]
+
+
+def test_an_engine_closing_writes_the_history_save_that_was_not_yet_due(tiny_target, tmp_path) -> None:
+    from ouroboros_local.suffix_trie import read_documents
+    from ouroboros_local.testing.engines import E2E_PROMPTS, tiny_engine
+
+    path = tmp_path / "h.pool"
+    with tiny_engine(tiny_target) as engine:
+        engine.generate(E2E_PROMPTS[0], max_tokens=6, method="suffix", options={"pool": str(path)})
+        engine.history._save_seconds = 3600.0      # as if the last save had taken an hour: none is due
+        engine.generate(E2E_PROMPTS[1], max_tokens=6, method="suffix", options={"pool": str(path)})
+        fingerprint = engine.history.fingerprint()
+        assert engine.history.pending and len(read_documents(f"{path}.suffix", fingerprint)) == 1
+    assert len(read_documents(f"{path}.suffix", fingerprint)) == 2
+
+
 def test_interrupted_save_keeps_the_old_file(tmp_path, monkeypatch) -> None:
     path = tmp_path / "pool.bin"
     old = sample_pool()

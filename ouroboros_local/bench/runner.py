@@ -123,6 +123,8 @@ class EngineContender(Contender):
                                           sampling=self.sampling, stop=self.stop, options=self.options)
         finally:
             self.engine.history = engine_history
+            if self.history.pending:   # a history file's save that was not yet due (outside the timing)
+                self.history.save()
         return Outcome.from_result(result)
 
 
