@@ -17,10 +17,11 @@ from .llama import Batch, Context
 from .tree import BatchLayout
 
 
-def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
-    """Length of the common prefix of a and b, given that their first ``start`` items are known to
-    agree (a watermark the caller keeps: the walk then costs only the items after it)."""
-    n = min(len(a), len(b))
+def common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0, end: int | None = None) -> int:
+    """Length of the common prefix of a and b (of their first ``end`` items), given that their first
+    ``start`` items are known to agree (a watermark the caller keeps: the walk then costs only the
+    items after it)."""
+    n = min(len(a), len(b)) if end is None else min(len(a), len(b), end)
     i = min(start, n)
     if i > 0 and a[i - 1] != b[i - 1]:   # an O(1) sanity check of the watermark
         i = 0
@@ -86,16 +87,18 @@ class KVCache:
         return self.ctx.logits(1)[0] if logits_last else None
 
     def sync_to(self, tokens: Sequence[int], logits_last: bool = False, agreed: int = 0,
-                stop: Callable[[], bool] | None = None) -> np.ndarray | None:
-        """Make the cache hold exactly ``tokens``, reusing the longest common prefix.
+                stop: Callable[[], bool] | None = None, end: int | None = None) -> np.ndarray | None:
+        """Make the cache hold exactly ``tokens`` (their first ``end``: no O(context) slice), reusing the
+        longest common prefix.
 
         ``agreed``: a length the caller knows the cache and ``tokens`` share (see ``common_prefix``).
         ``stop``: as ``feed``'s (the cache then holds a prefix of ``tokens``)."""
-        keep = common_prefix(self.cached, tokens, agreed)
-        if logits_last and keep == len(tokens) and keep > 0:
+        n = len(tokens) if end is None else min(end, len(tokens))
+        keep = common_prefix(self.cached, tokens, agreed, n)
+        if logits_last and keep == n and keep > 0:
             keep -= 1  # re-decode the last token to get its logits
         self.truncate(keep)
-        return self.feed(list(tokens[keep:]), logits_last=logits_last, stop=stop)
+        return self.feed(list(tokens[keep:n]), logits_last=logits_last, stop=stop)
 
     def _sync_seq(self, s: int) -> None:
         if self.synced[s] < self.n_past:

@@ -105,8 +105,8 @@ class FakeKV:
         self.i += 1
         return row
 
-    def sync_to(self, tokens, logits_last=False, agreed=0):
-        self.cached = list(tokens)
+    def sync_to(self, tokens, logits_last=False, agreed=0, end=None):
+        self.cached = list(tokens[:end])
         return self._next() if logits_last else None
 
     def feed(self, tokens, logits_last=False):

@@ -137,6 +137,14 @@ def test_sync_to_decodes_only_what_follows_the_shared_prefix(kv: KVCache, refere
     assert decoded(kv) == 22
     kv.check()
 
+    # the first ``end`` tokens, without slicing the list (a draft's catch-up did, O(context) each time)
+    longer = PROMPT + [5, 6, 7]
+    assert_same_logits(kv.sync_to(longer, logits_last=True, end=len(PROMPT) + 1), reference.logits(longer[:33]))
+    assert decoded(kv) == 1 and kv.cached == longer[:33]
+    kv.sync_to(longer, agreed=33, end=32)
+    assert decoded(kv) == 0 and kv.cached == PROMPT
+    kv.check()
+
 
 def test_the_agreed_watermark_is_used_and_a_stale_one_is_caught(kv: KVCache, reference: Reference) -> None:
     kv.sync_to(PROMPT)

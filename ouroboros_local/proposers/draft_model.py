@@ -203,7 +203,7 @@ class DraftModelProposer(Proposer):
             return tree
         # the text of the rounds it skipped
         self.catch_up_seconds = self._catch_up.before_draft(
-            lambda: self.kv.sync_to(committed[:-1], agreed=self._agreed))
+            lambda: self.kv.sync_to(committed, agreed=self._agreed, end=len(committed) - 1))
         logits = self.kv.sync_to(committed, logits_last=True, agreed=self._agreed)
         self._agreed = len(committed)
         self.draft_steps += 1
