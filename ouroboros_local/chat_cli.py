@@ -241,8 +241,9 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
 
 def _message(line: str, read: Callable[[str], str], prompt: str) -> tuple[str | None, bool]:
     """(the message ``line`` opens, None for nothing to send; whether it came between triple quotes). A
-    line opening with three double quotes takes the lines up to the one that ends with them (EOF closes
-    it too): a message of several lines, where each line is otherwise sent on its own."""
+    line opening with three double quotes takes the lines up to the one that ends with them (a line of
+    them alone, where they opened alone; EOF closes it too): a message of several lines, where each line
+    is otherwise sent on its own."""
     text = line.strip()
     if not text.startswith(MULTILINE):
         return (line if text else None), False
@@ -250,14 +251,18 @@ def _message(line: str, read: Callable[[str], str], prompt: str) -> tuple[str | 
     if rest.endswith(MULTILINE):          # opened and closed on one line
         lines = [rest[:-len(MULTILINE)]]
     else:
+        # opened alone, only a line of three quotes alone closes it (pasted code holds docstrings)
         lines = [rest]
         while True:
             try:
                 more = read("... " if prompt else "")
             except EOFError:
                 break
-            if more.rstrip().endswith(MULTILINE):
-                lines.append(more.rstrip()[:-len(MULTILINE)])
+            closing = more.strip() == MULTILINE if not rest else more.rstrip().endswith(MULTILINE)
+            if closing:
+                tail = more.rstrip()[:-len(MULTILINE)]
+                if tail.strip():
+                    lines.append(tail)
                 break
             lines.append(more)
     message = "\n".join(lines).strip("\n")

@@ -129,8 +129,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         report = check_pair(resolve_model(args.model), resolve_model(args.draft))
         print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible
                           else f"different vocabularies: {report.reason}"))
-        if report.compatible:   # -c 0: the target's trained context (the engine takes no 0)
-            print(pair_speed_line(argparse.Namespace(**{**vars(args), "ctx_size": n_ctx or trained or 4096})))
+        if report.compatible:   # the curves do not depend on the context: a small one (-c 0 took 128k)
+            print(pair_speed_line(argparse.Namespace(**{**vars(args), "ctx_size": min(n_ctx or trained or 4096,
+                                                                                      4096)})))
     # weights, the KV cache of -c tokens (F16; once ignored: -c 99999999 "fit" and then failed to
     # allocate) and an allowance for llama.cpp's compute buffers
     need = total * 1.1 + kv + 512 * 2**20

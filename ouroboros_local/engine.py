@@ -649,6 +649,12 @@ class Engine:
         except BaseException:
             self.kv.reset()  # a failed prefill leaves the cache in an unknown state
             raise
+        if is_cancelled():   # during the prefill: nothing more, not even a draft's own prefill in begin()
+            stats.prefill_seconds = time.perf_counter() - t0
+            stats.finish_reason = "cancelled"
+            stats.finalize()
+            yield StreamEvent(text="", tokens=[], result=GenerationResult(text="", tokens=[], stats=stats))
+            return
         proposer.begin(committed, setup)
         t1 = time.perf_counter()
         llama_at_t1 = llama_decode_clock()   # this thread's seconds decoding in llama.cpp

@@ -127,6 +127,7 @@ class History:
             self.pending = True
             return
         started = time.monotonic()
+        self.pending = True   # until written: a save that fails is tried again at close
         self._save_files()
         self._saved_at = time.monotonic()
         self._save_seconds = self._saved_at - started

@@ -130,6 +130,24 @@ def test_a_cancel_stops_a_long_prefill_between_its_batches(tiny_target) -> None:
                 engine.generate(prompt[:], max_tokens=8, method="vanilla").tokens
 
 
+def test_a_prefill_cancelled_leaves_the_drafts_own_prefill_undone(tiny_target, tiny_other_vocab) -> None:
+    """speculative with another vocabulary prefills the draft in begin(): after a cancelled prefill it ran
+    all the same (uncancellable)."""
+    with make_engine(tiny_target, tiny_other_vocab, n_batch=16) as engine:
+        prompt = engine.tokenize("one two three four five six seven eight nine ten " * 12)
+        calls = {"n": 0}
+
+        def cancel() -> bool:
+            calls["n"] += 1
+            return calls["n"] > 1
+
+        res = engine.generate(prompt, max_tokens=8, method="speculative", cancel=cancel)
+        assert res.finish_reason == "cancelled" and res.tokens == [] and res.stats.prefill_seconds > 0
+        assert engine.draft_kv().n_past == 0
+        base = engine.generate(prompt, max_tokens=8, method="vanilla")
+        assert engine.generate(prompt, max_tokens=8, method="speculative").tokens == base.tokens
+
+
 def test_bad_parameters_raise_clear_errors(pair_engine: Engine) -> None:
     with pytest.raises(ParameterError, match="temperature"):
         pair_engine.generate("x", sampling=SamplingParams(temperature=-1))

@@ -265,8 +265,8 @@ def test_text_inputs_and_prompts_are_bounded(tiny_target, tmp_path, monkeypatch,
         assert exc.value.n_tokens == 3000
         # far past the context, the text's bytes alone refuse it: no token stands for more bytes than the
         # longest one (tokenizing the whole of 8 MB took seconds only to be refused)
-        longest = engine.target.max_token_bytes()
-        assert longest == max(len(engine.target.piece(t, True)) for t in range(engine.target.n_vocab))
+        longest = engine.target.bytes_per_token()
+        assert longest == max(len(engine.target.piece(t, True)) for t in range(engine.target.n_vocab))   # BPE
         calls = []
         monkeypatch.setattr(binding.lc, "llama_tokenize", lambda *a: calls.append(a) or 0)
         huge = "ab " * (64 * 256 * longest)   # past the 64 bytes a token below which it is simply counted
@@ -275,6 +275,21 @@ def test_text_inputs_and_prompts_are_bounded(tiny_target, tmp_path, monkeypatch,
         assert not calls
         monkeypatch.undo()
         assert len(engine.tokenize(huge)) >= len(huge) // longest   # the bound holds
+    # where special tokens strip the whitespace around them (llama.cpp sets that for phi-3 models: one
+    # token then covers any run of spaces), nothing bounds a token's bytes: the text is counted
+    from ouroboros_local.llama import Model
+
+    strips = binding.lc.LLAMA_TOKEN_ATTR_RSTRIP
+    monkeypatch.setattr(binding.lc, "llama_vocab_get_attr", lambda vocab, token: strips if token == 3 else 0)
+    model = Model(tiny_target)
+    try:
+        assert model.bytes_per_token() is None
+        with pytest.raises(ContextOverflowError, match="tokens, more than 255") as counted:
+            model.tokenize(" a" * 90_000, limit=255)   # counted by llama.cpp, not bounded by bytes
+        assert not counted.value.at_least
+    finally:
+        model.close()
+        monkeypatch.undo()
     monkeypatch.setenv("OUROBOROS_VERBOSE", "0")
     binding._on_log(2, b"llama.cpp says hello\n", None)
     assert "llama.cpp says hello" not in capfd.readouterr().err

@@ -297,6 +297,12 @@ def test_history_saves_after_answers_take_at_most_a_twentieth_of_the_time(tmp_pa
     clock[0] += 1.0
     history.save(if_due=True)
     assert len(writes) == 2 and not history.pending
+    # a save that fails stays pending: the engine's close tries it again
+    monkeypatch.setattr(PhrasePool, "save", lambda self, *a: (_ for _ in ()).throw(PoolError("disk full")))
+    clock[0] += 60.0
+    with pytest.raises(PoolError):
+        history.save(if_due=True)
+    assert history.pending
     assert PhrasePool.load(path, history.fingerprint()).lookup([1]) == [(3,), (2,)]
 
 

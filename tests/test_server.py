@@ -3,6 +3,8 @@ subprocess) and driven with the official `openai` client and raw HTTP."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import http.client as httpclient
 import json
 import logging
@@ -406,8 +408,20 @@ BAD_REQUESTS = [
     ("repeat_penalty", "/v1/completions", {"prompt": "x", "repeat_penalty": 1.1}, 400, "repeat_penalty"),
     ("typical_p", "/v1/chat/completions", {"messages": CHAT, "typical_p": 0.9}, 400, "typical_p"),
     ("mirostat", "/v1/completions", {"prompt": "x", "mirostat": 2}, 400, "mirostat"),
+    ("ignore_eos", "/v1/completions", {"prompt": "x", "ignore_eos": True}, 400, "ignore_eos"),
+    ("grammar", "/v1/chat/completions", {"messages": CHAT, "grammar": "root ::= \"a\""}, 400, "grammar"),
+    ("json mode on completions", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
+     400, "response_format"),
     ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
 ]
+
+
+def test_neutral_sampler_values_that_clients_send_are_taken(live, engine):
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repeat_penalty": 1.0, "typical_p": 1,
+               "mirostat": False, "top_n_sigma": -1, "ignore_eos": False, "n_probs": 0, "logprobs": False}
+    status, _, body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, **neutral})
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
@@ -790,6 +804,37 @@ def test_serve_cli_subprocess(tiny_target, tmp_path, stop):
     assert f"http://127.0.0.1:{port}/v1" in out
     # the first calibration before it listens, not in the first request (a client may time out)
     assert -1 < out.find("measuring this machine's verify cost") < out.find(f"http://127.0.0.1:{port}/v1"), out
+
+
+def test_a_queued_request_hears_shutting_down_even_when_health_is_read_meanwhile():
+    """/health (probed on after a SIGTERM) dropped the cancelled queued jobs as gone clients: a 499."""
+    import asyncio
+
+    from ouroboros_local.server.metrics import Metrics
+    from ouroboros_local.server.worker import GenerationWorker, Job, ShuttingDown
+
+    release = threading.Event()
+
+    class BusyEngine:
+        def stream(self, tokens, cancel, **kwargs):
+            release.wait(10)   # a long prefill batch: the cancel is heard only after it
+            yield SimpleNamespace(text="", result=None)
+
+    async def scenario() -> object:
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(BusyEngine(), Metrics(), max_queue=4)
+        running, queued = Job([1], {}, loop), Job([1], {}, loop)
+        worker.submit(running)
+        await asyncio.sleep(0.05)
+        worker.submit(queued)
+        worker.shut_down()
+        assert worker.depth == 0
+        kind, payload = await asyncio.wait_for(queued.items.get(), 5)
+        release.set()
+        await asyncio.to_thread(worker.close)
+        return payload
+
+    assert isinstance(asyncio.run(scenario()), ShuttingDown)
 
 
 def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(

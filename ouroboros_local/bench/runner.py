@@ -14,15 +14,18 @@ over the method's by less than that many logits there (ouroboros_local.compare, 
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from ..cpu_load import LoadMeter
-from ..errors import OuroborosError, ParameterError
+from ..errors import OuroborosError, ParameterError, PoolError
 from ..history import History
 from .prompts import BuiltPrompt
+
+log = logging.getLogger("ouroboros_local")
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..engine import Engine, GenerationResult
@@ -124,7 +127,10 @@ class EngineContender(Contender):
         finally:
             self.engine.history = engine_history
             if self.history.pending:   # a history file's save that was not yet due (outside the timing)
-                self.history.save()
+                try:
+                    self.history.save()
+                except PoolError as exc:   # as the engine's own save: a warning, the run goes on
+                    log.warning("warning: %s", exc)
         return Outcome.from_result(result)
 
 

@@ -242,7 +242,7 @@ class Model(_Native):
         self.eos = int(lc.llama_vocab_eos(self.vocab))
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
         self._pieces: dict[tuple[int, bool], bytes] = {}
-        self._max_token_bytes: int | None = None
+        self._bytes_per_token: int | None = None   # 0: no bound (``bytes_per_token``)
         # per ``special``: the text of each piece seen that is whole UTF-8 on its own (``TextStream``)
         self._piece_texts: tuple[dict[int, str], dict[int, str]] = ({}, {})
         self._eog: frozenset[int] | None = None
@@ -332,8 +332,8 @@ class Model(_Native):
         """``limit``: more tokens than that raise ContextOverflowError (naming the count) before they
         become a Python list, ~36 bytes a token (a 21 MB prompt file once took 1.2 GB)."""
         data = utf8_bytes(text)
-        if limit is not None and len(data) > 64 * (limit + 1) and self._bytes_bound_tokens():
-            floor = len(data) // self.max_token_bytes()   # no token covers more bytes: a sure count
+        if limit is not None and len(data) > 64 * (limit + 1) and (per_token := self.bytes_per_token()):
+            floor = len(data) // per_token   # no token covers more bytes: a sure count
             if floor > limit:   # (tokenizing 8 MB took 2 s of CPU only to be refused)
                 raise ContextOverflowError(f"the text has more than {limit} tokens", n_tokens=floor,
                                            at_least=True)
@@ -349,22 +349,28 @@ class Model(_Native):
                 raise OuroborosError("text too long to tokenize")
             cap = -n
 
-    def max_token_bytes(self) -> int:
-        """The most bytes one token stands for (special tokens' text included); measured on first use
-        (0.4 s at 152k tokens)."""
-        if self._max_token_bytes is None:
-            buf = ctypes.create_string_buffer(256)
-            longest = 1
-            for token in range(self.n_vocab):
-                n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
-                longest = max(longest, abs(n))   # -n: the size a piece longer than the buffer needs
-            self._max_token_bytes = longest
-        return self._max_token_bytes
-
-    def _bytes_bound_tokens(self) -> bool:
-        # BPE and SentencePiece consume exactly the bytes of the tokens they emit; WordPiece and Unigram
-        # tokenizers normalize (drop whitespace runs, fold case), so a text's bytes bound nothing there
-        return lc.llama_vocab_type(self.vocab) in (lc.LLAMA_VOCAB_TYPE_BPE, lc.LLAMA_VOCAB_TYPE_SPM)
+    def bytes_per_token(self) -> int | None:
+        """The most input bytes one token can stand for, or None where nothing bounds it; measured on
+        first use (0.4 s at 152k tokens). The longest piece (special tokens' text included), for BPE; three
+        times that for SentencePiece, whose pieces count a typed U+2581 (3 bytes) as the space it stands
+        for. None for tokenizers that normalize (WordPiece and Unigram drop whitespace runs and fold case)
+        and where a special token strips the whitespace around it (llama.cpp's phi-3 settings)."""
+        if self._bytes_per_token is None:
+            kind = lc.llama_vocab_type(self.vocab)
+            bound = 0
+            if kind in (lc.LLAMA_VOCAB_TYPE_BPE, lc.LLAMA_VOCAB_TYPE_SPM):
+                strips = lc.LLAMA_TOKEN_ATTR_LSTRIP | lc.LLAMA_TOKEN_ATTR_RSTRIP
+                buf = ctypes.create_string_buffer(256)
+                longest = 1
+                for token in range(self.n_vocab):
+                    if lc.llama_vocab_get_attr(self.vocab, token) & strips:
+                        longest = 0
+                        break
+                    n = lc.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, True)
+                    longest = max(longest, abs(n))   # -n: the size a piece longer than the buffer needs
+                bound = longest * (3 if kind == lc.LLAMA_VOCAB_TYPE_SPM else 1)
+            self._bytes_per_token = bound
+        return self._bytes_per_token or None
 
     def piece(self, token: int, special: bool = False) -> bytes:
         """The bytes of one token (may be a partial UTF-8 sequence). Cached."""

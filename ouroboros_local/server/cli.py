@@ -137,10 +137,19 @@ def _server(uvicorn: Any, config: Any, end_jobs: Callable[[], None]) -> Any:
     uvicorn waits for their connections to close, and after its graceful timeout a client got a plain-text
     500 and the log a traceback, while queued jobs still started."""
 
+    asked = threading.Event()
+
+    def stopper() -> None:
+        asked.wait()
+        end_jobs()
+
+    # started now, not in the handler: the signal may arrive while this thread holds the worker's lock,
+    # a job's event or the lock Thread.start takes; setting an event no other thread here touches is safe
+    threading.Thread(target=stopper, name="ouroboros-stop", daemon=True).start()
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: Any) -> None:
-            # a thread: the signal may arrive while this one holds the worker's lock or a job's event
-            threading.Thread(target=end_jobs, name="ouroboros-stop", daemon=True).start()
+            asked.set()
             super().handle_exit(sig, frame)
 
     return Server(config)

@@ -256,25 +256,34 @@ def _refuse_choices(body: dict[str, Any]) -> None:
 # and those of llama.cpp's server and other local servers that their clients send
 _DISTRIBUTION_CHANGES = {"presence_penalty": 0, "frequency_penalty": 0, "repeat_penalty": 1,
                          "repetition_penalty": 1, "typical_p": 1, "tfs_z": 1, "top_a": 0, "mirostat": 0,
-                         "dry_multiplier": 0, "xtc_probability": 0}
+                         "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0, "top_n_sigma": -1,
+                         "smoothing_factor": 0, "n_probs": 0, "ignore_eos": False}
+# constraints on the output: the text would no longer be the model's own
+_CONSTRAINTS = ("grammar", "json_schema")
 
 
 def _refuse_penalties(body: dict[str, Any]) -> None:
     for name, neutral in _DISTRIBUTION_CHANGES.items():
         value = body.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise bad_request(name, f"{name} must be a number", "invalid_type")
-        if value is not None and value != neutral:
+        if value is None or (isinstance(value, bool) and value == neutral):   # mirostat: false
+            continue
+        if isinstance(value, bool) != isinstance(neutral, bool) or not isinstance(value, (int, float)):
+            kind = "true or false" if isinstance(neutral, bool) else "a number"
+            raise bad_request(name, f"{name} must be {kind}", "invalid_type")
+        if value != neutral:
             raise _refusal(name, "it would change the target's distribution; decoding is lossless")
+    for name in _CONSTRAINTS:
+        if body.get(name):
+            raise _refusal(name, "the output is the model's own, unconstrained")
+    fmt = body.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        raise _refusal("response_format", "only plain text output")
 
 
 def _refuse_chat_features(body: dict[str, Any]) -> None:
     for name in ("tools", "functions"):
         if body.get(name):
             raise _refusal(name, "no tool calling")
-    fmt = body.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-        raise _refusal("response_format", "only plain text output")
 
 
 # ---- a generation request -----------------------------------------------------------------------

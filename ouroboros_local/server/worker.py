@@ -169,7 +169,7 @@ class GenerationWorker:
             for job in [job for job in self._waiting if job.cancel.is_set()]:
                 self._waiting.remove(job)
                 self.metrics.observe_queue_wait(time.perf_counter() - job.enqueued)
-                job.emit("error", Cancelled())
+                job.emit("error", ShuttingDown() if self._closed else Cancelled())
 
     def shut_down(self) -> None:
         """Take no more jobs and end the queued and the running one, whose clients hear ShuttingDown
