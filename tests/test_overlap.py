@@ -198,7 +198,8 @@ def test_a_round_observed_during_the_next_step_is_observed_when_no_step_follows(
     seen = []
     monkeypatch.setattr(NoDraft, "observe", lambda self, committed, result: seen.append(len(committed)))
     rounds = iter(range(10**6))
-    res = overlap_engine.generate(PROMPTS[0], max_tokens=20, method="vanilla", cancel=lambda: next(rounds) >= 3)
+    # asked once after the prefill, then before each round
+    res = overlap_engine.generate(PROMPTS[0], max_tokens=20, method="vanilla", cancel=lambda: next(rounds) >= 4)
     assert res.stats.finish_reason == "cancelled" and len(res.tokens) == 3
     assert len(seen) == 3 and seen[-1] == len(overlap_engine.prompt_tokens(PROMPTS[0])) + 3
 
