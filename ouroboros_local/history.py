@@ -102,7 +102,8 @@ class History:
                            lambda p, fingerprint, n_vocab: PhrasePool.load(p, fingerprint, n_vocab=n_vocab))
         if pool is not None and (pool.phrase_len < phrase_len or pool.max_per_key < max_per_key
                                  or pool.key_len != 1):
-            pool = _reshaped(pool, max(phrase_len, pool.phrase_len), max(max_per_key, pool.max_per_key))
+            pool = PhrasePool.combined((pool,), key_len=1, max_per_key=max(max_per_key, pool.max_per_key),
+                                       phrase_len=max(phrase_len, pool.phrase_len), max_tokens=pool.max_tokens)
         if pool is None:
             pool = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len)
         self.phrase_pool = pool
@@ -134,25 +135,16 @@ class History:
         self.pending = False
 
     def _save_files(self) -> None:
-        if self._files:
-            fingerprint = self.fingerprint()
-            for path, state in self._files.items():
-                found = _stamp(path)
-                if found is not None and found != self._stamps.get(path):
-                    self._shared.add(path)   # the file now holds the other's too: a plain save would drop it
-                if path in self._shared:
-                    state.save_merged(path, fingerprint, self._n_vocab())
-                else:
-                    state.save(path, fingerprint)
-                self._stamps[path] = _stamp(path)
-
-
-def _reshaped(pool: PhrasePool, phrase_len: int, max_per_key: int) -> PhrasePool:
-    fresh = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len, max_tokens=pool.max_tokens)
-    for key, phrases in pool.items():
-        for phrase in phrases:
-            fresh.add(key, phrase)
-    return fresh
+        fingerprint = self.fingerprint()
+        for path, state in self._files.items():
+            found = _stamp(path)
+            if found is not None and found != self._stamps.get(path):
+                self._shared.add(path)   # the file now holds the other's too: a plain save would drop it
+            if path in self._shared:
+                state.save_merged(path, fingerprint, self._n_vocab())
+            else:
+                state.save(path, fingerprint)
+            self._stamps[path] = _stamp(path)
 
 
 def _fingerprint(model: "Model | None") -> str:

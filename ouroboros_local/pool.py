@@ -254,13 +254,21 @@ class PhrasePool:
         if theirs is None or theirs.key_len != self.key_len:
             self.save(path, fingerprint)
             return
-        merged = PhrasePool(key_len=self.key_len, max_per_key=max(self.max_per_key, theirs.max_per_key),
-                            max_tokens=self.max_tokens, phrase_len=max(self.phrase_len, theirs.phrase_len))
-        for pool in (theirs, self):
+        merged = PhrasePool.combined((theirs, self), key_len=self.key_len,
+                                     max_per_key=max(self.max_per_key, theirs.max_per_key),
+                                     phrase_len=max(self.phrase_len, theirs.phrase_len), max_tokens=self.max_tokens)
+        merged.save(path, fingerprint)
+
+    @classmethod
+    def combined(cls, pools: Iterable["PhrasePool"], *, key_len: int, max_per_key: int, phrase_len: int,
+                 max_tokens: int) -> "PhrasePool":
+        """A fresh pool of these settings holding ``pools``' phrases, a later pool's as the newer."""
+        out = cls(key_len=key_len, max_per_key=max_per_key, phrase_len=phrase_len, max_tokens=max_tokens)
+        for pool in pools:
             for key, phrases in pool.items():
                 for phrase in phrases:
-                    merged.add(key, phrase)
-        merged.save(path, fingerprint)
+                    out.add(key, phrase)
+        return out
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, *, max_per_key: int | None = None,

@@ -222,7 +222,7 @@ def method_and_options(body: dict[str, Any], default: str,
 def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Refuse OpenAI features that this server cannot honour rather than silently ignoring them."""
     _refuse_choices(body)
-    _refuse_penalties(body)
+    _refuse_distribution_changes(body)
     if body.get("logit_bias"):
         raise _refusal("logit_bias", "decoding follows the target model's distribution")
     # chat's logprobs is a bool; completions' an int, where 0 still asks for the chosen tokens' logprobs
@@ -262,7 +262,7 @@ _DISTRIBUTION_CHANGES = {"presence_penalty": 0, "frequency_penalty": 0, "repeat_
 _CONSTRAINTS = ("grammar", "json_schema")
 
 
-def _refuse_penalties(body: dict[str, Any]) -> None:
+def _refuse_distribution_changes(body: dict[str, Any]) -> None:
     for name, neutral in _DISTRIBUTION_CHANGES.items():
         value = body.get(name)
         if value is None or (isinstance(value, bool) and value == neutral):   # mirostat: false

@@ -169,7 +169,12 @@ class GenerationWorker:
             for job in [job for job in self._waiting if job.cancel.is_set()]:
                 self._waiting.remove(job)
                 self.metrics.observe_queue_wait(time.perf_counter() - job.enqueued)
-                job.emit("error", ShuttingDown() if self._closed else Cancelled())
+                job.emit("error", self._ended())
+
+    def _ended(self) -> Exception:
+        # why a job cancelled before it ran ends: its client left, or the server is stopping (a 503 then,
+        # however the job was found: /health reading ``depth`` meanwhile once made it a 499)
+        return ShuttingDown() if self._closed else Cancelled()
 
     def shut_down(self) -> None:
         """Take no more jobs and end the queued and the running one, whose clients hear ShuttingDown
@@ -208,7 +213,7 @@ class GenerationWorker:
     def _run(self, job: Job) -> None:
         self.metrics.observe_queue_wait(time.perf_counter() - job.enqueued)
         if job.cancel.is_set():
-            job.emit("error", ShuttingDown() if self._closed else Cancelled())
+            job.emit("error", self._ended())
             return
         stream = self.engine.stream(job.tokens, cancel=job.cancel, **job.params)
         try:
