@@ -6,6 +6,12 @@ GPT-2-family pre-tokenizer must split, so the view equals a full re-tokenization
 text plus one chunk. ``text_to_target`` turns draft text back into target tokens after an anchor of
 committed text, dropping the last, still unstable token; ``target_confidences`` carries the draft's
 per-token confidences over to those target tokens.
+
+SentencePiece tokenizers of the Llama-2 family (Mistral, TinyLlama, Phi-3, ...) put a space before the
+text they are given (``adds_space_prefix``): their pieces spell one byte more than the text. Text that
+continues earlier text is then tokenized without its own leading space, which the prefix stands for
+(``tokenize_spelled``), and only a space after a non-space is a boundary (their pieces hold a space
+first, or only spaces). A restart that finds no boundary spells one space more, which the draft reads.
 """
 
 from __future__ import annotations
@@ -24,14 +30,15 @@ _SPACE, _NL = 0x20, 0x0A
 _MAX_BACKTRACK = 64    # tokens to walk back looking for a chunk boundary before giving up on exactness
 
 
-def is_chunk_start(buf: bytes | bytearray, p: int) -> bool:
+def is_chunk_start(buf: bytes | bytearray, p: int, spaces_only: bool = False) -> bool:
     """Must every GPT-2-family pre-tokenizer start a chunk at byte ``p`` of ``buf``, whatever follows?
 
     True for p == 0, for a space after a non-whitespace byte, and for a non-whitespace byte after a
     newline that itself follows a non-whitespace byte. (No pattern of those regexes matches
     non-space + space or newline + non-space. The lookahead ``\\s+(?!\\S)`` re-splits a run of
     several whitespace bytes once a non-space follows it, "\\n\\n" + "d" -> "\\n", "\\n", "d", so a
-    boundary after a longer whitespace run is not stable.)
+    boundary after a longer whitespace run is not stable.) ``spaces_only``: the space case alone, for a
+    SentencePiece tokenizer, whose pieces start at a space (U+2581) but may hold a newline anywhere.
     """
     if p <= 0:
         return True
@@ -40,7 +47,7 @@ def is_chunk_start(buf: bytes | bytearray, p: int) -> bool:
     prev, cur = buf[p - 1], buf[p]
     if cur == _SPACE:
         return prev not in _WS
-    return prev == _NL and cur not in _WS and (p < 2 or buf[p - 2] not in _WS)
+    return not spaces_only and prev == _NL and cur not in _WS and (p < 2 or buf[p - 2] not in _WS)
 
 
 def valid_utf8_prefix(data: bytes) -> int:
@@ -52,18 +59,42 @@ def valid_utf8_prefix(data: bytes) -> int:
         return exc.start
 
 
+def adds_space_prefix(tokenize: Callable[[str], list[int]], piece: Callable[[int], bytes]) -> bool:
+    """Does the tokenizer put a space before the text it is given (a Llama-2-family SentencePiece)?"""
+    return b"".join(piece(t) for t in tokenize("a")) == b" a"
+
+
+def tokenize_spelled(tokenize: Callable[[str], list[int]], piece: Callable[[int], bytes], text: bytes,
+                     adds_space: bool, continues: bool) -> tuple[list[int], int]:
+    """Tokens of ``text`` (valid UTF-8) and the offset in ``text`` where the first one starts: -1 where
+    it also spells a space the tokenizer put before the text (``adds_space``), else 0.
+
+    ``continues``: the text continues earlier text, so a leading space of its own is left to the
+    tokenizer's prefix (the pieces then spell the text exactly, as in the whole text's tokenization);
+    a lone prefix token (a piece of one space) is dropped."""
+    strip = adds_space and continues and text[:1] == b" "
+    tokens = tokenize(text[1:].decode("utf-8") if strip else text.decode("utf-8"))
+    if not adds_space or strip:
+        return tokens, 0
+    if continues and tokens and piece(tokens[0]) == b" ":
+        return tokens[1:], 0
+    return tokens, -1
+
+
 def text_to_target(tokenize: Callable[[str], list[int]], piece: Callable[[int], bytes],
-                   anchor: bytes, new: bytes, closed: bool = False) -> tuple[list[int], bool]:
+                   anchor: bytes, new: bytes, closed: bool = False,
+                   adds_space: bool = False) -> tuple[list[int], bool]:
     """Target tokens for ``new`` text that follows committed text ending with ``anchor``.
 
     ``tokenize(text)`` is the target tokenizer without specials (add_special=False,
-    parse_special=False) and ``piece(token)`` a target token's bytes. ``anchor`` must be valid UTF-8 and
-    start at a committed target token boundary. Tokenizes ``anchor + new`` and returns the tokens after
-    the one ending exactly at ``len(anchor)`` (or, when a token straddles that point, ``new`` tokenized
-    alone). Unless ``closed`` (the text is known to end there: a special token follows), the last token
-    is dropped because more text could still merge into it; a partial UTF-8 character at the end of
-    ``new`` is cut off (and then nothing is closed). Returns ``(tokens, complete)`` where ``complete``
-    says the tokens spell all of ``new``.
+    parse_special=False) and ``piece(token)`` a target token's bytes; ``adds_space``: it puts a space
+    before the text (``adds_space_prefix``). ``anchor`` must be valid UTF-8 and start at a committed
+    target token boundary. Tokenizes ``anchor + new`` and returns the tokens after the one ending
+    exactly at ``len(anchor)`` (or, when a token straddles that point, ``new`` tokenized alone). Unless
+    ``closed`` (the text is known to end there: a special token follows), the last token is dropped
+    because more text could still merge into it; a partial UTF-8 character at the end of ``new`` is cut
+    off (and then nothing is closed). Returns ``(tokens, complete)`` where ``complete`` says the tokens
+    spell all of ``new``.
     """
     n = valid_utf8_prefix(new)
     complete = n == len(new)
@@ -71,10 +102,9 @@ def text_to_target(tokenize: Callable[[str], list[int]], piece: Callable[[int], 
     new = new[:n]
     if not new:
         return [], complete
-    tokens = tokenize((anchor + new).decode("utf-8")) if anchor else []
+    tokens, acc = tokenize_spelled(tokenize, piece, anchor + new, adds_space, True) if anchor else ([], 0)
     start = -1
     if anchor:
-        acc = 0
         for j, tok in enumerate(tokens):
             if acc == len(anchor):
                 start = j
@@ -86,7 +116,10 @@ def text_to_target(tokenize: Callable[[str], list[int]], piece: Callable[[int], 
             if acc == len(anchor):
                 start = len(tokens)
     if start < 0:
-        tokens, start = tokenize(new.decode("utf-8")), 0
+        tokens, offset = tokenize_spelled(tokenize, piece, new, adds_space, True)
+        if offset:   # the first token spells a space that is not in the text
+            return [], False
+        start = 0
     out = tokens[start:]
     if not closed and out:
         out.pop()
@@ -132,7 +165,11 @@ class DraftView:
         self._draft_special: dict[int, int | None] = {}   # draft token -> target EOG token | None
         self.retokenized_bytes = 0     # bytes passed to the draft tokenizer (cost counter)
         self.inexact_restarts = 0      # re-tokenizations that found no chunk boundary
+        self.adds_space = adds_space_prefix(self._tokenize_draft, draft.piece)
         self.reset()
+
+    def _tokenize_draft(self, text: str) -> list[int]:
+        return self.draft.tokenize(text, add_special=False, parse_special=False)
 
     def reset(self) -> None:
         d = self.draft
@@ -222,7 +259,7 @@ class DraftView:
         i = len(ends)          # every old token ends at or before _covered
         run = self._run
         for j in range(i, max(i - _MAX_BACKTRACK, 0) - 1, -1):
-            if j == 0 or is_chunk_start(run, ends[j - 1]):
+            if j == 0 or self._stable_start(run, ends[j - 1]):
                 return j
         self.inexact_restarts += 1
         j = bisect_right(ends, max(self._covered - self.tail_bytes, 0))
@@ -231,6 +268,13 @@ class DraftView:
             j -= 1
         return j
 
+    def _stable_start(self, run: bytearray, p: int) -> bool:
+        """Does the whole run's tokenization have a token starting at byte ``p``, whatever follows?"""
+        if not self.adds_space:
+            return is_chunk_start(run, p)
+        # not the last byte: a lone space would be tokenized as "" (the prefix needs text after it)
+        return is_chunk_start(run, p, spaces_only=True) and p < len(run) - 1
+
     def _retokenize(self) -> None:
         run = self._run
         if self._covered == len(run):
@@ -238,16 +282,16 @@ class DraftView:
         j = self._restart_point()
         start = self._ends[j - 1] if j else 0
         window = bytes(run[start:])
-        new = self.draft.tokenize(window.decode("utf-8"), add_special=False, parse_special=False)
+        piece = self.draft.piece
+        new, offset = tokenize_spelled(self._tokenize_draft, piece, window, self.adds_space, continues=j > 0)
         self.retokenized_bytes += len(window)
         ends = []
-        acc = start
-        piece = self.draft.piece
+        acc = start + offset
         for tok in new:
             acc += len(piece(tok))
             ends.append(acc)
         if self.exact and acc != len(run):
-            # Pieces do not spell the text back (a SentencePiece space prefix...): byte offsets are
+            # Pieces do not spell the text back (a normalizing tokenizer): byte offsets are
             # meaningless, so the whole run is re-tokenized from now on (still correct, slower).
             self.exact = False
             if start:
@@ -297,4 +341,5 @@ class DraftView:
         return mapped
 
 
-__all__ = ["DraftView", "is_chunk_start", "target_confidences", "text_to_target", "valid_utf8_prefix"]
+__all__ = ["DraftView", "adds_space_prefix", "is_chunk_start", "target_confidences", "text_to_target",
+           "tokenize_spelled", "valid_utf8_prefix"]

@@ -50,6 +50,12 @@ def tiny_other_vocab(tiny_models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sentencepiece(tiny_models_dir: Path) -> Path:
+    """Vocab "s": a Llama-2-style SentencePiece (a space put before the text, byte fallback, BOS)."""
+    return write_tiny_model(tiny_models_dir / "sentencepiece.gguf", vocab="s", seed=4)
+
+
+@pytest.fixture(scope="session")
 def tiny_f16(tiny_models_dir: Path) -> Path:
     """Same weights as `tiny_target` stored as F16 (logits within ~0.03 of the f32 model)."""
     return write_tiny_model(tiny_models_dir / "target_f16.gguf", vocab="a", seed=1, dtype="f16")

@@ -262,6 +262,22 @@ def test_other_vocab_differs(load, tiny_target: Path, tiny_other_vocab: Path) ->
     assert L.llama_vocab_is_eog(b.vocab, tiny_vocab("b").im_end_id)
 
 
+def test_sentencepiece_vocab(load, tiny_sentencepiece: Path) -> None:
+    """Vocab "s" is a Llama-2-style SentencePiece: a space before the text, BOS, byte fallback."""
+    lm = load(tiny_sentencepiece)
+    v = tiny_vocab("s")
+    assert L.llama_vocab_type(lm.vocab) == L.LLAMA_VOCAB_TYPE_SPM
+    assert L.llama_vocab_get_add_bos(lm.vocab) and L.llama_vocab_bos(lm.vocab) == v.bos_id == 1
+    ids = lm.tokenize("the sea")
+    assert lm.tokenize(" the sea") != ids                 # a space is put before the text...
+    assert lm.detokenize(ids) == "the sea"                # ...and taken off again
+    assert len(ids) < len("the sea")                      # pieces merge
+    text = "naïve 𝄞"                                      # characters without a piece: byte fallback
+    assert lm.detokenize(lm.tokenize(text)) == text
+    assert lm.tokenize(IM_END, special=True) == [v.im_end_id]
+    assert L.llama_vocab_is_eog(lm.vocab, v.im_end_id) and L.llama_vocab_is_eog(lm.vocab, v.endoftext_id)
+
+
 def test_chat_template(load, tiny_target: Path) -> None:
     lm = load(tiny_target)
     assert L.llama_model_chat_template(lm.model, None).decode() == CHATML_TEMPLATE

@@ -10,7 +10,8 @@ guesses travel to the target as text (bytes):
    a byte offset where every pre-tokenizer of the GPT-2 family (GPT-2, Llama-3, Qwen2, SmolLM, ...)
    must split (a space after a non-space, or a non-space after ``\\n``). Tokens before such a boundary
    cannot change when text is appended, so the incremental view equals a full re-tokenization while
-   costing O(new text + one chunk) per round.
+   costing O(new text + one chunk) per round. A SentencePiece draft of the Llama-2 family, which puts a
+   space before its text, restarts at a space, tokenizing the text after it (the prefix is that space).
 2. **Draft KV** is kept in step with the view by prefix reuse: the view records the lowest index it
    changed; only the draft tokens from there on are decoded again (typically the target's bonus token
    re-tokenized, and any drafted tokens the target did not take).
@@ -51,7 +52,7 @@ from ..errors import ParameterError
 from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_verification
 from ..acceptance import probability_class
-from ..text_bridge import DraftView, target_confidences, text_to_target
+from ..text_bridge import DraftView, adds_space_prefix, target_confidences, text_to_target
 from ..tree import TokenTree
 from .base import CatchUp, DraftingContext, ProposeSetup, Proposer
 from .draft_model import top_probability
@@ -81,6 +82,7 @@ class CrossVocabProposer(Proposer):
         self.gamma = gamma
         self.keep_unstable = keep_unstable
         self.view = DraftView(target, draft, map_specials=map_specials)
+        self._target_adds_space = adds_space_prefix(self._tokenize_target, target.piece)
         self._kv_equal = 0     # kv.cached[:_kv_equal] == view.tokens[:_kv_equal] (known)
         self._catch_up = CatchUp()
         self.last_draft_tokens: list[int] = []
@@ -108,7 +110,7 @@ class CrossVocabProposer(Proposer):
             # the committed target tokens end inside a character: no target token boundary to start at
             return [], False
         return text_to_target(self._tokenize_target, self.target.piece, self.view.anchor(), draft_text,
-                              closed=closed or self.keep_unstable)
+                              closed=closed or self.keep_unstable, adds_space=self._target_adds_space)
 
     def drafted_to_target(self, drafted: list[int], closing: int | None, budget: int) -> list[int]:
         """At most ``budget`` target tokens for the draft tokens ``drafted``, then the target EOG token

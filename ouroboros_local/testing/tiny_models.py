@@ -56,9 +56,11 @@ CHATML_TEMPLATE = (
 # our trainer approximates below. ("default" works too, but splits punctuation differently.)
 TOKENIZER_PRE = "gpt-2"
 
-# GGUF token types (gguf.TokenType): NORMAL = 1, CONTROL = 3.
+# GGUF token types (gguf.TokenType): NORMAL = 1, UNKNOWN = 2, CONTROL = 3, BYTE = 6.
 _TOKEN_NORMAL = 1
+_TOKEN_UNKNOWN = 2
 _TOKEN_CONTROL = 3
+_TOKEN_BYTE = 6
 
 # --------------------------------------------------------------------------------------------
 # Built-in training corpus (original text; a few KB of prose and Python code).
@@ -268,6 +270,12 @@ class TinyVocab:
     endoftext_id: int
     im_start_id: int
     im_end_id: int
+    scores: tuple[float, ...] = ()   # SentencePiece only: a merge's priority
+    bos_id: int | None = None        # None: endoftext_id
+
+    @property
+    def sentencepiece(self) -> bool:
+        return bool(self.scores)
 
     @property
     def n_vocab(self) -> int:
@@ -277,6 +285,7 @@ class TinyVocab:
 # Vocab "a": prose + code, 250 merges, specials at the end.
 # Vocab "b": code-heavy mixture, 150 merges, specials first. (Reordering the corpus alone would not
 # change BPE pair counts, so "b" reweights it to get genuinely different merges.)
+# Vocab "s": "a"'s pieces as a SentencePiece of the Llama-2 family (_sentencepiece).
 _VOCAB_SPECS: dict[str, tuple[str, int, bool]] = {
     "a": (_PROSE + "\n" + _CODE, 250, False),
     "b": (_CODE + "\n" + _CODE + "\n" + _CODE + "\n" + _PROSE, 150, True),
@@ -286,8 +295,10 @@ _VOCAB_SPECS: dict[str, tuple[str, int, bool]] = {
 @functools.cache
 def tiny_vocab(name: str = "a") -> TinyVocab:
     """Build (and cache) the named tiny vocabulary."""
+    if name == "s":
+        return _sentencepiece(tiny_vocab("a"))
     if name not in _VOCAB_SPECS:
-        raise ValueError(f"unknown tiny vocab {name!r}; expected one of {sorted(_VOCAB_SPECS)}")
+        raise ValueError(f"unknown tiny vocab {name!r}; expected one of {sorted([*_VOCAB_SPECS, 's'])}")
     corpus, n_merges, specials_first = _VOCAB_SPECS[name]
     b2u = bytes_to_unicode()
     merges = _train_bpe(corpus, n_merges)
@@ -317,6 +328,28 @@ def tiny_vocab(name: str = "a") -> TinyVocab:
         im_start_id=index[IM_START],
         im_end_id=index[IM_END],
     )
+
+
+def _sentencepiece(bpe: TinyVocab) -> TinyVocab:
+    """A Llama-2-style SentencePiece vocabulary (``<unk> <s> </s>``, 256 byte-fallback tokens, then
+    pieces with U+2581 for a space; llama.cpp puts a space before the text) from ``bpe``'s pieces that
+    are whole UTF-8, in merge order: a piece's score ranks its merge as the BPE did."""
+    u2b = {c: b for b, c in bytes_to_unicode().items()}
+    pieces: list[str] = []
+    for token, kind in zip(bpe.tokens, bpe.token_types):
+        try:
+            text = bytes(u2b[c] for c in token).decode("utf-8") if kind == _TOKEN_NORMAL else ""
+        except UnicodeDecodeError:
+            continue
+        if text and (text.isprintable() or text.strip() == ""):
+            pieces.append(text.replace(" ", "\u2581"))
+    head = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tokens = head + pieces + [IM_START, IM_END]
+    types = ([_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_CONTROL] + [_TOKEN_BYTE] * 256
+             + [_TOKEN_NORMAL] * len(pieces) + [_TOKEN_CONTROL] * 2)
+    scores = [0.0] * len(head) + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
+    return TinyVocab(name="s", tokens=tuple(tokens), token_types=tuple(types), merges=(), endoftext_id=2,
+                     im_start_id=len(tokens) - 2, im_end_id=len(tokens) - 1, scores=tuple(scores), bos_id=1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,7 +421,8 @@ def write_tiny_model(
     noise: float = 0.0,
     dtype: str = "f32",
 ) -> Path:
-    """Write a tiny random llama-architecture GGUF with a real BPE tokenizer; return its path.
+    """Write a tiny random llama-architecture GGUF with a real tokenizer (byte-level BPE; SentencePiece
+    for vocab "s"); return its path.
 
     Weights come from `seed`, or, when `base_seed` is given, from `base_seed` plus `noise` times
     fresh per-tensor noise from `seed` (scaled to each tensor's init std). Same arguments give a
@@ -418,17 +452,23 @@ def write_tiny_model(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
 
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(TOKENIZER_PRE)
     w.add_token_list(list(voc.tokens))
     w.add_token_types(list(voc.token_types))
-    w.add_token_merges(list(voc.merges))
-    w.add_bos_token_id(voc.endoftext_id)
+    if voc.sentencepiece:
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(list(voc.scores))
+        w.add_unk_token_id(0)
+        w.add_add_space_prefix(True)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(TOKENIZER_PRE)
+        w.add_token_merges(list(voc.merges))
+    w.add_bos_token_id(voc.endoftext_id if voc.bos_id is None else voc.bos_id)
     w.add_eos_token_id(voc.endoftext_id)
     # EOT = <|im_end|> makes it end-of-generation (llama.cpp also auto-detects both by text).
     w.add_eot_token_id(voc.im_end_id)
     w.add_pad_token_id(voc.endoftext_id)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(voc.sentencepiece)   # as Llama-2 does
     w.add_add_eos_token(False)
     w.add_chat_template(CHATML_TEMPLATE)
 
