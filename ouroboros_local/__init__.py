@@ -1,9 +1,10 @@
-"""ouroboros-local: faster local generation with GGUF models, without changing a single output token."""
+"""ouroboros-local: faster local generation with GGUF models, without changing what the model writes
+(every token is the target's own choice, up to near-ties that batched kernels flip: README, Exactness)."""
 
 __version__ = "0.1.0"
 
-from .errors import (ContextOverflowError, IncompatiblePairError, ModelError, OuroborosError,  # noqa: E402
-                     ParameterError, PoolError)
+from .errors import (ContextOverflowError, IncompatiblePairError, MethodOptionError, ModelError,  # noqa: E402
+                     OuroborosError, ParameterError, PoolError)
 from .sampling import SamplingParams  # noqa: E402
 
 
@@ -17,5 +18,5 @@ def __getattr__(name: str):
 
 
 __all__ = ["ContextOverflowError", "Engine", "EngineConfig", "GenerationResult", "GenerationStats",
-           "IncompatiblePairError", "ModelError", "OuroborosError", "ParameterError", "PoolError",
+           "IncompatiblePairError", "MethodOptionError", "ModelError", "OuroborosError", "ParameterError", "PoolError",
            "SamplingParams", "StreamEvent", "__version__"]

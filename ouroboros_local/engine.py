@@ -101,8 +101,9 @@ class EngineConfig:
     # off | on | auto; None: ``default_flash_attn`` per model (off on a CPU: bit-reproducible greedy
     # output, docs/design.md#exactness; on a GPU llama.cpp's own default, auto)
     flash_attn: str | None = None
-    gpu_layers: int = 0
-    draft_gpu_layers: int = 0
+    # layers on the GPU (-1: all); None: all where llama.cpp has a GPU backend, else 0 (the CLI's auto)
+    gpu_layers: int | None = None
+    draft_gpu_layers: int | None = None
     main_gpu: int = 0
     type_k: str = "f16"
     type_v: str = "f16"
@@ -131,6 +132,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         """Every value checked here, in one line each: a bad one once failed deep in a generation (a
         numpy error from the scheduler for max_draft=0) or was taken silently (round_size=-1)."""
+        for name in ("gpu_layers", "draft_gpu_layers"):
+            if getattr(self, name) is None:
+                setattr(self, name, -1 if supports_gpu_offload() else 0)
         # llama.cpp takes these as 32-bit integers: 2**32 + 512 became a context of 512, a batch of
         # 2**32 + 2 failed an assertion, 10**11 threads aborted the process
         bounds = {"n_ctx": (0, MAX_CTX), "n_batch": (1, MAX_CTX), "n_seq_max": (1, MAX_SEQS),

@@ -45,6 +45,9 @@ class History:
         self.phrase_pool_file: str | None = None
         self.suffix_cache: "SuffixCache | None" = None  # the suffix tries of earlier answers
         self.suffix_file: str | None = None
+        # the file the last ``pool`` option named: a store no method named a file for is saved beside it
+        # (the phrase pool there, the suffix trie in FILE.suffix), whichever method named it
+        self.named_file: str | None = None
         self._method_state: dict[Hashable, Any] = {}    # keyed by method and settings (see ``kept``)
         self._files: dict[str, Persistable] = {}
         self._stamps: dict[str, tuple[int, ...] | None] = {}   # each file as this engine last read or wrote it
@@ -98,6 +101,10 @@ class History:
         where methods alternate. Naming ``path`` makes the engine save the pool there after each generation.
         """
         path = resolve_pool_path(path)
+        if path is not None:
+            self.named_file = path
+        elif self.phrase_pool_file is None:
+            path = self.named_file
         pool = self.reload(self.phrase_pool, self.phrase_pool_file, path,
                            lambda p, fingerprint, n_vocab: PhrasePool.load(p, fingerprint, n_vocab=n_vocab))
         if pool is not None and (pool.phrase_len < phrase_len or pool.max_per_key < max_per_key

@@ -42,6 +42,17 @@ def test_gpu_layers_auto_follows_the_backend() -> None:
     assert _gpu_layers("auto") == (-1 if GPU else 0)
 
 
+@pytest.mark.parametrize("backend", [True, False])
+def test_the_python_api_offloads_as_the_command_line_does(backend: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EngineConfig's layers default to the CLI's auto: a Python user on a CUDA build ran on the CPU."""
+    import ouroboros_local.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "supports_gpu_offload", lambda: backend)
+    config = EngineConfig()
+    assert config.gpu_layers == config.draft_gpu_layers == (-1 if backend else 0)
+    assert EngineConfig(gpu_layers=3, draft_gpu_layers=0).gpu_layers == 3
+
+
 @pytest.mark.parametrize("bad", ["-2", "many", "1.5", ""])
 def test_bad_gpu_layer_flag_is_refused(bad: str) -> None:
     with pytest.raises(ParameterError, match="--gpu-layers"):

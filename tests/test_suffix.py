@@ -466,6 +466,20 @@ def test_engine_pool_file_survives_a_restart_and_refuses_another_tokenizer(engin
     engine.history.clear()
 
 
+@pytest.mark.parametrize("first, then", [("ouroboros", "suffix"), ("suffix", "ouroboros")])
+def test_a_pool_file_named_once_keeps_every_store(engine, tmp_path: Path, first: str, then: str) -> None:
+    """README: ``pool=FILE`` names the engine's history file from then on, and later calls save to it,
+    whatever their method: the phrase pool in FILE, the suffix trie in FILE.suffix. (A store that no
+    call had named the file for stayed in memory.)"""
+    given = tmp_path / "history"
+    engine.history.clear()
+    engine.generate(E2E_PROMPTS[0], max_tokens=16, method=first, options={"pool": str(given)})
+    engine.generate(E2E_PROMPTS[1], max_tokens=16, method=then)
+    engine.history.save()
+    assert given.exists() and Path(suffix_file(str(given))).exists()
+    engine.history.clear()
+
+
 def test_history_files_with_token_ids_outside_the_vocabulary_are_refused_and_empty_ones_start_afresh(
         engine, tmp_path: Path) -> None:
     """A crafted file with the right fingerprint but ids past the vocabulary failed every generation inside

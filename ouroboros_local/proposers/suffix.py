@@ -315,8 +315,13 @@ def suffix_file(pool_file: str) -> str:
 def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``; a ``pool`` file keeps the global trie in ``FILE.suffix``
     (the engine saves it after each answer, see History.save)."""
+    history = ctx.history
     path = resolve_pool_path(options["pool"])
-    cache = shared_cache(ctx.history, options["max_requests"], options["max_tokens"],
+    if path is not None:
+        history.named_file = path
+    elif history.suffix_file is None:
+        path = history.named_file   # named by another method's pool option
+    cache = shared_cache(history, options["max_requests"], options["max_tokens"],
                          suffix_file(path) if path is not None else None)
     return SuffixProposer(cache, max_depth=options["max_depth"], max_branches=options["max_branches"],
                           min_match=options["min_match"], spec_factor=options["spec_factor"],
