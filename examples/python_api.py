@@ -3,8 +3,9 @@
     python examples/python_api.py                                  # SmolLM2-135M-Instruct (downloaded once)
     python examples/python_api.py TARGET.gguf [DRAFT.gguf]         # any GGUF, catalogue name or hf:// spec
 
-Every method is lossless: with greedy decoding the text is exactly what plain decoding gives; with
-sampling it follows the same distribution. Only the speed differs.
+Every method is lossless: with greedy decoding each token is the target's argmax, the text plain
+decoding gives up to near-ties that batched kernels flip (README, Exactness); with sampling it follows
+the same distribution. Only the speed differs.
 """
 
 from __future__ import annotations

@@ -324,7 +324,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     if mism:
         lines += ["## Outputs that differ from vanilla", "",
               "margin: how much plain decoding preferred vanilla's token over the method's at the first "
-              "difference, re-decoding the vanilla prefix in one batch (--tolerance-margin); below the "
+              "difference, replaying the vanilla prefix as plain decoding computed it, one token a step "
+              "(--tolerance-margin); below the "
               "tolerance the difference is a tie-flip (a floating-point near-tie), otherwise a mismatch.", "",
                   "| set | prompt | method | verdict | first difference | vanilla token | method token | "
                   "margin (logits) |", "|---|---|---|---|---:|---:|---:|---:|"]
