@@ -357,7 +357,8 @@ class Engine:
         ctx = self._draft_ctx if draft else self.target_ctx
         assert ctx is not None
         model = self.draft if draft else self.target
-        return {"gpu_layers": cfg.draft_gpu_layers if draft else cfg.gpu_layers, "threads": ctx.n_threads,
+        # the model's own layers: an engine built on a loaded Model may hold other numbers in its config
+        return {"gpu_layers": model.n_gpu_layers, "threads": ctx.n_threads,
                 "n_batch": ctx.n_batch, "flash_attn": cfg.flash_attn,
                 "huge_pages": model.huge_page_bytes > 0,
                 "type_k": cfg.draft_type_k if draft else cfg.type_k,
@@ -886,7 +887,7 @@ class Engine:
             return self.config.overlap
         share = self.target_ctx.step_wait_share()
         if share is None:
-            return self.config.gpu_layers != 0 and supports_gpu_offload()
+            return self.target.n_gpu_layers != 0 and supports_gpu_offload()
         return share >= ASYNC_WAIT_SHARE
 
     @staticmethod

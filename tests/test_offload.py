@@ -53,6 +53,19 @@ def test_the_python_api_offloads_as_the_command_line_does(backend: bool, monkeyp
     assert EngineConfig(gpu_layers=3, draft_gpu_layers=0).gpu_layers == 3
 
 
+def test_an_engine_on_a_loaded_model_takes_its_layers_from_the_model(tiny_target, monkeypatch) -> None:
+    """A config's default on a GPU build says every layer; a Model loaded without offload holds none.
+    The cost curve's key and the overlap's guess before any step is timed follow the model."""
+    import ouroboros_local.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "supports_gpu_offload", lambda: True)
+    config = EngineConfig(n_ctx=256, n_batch=32, n_seq_max=2, threads=1)
+    with Engine(Model(tiny_target), None, config) as engine:
+        assert engine.config.gpu_layers == -1 and engine.target.n_gpu_layers == 0
+        assert engine.calibration_settings()["gpu_layers"] == 0
+        assert engine.target_ctx.step_wait_share() is None and not engine._overlap_here()
+
+
 @pytest.mark.parametrize("bad", ["-2", "many", "1.5", ""])
 def test_bad_gpu_layer_flag_is_refused(bad: str) -> None:
     with pytest.raises(ParameterError, match="--gpu-layers"):
