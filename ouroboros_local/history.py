@@ -10,6 +10,7 @@ never by a proposer.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from .pool import PhrasePool
 if TYPE_CHECKING:  # pragma: no cover
     from .llama import Model
     from .suffix_trie import SuffixCache
+
+log = logging.getLogger("ouroboros_local")
 
 T = TypeVar("T")
 
@@ -45,8 +48,8 @@ class History:
         self.phrase_pool_file: str | None = None
         self.suffix_cache: "SuffixCache | None" = None  # the suffix tries of earlier answers
         self.suffix_file: str | None = None
-        # the file the last ``pool`` option named: a store no method named a file for is saved beside it
-        # (the phrase pool there, the suffix trie in FILE.suffix), whichever method named it
+        # the file the latest ``pool`` option named (and that took its store): a store no call named a
+        # file for is saved beside it (the phrase pool there, the suffix trie in FILE.suffix)
         self.named_file: str | None = None
         self._method_state: dict[Hashable, Any] = {}    # keyed by method and settings (see ``kept``)
         self._files: dict[str, Persistable] = {}
@@ -100,11 +103,10 @@ class History:
         would throw away what the others learned, and re-shape up to ``max_tokens`` tokens per request
         where methods alternate. Naming ``path`` makes the engine save the pool there after each generation.
         """
-        path = resolve_pool_path(path)
-        if path is not None:
-            self.named_file = path
-        elif self.phrase_pool_file is None:
-            path = self.named_file
+        return self.open_store(resolve_pool_path(path), self.phrase_pool_file is not None,
+                               lambda file: self._pool(phrase_len, max_per_key, file))
+
+    def _pool(self, phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
         pool = self.reload(self.phrase_pool, self.phrase_pool_file, path,
                            lambda p, fingerprint, n_vocab: PhrasePool.load(p, fingerprint, n_vocab=n_vocab))
         if pool is not None and (pool.phrase_len < phrase_len or pool.max_per_key < max_per_key
@@ -113,12 +115,28 @@ class History:
                                        phrase_len=max(phrase_len, pool.phrase_len), max_tokens=pool.max_tokens)
         if pool is None:
             pool = PhrasePool(key_len=1, max_per_key=max_per_key, phrase_len=phrase_len)
-        self.phrase_pool = pool
-        if path is not None:
-            self.phrase_pool_file = path
-        if self.phrase_pool_file is not None:
-            self.persist(self.phrase_pool_file, pool)   # a re-shaped pool replaces the one saved there
+        file = path if path is not None else self.phrase_pool_file
+        if file is not None:
+            self.persist(file, pool)   # (a re-shaped pool replaces the one saved there) raises before any change
+        self.phrase_pool, self.phrase_pool_file = pool, file
         return pool
+
+    def open_store(self, path: str | None, has_file: bool, use: Callable[[str | None], T]) -> T:
+        """``use(path)``, the store's opening with the file a ``pool`` option named (None: none), which is
+        from then on the named file. Without one, a store that has no file yet takes the named file (saved
+        beside it); where that file does not take it (another tokenizer's, a folder it cannot write), the
+        store stays in memory, with a warning. ``use`` raises before it changes anything."""
+        if path is not None:
+            out = use(path)
+            self.named_file = path
+            return out
+        if has_file or self.named_file is None:
+            return use(None)
+        try:
+            return use(self.named_file)
+        except PoolError as exc:
+            log.warning("kept in memory, not beside the history file %s: %s", self.named_file, exc)
+            return use(None)
 
     def save(self, if_due: bool = False) -> None:
         """Write every persisted state to its file (each ``save`` writes atomically). Where another

@@ -480,6 +480,36 @@ def test_a_pool_file_named_once_keeps_every_store(engine, tmp_path: Path, first:
     engine.history.clear()
 
 
+def test_a_refused_pool_file_is_not_taken_by_later_calls(engine, tmp_path: Path, caplog) -> None:
+    """A pool file refused (another tokenizer's, a folder that does not exist) does not become the
+    history's file: later calls without a pool ran into the same error, or saved the other store beside
+    it. A named file that does not take the other store leaves that store in memory, with a warning."""
+    from ouroboros_local.pool import PhrasePool
+
+    def run(method: str, pool: Path | None = None) -> None:
+        engine.generate(E2E_PROMPTS[0], max_tokens=8, method=method, options={"pool": str(pool)} if pool else {})
+        engine.history.save()
+
+    bad, missing = tmp_path / "bad", tmp_path / "missing" / "history"
+    PhrasePool(key_len=1, phrase_len=4).save(str(bad), "another tokenizer's fingerprint")
+    for first, refused, then in [("ouroboros", bad, "suffix"), ("ouroboros", missing, "suffix"),
+                                 ("suffix", missing, "ouroboros")]:
+        engine.history.clear()
+        with pytest.raises(PoolError):
+            run(first, refused)
+        run(first)
+        run(then)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["bad"]
+    # a file that takes the phrase pool, beside another tokenizer's trie: the trie stays in memory
+    engine.history.clear()
+    given = tmp_path / "good"
+    run("ouroboros", given)
+    save_global(SuffixCache(), Path(suffix_file(str(given))), "another tokenizer's fingerprint")
+    run("suffix")
+    assert "kept in memory" in caplog.text and engine.history.suffix_file is None
+    engine.history.clear()
+
+
 def test_history_files_with_token_ids_outside_the_vocabulary_are_refused_and_empty_ones_start_afresh(
         engine, tmp_path: Path) -> None:
     """A crafted file with the right fingerprint but ids past the vocabulary failed every generation inside

@@ -61,11 +61,11 @@ def shared_cache(history: History, max_requests: int, max_tokens: int, path: str
                                                                       n_vocab))
     if cache is None:
         cache = SuffixCache(max_requests, max_tokens)
+    if path is not None:
+        history.persist(path, cache)   # raises before any change (a folder it cannot write)
+        history.suffix_file = path
     cache.set_limits(max_requests, max_tokens)
     history.suffix_cache = cache
-    if path is not None:
-        history.suffix_file = path
-        history.persist(path, cache)
     return cache
 
 
@@ -316,13 +316,10 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``; a ``pool`` file keeps the global trie in ``FILE.suffix``
     (the engine saves it after each answer, see History.save)."""
     history = ctx.history
-    path = resolve_pool_path(options["pool"])
-    if path is not None:
-        history.named_file = path
-    elif history.suffix_file is None:
-        path = history.named_file   # named by another method's pool option
-    cache = shared_cache(history, options["max_requests"], options["max_tokens"],
-                         suffix_file(path) if path is not None else None)
+    cache = history.open_store(
+        resolve_pool_path(options["pool"]), history.suffix_file is not None,
+        lambda path: shared_cache(history, options["max_requests"], options["max_tokens"],
+                                  suffix_file(path) if path is not None else None))
     return SuffixProposer(cache, max_depth=options["max_depth"], max_branches=options["max_branches"],
                           min_match=options["min_match"], spec_factor=options["spec_factor"],
                           spec_offset=options["spec_offset"], min_prob=options["min_prob"])
