@@ -11,13 +11,14 @@ SentencePiece tokenizers of the Llama-2 family (Mistral, TinyLlama, Phi-3, ...) 
 text they are given (``adds_space_prefix``): their pieces spell one byte more than the text. Text that
 continues earlier text is then tokenized without its own leading space, which the prefix stands for
 (``tokenize_spelled``), and only a space after a non-space is a boundary (their pieces hold a space
-first, or only spaces). A restart that finds no boundary spells one space more, which the draft reads.
+first, or only spaces). A restart that finds no boundary spells one space more, which the draft reads:
+the view restarts at the last such point again while it is less than ``_SPACE_BACKTRACK`` bytes back.
 """
 
 from __future__ import annotations
 
 import codecs
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -28,6 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 _WS = frozenset(b" \t\n\r\x0b\x0c")
 _SPACE, _NL = 0x20, 0x0A
 _MAX_BACKTRACK = 64    # tokens to walk back looking for a chunk boundary before giving up on exactness
+# bytes a SentencePiece draft that puts a space before its text looks back for a space past that: a
+# restart without one spells a space the text does not have (a URL, base64, a long identifier)
+_SPACE_BACKTRACK = 1024
 
 
 def is_chunk_start(buf: bytes | bytearray, p: int, spaces_only: bool = False) -> bool:
@@ -71,8 +75,9 @@ def tokenize_spelled(tokenize: Callable[[str], list[int]], piece: Callable[[int]
 
     ``continues``: the text continues earlier text, so a leading space of its own is left to the
     tokenizer's prefix (the pieces then spell the text exactly, as in the whole text's tokenization);
-    a lone prefix token (a piece of one space) is dropped."""
-    strip = adds_space and continues and text[:1] == b" "
+    a lone prefix token (a piece of one space) is dropped. (A space alone is tokenized whole: without
+    it nothing would be left for the prefix to go before.)"""
+    strip = adds_space and continues and text[:1] == b" " and len(text) > 1
     tokens = tokenize(text[1:].decode("utf-8") if strip else text.decode("utf-8"))
     if not adds_space or strip:
         return tokens, 0
@@ -166,6 +171,9 @@ class DraftView:
         self.retokenized_bytes = 0     # bytes passed to the draft tokenizer (cost counter)
         self.inexact_restarts = 0      # re-tokenizations that found no chunk boundary
         self.adds_space = adds_space_prefix(self._tokenize_draft, draft.piece)
+        # a run of such a target starts with the space its tokenizer put there: the draft's stands for it
+        self._target_spaced = self.adds_space and adds_space_prefix(
+            lambda text: target.tokenize(text, add_special=False, parse_special=False), target.piece)
         self.reset()
 
     def _tokenize_draft(self, text: str) -> list[int]:
@@ -183,6 +191,7 @@ class DraftView:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._bounds: list[int] = []               # _run offsets where committed target tokens end
         self._floor = 0                            # target tokenization restarts here (specials)
+        self._seam: int | None = None              # _run offset of the last restart without a boundary
         self.exact = True
 
     # ---- the committed side ----------------------------------------------------------------------
@@ -239,7 +248,7 @@ class DraftView:
             elif kind == "special":
                 self._close_run()
                 self.tokens.append(data)
-                self._run, self._ends, self._covered = bytearray(), [], 0
+                self._run, self._ends, self._covered, self._seam = bytearray(), [], 0, None
                 self._run_base = len(self.tokens)
                 self._bounds, self._floor = [], 0
                 grew = False
@@ -261,12 +270,35 @@ class DraftView:
         for j in range(i, max(i - _MAX_BACKTRACK, 0) - 1, -1):
             if j == 0 or self._stable_start(run, ends[j - 1]):
                 return j
+        if self.adds_space and (j := self._space_further_back()) is not None:
+            return j
         self.inexact_restarts += 1
         j = bisect_right(ends, max(self._covered - self.tail_bytes, 0))
         # a byte-level token may end inside a character: restart where one begins (the window is decoded)
         while j > 0 and run[ends[j - 1]] & 0xC0 == 0x80:
             j -= 1
+        if self.adds_space:
+            self._seam = ends[j - 1] if j else None
         return j
+
+    def _space_further_back(self) -> int | None:
+        """A restart (index in the run) at the last stable space less than ``_SPACE_BACKTRACK`` bytes back,
+        else at the last restart without a boundary (it spelled its space already), else None."""
+        run, ends = self._run, self._ends
+        low = max(self._covered - _SPACE_BACKTRACK, 0)
+        p = run.rfind(b" ", low, self._covered)
+        while p >= 0:
+            if self._stable_start(run, p):
+                k = bisect_left(ends, p)
+                if k < len(ends) and ends[k] == p:
+                    return k + 1
+            p = run.rfind(b" ", low, p)
+        if self._seam is not None and self._seam >= low:
+            k = bisect_left(ends, self._seam)
+            if k < len(ends) and ends[k] == self._seam:
+                self.inexact_restarts += 1
+                return k + 1
+        return None
 
     def _stable_start(self, run: bytearray, p: int) -> bool:
         """Does the whole run's tokenization have a token starting at byte ``p``, whatever follows?"""
@@ -283,7 +315,8 @@ class DraftView:
         start = self._ends[j - 1] if j else 0
         window = bytes(run[start:])
         piece = self.draft.piece
-        new, offset = tokenize_spelled(self._tokenize_draft, piece, window, self.adds_space, continues=j > 0)
+        continues = j > 0 or (self._target_spaced and window[:1] == b" ")
+        new, offset = tokenize_spelled(self._tokenize_draft, piece, window, self.adds_space, continues)
         self.retokenized_bytes += len(window)
         ends = []
         acc = start + offset

@@ -56,6 +56,12 @@ def tiny_sentencepiece(tiny_models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_other_sentencepiece(tiny_models_dir: Path) -> Path:
+    """Vocab "t": another Llama-2-style SentencePiece ("b"'s pieces), for pairs of two SentencePieces."""
+    return write_tiny_model(tiny_models_dir / "other_sentencepiece.gguf", vocab="t", seed=6)
+
+
+@pytest.fixture(scope="session")
 def tiny_f16(tiny_models_dir: Path) -> Path:
     """Same weights as `tiny_target` stored as F16 (logits within ~0.03 of the f32 model)."""
     return write_tiny_model(tiny_models_dir / "target_f16.gguf", vocab="a", seed=1, dtype="f16")

@@ -36,23 +36,27 @@ def cross_engine(tiny_target, tiny_other_vocab):
     engine.close()
 
 
-@pytest.fixture(scope="module", params=["bpe", "sentencepiece draft", "sentencepiece target"])
-def bridged_engine(request, tiny_target, tiny_other_vocab, tiny_sentencepiece):
+@pytest.fixture(scope="module", params=["bpe", "sentencepiece draft", "sentencepiece target",
+                                        "two sentencepieces"])
+def bridged_engine(request, tiny_target, tiny_other_vocab, tiny_sentencepiece, tiny_other_sentencepiece):
     """A pair of each kind: BPE for BPE, and a SentencePiece that puts a space before its text on
-    either side."""
+    either side or on both."""
     target, draft = {"bpe": (tiny_target, tiny_other_vocab),
                      "sentencepiece draft": (tiny_target, tiny_sentencepiece),
-                     "sentencepiece target": (tiny_sentencepiece, tiny_target)}[request.param]
+                     "sentencepiece target": (tiny_sentencepiece, tiny_target),
+                     "two sentencepieces": (tiny_sentencepiece, tiny_other_sentencepiece)}[request.param]
     engine = make_engine(target, draft)
     yield engine
     engine.close()
 
 
-@pytest.fixture(scope="module", params=["bpe", "sentencepiece"])
-def models(request, tiny_target, tiny_other_vocab, tiny_sentencepiece):
-    """The target (vocab "a") and a draft of another vocabulary: BPE, or SentencePiece."""
-    other = tiny_other_vocab if request.param == "bpe" else tiny_sentencepiece
-    target, draft = Model(tiny_target, vocab_only=True), Model(other, vocab_only=True)
+@pytest.fixture(scope="module", params=["bpe", "sentencepiece", "two sentencepieces"])
+def models(request, tiny_target, tiny_other_vocab, tiny_sentencepiece, tiny_other_sentencepiece):
+    """A target and a draft of another vocabulary: BPE ("a") for BPE ("b") or SentencePiece ("s"), or
+    SentencePiece ("s") for SentencePiece ("t"), both putting a space before their text."""
+    paths = {"bpe": (tiny_target, tiny_other_vocab), "sentencepiece": (tiny_target, tiny_sentencepiece),
+             "two sentencepieces": (tiny_sentencepiece, tiny_other_sentencepiece)}[request.param]
+    target, draft = Model(paths[0], vocab_only=True), Model(paths[1], vocab_only=True)
     yield target, draft
     target.close()
     draft.close()
@@ -159,10 +163,25 @@ def test_a_long_run_without_word_boundaries_restarts_on_a_character(models) -> N
     for i in range(0, len(tokens), 3):
         view.extend(tokens[i:i + 3])
     assert view.inexact_restarts > 0
-    seen = draft.detokenize(view.tokens)
-    if view.adds_space:   # a restart there spells the space the SentencePiece puts before its text
-        seen = seen.replace(" ", "")
-    assert seen == target.detokenize(tokens)
+    seen, committed = draft.detokenize(view.tokens), target.detokenize(tokens)
+    if view.adds_space:   # a restart there, and the run's start, spell the space a SentencePiece puts first
+        seen, committed = seen.replace(" ", ""), committed.replace(" ", "")
+    assert seen == committed
+
+
+def test_a_long_run_without_spaces_is_read_as_it_is(models) -> None:
+    """A URL longer than the backtrack: a SentencePiece draft that puts a space before its text restarts
+    at the space before it, not inside it (each restart there once spelled one space more: a 500-byte URL
+    read with 203 spaces)."""
+    target, draft = models
+    text = "see https://example.com/" + "abc/" * 120 + "x and more words after it\n"
+    tokens = target.tokenize(text, add_special=False)
+    view = DraftView(target, draft)
+    for tok in tokens:
+        view.extend([tok])
+    if view.adds_space:
+        assert view.inexact_restarts == 0
+        assert view.tokens == draft.tokenize(text, add_special=True, parse_special=False)
 
 
 def test_the_view_costs_the_new_text_not_the_context(models) -> None:

@@ -285,7 +285,7 @@ class TinyVocab:
 # Vocab "a": prose + code, 250 merges, specials at the end.
 # Vocab "b": code-heavy mixture, 150 merges, specials first. (Reordering the corpus alone would not
 # change BPE pair counts, so "b" reweights it to get genuinely different merges.)
-# Vocab "s": "a"'s pieces as a SentencePiece of the Llama-2 family (_sentencepiece).
+# Vocabs "s" and "t": "a"'s and "b"'s pieces as SentencePieces of the Llama-2 family (_sentencepiece).
 _VOCAB_SPECS: dict[str, tuple[str, int, bool]] = {
     "a": (_PROSE + "\n" + _CODE, 250, False),
     "b": (_CODE + "\n" + _CODE + "\n" + _CODE + "\n" + _PROSE, 150, True),
@@ -295,10 +295,10 @@ _VOCAB_SPECS: dict[str, tuple[str, int, bool]] = {
 @functools.cache
 def tiny_vocab(name: str = "a") -> TinyVocab:
     """Build (and cache) the named tiny vocabulary."""
-    if name == "s":
-        return _sentencepiece(tiny_vocab("a"))
+    if name in _SENTENCEPIECE_OF:
+        return _sentencepiece(name, tiny_vocab(_SENTENCEPIECE_OF[name]))
     if name not in _VOCAB_SPECS:
-        raise ValueError(f"unknown tiny vocab {name!r}; expected one of {sorted([*_VOCAB_SPECS, 's'])}")
+        raise ValueError(f"unknown tiny vocab {name!r}; expected one of {sorted([*_VOCAB_SPECS, *_SENTENCEPIECE_OF])}")
     corpus, n_merges, specials_first = _VOCAB_SPECS[name]
     b2u = bytes_to_unicode()
     merges = _train_bpe(corpus, n_merges)
@@ -330,7 +330,10 @@ def tiny_vocab(name: str = "a") -> TinyVocab:
     )
 
 
-def _sentencepiece(bpe: TinyVocab) -> TinyVocab:
+_SENTENCEPIECE_OF = {"s": "a", "t": "b"}
+
+
+def _sentencepiece(name: str, bpe: TinyVocab) -> TinyVocab:
     """A Llama-2-style SentencePiece vocabulary (``<unk> <s> </s>``, 256 byte-fallback tokens, then
     pieces with U+2581 for a space; llama.cpp puts a space before the text) from ``bpe``'s pieces that
     are whole UTF-8, in merge order: a piece's score ranks its merge as the BPE did."""
@@ -348,7 +351,7 @@ def _sentencepiece(bpe: TinyVocab) -> TinyVocab:
     types = ([_TOKEN_UNKNOWN, _TOKEN_CONTROL, _TOKEN_CONTROL] + [_TOKEN_BYTE] * 256
              + [_TOKEN_NORMAL] * len(pieces) + [_TOKEN_CONTROL] * 2)
     scores = [0.0] * len(head) + [-float(i) for i in range(len(pieces))] + [0.0, 0.0]
-    return TinyVocab(name="s", tokens=tuple(tokens), token_types=tuple(types), merges=(), endoftext_id=2,
+    return TinyVocab(name=name, tokens=tuple(tokens), token_types=tuple(types), merges=(), endoftext_id=2,
                      im_start_id=len(tokens) - 2, im_end_id=len(tokens) - 1, scores=tuple(scores), bos_id=1)
 
 
