@@ -304,7 +304,7 @@ class DraftView:
         """Does the whole run's tokenization have a token starting at byte ``p``, whatever follows?"""
         if not self.adds_space:
             return is_chunk_start(run, p)
-        # not the last byte: a lone space would be tokenized as "" (the prefix needs text after it)
+        # not a trailing space: no word begins there yet (alone it would be tokenized as two spaces)
         return is_chunk_start(run, p, spaces_only=True) and p < len(run) - 1
 
     def _retokenize(self) -> None:
