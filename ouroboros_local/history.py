@@ -51,6 +51,7 @@ class History:
         # the file the latest ``pool`` option named (and that took its store): a store no call named a
         # file for is saved beside it (the phrase pool there, the suffix trie in FILE.suffix)
         self.named_file: str | None = None
+        self._refused: set[tuple[str, str]] = set()   # (store, named file): not asked again
         self._method_state: dict[Hashable, Any] = {}    # keyed by method and settings (see ``kept``)
         self._files: dict[str, Persistable] = {}
         self._stamps: dict[str, tuple[int, ...] | None] = {}   # each file as this engine last read or wrote it
@@ -103,7 +104,7 @@ class History:
         would throw away what the others learned, and re-shape up to ``max_tokens`` tokens per request
         where methods alternate. Naming ``path`` makes the engine save the pool there after each generation.
         """
-        return self.open_store(resolve_pool_path(path), self.phrase_pool_file is not None,
+        return self.open_store("phrase pool", resolve_pool_path(path), self.phrase_pool_file is not None,
                                lambda file: self._pool(phrase_len, max_per_key, file))
 
     def _pool(self, phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
@@ -121,21 +122,22 @@ class History:
         self.phrase_pool, self.phrase_pool_file = pool, file
         return pool
 
-    def open_store(self, path: str | None, has_file: bool, use: Callable[[str | None], T]) -> T:
-        """``use(path)``, the store's opening with the file a ``pool`` option named (None: none), which is
-        from then on the named file. Without one, a store that has no file yet takes the named file (saved
-        beside it); where that file does not take it (another tokenizer's, a folder it cannot write), the
-        store stays in memory, with a warning. ``use`` raises before it changes anything."""
+    def open_store(self, store: str, path: str | None, has_file: bool, use: Callable[[str | None], T]) -> T:
+        """``use(path)``, the opening of ``store`` with the file a ``pool`` option named (None: none), which
+        is from then on the named file. Without one, a store that has no file yet takes the named file
+        (saved beside it); where that file does not take it (another tokenizer's, a folder it cannot
+        write), the store stays in memory, with one warning. ``use`` raises before it changes anything."""
         if path is not None:
             out = use(path)
             self.named_file = path
             return out
-        if has_file or self.named_file is None:
+        if has_file or self.named_file is None or (store, self.named_file) in self._refused:
             return use(None)
         try:
             return use(self.named_file)
         except PoolError as exc:
-            log.warning("kept in memory, not beside the history file %s: %s", self.named_file, exc)
+            self._refused.add((store, self.named_file))
+            log.warning("the %s is kept in memory, not beside the history file %s: %s", store, self.named_file, exc)
             return use(None)
 
     def save(self, if_due: bool = False) -> None:

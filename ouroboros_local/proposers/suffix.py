@@ -317,7 +317,7 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     (the engine saves it after each answer, see History.save)."""
     history = ctx.history
     cache = history.open_store(
-        resolve_pool_path(options["pool"]), history.suffix_file is not None,
+        "suffix trie", resolve_pool_path(options["pool"]), history.suffix_file is not None,
         lambda path: shared_cache(history, options["max_requests"], options["max_tokens"],
                                   suffix_file(path) if path is not None else None))
     return SuffixProposer(cache, max_depth=options["max_depth"], max_branches=options["max_branches"],
