@@ -595,7 +595,8 @@ class Engine:
         """A generation's proposer, the scheduler that prices its drafts and its round sizer; the first
         call measures the cost curves, before the generation takes the lock."""
         try:
-            chosen = create_method(method, self.drafting_context(), options or {})
+            with self.history.unchanged_on_error():
+                chosen = create_method(method, self.drafting_context(), options or {})
         except MethodOptionError:
             raise
         except ParameterError as exc:

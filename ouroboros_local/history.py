@@ -13,8 +13,9 @@ import hashlib
 import logging
 import os
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
 from .errors import PoolError
 from .filestore import is_empty_file
@@ -59,6 +60,19 @@ class History:
         self._saved_at = self._save_seconds = 0.0   # when the files were last written, and how long it took
         self.pending = False                         # a save was skipped as not yet due (``save``)
         self._fingerprint: str | None = None
+
+    @contextmanager
+    def unchanged_on_error(self) -> Iterator[None]:
+        """Undo what the block bound or named if it raises: a method that opens both stores (auto) or
+        checks its options after opening one must not leave a file named by a request that failed."""
+        saved = (self.phrase_pool, self.phrase_pool_file, self.suffix_cache, self.suffix_file, self.named_file,
+                 dict(self._files), dict(self._stamps), set(self._refused))
+        try:
+            yield
+        except BaseException:
+            (self.phrase_pool, self.phrase_pool_file, self.suffix_cache, self.suffix_file, self.named_file,
+             self._files, self._stamps, self._refused) = saved
+            raise
 
     def kept(self, key: Hashable, make: Callable[[], T]) -> T:
         """A method's own state for ``key`` (its name and settings), made on first use, then kept:

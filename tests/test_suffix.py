@@ -511,6 +511,26 @@ def test_a_refused_pool_file_is_not_taken_by_later_calls(engine, tmp_path: Path,
     engine.history.clear()
 
 
+@pytest.mark.parametrize("method, options", [("auto", {}), ("prompt-lookup", {"min_ngram": 5, "max_ngram": 2})])
+def test_a_request_that_fails_names_no_file(engine, tmp_path: Path, method: str, options: dict) -> None:
+    """auto opens the suffix trie (FILE.suffix, taken) before the phrase pool (FILE, another tokenizer's);
+    prompt lookup opens the pool before it checks its options. Either request failed with the file
+    named and bound, and later requests without a pool saved beside it."""
+    from ouroboros_local.pool import PhrasePool
+
+    engine.history.clear()
+    given = tmp_path / "history"
+    if method == "auto":
+        PhrasePool(key_len=1, phrase_len=4).save(str(given), "another tokenizer's fingerprint")
+    with pytest.raises(ParameterError if method == "prompt-lookup" else PoolError):
+        engine.generate(E2E_PROMPTS[0], max_tokens=8, method=method, options={**options, "pool": str(given)})
+    assert engine.history.named_file is None and engine.history.suffix_file is None
+    engine.generate(E2E_PROMPTS[0], max_tokens=8, method="suffix")
+    engine.history.save()
+    assert not Path(suffix_file(str(given))).exists()
+    engine.history.clear()
+
+
 def test_history_files_with_token_ids_outside_the_vocabulary_are_refused_and_empty_ones_start_afresh(
         engine, tmp_path: Path) -> None:
     """A crafted file with the right fingerprint but ids past the vocabulary failed every generation inside
