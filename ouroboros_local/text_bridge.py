@@ -283,7 +283,8 @@ class DraftView:
 
     def _space_further_back(self) -> int | None:
         """A restart (index in the run) at the last stable space less than ``_SPACE_BACKTRACK`` bytes back,
-        else at the last restart without a boundary (it spelled its space already), else None."""
+        or at the run's start where that is, else at the last restart without a boundary (it spelled its
+        space already), else None."""
         run, ends = self._run, self._ends
         low = max(self._covered - _SPACE_BACKTRACK, 0)
         p = run.rfind(b" ", low, self._covered)
@@ -293,11 +294,12 @@ class DraftView:
                 if k < len(ends) and ends[k] == p:
                     return k + 1
             p = run.rfind(b" ", low, p)
+        if low == 0:
+            return 0
         if self._seam is not None and self._seam >= low:
             k = bisect_left(ends, self._seam)
             if k < len(ends) and ends[k] == self._seam:
-                self.inexact_restarts += 1
-                return k + 1
+                return k + 1   # (counted when it was made)
         return None
 
     def _stable_start(self, run: bytearray, p: int) -> bool:

@@ -157,7 +157,7 @@ def test_a_long_run_without_word_boundaries_restarts_on_a_character(models) -> N
     # no space or newline for far more than the backtrack: the re-tokenization restarts after a draft token
     # whose bytes may end inside a character (once a UnicodeDecodeError)
     target, draft = models
-    text = "日本語のテキストです" * 30
+    text = "日本語のテキストです" * 60     # 1800 bytes: more than a SentencePiece draft looks back for a space
     tokens = target.tokenize(text, add_special=False)
     view = DraftView(target, draft)
     for i in range(0, len(tokens), 3):
@@ -174,14 +174,15 @@ def test_a_long_run_without_spaces_is_read_as_it_is(models) -> None:
     at the space before it, not inside it (each restart there once spelled one space more: a 500-byte URL
     read with 203 spaces)."""
     target, draft = models
-    text = "see https://example.com/" + "abc/" * 120 + "x and more words after it\n"
-    tokens = target.tokenize(text, add_special=False)
-    view = DraftView(target, draft)
-    for tok in tokens:
-        view.extend([tok])
-    if view.adds_space:
-        assert view.inexact_restarts == 0
-        assert view.tokens == draft.tokenize(text, add_special=True, parse_special=False)
+    url = "https://example.com/" + "abc/" * 120
+    for text in ("see " + url + "x and more words after it\n", url + " at the run's start"):
+        tokens = target.tokenize(text, add_special=False)
+        view = DraftView(target, draft)
+        for tok in tokens:
+            view.extend([tok])
+        if view.adds_space:
+            assert view.inexact_restarts == 0, text
+            assert view.tokens == draft.tokenize(text, add_special=True, parse_special=False)
 
 
 def test_the_view_costs_the_new_text_not_the_context(models) -> None:
