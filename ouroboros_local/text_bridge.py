@@ -171,9 +171,10 @@ class DraftView:
         self.retokenized_bytes = 0     # bytes passed to the draft tokenizer (cost counter)
         self.inexact_restarts = 0      # re-tokenizations that found no chunk boundary
         self.adds_space = adds_space_prefix(self._tokenize_draft, draft.piece)
-        # a run of such a target starts with the space its tokenizer put there: the draft's stands for it
-        self._target_spaced = self.adds_space and adds_space_prefix(
+        self.target_adds_space = adds_space_prefix(
             lambda text: target.tokenize(text, add_special=False, parse_special=False), target.piece)
+        # a run of such a target starts with the space its tokenizer put there: the draft's stands for it
+        self._target_spaced = self.adds_space and self.target_adds_space
         self.reset()
 
     def _tokenize_draft(self, text: str) -> list[int]:

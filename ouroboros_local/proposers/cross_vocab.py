@@ -52,7 +52,7 @@ from ..errors import ParameterError
 from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_verification
 from ..acceptance import probability_class
-from ..text_bridge import DraftView, adds_space_prefix, target_confidences, text_to_target
+from ..text_bridge import DraftView, target_confidences, text_to_target
 from ..tree import TokenTree
 from .base import CatchUp, DraftingContext, ProposeSetup, Proposer
 from .draft_model import top_probability
@@ -82,7 +82,6 @@ class CrossVocabProposer(Proposer):
         self.gamma = gamma
         self.keep_unstable = keep_unstable
         self.view = DraftView(target, draft, map_specials=map_specials)
-        self._target_adds_space = adds_space_prefix(self._tokenize_target, target.piece)
         self._kv_equal = 0     # kv.cached[:_kv_equal] == view.tokens[:_kv_equal] (known)
         self._catch_up = CatchUp()
         self.last_draft_tokens: list[int] = []
@@ -110,7 +109,7 @@ class CrossVocabProposer(Proposer):
             # the committed target tokens end inside a character: no target token boundary to start at
             return [], False
         return text_to_target(self._tokenize_target, self.target.piece, self.view.anchor(), draft_text,
-                              closed=closed or self.keep_unstable, adds_space=self._target_adds_space)
+                              closed=closed or self.keep_unstable, adds_space=self.view.target_adds_space)
 
     def drafted_to_target(self, drafted: list[int], closing: int | None, budget: int) -> list[int]:
         """At most ``budget`` target tokens for the draft tokens ``drafted``, then the target EOG token
