@@ -322,3 +322,20 @@ def test_a_prompt_longer_than_the_drafts_context_decodes_plainly(tiny_target, ti
         prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 40)[:300]
         base = engine.generate(prompt, max_tokens=20, method="vanilla").tokens
         assert engine.generate(prompt, max_tokens=20, method="pearl", options={"mode": mode}).tokens == base
+
+
+def test_the_chain_is_the_committed_list_plus_its_tail_without_a_copy() -> None:
+    committed = [1, 2, 3]
+    chain = pearl_mod._Extended(committed, 3, [4, 5, 6])
+    assert list(chain) == [1, 2, 3, 4, 5, 6] and len(chain) == 6
+    assert chain[2:5] == [3, 4, 5] and chain[::2] == [1, 3, 5] and chain[-1] == 6 and chain[4:] == [5, 6]
+    with pytest.raises(IndexError):
+        chain[6]
+    committed += [4, 5]         # the engine accepted two of the chain's tokens: the view does not change
+    assert list(chain) == [1, 2, 3, 4, 5, 6]
+    assert chain.starts_with(committed)
+    committed.append(9)         # and then a token of its own
+    assert not chain.starts_with(committed)
+    assert chain.starts_with([1, 2, 3, 4]) and not chain.starts_with([1, 2, 7])   # another list: in full
+    assert not chain.starts_with([1, 2, 3, 4, 5, 6, 7])
+    assert list(chain.extended([7])) == [1, 2, 3, 4, 5, 6, 7] and list(chain) == [1, 2, 3, 4, 5, 6]

@@ -98,6 +98,50 @@ def thread_split(cores: int, target_gpu: bool, draft_gpu: bool) -> tuple[int, in
     return cores - nd, nd
 
 
+class _Extended(Sequence[int]):
+    """``head[:n_head] + tail`` without copying ``head``: the engine's committed list, which only grows
+    within a generation (so the worker thread may read it while the engine appends, and a round costs
+    the tokens it adds, not the context)."""
+
+    __slots__ = ("head", "n_head", "tail")
+
+    def __init__(self, head: Sequence[int], n_head: int, tail: list[int]):
+        self.head, self.n_head, self.tail = head, n_head, tail
+
+    def __len__(self) -> int:
+        return self.n_head + len(self.tail)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            cut = self.n_head
+            return list(self.head[start:min(stop, cut)]) + self.tail[max(start - cut, 0):max(stop - cut, 0)]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.head[i] if i < self.n_head else self.tail[i - self.n_head]
+
+    def extended(self, more: list[int]) -> "_Extended":
+        return _Extended(self.head, self.n_head, self.tail + more)
+
+    def starts_with(self, committed: Sequence[int]) -> bool:
+        """True when ``committed`` is a prefix of this chain; O(tokens past ``n_head``) when it is the
+        grown ``head``."""
+        n, cut = len(committed), self.n_head
+        if n > len(self):
+            return False
+        if committed is self.head and n >= cut:
+            return all(a == b for a, b in zip(self.tail, committed[cut:n]))
+        return self[:n] == list(committed)
+
+
+def _committed_only(committed: Sequence[int]) -> _Extended:
+    return _Extended(committed, len(committed), [])
+
+
 class _ABState:
     """Tokens/seconds per mode for one model pair + thread split (kept across generations)."""
 
@@ -151,7 +195,7 @@ class PearlProposer(Proposer):
         self._prefill: Future | None = None
         self._orig_threads: dict[str, tuple[int, int]] = {}
         self._threads_applied: str | None = None
-        self.chain: list[int] = []
+        self.chain = _committed_only([])
         self.mode = SEQUENTIAL
         self._reset_counters()
 
@@ -169,14 +213,14 @@ class PearlProposer(Proposer):
         self._t_propose = 0.0
         self._t_proposed = 0.0
         self._agreed = 0     # the draft KV holds committed[:_agreed] (see _truncate_to_chain)
-        self._base: list[int] = []   # what the background job drafts after (committed + the chain)
+        self._base = _committed_only([])   # what the background job drafts after (committed + the chain)
         self._seq_committed = 0   # committed tokens at the start of the sequence _draft syncs to
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
         self._reset_counters()
         self.eog = setup.eog_tokens
-        self.chain = list(prompt)
+        self.chain = _committed_only(prompt)
         self._stop.clear()
         if self.threads is None:
             self.mode = SEQUENTIAL
@@ -250,7 +294,7 @@ class PearlProposer(Proposer):
             self._apply_threads(SEQUENTIAL)
 
     # ---- drafting (runs in the worker thread for PEARL, inline for sequential rounds) -------------
-    def _draft(self, seq: list[int], n: int) -> tuple[list[int], int, float]:
+    def _draft(self, seq: Sequence[int], n: int) -> tuple[list[int], int, float]:
         """Greedy-draft up to n tokens after ``seq`` (which starts with the committed text, of
         ``_seq_committed`` tokens); returns (tokens, decodes, seconds)."""
         t0 = time.perf_counter()
@@ -295,9 +339,8 @@ class PearlProposer(Proposer):
 
     # ---- the round --------------------------------------------------------------------------------
     def _leftover(self, committed: Sequence[int]) -> list[int]:
-        n = len(committed)
-        chain = self.chain
-        if len(chain) > n and chain[n - 1] == committed[-1] and chain[:n] == list(committed):
+        chain, n = self.chain, len(committed)
+        if len(chain) > n and chain[n - 1] == committed[-1] and chain.starts_with(committed):
             return chain[n:]
         return []
 
@@ -305,14 +348,15 @@ class PearlProposer(Proposer):
         self._t_propose = time.perf_counter()
         if self._future is not None:  # observe() was skipped: drop the stale job
             self._join()
-        committed = list(committed)   # the engine extends its list while the worker runs
         cands = self._leftover(committed)[:max(budget, 0)]
+        # the engine extends its list while the worker runs: the worker reads the first n_committed
+        n_committed = len(committed)
         ends = bool(cands) and cands[-1] in self.eog
         if self.mode == PARALLEL:
             n_bg = 0 if ends else min(self.gamma, budget - len(cands))
             if n_bg > 0:
-                base = self._base = committed + cands
-                self._seq_committed = len(committed)
+                base = self._base = _Extended(committed, n_committed, cands)
+                self._seq_committed = n_committed
                 self._future = self._submit(lambda: self._draft(base, n_bg))
             if cands:
                 self.post_rounds += 1
@@ -323,8 +367,8 @@ class PearlProposer(Proposer):
                 self._join()
             n_more = 0 if ends else min(self.seq_gamma, budget) - len(cands)
             if n_more > 0:
-                self._seq_committed = len(committed)
-                more, steps, _ = self._draft(committed + cands, n_more)
+                self._seq_committed = n_committed
+                more, steps, _ = self._draft(_Extended(committed, n_committed, cands), n_more)
                 self.draft_steps += steps
                 cands = cands + more
         tree = TokenTree.rooted_at(committed[-1])
@@ -341,20 +385,20 @@ class PearlProposer(Proposer):
         mode = self.mode
         cont, steps, secs = self._join()
         if tree is None or result.tree is not tree:  # not our round (a wrapper proposed it)
-            self.chain = list(committed)
+            self.chain = _committed_only(committed)
             self._truncate_to_chain(len(committed))
             self._tree = None
             return
         self.draft_steps += steps
         # the job drafted after the whole chain: it carries on if the target's next token was its first.
         # Tokens a round of one size wrote past that (``filled``, accepted) must agree with it too.
-        chain = self._base + cont
+        chain = self._base.extended(cont)
         if (cont and len(result.accepted) == tree.n_candidates and result.bonus == cont[0]
-                and len(chain) > len(committed) and chain[:len(committed)] == list(committed)):
+                and len(chain) > len(committed) and chain.starts_with(committed)):
             self.chain = chain
             self.kept += 1
         else:
-            self.chain = list(committed)
+            self.chain = _committed_only(committed)
             if cont:
                 self.dropped += 1
         self._truncate_to_chain(len(committed))
