@@ -42,8 +42,8 @@ def main(argv: list[str]) -> int:
         answer = engine.generate("Name three colours.", chat=True, max_tokens=48, method=method)
         print(f"--- chat ---\n{answer.text}")
 
-        # 3. A whole conversation: render it with apply_chat_template, then tokenize the rendered text
-        #    without adding BOS again (the template has its own). Prefixes shared with the previous
+        # 3. A whole conversation: chat_tokens renders it with the model's template and tokenizes it as
+        #    llama-server does (one BOS where the model wants one). Prefixes shared with the previous
         #    call are not recomputed: the engine keeps the KV cache of the common prefix.
         messages = [
             {"role": "system", "content": "You are a concise assistant."},
@@ -51,8 +51,7 @@ def main(argv: list[str]) -> int:
             {"role": "assistant", "content": answer.text},
             {"role": "user", "content": "And three animals?"},
         ]
-        text = engine.apply_chat_template(messages)
-        tokens = engine.tokenize(text, add_special=False, parse_special=True)
+        tokens = engine.chat_tokens(messages)
         follow_up = engine.generate(tokens, max_tokens=48, method=method, stop=["\n\n"])
         print(f"--- conversation ({len(tokens)} prompt tokens) ---\n{follow_up.text}")
 

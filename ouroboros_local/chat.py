@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import jinja2
+import jinja2.ext
+from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .errors import ParameterError
@@ -14,7 +17,7 @@ from .errors import ParameterError
 if TYPE_CHECKING:  # pragma: no cover
     from .llama import Model
 
-# Used only when a GGUF carries no template (documented in the README).
+# Used only when a GGUF carries no template, as llama-server does (README, "Chat prompts").
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
@@ -23,11 +26,32 @@ def _raise(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+class _GenerationBlocks(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' marks of the assistant's text): the body
+    alone, as llama.cpp's template engine renders it."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: "jinja2.parser.Parser") -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:
+    """``tojson`` as llama.cpp's templates see it (and transformers'): plain JSON, keys in their order,
+    no HTML escaping (Jinja's own filter writes ``<`` as ``\\u003c`` and sorts the keys)."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=tuple(separators) if separators else None, sort_keys=sort_keys)
+
+
 def _environment() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        loader=jinja2.BaseLoader())
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=jinja2.BaseLoader(),
+                                        extensions=[jinja2.ext.loopcontrols, _GenerationBlocks])
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
     return env
 
 
@@ -83,3 +107,19 @@ def render_chat(model: "Model", messages: Any, add_generation_prompt: bool = Tru
                                eos_token=model.token_text(model.eos) if model.eos >= 0 else "")
     except jinja2.exceptions.TemplateError as exc:
         raise ParameterError(f"chat template failed: {exc}") from None
+
+
+def for_added_specials(model: "Model", text: str) -> str:
+    """A rendered chat as llama-server tokenizes it, with the vocabulary's own specials added
+    (add_special): a BOS the template wrote first (an EOS it wrote last) is dropped where the vocabulary
+    adds one, so the prompt holds one BOS whether the template writes it or not (a model without a
+    template, such as Gemma 3 270M, gets its BOS too)."""
+    if model.add_bos and model.bos >= 0:
+        bos = model.token_text(model.bos)
+        if bos and text.startswith(bos):
+            text = text[len(bos):]
+    if model.add_eos and model.eos >= 0:
+        eos = model.token_text(model.eos)
+        if eos and text.endswith(eos):
+            text = text[:-len(eos)]
+    return text

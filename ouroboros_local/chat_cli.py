@@ -90,9 +90,8 @@ class ChatSession:
     def _tokens(self, messages: list[dict[str, str]]) -> tuple[list[int], str, int]:
         """``messages``' tokens (none past the context), their count as a message says it, and the count
         (or a bound past the context)."""
-        prompt = self.engine.apply_chat_template(messages)
         try:   # counted, not listed, when far too long (a pasted file)
-            tokens = self.engine.tokenize(prompt, add_special=False, parse_special=True, limit=self.n_ctx - 1)
+            tokens = self.engine.chat_tokens(messages, limit=self.n_ctx - 1)
         except ContextOverflowError as exc:
             return [], exc.counted, exc.n_tokens if exc.n_tokens is not None else self.n_ctx
         return tokens, str(len(tokens)), len(tokens)
@@ -282,7 +281,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     read, prompt = _terminal_reader()
     engine = cli._engine_from_args(args)
     try:
-        cli.warn_without_chat_template(engine)
+        cli.warn_without_chat_template(engine, "use `generate -p TEXT` for plain completion")
         session = ChatSession(engine, method=method, sampling=sampling, options=options, system=args.system,
                               max_tokens=args.max_tokens, stop=args.stop or ())
         session.check_system()

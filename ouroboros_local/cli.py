@@ -212,10 +212,11 @@ def say(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def warn_without_chat_template(engine: Any) -> None:
+def warn_without_chat_template(engine: Any, plain: str = "drop --chat for plain completion") -> None:
+    """``plain``: how this command completes plain text instead."""
     if engine.target.chat_template() is None:
         say("note: this model has no chat template; the prompt is wrapped in ChatML (<|im_start|>...), "
-            "which a base model may answer with template tokens: drop --chat for plain completion")
+            f"which a base model may answer with template tokens: {plain}")
 
 
 def _sampling_from_args(args: argparse.Namespace):

@@ -507,13 +507,26 @@ class Engine:
 
         return render_chat(self.target, messages, add_generation_prompt=add_generation_prompt)
 
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The rendered chat as ``tokenize(text, add_special=True)`` takes it (llama-server's tokens)."""
+        from .chat import for_added_specials
+
+        return for_added_specials(self.target, self.apply_chat_template(messages, add_generation_prompt))
+
+    def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    limit: int | None = None) -> list[int]:
+        """The chat's prompt tokens as llama-server makes them: one BOS where the vocabulary asks for it,
+        whether the template writes it or not. ``limit`` as ``tokenize``'s."""
+        return self.tokenize(self.chat_prompt(messages, add_generation_prompt), add_special=True,
+                             parse_special=True, limit=limit)
+
     def prompt_tokens(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """The prompt's tokens; ContextOverflowError where they leave no room in the context."""
         self._check_open()
         if isinstance(prompt, str):
-            text = self.apply_chat_template([{"role": "user", "content": prompt}]) if chat else prompt
+            text = self.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
             try:
-                return self.tokenize(text, add_special=not chat, parse_special=True, limit=self.target_ctx.n_ctx - 1)
+                return self.tokenize(text, add_special=True, parse_special=True, limit=self.target_ctx.n_ctx - 1)
             except ContextOverflowError as exc:
                 raise self._overflow(exc.n_tokens or 0, exc.at_least) from None
         tokens = _token_ids(prompt, "the prompt")

@@ -36,8 +36,8 @@ def main() -> None:
     first = engines[sizes[0]]
     sets = prompts_mod.load_sets(args.prompts, limit=args.limit)
     built = prompts_mod.build_prompts(
-        sets, lambda text, special: first.tokenize(text, add_special=special, parse_special=True), True,
-        lambda messages: first.apply_chat_template(messages, add_generation_prompt=True), args.max_tokens)
+        sets, lambda text: first.tokenize(text, add_special=True, parse_special=True), True,
+        lambda messages: first.chat_prompt(messages, add_generation_prompt=True), args.max_tokens)
     seconds: dict[int, list[float]] = {n: [] for n in sizes}
     runs = [(p, i) for p in range(args.passes) for i in range(len(built))]
     for p, i in tqdm(runs, desc="prompts", unit="prompt"):

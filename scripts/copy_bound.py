@@ -113,8 +113,8 @@ def main() -> int:
     else:
         sets = prompts_mod.load_sets(args.prompts, limit=args.limit)
         built = prompts_mod.build_prompts(
-            sets, lambda text, special: engine.tokenize(text, add_special=special, parse_special=True), True,
-            lambda messages: engine.apply_chat_template(messages, add_generation_prompt=True), args.max_tokens)
+            sets, lambda text: engine.tokenize(text, add_special=True, parse_special=True), True,
+            lambda messages: engine.chat_prompt(messages, add_generation_prompt=True), args.max_tokens)
         answers = []
         for b in tqdm(built, desc="greedy answers", file=sys.stderr):
             result = engine.generate(list(b.tokens), max_tokens=b.max_tokens, method="vanilla")

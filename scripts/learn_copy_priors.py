@@ -102,8 +102,8 @@ def main() -> int:
             prompt_set.items = prompt_set.items[start:end]
             with Engine.load(model, config=EngineConfig(learned=False)) as engine:
                 built = prompts_mod.build_prompts(
-                    [prompt_set], lambda text, special: engine.tokenize(text, add_special=special, parse_special=True),
-                    True, lambda messages: engine.apply_chat_template(messages, add_generation_prompt=True),
+                    [prompt_set], lambda text: engine.tokenize(text, add_special=True, parse_special=True),
+                    True, lambda messages: engine.chat_prompt(messages, add_generation_prompt=True),
                     args.max_tokens)
                 for b in tqdm(built, desc=f"{Path(model).stem} {prompt_set.name}", file=sys.stderr):
                     engine.generate(list(b.tokens), max_tokens=b.max_tokens, method="auto")

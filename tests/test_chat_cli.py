@@ -43,7 +43,7 @@ def slow_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def chat_tokens(engine: Engine, messages: list[dict[str, str]]) -> list[int]:
-    return engine.tokenize(engine.apply_chat_template(messages), add_special=False, parse_special=True)
+    return engine.chat_tokens(messages)
 
 
 # ---- ChatSession --------------------------------------------------------------------------------

@@ -143,7 +143,7 @@ def long_answer_prompt(engine: Engine, system: str | None = "You are terse.",
     """A user message whose greedy answer does not end within 80 tokens (the model is random)."""
     for text in candidates:
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        tokens = engine.tokenize(engine.apply_chat_template(msgs), add_special=False, parse_special=True)
+        tokens = engine.chat_tokens(msgs)
         res = engine.generate(tokens, max_tokens=80, method="vanilla")
         if res.stats.finish_reason == "length":
             return text
@@ -193,7 +193,7 @@ def slow_live(slow_engine):
 
 def greedy(engine: Engine, prompt: Any, max_tokens: int, chat: bool = False):
     if chat:
-        prompt = engine.tokenize(engine.apply_chat_template(prompt), add_special=False, parse_special=True)
+        prompt = engine.chat_tokens(prompt)
     return engine.generate(prompt, max_tokens=max_tokens, method="vanilla",
                            sampling=SamplingParams(temperature=0.0))
 

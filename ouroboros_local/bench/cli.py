@@ -296,10 +296,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          f"{name!r}; use --chat/--no-chat)")
 
         def template(messages: list[dict[str, str]]) -> str:
-            return engine.apply_chat_template(messages, add_generation_prompt=True)
+            return engine.chat_prompt(messages, add_generation_prompt=True)
 
-        def tokenize(text: str, add_special: bool) -> list[int]:
-            return engine.tokenize(text, add_special=add_special, parse_special=True)
+        def tokenize(text: str) -> list[int]:
+            return engine.tokenize(text, add_special=True, parse_special=True)
 
         built = prompts_mod.build_prompts(sets, tokenize, chat, template if chat else None, args.max_tokens)
         n_ctx = engine.target_ctx.n_ctx
@@ -323,7 +323,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             notes.append(f"warm start: each of our drafting methods first answered {len(learn_built)} other "
                          f"prompt(s) (up to {learn_n} after the first {args.limit} of each set), untimed")
             log(f"bench: {notes[-1]}")
-        warm_tokens = tokenize("warm up", True)
+        warm_tokens = tokenize("warm up")
         warm = prompts_mod.BuiltPrompt(set_name="warmup", id="warmup", task="raw", text="warm up",
                                        tokens=warm_tokens, chat=False, max_tokens=8)
 

@@ -350,18 +350,10 @@ class LlamaCppBinPeer(Contender):
         cmd += self._bin_option_args()
         return cmd
 
-    def prompt_text(self, prompt: BuiltPrompt) -> str:
-        """The text to hand the binary, which tokenizes it with add_special=true, parse_special=true."""
-        text = prompt.text
-        model = self.target
-        if prompt.chat and model.add_bos and model.bos >= 0:
-            bos = model.token_text(model.bos)
-            if bos and text.startswith(bos):
-                text = text[len(bos):]    # the binary adds BOS itself
-        return text
-
     def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
-        text = self.prompt_text(prompt)
+        # the binary tokenizes with add_special=true, parse_special=true, as our tokens were made
+        # (bench.prompts.build_prompts): the same tokens
+        text = prompt.text
         pfile = Path(self._tmp.name) / "prompt.txt"
         # `-f` drops one trailing newline of the file: add one so the prompt's own survives.
         pfile.write_bytes((text + "\n").encode("utf-8"))

@@ -233,17 +233,18 @@ def looks_like_chat_model(name: str, has_template: bool) -> bool:
     return bool(has_template and _CHAT_NAME.search(name or ""))
 
 
-def build_prompts(sets: Sequence[PromptSet], tokenize: Callable[[str, bool], list[int]],
+def build_prompts(sets: Sequence[PromptSet], tokenize: Callable[[str], list[int]],
                   chat: bool, template: ChatTemplate | None, max_tokens: int | None = None
                   ) -> list[BuiltPrompt]:
-    """Render and tokenize every prompt. `tokenize(text, add_special)`: chat text is tokenized without
-    adding BOS (the template writes it), plain text with the model's usual specials."""
+    """Render and tokenize every prompt. `tokenize(text)` adds the model's usual specials, as llama.cpp's
+    tools do to the text they are given; `template` renders a chat as that tokenizer takes it
+    (``Engine.chat_prompt``: a BOS the template wrote is dropped where the vocabulary adds one)."""
     out: list[BuiltPrompt] = []
     for s in sets:
         n = max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS.get(s.task, 128)
         for item in s.items:
             text = render_prompt(item, s.task, chat, template, s.fewshot)
-            tokens = tokenize(text, not chat)
+            tokens = tokenize(text)
             out.append(BuiltPrompt(set_name=s.name, id=item.id, task=s.task, text=text, tokens=tokens,
                                    chat=chat, max_tokens=n))
     return out

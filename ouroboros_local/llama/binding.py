@@ -241,6 +241,7 @@ class Model(_Native):
         self.bos = int(lc.llama_vocab_bos(self.vocab))
         self.eos = int(lc.llama_vocab_eos(self.vocab))
         self.add_bos = bool(lc.llama_vocab_get_add_bos(self.vocab))
+        self.add_eos = bool(lc.llama_vocab_get_add_eos(self.vocab))
         self._pieces: dict[tuple[int, bool], bytes] = {}
         self._bytes_per_token: int | None = None   # 0: no bound (``bytes_per_token``)
         # per ``special``: the text of each piece seen that is whole UTF-8 on its own (``TextStream``)

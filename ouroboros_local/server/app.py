@@ -221,10 +221,10 @@ class _Service:
     def _chat_tokens(self, messages: Any) -> list[int]:
         clean = chat_messages(messages)
         try:
-            text = self.engine.apply_chat_template(clean)
+            text = self.engine.chat_prompt(clean)
         except ParameterError as exc:
             raise bad_request("messages", str(exc)) from None
-        return self.engine.tokenize(text, add_special=False, parse_special=True, limit=self.n_ctx - 1)
+        return self.engine.tokenize(text, add_special=True, parse_special=True, limit=self.n_ctx - 1)
 
     def _submit(self, parsed: GenerationRequest, tokens: list[int]) -> Job:
         """Queue the generation (after checking that the context holds it), or answer 503."""
