@@ -3,7 +3,9 @@
 Logits depend slightly on batch shape and KV layout, and quantised matmuls amplify that, so a greedy
 near-tie can flip between a batched verification and a one-token step. Outputs count as matching when
 they are identical, or identical up to a first difference where plain decoding preferred its token
-over the method's by less than ``tolerance`` logits (a tie-flip). After a tie-flip the texts legitimately diverge.
+over the method's by less than ``tolerance`` logits either way (a tie-flip). After a tie-flip the texts
+legitimately diverge. A margin below -tolerance (the replay clearly prefers the method's token: the reference
+is not what plain decoding computes) and an output longer than the token budget allows are mismatches.
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ def top2_margin(row: np.ndarray) -> float:
 
 
 def compare_greedy(engine: "Engine", prompt_tokens: Sequence[int], reference: Sequence[int],
-                   candidate: Sequence[int], tolerance: float = DEFAULT_TOLERANCE) -> MatchReport:
-    """Compare ``candidate`` with the plain-decoding ``reference`` under the tolerance rule."""
+                   candidate: Sequence[int], tolerance: float = DEFAULT_TOLERANCE, max_tokens: int | None = None,
+                   reference_finish: str | None = None) -> MatchReport:
+    """Compare ``candidate`` with the plain-decoding ``reference`` under the tolerance rule. ``max_tokens``:
+    the budget both had; ``reference_finish``: why the reference stopped ("length": at the budget)."""
     i = first_difference(reference, candidate)
     if i is None:
         return MatchReport(identical=True)
+    if _overran_budget(reference, candidate, max_tokens, reference_finish):
+        return MatchReport(identical=False, first_difference=i)
     # One output may be a prefix of the other. With the same token budget the shorter one ended with an
     # end-of-generation token there (stop strings aside): that choice is weighed like a token.
     stopped = i >= min(len(reference), len(candidate))
@@ -65,7 +71,17 @@ def compare_greedy(engine: "Engine", prompt_tokens: Sequence[int], reference: Se
     cand_logit = float(row[candidate[i]]) if i < len(candidate) else stop
     # how much plain decoding preferred its choice over the candidate's at the split
     margin = ref_logit - cand_logit
-    return MatchReport(identical=False, first_difference=i, margin=margin, tie_flip=margin < tolerance)
+    # a margin below -tolerance means the replay disagrees with the reference itself: not a near-tie
+    return MatchReport(identical=False, first_difference=i, margin=margin, tie_flip=abs(margin) < tolerance)
+
+
+def _overran_budget(reference: Sequence[int], candidate: Sequence[int], max_tokens: int | None,
+                    reference_finish: str | None) -> bool:
+    """The candidate went on where the token budget stopped the reference (or past the budget itself):
+    no logit can excuse that, so the tie rule must not weigh it like an end-of-generation choice."""
+    past_budget = max_tokens is not None and len(candidate) > max_tokens
+    past_stopped_reference = reference_finish == "length" and len(candidate) > len(reference)
+    return past_budget or past_stopped_reference
 
 
 def plain_decoding_row(engine: "Engine", prompt_tokens: Sequence[int], generated: Sequence[int]) -> np.ndarray:

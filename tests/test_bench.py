@@ -139,7 +139,7 @@ def test_comparisons() -> None:
     assert runner.first_difference([1, 2, 3], [1, 2, 3]) is None
     assert runner.first_difference([1, 2, 3], [1, 5, 3]) == 1
     assert runner.first_difference([1, 2, 3], [1, 2]) == 2
-    assert runner.compare_text("abc", "abcdef", 3, 5) is None       # a peer overshooting -n
+    assert runner.compare_text("abc", "abcdef", 3, 5, "length") is None   # a peer overshooting -n
     assert runner.compare_text("abc", "abX", 3, 3) == 2
     assert runner.compare_text("abcdef", "abc", 6, 3) == 3            # stopped early
 
@@ -279,6 +279,8 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: P
     (["--tolerance-margin", "nan"], "--tolerance-margin must be >= 0"),
     (["--peer-timeout", "-1"], "--peer-timeout must be > 0"),
     (["--variant", "big=lookahead:{\"levle\": 5}"], "levle"),
+    (["--limit", "0", "--learn-first", "2"], "--limit must be >= 1"),   # once "no prompt fits" after loading
+    (["--sweep", "lookahead:window=2,2"], "share the label 'lookahead[window=2]'"),
 ])
 def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(
         flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -576,8 +578,10 @@ def test_tolerance_margin_tie_flip(tiny_target: Path) -> None:
         assert (strict["ref_token"], strict["got_token"]) == (ref.tokens[3], second)
         loose = runner.classify(engine, bp, ref, got, tolerance_margin=abs(margin) + 1.0)
         assert loose["match"] == "tie-flip" and loose["margin"] == pytest.approx(margin, abs=1e-3)
+        # tolerance 0 excuses nothing: a negative margin (the replay preferring the method's token) once
+        # counted as a tie-flip at any size
         tight = runner.classify(engine, bp, ref, got, tolerance_margin=0.0)
-        assert tight["match"] == ("tie-flip" if margin < 0 else "mismatch")
+        assert tight["match"] == "mismatch"
         assert runner.classify(engine, bp, ref, ref, tolerance_margin=1.0)["match"] == "identical"
 
 
@@ -596,8 +600,67 @@ def test_tolerance_rule_weighs_an_early_stop_against_the_token(tiny_target: Path
         want = float(row[ref[3]]) - stop          # plain decoding's token over stopping there
         early = compare_greedy(engine, prompt, ref, ref[:3], tolerance=abs(want) + 1)   # the method stopped
         assert early.first_difference == 3 and early.margin == pytest.approx(want, abs=1e-3) and early.tie_flip
-        late = compare_greedy(engine, prompt, ref[:3], ref, tolerance=0.0)              # vanilla stopped
-        assert late.margin == pytest.approx(-want, abs=1e-3) and late.tie_flip == (-want < 0.0)
+        # vanilla stopped: the margin is the other way round; tolerance 0 excuses no margin, negative or not
+        late = compare_greedy(engine, prompt, ref[:3], ref, tolerance=0.0)
+        assert late.margin == pytest.approx(-want, abs=1e-3) and not late.tie_flip
+
+
+def test_tie_rule_refuses_a_reference_the_replay_disowns_and_output_past_the_budget(tiny_target: Path) -> None:
+    """Once any negative margin was a tie-flip, however large, and a method that went on past the token
+    budget (where vanilla stopped at it) was weighed against an end-of-generation token: a tie-flip too."""
+    from ouroboros_local.compare import compare_greedy
+    from ouroboros_local.engine import Engine, EngineConfig
+    from ouroboros_local.llama import Model
+
+    with Engine(Model(tiny_target), None, EngineConfig(n_ctx=256, n_batch=32, n_seq_max=2, threads=1)) as engine:
+        prompt = engine.tokenize("The quick brown fox")
+        ref = engine.generate(prompt, max_tokens=6)
+        assert ref.stats.finish_reason == "length"
+        row = np.array(engine.kv.sync_to(prompt + ref.tokens[:3], logits_last=True))
+        worst = int(np.argmin(row))
+        disowned = ref.tokens[:3] + [worst] + ref.tokens[4:]       # a "vanilla" token the replay rates last
+        report = compare_greedy(engine, prompt, disowned, ref.tokens, tolerance=0.5)
+        assert report.margin < -0.5 and not report.tie_flip
+        runner.cold_start(engine)
+        over = engine.generate(prompt, max_tokens=7).tokens           # one token past a budget of 6
+        lenient = abs(report.margin) + 100.0                             # a tolerance that excuses any margin
+        assert not compare_greedy(engine, prompt, ref.tokens, over, tolerance=lenient, max_tokens=6).tie_flip
+        assert not compare_greedy(engine, prompt, ref.tokens, over, tolerance=lenient,
+                                  reference_finish="length").tie_flip
+        bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="", tokens=prompt, chat=False, max_tokens=6)
+        got = runner.Outcome(tokens=list(over), text="", stats={})
+        assert runner.classify(engine, bp, runner.Outcome.from_result(ref), got, lenient)["match"] == "mismatch"
+
+
+def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts(
+        tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--strict once passed a method that failed on every prompt; after Ctrl-C the set's heading once
+    counted the prompts built, not those run; a rerun into the same --out once kept the last run's charts."""
+    def broken(engine, prompt, max_tokens, sampling, options):
+        raise RuntimeError("boom")
+
+    def stops_at_p2(engine, prompt, max_tokens, sampling, options):
+        if prompt.id == "p2":
+            raise KeyboardInterrupt
+        return lossy(engine, prompt, max_tokens, sampling, options)
+
+    monkeypatch.setitem(runner.CUSTOM_METHODS, "broken", broken)
+    monkeypatch.setitem(runner.CUSTOM_METHODS, "stops", stops_at_p2)
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "p1", "turns": ["hello there"]},
+                                               {"id": "p2", "turns": ["good night"]}])
+    out = tmp_path / "out"
+    common = ["bench", "-m", str(tiny_target), "--prompts", str(pfile), "-n", "4", "-t", "1", "--out", str(out),
+              "--no-progress", "--no-bandwidth", "--no-warmup", "--peers", ""]
+    assert main([*common, "--methods", "vanilla,broken", "--strict"]) == 3
+    assert "| broken [2 errors] |" in (out / "results.md").read_text()
+    out.mkdir(exist_ok=True)
+    for chart in ("speedup.png", "sweep.png"):
+        (out / chart).write_text("an earlier run's chart")
+    assert main([*common, "--methods", "vanilla,stops"]) == 130
+    data = json.loads((out / "results.json").read_text())
+    assert data["sets"][0]["prompts"] == 1 and "## p (raw, 1 prompts" in (out / "results.md").read_text()
+    assert not (out / "sweep.png").exists()
+    assert not (out / "speedup.png").exists() or (out / "speedup.png").read_bytes() != b"an earlier run's chart"
 
 
 def test_each_contender_keeps_its_own_learned_state() -> None:

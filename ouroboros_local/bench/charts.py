@@ -73,6 +73,8 @@ def plot_sweep(summary: Mapping[str, Mapping[str, Mapping[str, Any]]], sweep: Ma
             pts = [(p["value"], by_label.get(lab, {}).get("speedup")) for lab, p in points.items()
                    if p["method"] == m]
             pts = [(v, y) for v, y in pts if y is not None]
+            if numeric:   # a line in the order given (--sweep gamma=4,1,2) would zig-zag
+                pts.sort(key=lambda point: point[0])
             if not pts:
                 continue
             xs = [v if numeric else values.index(v) for v, _ in pts]

@@ -77,7 +77,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g.add_argument("--variant", action="append", default=[], metavar="LABEL=METHOD[:JSON]",
                    help="also run METHOD with these options under LABEL (repeatable; an ablation in one run), "
                         'e.g. \'no-window=ouroboros:{"window": 0}\'; "reset_pool": true in the JSON '
-                        "forgets that contender's learned state before every generation")
+                        "forgets that contender's history (phrase pools, suffix tries) before every "
+                        "generation; the scheduler's estimates are the engine's, shared (docs/benchmarks.md)")
     g.add_argument("--tolerance-margin", type=float, nargs="?", const=TOLERANCE, default=TOLERANCE,
                    metavar="LOGITS",
                    help="a difference from vanilla is a tie-flip (two tokens the model rated equally, within "
@@ -90,14 +91,17 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--save-text", action="store_true", help="store every generated text in results.json")
     g.add_argument("--reset-pool", action="store_true",
-                   help="forget learned state (phrase pools) before every generation (default: warm start)")
+                   help="forget each contender's history (phrase pools, suffix tries) before every "
+                        "generation (default: warm start); the scheduler's estimates are kept")
     g.add_argument("--warm-prefill", action="store_true",
                    help="let a method reuse the prompt cached by the previous one (faster runs; prefill "
                         "numbers then mean little); default: every generation starts from an empty cache")
     g.add_argument("--hash-models", action="store_true", help="sha256 the model files even when large")
     g.add_argument("--no-bandwidth", action="store_true", help="skip the memory bandwidth measurement")
     g.add_argument("--peer-timeout", type=float, default=900.0, help="seconds per llama.cpp binary run")
-    g.add_argument("--strict", action="store_true", help="exit with status 3 if any output differs")
+    g.add_argument("--strict", action="store_true",
+                   help="exit with status 3 if any output differs from vanilla's beyond the tie rule, or was "
+                        "not compared with it (an error, the method's or vanilla's)")
     add_sampling_args(p)
     add_method_args(p)
     # --method is generate's flag (default auto); here it is only a shorthand when given explicitly
@@ -182,6 +186,16 @@ def check_contender_options(method_opts: dict[str, dict[str, Any]],
             check_options(method, options)
 
 
+def check_unique_labels(planned: list[tuple[str, str, dict[str, Any], bool]]) -> None:
+    """Two contenders under one label (``--sweep gamma=2,2``) are refused before a model loads, not by
+    run_benchmark after it."""
+    labels = [label for label, *_ in planned]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise ParameterError(f"two contenders share the label {', '.join(map(repr, repeated))} "
+                             "(a value repeated in --sweep?)")
+
+
 def parse_variant(spec: str, available: list[str]) -> tuple[str, str, dict[str, Any]]:
     """``LABEL=METHOD[:JSON]`` -> (label, method, options)."""
     label, eq, rest = spec.partition("=")
@@ -212,11 +226,36 @@ def parse_methods(spec: str, available: list[str], custom: list[str]) -> list[st
 
 
 def resolve_methods(args: argparse.Namespace, available: list[str], custom: list[str]) -> list[str]:
-    """--methods (default: all), or `--method X` as shorthand for vanilla and X."""
+    """--methods (default: all), or `--method X` as shorthand for vanilla and X (`--method vanilla`: vanilla
+    alone)."""
     spec = args.methods
-    if spec == DEFAULT_METHODS and getattr(args, "method", None) not in (None, "vanilla"):
+    if spec == DEFAULT_METHODS and getattr(args, "method", None) is not None:
         spec = args.method
     return parse_methods(spec, available, custom)
+
+
+def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:
+    """Prompts of ``set_name`` with records: after Ctrl-C, fewer than were built."""
+    return len({r["id"] for r in records if r["set"] == set_name})
+
+
+CHARTS = ("speedup.png", "sweep.png")
+
+
+def write_charts(summary: dict[str, Any], sweep_info: dict[str, Any] | None, out_dir: Path, title: str,
+                 log: Callable[[str], None]) -> None:
+    """speedup.png (and sweep.png with --sweep), first removing an earlier run's: a chart this run cannot
+    draw (no matplotlib, no sweep) must not be left to pass for its own."""
+    from . import charts
+
+    for name in CHARTS:
+        (out_dir / name).unlink(missing_ok=True)
+    if charts.plot_speedup(summary, out_dir / "speedup.png", title=title):
+        log(f"bench: wrote {out_dir / 'speedup.png'}")
+    else:
+        log("bench: matplotlib is not installed (pip install matplotlib): no speedup.png")
+    if sweep_info and charts.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
+        log(f"bench: wrote {out_dir / 'sweep.png'}")
 
 
 def _sampling_desc(sampling: Any) -> str:
@@ -235,11 +274,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..proposers import applicable_options, method_names
     from . import peers as peers_mod
     from . import prompts as prompts_mod
-    from . import charts, report, runner
+    from . import report, runner
     from .machine import machine_info, model_info, versions
 
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ParameterError("-n/--max-tokens must be >= 1")
+    if args.limit is not None and args.limit < 1:
+        raise ParameterError("--limit must be >= 1")
     if args.peer_timeout is not None and not args.peer_timeout > 0:
         raise ParameterError("--peer-timeout must be > 0 seconds")
     if args.tolerance_margin is not None and not args.tolerance_margin >= 0:   # nan too
@@ -271,6 +312,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)
     base_opts = _method_options(args)
     planned = plan_contenders(methods, method_opts, base_opts, sweep, variants_from_args, args.reset_pool)
+    check_unique_labels(planned)
     check_contender_options(method_opts, planned, known=method_names() + custom + peers_mod.peer_names())
     notes: list[str] = []
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
@@ -398,7 +440,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             summary = report.summarize(run.records, run.contenders, model_bytes)
             set_entries = []
             for s in sets:
-                n_run = sum(1 for b in built if b.set_name == s.name)
+                n_run = recorded_prompts(run.records, s.name)
                 set_entries.append({"name": s.name, "file": s.path, "task": s.task, "prompts": n_run,
                                     "max_tokens": args.max_tokens or prompts_mod.DEFAULT_MAX_TOKENS.get(s.task, 128),
                                     "chat": chat, "fewshot": len(s.fewshot)})
@@ -442,26 +484,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
             (out_dir / "results.md").write_text(md, encoding="utf-8")
             offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
             where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
-            title = f"{Path(target.path).name} on {where}"
-            if charts.plot_speedup(summary, out_dir / "speedup.png", title=title):
-                log(f"bench: wrote {out_dir / 'speedup.png'}")
-            else:
-                log("bench: matplotlib is not installed (pip install matplotlib): no speedup.png")
-            if sweep_info and charts.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
-                log(f"bench: wrote {out_dir / 'sweep.png'}")
+            write_charts(summary, sweep_info, out_dir, f"{Path(target.path).name} on {where}", log)
         run.interrupted = run.interrupted or bool(pressed)
         print(md)
         log(f"bench: wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
         n_bad = sum(1 for m in payload["mismatches"] if m["match"] == "mismatch")
         n_ties = sum(1 for m in payload["mismatches"] if m["match"] == "tie-flip")
+        n_unchecked = sum(1 for r in run.records if r.get("match") in report.UNCHECKED)
         if n_bad:
             log(f"bench: WARNING: {n_bad} output(s) differ from vanilla beyond the tie rule (see results.md)")
+        if n_unchecked:
+            log(f"bench: WARNING: {n_unchecked} output(s) not compared with vanilla (an error, theirs or "
+                "vanilla's; see results.json)")
         if n_ties:
             log(f"bench: {n_ties} output(s) part from vanilla at a near-tie (tie-flip: both tokens within "
                 f"{args.tolerance_margin} logits, allowed by the tie rule; see results.md)")
         if run.interrupted:
             return 130
-        return 3 if (args.strict and n_bad) else 0
+        return 3 if (args.strict and (n_bad or n_unchecked)) else 0
     finally:
         for c in contenders:
             try:

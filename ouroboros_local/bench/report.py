@@ -24,9 +24,9 @@ RESULT_KEYS = ("schema", "created", "command", "settings", "machine", "versions"
 # Keys of every summary entry (results.json: summary[set][label]).
 SUMMARY_KEYS = ("label", "kind", "method", "prompts", "errors", "tokens", "timed_tokens", "prompt_tokens",
                 "prefill_seconds", "decode_seconds", "tokens_per_second", "prefill_tokens_per_second",
-                "speedup", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes", "drafted",
-                "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
-                "identical", "tie_flips", "mismatches", "all_identical", "bandwidth_gbs", "speedup_ci",
+                "speedup", "paired", "speedup_geomean", "baseline", "speedup_vs_baseline", "target_passes",
+                "drafted", "accepted", "accepted_per_pass", "tokens_per_pass", "passes_per_100_tokens", "compared",
+                "identical", "tie_flips", "mismatches", "unchecked", "all_identical", "bandwidth_gbs", "speedup_ci",
                 "python_ms_per_round", "graph_rebuilds_per_100_passes", "time_split", "draft_graphs")
 
 CI_LEVEL = 0.90          # speedup_ci: a paired bootstrap interval over the set's prompts
@@ -58,6 +58,28 @@ def _speed_pair(rec: Mapping[str, Any], ref: Mapping[str, Any]) -> tuple[float, 
     pair = (rec.get("timed_tokens") or 0, rec.get("decode_seconds") or 0.0,
             ref.get("timed_tokens") or 0, ref.get("decode_seconds") or 0.0)
     return pair if pair[1] > 0 and pair[3] > 0 else None
+
+
+def _runs_by_prompt(records: Iterable[Mapping[str, Any]], label: str) -> dict[tuple[str, str], Mapping[str, Any]]:
+    """``label``'s successful records by (set, prompt id)."""
+    return {(r["set"], r["id"]): r for r in records if r["label"] == label and not r.get("error")}
+
+
+def _pairs(runs: Mapping[tuple[str, str], Mapping[str, Any]], ref_runs: Mapping[tuple[str, str], Mapping[str, Any]]
+           ) -> list[tuple[float, float, float, float]]:
+    """``_speed_pair`` of every prompt both ran successfully, with timings."""
+    pairs = [_speed_pair(r, ref_runs[key]) for key, r in runs.items() if key in ref_runs]
+    return [p for p in pairs if p]
+
+
+def paired_speedup(pairs: Sequence[tuple[float, float, float, float]]) -> float | None:
+    """sum(tokens) / sum(seconds) over that of the reference, on the same prompts (a ratio of sums):
+    pooling each side over its own successes would compare different prompts (a method as fast as
+    vanilla that failed on the slowest prompt came out 3.25x)."""
+    tokens, seconds, ref_tokens, ref_seconds = (sum(p[i] for p in pairs) for i in range(4))
+    if not (seconds and ref_tokens and ref_seconds):
+        return None
+    return (tokens / seconds) / (ref_tokens / ref_seconds)
 
 
 def bootstrap_speedup(pairs: Sequence[tuple[float, float, float, float]], level: float = CI_LEVEL,
@@ -142,7 +164,7 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
         by_label: dict[str, dict[str, Any]] = OrderedDict()
         ref_tps: dict[tuple[str, str], float | None] = {
             (r["set"], r["id"]): _per_prompt_tps(r) for r in recs if r["label"] == reference and not r.get("error")}
-        ref_runs = {(r["set"], r["id"]): r for r in recs if r["label"] == reference and not r.get("error")}
+        ref_runs = _runs_by_prompt(recs, reference)
         for label in labels:
             rs = [r for r in recs if r["label"] == label]
             ok = [r for r in rs if not r.get("error")]
@@ -173,23 +195,34 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
             s["graph_rebuilds_per_100_passes"] = graph_rebuilds_per_100_passes(ok)
             s["time_split"] = time_split_per_100_tokens(ok)
             s["draft_graphs"] = draft_graphs(ok)
-            pairs = [_speed_pair(r, ref_runs[(r["set"], r["id"])]) for r in ok if (r["set"], r["id"]) in ref_runs]
-            s["speedup_ci"] = bootstrap_speedup([p for p in pairs if p]) if label != reference else None
-            compared = [r for r in ok if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
-            s["compared"] = len(compared)
-            s["identical"] = sum(r.get("match") in ("identical", "reference") for r in compared)
-            s["tie_flips"] = sum(r.get("match") == "tie-flip" for r in compared)
-            s["mismatches"] = sum(r.get("match") == "mismatch" for r in compared)
-            s["all_identical"] = (s["identical"] == len(compared)) if compared else None
+            runs = _runs_by_prompt(recs, label)
+            pairs = _pairs(runs, ref_runs)
+            s["speedup"], s["paired"] = paired_speedup(pairs), len(pairs)
+            s["speedup_ci"] = bootstrap_speedup(pairs) if label != reference else None
+            if s["baseline"] and s["baseline"] in labels:
+                s["speedup_vs_baseline"] = paired_speedup(_pairs(runs, _runs_by_prompt(recs, s["baseline"])))
+            s.update(identity_counts(rs))
             by_label[label] = s
-        ref = by_label.get(reference, {}).get("tokens_per_second")
-        for s in by_label.values():
-            tps = s["tokens_per_second"]
-            s["speedup"] = tps / ref if tps is not None and ref else None
-            base = by_label.get(s["baseline"] or "", {}).get("tokens_per_second")
-            s["speedup_vs_baseline"] = tps / base if tps is not None and base else None
         out[set_name] = by_label
     return out
+
+
+UNCHECKED = ("error", "no-reference")   # records whose output was never compared with vanilla's
+
+
+def identity_counts(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """How a row's outputs compare with vanilla's; ``unchecked`` counts the prompts it failed on, or where
+    vanilla failed: an output never compared is not an identical one (--strict fails on it)."""
+    compared = [r for r in records if r.get("match") in ("identical", "mismatch", "tie-flip", "reference")]
+    counts: dict[str, Any] = {
+        "compared": len(compared),
+        "identical": sum(r.get("match") in ("identical", "reference") for r in compared),
+        "tie_flips": sum(r.get("match") == "tie-flip" for r in compared),
+        "mismatches": sum(r.get("match") == "mismatch" for r in compared),
+        "unchecked": sum(r.get("match") in UNCHECKED for r in records)}
+    checked = compared or counts["unchecked"]
+    counts["all_identical"] = (counts["identical"] == len(compared) and not counts["unchecked"]) if checked else None
+    return counts
 
 
 def mismatch_list(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -243,10 +276,11 @@ def _human_bytes(n: Any) -> str:
 
 
 def identical_cell(s: Mapping[str, Any]) -> str:
+    unchecked = f"{s['unchecked']} unchecked" if s.get("unchecked") else ""
     if s.get("label") == "vanilla":
-        return "reference"
-    if s.get("compared") == 0:
-        return "n/a"
+        return "reference" + (f", {unchecked}" if unchecked else "")
+    if not s.get("compared"):
+        return unchecked or "n/a"
     if s.get("all_identical"):
         return f"yes ({s['identical']}/{s['compared']})"
     parts = [f"{s['identical']}/{s['compared']}"]
@@ -254,7 +288,10 @@ def identical_cell(s: Mapping[str, Any]) -> str:
         parts.append(f"{s['mismatches']} MISMATCH")
     if s.get("tie_flips"):
         parts.append(f"{s['tie_flips']} tie-flip")
-    return "NO: " + ", ".join(parts)
+    if unchecked:
+        parts.append(unchecked)
+    differs = s.get("mismatches") or s.get("tie_flips")
+    return ("NO: " if differs else "") + ", ".join(parts)
 
 
 def render_markdown(payload: Mapping[str, Any]) -> str:
@@ -284,10 +321,12 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  + f", created {payload.get('created')}")
     lines.append("")
     lines.append("tok/s: decode tokens per second (prefill apart); speedup: over vanilla (sum of tokens / "
-                 f"sum of decode seconds), {CI_LEVEL:.0%} CI: paired bootstrap interval of the speedup over "
+                 "sum of decode seconds, on the prompts both ran without error), "
+                 f"{CI_LEVEL:.0%} CI: paired bootstrap interval of the speedup over "
                  "the prompts; geomean: per-prompt geometric mean; acc/pass: accepted draft "
                  "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
-                 "target passes per second; identical: outputs equal to vanilla's; py ms/round: time per "
+                 "target passes per second; identical: outputs equal to vanilla's (unchecked: prompts where it or "
+                 "vanilla failed); py ms/round: time per "
                  "target pass outside llama.cpp's decoding and the wait for its logits (our Python); rebuilds/100: decodes for which "
                  "llama.cpp built a new graph (a new batch shape; on a GPU, no CUDA graph) per 100 passes.")
     lines.append("")
@@ -303,6 +342,9 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                   "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]
         for s in by_label.values():
             speed = _f(s.get("speedup"), "{:.2f}x")
+            ran = (s.get("prompts") or 0) + (s.get("errors") or 0)
+            if s.get("speedup") is not None and s.get("paired") is not None and s["paired"] < ran:
+                speed += f" (on {s['paired']}/{ran} prompts)"   # the prompts both it and vanilla ran
             if s.get("kind") == "peer" and s.get("baseline") not in (None, "vanilla", s["label"]):
                 speed += f" ({_f(s.get('speedup_vs_baseline'), '{:.2f}x')} vs own)"
             name = s["label"] + (" (peer)" if s.get("kind") == "peer" else "")
@@ -442,9 +484,7 @@ def pooled_speedups(payloads: Sequence[Mapping[str, Any]], label: str, reference
         pairs[ALL_SETS] = [p for ps in list(pairs.values()) for p in ps]
     out: dict[str, dict[str, Any]] = OrderedDict()
     for set_name, ps in pairs.items():
-        a = [sum(p[i] for p in ps) for i in range(4)]
-        out[set_name] = {"pairs": len(ps), "speedup": _ratio(a[0], a[1]) / _ratio(a[2], a[3])
-                         if a[1] and a[3] and a[2] else None, "speedup_ci": bootstrap_speedup(ps)}
+        out[set_name] = {"pairs": len(ps), "speedup": paired_speedup(ps), "speedup_ci": bootstrap_speedup(ps)}
     return out
 
 

@@ -161,19 +161,18 @@ def first_difference(ref: Sequence[int], got: Sequence[int]) -> int | None:
     return None if len(ref) == len(got) else n
 
 
-def compare_text(ref: str, got: str, ref_tokens: int, got_tokens: int) -> int | None:
-    """First differing character between texts. A peer that generated at least as many tokens as the
-    reference may run past it (llama.cpp binaries overshoot -n by a token): compare the reference's length."""
-    n = len(ref) if got_tokens >= ref_tokens else min(len(ref), len(got))
-    a, b = ref[:n], got[:n]
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    if len(b) < n:
-        return len(b)
-    if got_tokens < ref_tokens and len(got) < len(ref):
-        return len(got)
-    return None
+def compare_text(ref: str, got: str, ref_tokens: int, got_tokens: int, ref_finish: str | None = None
+                 ) -> int | None:
+    """First differing character between texts (a length difference counts at the shorter length).
+    llama.cpp binaries overshoot -n by a token: where the token budget stopped the reference (``ref_finish``
+    "length") a peer that generated at least as many tokens is compared up to the reference's length only.
+    Where the reference stopped by itself, text past its end is a difference."""
+    if ref_finish == "length" and got_tokens >= ref_tokens:
+        got = got[:len(ref)]
+    pos = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), None)
+    if pos is None and len(ref) != len(got):
+        pos = min(len(ref), len(got))
+    return pos
 
 
 def classify(engine: "Engine | None", prompt: BuiltPrompt, ref: Outcome, got: Outcome,
@@ -194,7 +193,8 @@ def classify(engine: "Engine | None", prompt: BuiltPrompt, ref: Outcome, got: Ou
 
             try:
                 cold_start(engine)   # the reference row from a clean prefill, whatever ran before
-                rep = compare_greedy(engine, prompt.tokens, ref.tokens, got.tokens, tolerance=tolerance_margin)
+                rep = compare_greedy(engine, prompt.tokens, ref.tokens, got.tokens, tolerance=tolerance_margin,
+                                     max_tokens=prompt.max_tokens, reference_finish=ref.stats.get("finish_reason"))
             except OuroborosError:
                 return info
             info["margin"] = rep.margin
@@ -202,7 +202,8 @@ def classify(engine: "Engine | None", prompt: BuiltPrompt, ref: Outcome, got: Ou
                 info["match"] = "tie-flip"
         return info
     info["compare"] = "text"
-    pos = compare_text(ref.text, got.text, ref.stats.get("tokens", 0), got.stats.get("tokens", 0))
+    pos = compare_text(ref.text, got.text, ref.stats.get("tokens", 0), got.stats.get("tokens", 0),
+                       ref.stats.get("finish_reason"))
     if pos is not None:
         info.update(match="mismatch", first_diff=pos)
     return info
@@ -272,6 +273,29 @@ def _record(prompt: BuiltPrompt, c: Contender, order: int) -> dict[str, Any]:
                 "method": c.method, "max_tokens": prompt.max_tokens, "prompt_tokens": len(prompt.tokens),
                 "order": order})
     return rec
+
+
+def _classified(prompt: BuiltPrompt, recs: dict[str, dict[str, Any]], outcomes: dict[str, Outcome],
+                engine: "Engine | None", greedy: bool, tolerance_margin: float | None,
+                log: Callable[[str], None]) -> list[dict[str, Any]]:
+    """One prompt's records, each with its match against the reference's outcome."""
+    ref = outcomes.get(REFERENCE)
+    for label, rec in recs.items():
+        if rec["match"] == "error":
+            pass
+        elif label == REFERENCE:
+            rec.update(match="reference", compare="tokens")
+        elif ref is None:
+            rec.update(match="no-reference")
+        elif not greedy:
+            rec.update(match="n/a", compare="sampled")
+        else:
+            rec.update(classify(engine, prompt, ref, outcomes[label], tolerance_margin))
+            if rec["match"] != "identical":
+                log(f"bench: {label} differs from vanilla on {prompt.set_name}/{prompt.id} "
+                    f"at {'token' if rec['compare'] == 'tokens' else 'char'} {rec['first_diff']} "
+                    f"({rec['match']})")
+    return list(recs.values())
 
 
 DISTURBED_CORES = 0.05   # others' mean busy cores during our runs above which ``disturbed_note`` speaks
@@ -373,23 +397,9 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                 recs[c.label] = rec
                 if bar is not None:
                     bar.update(1)
-            ref = outcomes.get(REFERENCE)
-            for label, rec in recs.items():
-                if rec["match"] == "error":
-                    pass
-                elif label == REFERENCE:
-                    rec.update(match="reference", compare="tokens")
-                elif ref is None:
-                    rec.update(match="no-reference")
-                elif not greedy:
-                    rec.update(match="n/a", compare="sampled")
-                else:
-                    rec.update(classify(engine, prompt, ref, outcomes[label], tolerance_margin))
-                    if rec["match"] != "identical":
-                        log(f"bench: {label} differs from vanilla on {prompt.set_name}/{prompt.id} "
-                            f"at {'token' if rec['compare'] == 'tokens' else 'char'} {rec['first_diff']} "
-                            f"({rec['match']})")
-                run.records.append(rec)
+            # all of a prompt's records or none: Ctrl-C during its classification (the tie rule's replay
+            # is long) must not leave it measured for some contenders only
+            run.records.extend(_classified(prompt, recs, outcomes, engine, greedy, tolerance_margin, log))
     except KeyboardInterrupt:
         run.interrupted = True
         log(f"bench: interrupted after {len({(r['set'], r['id']) for r in run.records})} prompts; "
