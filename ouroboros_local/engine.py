@@ -270,6 +270,14 @@ class StopMatcher:
         return self._release(out)
 
 
+@dataclass
+class Learning:
+    """What an engine learns while it generates (``Engine.swap_learning``); empty until its first use."""
+
+    scheduler: Scheduler | None = None
+    sizers: dict[str, RoundSizer] = field(default_factory=dict)
+
+
 class Engine:
     """A target model (and optionally a draft model) loaded once; generations run one at a time."""
 
@@ -395,6 +403,15 @@ class Engine:
             self._restore_learned(self._scheduler)
             self._learned_saved_at = time.monotonic()
         return self._scheduler
+
+    def swap_learning(self, state: "Learning") -> "Learning":
+        """Put ``state`` in place of what this engine learns as it generates (the scheduler's estimates
+        and round costs, the round sizers); returns what it had. The bench gives each contender its own,
+        so that no row learns from another's rounds (``auto`` from ``prompt-lookup``'s on the same prompt).
+        An empty ``Learning`` starts from the saved estimates, as a new engine does."""
+        held = Learning(self._scheduler, self._sizers)
+        self._scheduler, self._sizers = state.scheduler, state.sizers
+        return held
 
     def _learned_key(self) -> str | None:
         if not self.config.learned:

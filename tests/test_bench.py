@@ -665,25 +665,35 @@ def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts
 
 def test_each_contender_keeps_its_own_learned_state() -> None:
     """One method's history (say, the suffix trie holding its answer to this prompt) must not reach the
-    next method run on the same prompt: each contender has its own engine.history, kept across prompts."""
+    next method run on the same prompt: each contender has its own engine.history, kept across prompts.
+    So are the scheduler's estimates and round costs (once shared: auto learned from prompt-lookup's
+    rounds on the same prompt, and the rows of a sweep from each other's)."""
     from types import SimpleNamespace
 
     from ouroboros_local.bench.prompts import BuiltPrompt
     from ouroboros_local.bench.runner import EngineContender
+    from ouroboros_local.engine import Engine
     from ouroboros_local.history import History
 
     seen: list[dict] = []
+    schedulers: list[object] = []
 
     def generate(tokens, **kwargs):
         seen.append(engine.history.kept("runs", dict).copy())
         runs = engine.history.kept("runs", dict)
         runs[kwargs["method"]] = runs.get(kwargs["method"], 0) + 1   # "learns"
+        if engine._scheduler is None:    # as Engine.scheduler(): made on first use
+            engine._scheduler = object()
+        schedulers.append(engine._scheduler)
         stats = SimpleNamespace(to_dict=lambda: {"tokens": 1})
         return SimpleNamespace(text="x", tokens=[1], stats=stats)
 
     outside = History(None)
     outside.kept("runs", lambda: {"outside": True})
-    engine = SimpleNamespace(history=outside, target=None, generate=generate)
+    outside_scheduler = object()
+    engine = SimpleNamespace(history=outside, target=None, generate=generate, _scheduler=outside_scheduler,
+                             _sizers={})
+    engine.swap_learning = lambda state: Engine.swap_learning(engine, state)
     a = EngineContender(engine, "a", "suffix", {}, sampling=None, cold=False)
     b = EngineContender(engine, "b", "auto", {}, sampling=None, cold=False)
     prompt = BuiltPrompt(set_name="s", id="p", task="raw", text="t", tokens=[1, 2], chat=False, max_tokens=4)
@@ -692,6 +702,10 @@ def test_each_contender_keeps_its_own_learned_state() -> None:
         b.run(prompt, 4)
     assert seen == [{}, {}, {"suffix": 1}, {"auto": 1}]      # warm across its own prompts, blind to others'
     assert engine.history is outside and outside.kept("runs", dict) == {"outside": True}   # put back
+    a_sched, b_sched = schedulers[0], schedulers[1]
+    assert schedulers == [a_sched, b_sched, a_sched, b_sched] and len({id(a_sched), id(b_sched),
+                                                                        id(outside_scheduler)}) == 3
+    assert engine._scheduler is outside_scheduler
 
 
 def test_bench_learns_first_on_the_prompts_after_the_limit(tiny_target: Path, tmp_path: Path,

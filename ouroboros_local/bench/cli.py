@@ -78,7 +78,7 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
                    help="also run METHOD with these options under LABEL (repeatable; an ablation in one run), "
                         'e.g. \'no-window=ouroboros:{"window": 0}\'; "reset_pool": true in the JSON '
                         "forgets that contender's history (phrase pools, suffix tries) before every "
-                        "generation; the scheduler's estimates are the engine's, shared (docs/benchmarks.md)")
+                        "generation (its scheduler's estimates, its own, stay warm)")
     g.add_argument("--tolerance-margin", type=float, nargs="?", const=TOLERANCE, default=TOLERANCE,
                    metavar="LOGITS",
                    help="a difference from vanilla is a tie-flip (two tokens the model rated equally, within "

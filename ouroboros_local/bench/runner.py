@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 from ..cpu_load import LoadMeter
 from ..errors import OuroborosError, ParameterError, PoolError
+from ..engine import Learning
 from ..history import History
 from .prompts import BuiltPrompt
 
@@ -114,6 +115,8 @@ class EngineContender(Contender):
         # this contender's learned state (phrase pools, suffix tries): kept across its own prompts, never
         # seen by another method, which would otherwise draft from this method's answer to the same prompt
         self.history = History(engine.target)
+        # and its own scheduler estimates and round costs: a row must not learn from another's rounds
+        self.learning = Learning()
 
     def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
         if self.reset_shared:
@@ -121,11 +124,13 @@ class EngineContender(Contender):
         if self.cold:
             cold_start(self.engine)
         engine_history, self.engine.history = self.engine.history, self.history
+        engine_learning = self.engine.swap_learning(self.learning)
         try:
             result = self.engine.generate(prompt.tokens, max_tokens=max_tokens, method=self.method,
                                           sampling=self.sampling, stop=self.stop, options=self.options)
         finally:
             self.engine.history = engine_history
+            self.learning = self.engine.swap_learning(engine_learning)
             if self.history.pending:   # a history file's save that was not yet due (outside the timing)
                 try:
                     self.history.save()
