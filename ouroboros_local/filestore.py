@@ -4,25 +4,42 @@ files (cost curves, learned estimates) are written the same way and read with ``
 
 from __future__ import annotations
 
+import glob
 import json
+import logging
 import os
 import stat
 import struct
 import tempfile
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, TypeVar
 
 from .errors import PoolError
 
 if TYPE_CHECKING:  # pragma: no cover
     import numpy as np
 
+log = logging.getLogger("ouroboros_local")
+
+T = TypeVar("T")
+
+STALE_TEMP_SECONDS = 3600.0   # a temp file untouched this long was left by a save killed mid-write
+_warned_unsaved: set[str] = set()   # files whose failed save was already warned about in this process
+
+
+class ForeignStateError(PoolError):
+    """A readable state file that is not this model's: another tokenizer's, or another format version's.
+    Never merged into, nor replaced (its owner would lose it)."""
+
 
 def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
     """Write ``data`` to ``path`` through a temp file and os.replace: a crash or error mid-save leaves
-    any previous file intact. ``what`` names the content in the one-line error."""
-    target = Path(path)
-    directory = target.parent if str(target.parent) else Path(".")
+    any previous file intact. ``what`` names the content in the one-line error. A symbolic link is
+    followed: the file it points to is replaced, the link kept."""
+    target = Path(os.path.realpath(path))
+    directory = target.parent
+    _remove_stale_temps(directory, target.name)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
@@ -45,6 +62,35 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
     _fsync_dir(directory)
 
 
+def _remove_stale_temps(directory: Path, name: str) -> None:
+    """Remove the temp files of ``name`` that a save killed mid-write left (``.NAME.XXXXXXXX.tmp``, as
+    ``mkstemp`` names them; a pool's is megabytes). Only old ones: a younger one may be another process's
+    save in progress."""
+    prefix = f".{name}."
+    now = time.time()
+    for leftover in directory.glob(glob.escape(prefix) + "*.tmp"):
+        if "." in leftover.name[len(prefix):-len(".tmp")]:   # another file's: .NAME.suffix.XXXX.tmp
+            continue
+        try:
+            if now - leftover.stat().st_mtime > STALE_TEMP_SECONDS:
+                leftover.unlink()
+        except OSError:
+            pass
+
+
+def warn_not_saved(path: str | os.PathLike[str], what: str, env_var: str, cost: str, exc: Exception) -> None:
+    """One warning per process and file that the ``what`` could not be saved (every later failure of the
+    same file is silent): what that ``cost``s, and the settings that move the file."""
+    key = os.fspath(path)
+    if key in _warned_unsaved:
+        return
+    _warned_unsaved.add(key)
+    cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc   # write_atomic's wraps the OSError
+    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+    log.warning("warning: cannot save the %s to %s (%s); %s. Set OUROBOROS_CACHE to a writable folder, or "
+                "%s to a writable file", what, key, reason, cost, env_var)
+
+
 def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON state file's object; {} when it is missing, unreadable, not JSON or not an object (a file
     edited by hand is measured or learned again, never fatal)."""
@@ -53,7 +99,7 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(target.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):   # RecursionError: nested thousands of levels deep
         return {}
     return data if isinstance(data, dict) else {}
 
@@ -94,7 +140,7 @@ def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, heade
         raise PoolError(f"{target} is not a {what} file (bad header)")
     _, found, *fields = header.unpack_from(data)
     if found != version:
-        raise PoolError(f"{target}: unsupported {what} version {found} (expected {version})")
+        raise ForeignStateError(f"{target}: unsupported {what} version {found} (expected {version})")
     return target, tuple(fields), data[header.size:]
 
 
@@ -107,8 +153,8 @@ def check_fingerprint(target: Path, body: bytes, fp_len: int, fingerprint: str, 
     except UnicodeDecodeError as e:
         raise PoolError(f"{target} is corrupt (unreadable tokenizer fingerprint)") from e
     if stored != fingerprint:
-        raise PoolError(f"{target} was built for another tokenizer ({what} fingerprint {_short(stored)}, "
-                        f"model fingerprint {_short(fingerprint)})")
+        raise ForeignStateError(f"{target} was built for another tokenizer ({what} fingerprint "
+                                f"{_short(stored)}, model fingerprint {_short(fingerprint)})")
     return body[fp_len:]
 
 
@@ -117,6 +163,19 @@ def check_token_ids(target: Path, tokens: "np.ndarray", n_vocab: int | None) -> 
     fingerprint matches would otherwise fail every later generation inside llama_decode)."""
     if n_vocab is not None and tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= n_vocab):
         raise PoolError(f"{target} is corrupt (token ids outside the vocabulary of {n_vocab})")
+
+
+def mergeable(read: Callable[[], T], what: str) -> T | None:
+    """What ``read`` reads of a file a save is about to merge with, or None when the file is damaged (it
+    holds nothing that could be kept: the save replaces it). PoolError, for a save to refuse, when it is
+    another tokenizer's or another version's file: replaced, its owner would lose it at every save."""
+    try:
+        return read()
+    except ForeignStateError as exc:
+        raise PoolError(f"{exc}; not overwritten: name another {what} file for this model") from exc
+    except PoolError as exc:
+        log.info("replacing a damaged %s: %s", what, exc)
+        return None
 
 
 def is_empty_file(path: str | os.PathLike[str]) -> bool:

@@ -176,16 +176,26 @@ class History:
         self.pending = False
 
     def _save_files(self) -> None:
-        fingerprint = self.fingerprint()
+        """Save every file, then raise the failures as one PoolError: a file that refuses the save
+        (another tokenizer's, a full disk) must not keep the others from being written."""
+        failures = []
         for path, state in self._files.items():
-            found = _stamp(path)
-            if found is not None and found != self._stamps.get(path):
-                self._shared.add(path)   # the file now holds the other's too: a plain save would drop it
-            if path in self._shared:
-                state.save_merged(path, fingerprint, self._n_vocab())
-            else:
-                state.save(path, fingerprint)
-            self._stamps[path] = _stamp(path)
+            try:
+                self._save_file(path, state)
+            except PoolError as exc:
+                failures.append(str(exc))
+        if failures:
+            raise PoolError("; ".join(failures))
+
+    def _save_file(self, path: str, state: Persistable) -> None:
+        found = _stamp(path)
+        if found is not None and found != self._stamps.get(path):
+            self._shared.add(path)   # the file now holds the other's too: a plain save would drop it
+        if path in self._shared:
+            state.save_merged(path, self.fingerprint(), self._n_vocab())
+        else:
+            state.save(path, self.fingerprint())
+        self._stamps[path] = _stamp(path)
 
 
 def _fingerprint(model: "Model | None") -> str:

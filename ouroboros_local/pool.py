@@ -29,7 +29,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from .errors import ParameterError, PoolError
-from .filestore import check_fingerprint, check_token_ids, read_checked, write_atomic
+from .filestore import check_fingerprint, check_token_ids, mergeable, read_checked, write_atomic
 from .tree import TokenTree
 
 Phrase = tuple[int, ...]
@@ -246,11 +246,9 @@ class PhrasePool:
     def save_merged(self, path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> None:
         """``save``, keeping the phrases another process saved to ``path`` meanwhile as the older ones
         (this pool's are the newest, and win where a key's list is full). This pool itself is left as it
-        is; a file that cannot be read is replaced."""
-        try:
-            theirs = PhrasePool.load(path, fingerprint, max_tokens=self.max_tokens, n_vocab=n_vocab)
-        except PoolError:
-            theirs = None
+        is; a damaged file is replaced, another tokenizer's is refused with a PoolError (``mergeable``)."""
+        theirs = mergeable(lambda: PhrasePool.load(path, fingerprint, max_tokens=self.max_tokens,
+                                                   n_vocab=n_vocab), "phrase pool")
         if theirs is None or theirs.key_len != self.key_len:
             self.save(path, fingerprint)
             return

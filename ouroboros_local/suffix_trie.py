@@ -28,7 +28,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .errors import PoolError
-from .filestore import check_fingerprint, check_token_ids, read_checked, write_atomic
+from .filestore import check_fingerprint, check_token_ids, mergeable, read_checked, write_atomic
 
 TRIE_DEPTH = 16
 ROOT = 0
@@ -399,12 +399,9 @@ class SuffixCache:
 
     def save_merged(self, path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> None:
         """``save``, keeping the documents another process saved to ``path`` meanwhile as the oldest (the
-        limits hold: the newest are kept). This trie itself is left as it is; a file that cannot be read
-        is replaced."""
-        try:
-            theirs = read_documents(path, fingerprint, n_vocab)
-        except PoolError:
-            theirs = []
+        limits hold: the newest are kept). This trie itself is left as it is; a damaged file is replaced,
+        another tokenizer's is refused with a PoolError (``mergeable``)."""
+        theirs = mergeable(lambda: read_documents(path, fingerprint, n_vocab), "suffix history") or []
         ours = self.documents()
         known = {tuple(doc) for doc in ours}
         docs = [doc for doc in theirs if tuple(doc) not in known] + ours

