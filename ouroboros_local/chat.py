@@ -32,10 +32,10 @@ class _GenerationBlocks(jinja2.ext.Extension):
 
     tags = {"generation"}
 
-    def parse(self, parser: "jinja2.parser.Parser") -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
+    def parse(self, parser: "jinja2.parser.Parser") -> list[nodes.Node]:
+        next(parser.stream)
+        # the body's own statements, no scope of their own: a {% set %} inside is seen after the block
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,

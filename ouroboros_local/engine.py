@@ -315,6 +315,7 @@ class Engine:
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
         self._sizers: dict[str, RoundSizer] = {}   # per method (round_sizer.py)
+        self._curves: tuple[CostModel, CostModel | None] | None = None   # the schedulers' cost curves
         self._learned_saved_at = 0.0        # when the scheduler's estimates were last saved (learned.py)
         for model in (target, draft):   # two engines may share a model: the last to close frees it
             if model is not None:       # (held once nothing above can fail: a failed engine holds none)
@@ -398,8 +399,11 @@ class Engine:
             # the draft's own curve prices its steps and catch-ups until measured (without it: its share of
             # the target's weights)
             scale = self.draft.size_bytes / max(self.target.size_bytes, 1) if self.draft is not None else 1.0
-            self._scheduler = Scheduler(self.cost_model(), max_length=self.config.max_draft, draft_scale=scale,
-                                        draft_costs=self.draft_cost_model())
+            if self._curves is None:   # once per engine: every Learning's scheduler prices rounds alike
+                self._curves = (self.cost_model(), self.draft_cost_model())
+            costs, draft_costs = self._curves
+            self._scheduler = Scheduler(costs, max_length=self.config.max_draft, draft_scale=scale,
+                                        draft_costs=draft_costs)
             self._restore_learned(self._scheduler)
             self._learned_saved_at = time.monotonic()
         return self._scheduler
@@ -408,7 +412,8 @@ class Engine:
         """Put ``state`` in place of what this engine learns as it generates (the scheduler's estimates
         and round costs, the round sizers); returns what it had. The bench gives each contender its own,
         so that no row learns from another's rounds (``auto`` from ``prompt-lookup``'s on the same prompt).
-        An empty ``Learning`` starts from the saved estimates, as a new engine does."""
+        An empty ``Learning`` starts from the saved estimates, as a new engine does, and prices rounds with
+        the engine's cost curves (measured once). Estimates are saved from whichever is in place."""
         held = Learning(self._scheduler, self._sizers)
         self._scheduler, self._sizers = state.scheduler, state.sizers
         return held

@@ -200,9 +200,10 @@ def test_parse_llama_cpp_output() -> None:
 class _StubModel:
     add_bos = True
     bos = 0
+    eog_tokens = frozenset({1})
 
     def token_text(self, tok: int) -> str:
-        return "<s>"
+        return "<|im_end|>" if tok == 1 else "<s>"
 
 
 FAKE_BINARY = r'''#!{python}
@@ -220,6 +221,35 @@ sys.stderr.write("main: encoded   7 tokens in 0.010 seconds, speed: 700.0 t/s\n"
 '''
 
 
+ENDING_BINARY = r'''#!{python}
+import sys
+args = sys.argv[1:]
+prompt = open(args[args.index("-f") + 1], encoding="utf-8").read()[:-1]
+sys.stdout.write("\n\n" + prompt + "abc" + "<|im_end|>" + "\n\n")   # as llama-lookup prints an end token
+sys.stderr.write("main: encoded   7 tokens in 0.010 seconds, speed: 700.0 t/s\n"
+                 "main: decoded    3 tokens in    0.500 seconds, speed: 6.0 t/s\n"
+                 "n_draft      = 0\nn_predict    = 3\nn_drafted    = 0\nn_accept     = 0\n")
+'''
+
+
+def test_a_binary_that_stopped_on_an_end_token_prints_it_and_counts_it(tmp_path: Path) -> None:
+    """llama-lookup prints the end token's piece and counts it (n_predict); our texts hold no end token
+    and our counts leave it out. Once such a peer's text differed from vanilla's on every prompt that
+    ended by itself, and was credited a token."""
+    exe = tmp_path / "bin" / "llama-lookup"
+    exe.parent.mkdir()
+    exe.write_text(ENDING_BINARY.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, _StubModel(), "t.gguf", n_ctx=512, threads=1)
+    bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="hello\n", tokens=[0, 1, 2], chat=False,
+                             max_tokens=16)
+    out = peer.run(bp, 16)
+    peer.close()
+    assert out.text == "abc"
+    assert out.stats["tokens"] == 2 and out.stats["timed_tokens"] == 1 and out.stats["target_passes"] == 2
+    assert runner.compare_text("abc", out.text, 2, out.stats["tokens"], "stop") is None
+
+
 def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
     exe = tmp_path / "bin" / "llama-lookup"
     exe.parent.mkdir()
@@ -231,7 +261,7 @@ def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
     out = peer.run(bp, 4)
     peer.close()
     assert out.compare == "text" and out.tokens is None
-    assert out.text == "abc" * 4                      # the prompt (minus the BOS the binary adds) stripped
+    assert out.text == "abc" * 4                      # the prompt stripped
     assert out.stats["tokens"] == 5 and out.stats["timed_tokens"] == 4 and out.stats["target_passes"] == 4
     assert out.stats["tokens_per_second"] == pytest.approx(8.0)
     missing = peers.LlamaCppBinPeer("llama.cpp:lookahead", tmp_path, _StubModel(), "t.gguf", n_ctx=512)

@@ -86,3 +86,6 @@ def test_templates_render_as_llama_cpp_renders_them(bpe_engine: Engine) -> None:
                 "{{ {'z': '<b> & é', 'a': 1} | tojson }}")
     messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "no"}]
     assert render_chat(bpe_engine.target, messages, template=template) == '[hi]{"z": "<b> & é", "a": 1}'
+    scoped = ("{% for m in messages %}{% generation %}{% set x = m.content %}{% endgeneration %}"
+              "[{{ x }}]{% endfor %}")
+    assert render_chat(bpe_engine.target, messages, template=scoped) == "[hi][no]"   # no scope of its own

@@ -305,6 +305,7 @@ class LlamaCppBinPeer(Contender):
         self.binary_name, self.variant_args = BIN_VARIANTS[variant]
         self.bin_dir = bin_dir
         self.target = target
+        self._end_pieces: list[str] | None = None   # the texts of its end-of-generation tokens
         self.target_path = str(target_path)
         self.draft_path = str(draft_path) if draft_path else None
         self.n_ctx = n_ctx
@@ -380,6 +381,11 @@ class LlamaCppBinPeer(Contender):
             tokens, timed, passes = n + 1, n, n - acc      # first token sampled from the prompt's logits
         else:  # llama-lookup
             tokens, timed, passes = n, max(n - 1, 0), max(n - 1 - acc, 0)
+        generated, printed_end = self._without_end_piece(generated_text(stdout, text))
+        # llama-speculative-simple prints no end token; it stops past the budget unless one ended it
+        if printed_end or (self.binary_name == "llama-speculative-simple" and 0 < n <= max_tokens):
+            # the binaries count the end token, ours do not (its pass counts for both)
+            tokens, timed = max(tokens - 1, 0), max(timed - 1, 0)
         decode = nums["decode_seconds"]
         stats = empty_stats(self.label)
         stats.update(tokens=tokens, timed_tokens=timed, prompt_tokens=nums.get("prompt_tokens", len(prompt.tokens)),
@@ -391,7 +397,19 @@ class LlamaCppBinPeer(Contender):
         if passes > 0:
             stats["accepted_per_pass"] = acc / passes
             stats["tokens_per_pass"] = timed / passes
-        return Outcome(tokens=None, text=generated_text(stdout, text), stats=stats, compare="text")
+        return Outcome(tokens=None, text=generated, stats=stats, compare="text")
+
+    def _without_end_piece(self, text: str) -> tuple[str, bool]:
+        """``text`` without the end-of-generation token llama-lookup and llama-lookahead print before
+        they stop (``<|im_end|>``), and whether it had one: our texts never hold it."""
+        if self._end_pieces is None:
+            eog = getattr(self.target, "eog_tokens", ())
+            pieces = {self.target.token_text(t) for t in eog}
+            self._end_pieces = sorted((p for p in pieces if p), key=len, reverse=True)
+        for piece in self._end_pieces:
+            if text.endswith(piece):
+                return text[:-len(piece)], True
+        return text, False
 
     def warmup(self, prompt: BuiltPrompt) -> None:
         self.run(prompt, 4)   # also pulls the model into the page cache

@@ -140,7 +140,8 @@ class EngineContender(Contender):
 
 
 class FnContender(Contender):
-    """A method given as a Python callable (see CUSTOM_METHODS)."""
+    """A method given as a Python callable (see CUSTOM_METHODS). It gets the engine as it is: such rows
+    share the engine's own history and scheduler (tests and experiments, not published rows)."""
 
     def __init__(self, engine: "Engine", label: str, fn: Callable[..., Any], sampling: "SamplingParams",
                  options: dict[str, Any] | None = None, method: str | None = None):
