@@ -221,6 +221,15 @@ sys.stderr.write("main: encoded   7 tokens in 0.010 seconds, speed: 700.0 t/s\n"
 '''
 
 
+def fake_lookup_binary(tmp_path: Path, source: str) -> Path:
+    """``source`` (a Python script template) installed as tmp_path/bin/llama-lookup."""
+    exe = tmp_path / "bin" / "llama-lookup"
+    exe.parent.mkdir()
+    exe.write_text(source.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe
+
+
 ENDING_BINARY = r'''#!{python}
 import sys
 args = sys.argv[1:]
@@ -236,10 +245,7 @@ def test_a_binary_that_stopped_on_an_end_token_prints_it_and_counts_it(tmp_path:
     """llama-lookup prints the end token's piece and counts it (n_predict); our texts hold no end token
     and our counts leave it out. Once such a peer's text differed from vanilla's on every prompt that
     ended by itself, and was credited a token."""
-    exe = tmp_path / "bin" / "llama-lookup"
-    exe.parent.mkdir()
-    exe.write_text(ENDING_BINARY.format(python=sys.executable))
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    fake_lookup_binary(tmp_path, ENDING_BINARY)
     peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, _StubModel(), "t.gguf", n_ctx=512, threads=1)
     bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="hello\n", tokens=[0, 1, 2], chat=False,
                              max_tokens=16)
@@ -251,10 +257,7 @@ def test_a_binary_that_stopped_on_an_end_token_prints_it_and_counts_it(tmp_path:
 
 
 def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
-    exe = tmp_path / "bin" / "llama-lookup"
-    exe.parent.mkdir()
-    exe.write_text(FAKE_BINARY.format(python=sys.executable))
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    fake_lookup_binary(tmp_path, FAKE_BINARY)
     peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, _StubModel(), "t.gguf", n_ctx=512, threads=1)
     bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="<s>hello\n", tokens=[0, 1, 2], chat=True,
                              max_tokens=4)
@@ -273,10 +276,7 @@ def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
 def test_llama_cpp_peers_decode_in_a_context_of_our_size(tiny_target: Path, tmp_path: Path) -> None:
     """llama.cpp's decode time depends on the context's size (SmolLM2 on 2 cores: 2-3% faster with 768
     cells than 4096), so a peer once given only what the prompts need was measured at other settings."""
-    exe = tmp_path / "bin" / "llama-lookup"
-    exe.parent.mkdir()
-    exe.write_text(FAKE_BINARY.format(python=sys.executable))
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    exe = fake_lookup_binary(tmp_path, FAKE_BINARY)
     pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
     out = tmp_path / "out"
     main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
