@@ -172,7 +172,7 @@ def mergeable(read: Callable[[], T], what: str) -> T | None:
     try:
         return read()
     except ForeignStateError as exc:
-        raise PoolError(f"{exc}; not overwritten: name another {what} file for this model") from exc
+        raise ForeignStateError(f"{exc}; not overwritten: name another {what} file for this model") from exc
     except PoolError as exc:
         log.info("replacing a damaged %s: %s", what, exc)
         return None

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
 from .errors import PoolError
-from .filestore import is_empty_file
+from .filestore import ForeignStateError, is_empty_file
 from .pool import PhrasePool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,6 +57,7 @@ class History:
         self._files: dict[str, Persistable] = {}
         self._stamps: dict[str, tuple[int, ...] | None] = {}   # each file as this engine last read or wrote it
         self._shared: set[str] = set()   # files another process writes too: merged at every save from then on
+        self._foreign: set[str] = set()  # files another tokenizer's process took over: said once, tried again
         self._saved_at = self._save_seconds = 0.0   # when the files were last written, and how long it took
         self.pending = False                         # a save was skipped as not yet due (``save``)
         self._fingerprint: str | None = None
@@ -170,10 +171,12 @@ class History:
             return
         started = time.monotonic()
         self.pending = True   # until written: a save that fails is tried again at close
-        self._save_files()
-        self._saved_at = time.monotonic()
-        self._save_seconds = self._saved_at - started
-        self.pending = False
+        try:
+            self._save_files()
+            self.pending = False
+        finally:   # a failed save is timed too: a file that keeps refusing must not make every save due
+            self._saved_at = time.monotonic()
+            self._save_seconds = self._saved_at - started
 
     def _save_files(self) -> None:
         """Save every file, then raise the failures as one PoolError: a file that refuses the save
@@ -182,6 +185,11 @@ class History:
         for path, state in self._files.items():
             try:
                 self._save_file(path, state)
+                self._foreign.discard(path)
+            except ForeignStateError as exc:
+                if path not in self._foreign:   # said once: it stays the other's until someone moves it
+                    self._foreign.add(path)
+                    failures.append(str(exc))
             except PoolError as exc:
                 failures.append(str(exc))
         if failures:

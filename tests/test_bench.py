@@ -7,6 +7,7 @@ import stat
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -205,6 +206,9 @@ class _StubModel:
     def token_text(self, tok: int) -> str:
         return "<|im_end|>" if tok == 1 else "<s>"
 
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return [2] * len(text.split())          # a token a word
+
 
 FAKE_BINARY = r'''#!{python}
 import sys
@@ -221,11 +225,11 @@ sys.stderr.write("main: encoded   7 tokens in 0.010 seconds, speed: 700.0 t/s\n"
 '''
 
 
-def fake_lookup_binary(tmp_path: Path, source: str) -> Path:
-    """``source`` (a Python script template) installed as tmp_path/bin/llama-lookup."""
+def fake_lookup_binary(tmp_path: Path, source: str, **fields: Any) -> Path:
+    """``source`` (a Python script template, filled with ``fields``) installed as tmp_path/bin/llama-lookup."""
     exe = tmp_path / "bin" / "llama-lookup"
-    exe.parent.mkdir()
-    exe.write_text(source.format(python=sys.executable))
+    exe.parent.mkdir(parents=True)
+    exe.write_text(source.format(python=sys.executable, **fields))
     exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
     return exe
 
@@ -234,10 +238,10 @@ ENDING_BINARY = r'''#!{python}
 import sys
 args = sys.argv[1:]
 prompt = open(args[args.index("-f") + 1], encoding="utf-8").read()[:-1]
-sys.stdout.write("\n\n" + prompt + "abc" + "<|im_end|>" + "\n\n")   # as llama-lookup prints an end token
+sys.stdout.write("\n\n" + prompt + {text!r} + "\n\n")   # as llama-lookup prints an end token
 sys.stderr.write("main: encoded   7 tokens in 0.010 seconds, speed: 700.0 t/s\n"
-                 "main: decoded    3 tokens in    0.500 seconds, speed: 6.0 t/s\n"
-                 "n_draft      = 0\nn_predict    = 3\nn_drafted    = 0\nn_accept     = 0\n")
+                 "main: decoded    {n} tokens in    0.500 seconds, speed: 6.0 t/s\n"
+                 "n_draft      = 0\nn_predict    = {n}\nn_drafted    = 0\nn_accept     = 0\n")
 '''
 
 
@@ -245,15 +249,20 @@ def test_a_binary_that_stopped_on_an_end_token_prints_it_and_counts_it(tmp_path:
     """llama-lookup prints the end token's piece and counts it (n_predict); our texts hold no end token
     and our counts leave it out. Once such a peer's text differed from vanilla's on every prompt that
     ended by itself, and was credited a token."""
-    fake_lookup_binary(tmp_path, ENDING_BINARY)
-    peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, _StubModel(), "t.gguf", n_ctx=512, threads=1)
     bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="hello\n", tokens=[0, 1, 2], chat=False,
                              max_tokens=16)
-    out = peer.run(bp, 16)
-    peer.close()
-    assert out.text == "abc"
-    assert out.stats["tokens"] == 2 and out.stats["timed_tokens"] == 1 and out.stats["target_passes"] == 2
-    assert runner.compare_text("abc", out.text, 2, out.stats["tokens"], "stop") is None
+    # printed: "abc", the end token, and (llama-lookup, an end token it had drafted) what it drafted after it
+    for printed, n, tokens in (("abc<|im_end|>", 3, 2), ("abc<|im_end|>\n<|im_start|>user", 5, 3),
+                               ("abc <|im_end|>", 17, 17)):   # past the budget: no end token ended it
+        fake_lookup_binary(tmp_path / str(n), ENDING_BINARY, text=printed, n=n)
+        peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path / str(n), _StubModel(), "t.gguf", n_ctx=512,
+                                     threads=1)
+        out = peer.run(bp, 16)
+        peer.close()
+        assert out.text == (printed if n > 16 else "abc")
+        assert out.stats["tokens"] == tokens and out.stats["timed_tokens"] == tokens - 1
+        assert out.stats["target_passes"] == n - 1
+    assert runner.compare_text("abc", "abc", 2, 2, "stop") is None
 
 
 def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:

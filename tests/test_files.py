@@ -109,6 +109,16 @@ def test_a_history_file_of_another_tokenizer_is_kept_and_the_other_files_still_s
         history.save()
     assert len(PhrasePool.load(path, THEIRS)) == 0 and read_documents(path + ".suffix", OURS) == [[7, 8]]
     assert history.pending                      # tried again at the next save
+    # said once: later saves (every answer) neither warn again nor count as failed, and stay throttled
+    history.save()
+    assert not history.pending and history._saved_at > 0
+    assert len(PhrasePool.load(path, THEIRS)) == 0
+    Path(path).unlink()                         # the other process's file is gone: saved again, and a
+    history.save()                              # later takeover is said again
+    assert len(PhrasePool.load(path, OURS)) == 1
+    PhrasePool().save(path, THEIRS)
+    with pytest.raises(PoolError, match="another tokenizer"):
+        history.save()
 
 
 # ---- writing -------------------------------------------------------------------------------------------

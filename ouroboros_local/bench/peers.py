@@ -381,11 +381,12 @@ class LlamaCppBinPeer(Contender):
             tokens, timed, passes = n + 1, n, n - acc      # first token sampled from the prompt's logits
         else:  # llama-lookup
             tokens, timed, passes = n, max(n - 1, 0), max(n - 1 - acc, 0)
-        generated, printed_end = self._without_end_piece(generated_text(stdout, text))
-        # llama-speculative-simple prints no end token; it stops past the budget unless one ended it
-        if printed_end or (self.binary_name == "llama-speculative-simple" and 0 < n <= max_tokens):
-            # the binaries count the end token, ours do not (its pass counts for both)
-            tokens, timed = max(tokens - 1, 0), max(timed - 1, 0)
+        generated = generated_text(stdout, text)
+        if 0 < n <= max_tokens:   # only an end token stops them before they pass the budget
+            # they count it (ours do not; its pass counts for both), llama-lookup and llama-lookahead
+            # print it, and llama-lookup goes on with the draft tokens it accepted after it
+            generated, after = self._cut_at_end_piece(generated)
+            tokens, timed = max(tokens - 1 - after, 0), max(timed - 1 - after, 0)
         decode = nums["decode_seconds"]
         stats = empty_stats(self.label)
         stats.update(tokens=tokens, timed_tokens=timed, prompt_tokens=nums.get("prompt_tokens", len(prompt.tokens)),
@@ -399,17 +400,18 @@ class LlamaCppBinPeer(Contender):
             stats["tokens_per_pass"] = timed / passes
         return Outcome(tokens=None, text=generated, stats=stats, compare="text")
 
-    def _without_end_piece(self, text: str) -> tuple[str, bool]:
-        """``text`` without the end-of-generation token llama-lookup and llama-lookahead print before
-        they stop (``<|im_end|>``), and whether it had one: our texts never hold it."""
+    def _cut_at_end_piece(self, text: str) -> tuple[str, int]:
+        """The text of a run that stopped on an end token, up to the first end token it printed
+        (``<|im_end|>``; our texts never hold it), and how many tokens it printed after that one."""
         if self._end_pieces is None:
-            eog = getattr(self.target, "eog_tokens", ())
-            pieces = {self.target.token_text(t) for t in eog}
-            self._end_pieces = sorted((p for p in pieces if p), key=len, reverse=True)
-        for piece in self._end_pieces:
-            if text.endswith(piece):
-                return text[:-len(piece)], True
-        return text, False
+            self._end_pieces = [p for p in {self.target.token_text(t) for t in self.target.eog_tokens} if p]
+        found = [(i, piece) for piece in self._end_pieces if (i := text.find(piece)) >= 0]
+        if not found:
+            return text, 0
+        i, piece = min(found, key=lambda hit: (hit[0], -len(hit[1])))
+        tail = text[i + len(piece):]
+        after = len(self.target.tokenize(tail, add_special=False, parse_special=True)) if tail else 0
+        return text[:i], after
 
     def warmup(self, prompt: BuiltPrompt) -> None:
         self.run(prompt, 4)   # also pulls the model into the page cache
