@@ -87,8 +87,11 @@ def warn_not_saved(path: str | os.PathLike[str], what: str, env_var: str, cost: 
     _warned_unsaved.add(key)
     cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc   # write_atomic's wraps the OSError
     reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
-    log.warning("warning: cannot save the %s to %s (%s); %s. Set OUROBOROS_CACHE to a writable folder, or "
-                "%s to a writable file", what, key, reason, cost, env_var)
+    if os.environ.get(env_var):   # the variable named this file: only it moves the file
+        advice = f"Set {env_var} to a writable file"
+    else:
+        advice = f"Set OUROBOROS_CACHE to a writable folder, or {env_var} to a writable file"
+    log.warning("warning: cannot save the %s to %s (%s); %s. %s", what, key, reason, cost, advice)
 
 
 def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -185,17 +185,25 @@ def test_a_save_through_a_symlink_keeps_the_link(tmp_path: Path) -> None:
     assert sorted(p.name for p in real.parent.iterdir()) == ["pool.bin"]
 
 
-def test_a_cost_curve_that_cannot_be_saved_is_warned_about_once(tmp_path: Path,
-                                                                caplog: pytest.LogCaptureFixture) -> None:
-    """An unwritable cache folder re-measured the curve at every start without a word."""
+@pytest.mark.parametrize("named_by_variable", [False, True])
+def test_a_cost_curve_that_cannot_be_saved_is_warned_about_once(
+        named_by_variable: bool, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unwritable cache folder re-measured the curve at every start without a word. Where the variable
+    named the file, moving the cache folder would not help: only the variable is suggested."""
     (tmp_path / "not-a-folder").write_text("")
     cache = CalibrationCache(tmp_path / "not-a-folder" / "calibration.json")
+    if named_by_variable:
+        monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(cache.path))
+    else:
+        monkeypatch.delenv("OUROBOROS_CALIBRATION_FILE", raising=False)
     with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
         for _ in range(2):
             cached_or_measured(None, "key", cache, refresh=True, measure=lambda kv: CostModel.flat())  # type: ignore[arg-type]
     warnings = [r.getMessage() for r in caplog.records if "cannot save the cost curve" in r.getMessage()]
     assert len(warnings) == 1
     assert str(cache.path) in warnings[0] and "OUROBOROS_CALIBRATION_FILE" in warnings[0]
+    assert ("OUROBOROS_CACHE" in warnings[0]) != named_by_variable
 
 
 def test_learned_estimates_that_cannot_be_saved_are_warned_about_once(tmp_path: Path,
