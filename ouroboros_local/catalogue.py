@@ -237,15 +237,25 @@ def _write_sidecar(sidecar: Path, path: Path, sha: str) -> None:
     os.replace(tmp, sidecar)
 
 
-def _sidecar_record(sidecar: Path, path: Path) -> str | None:
-    """The sha256 the sidecar recorded for this very file (same path, size and mtime), or None."""
+def _read_sidecar(sidecar: Path) -> dict[str, Any] | None:
+    """What a sidecar records (path, size, mtime_ns, sha256), or None when it is missing or unreadable."""
     try:
         rec = json.loads(sidecar.read_text())
-        if rec.get("path") == str(path) and (rec.get("size"), rec.get("mtime_ns")) == _stat_key(path):
-            return str(rec.get("sha256"))
-    except (OSError, ValueError, AttributeError):
-        pass
-    return None
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _sidecar_record(sidecar: Path, path: Path) -> str | None:
+    """The sha256 the sidecar recorded for this very file (same path, size and mtime), or None."""
+    rec = _read_sidecar(sidecar)
+    if rec is None or rec.get("path") != str(path):
+        return None
+    try:
+        same_file = (rec.get("size"), rec.get("mtime_ns")) == _stat_key(path)
+    except OSError:
+        return None
+    return str(rec.get("sha256")) if same_file else None
 
 
 def _sidecar_vouches(sidecar: Path, path: Path, sha: str) -> bool:
@@ -321,10 +331,8 @@ def _cached_copy(entry: CatalogueEntry, models_dir: Path, progress: bool) -> Pat
 
 def _recorded_path(sidecar: Path) -> Path | None:
     """The file a sidecar was written for (ours, or the hub's copy), or None."""
-    try:
-        return Path(json.loads(sidecar.read_text())["path"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    path = (_read_sidecar(sidecar) or {}).get("path")
+    return Path(path) if isinstance(path, str) else None
 
 
 def list_models(*, cache_dir: str | os.PathLike[str] | None = None,
@@ -336,13 +344,8 @@ def list_models(*, cache_dir: str | os.PathLike[str] | None = None,
     for entry in cat.values():
         dest = models_dir / f"{entry.name}.gguf"
         sidecar = _sidecar(models_dir, entry.name)
-        path: Path | None = None
-        try:
-            recorded = Path(json.loads(sidecar.read_text())["path"])
-            if _sidecar_vouches(sidecar, recorded, entry.sha256):
-                path = recorded
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
+        recorded = _recorded_path(sidecar)
+        path = recorded if recorded is not None and _sidecar_vouches(sidecar, recorded, entry.sha256) else None
         if (path is None and dest.is_file() and dest.stat().st_size == entry.size
                 and _sidecar_record(sidecar, dest) in (None, entry.sha256)):   # not a kept mismatch
             path = dest

@@ -162,9 +162,8 @@ def summarize(records: Sequence[Mapping[str, Any]], contenders: Sequence[Mapping
     out: dict[str, dict[str, dict[str, Any]]] = OrderedDict()
     for set_name, recs in groups:
         by_label: dict[str, dict[str, Any]] = OrderedDict()
-        ref_tps: dict[tuple[str, str], float | None] = {
-            (r["set"], r["id"]): _per_prompt_tps(r) for r in recs if r["label"] == reference and not r.get("error")}
         ref_runs = _runs_by_prompt(recs, reference)
+        ref_tps = {key: _per_prompt_tps(r) for key, r in ref_runs.items()}
         for label in labels:
             rs = [r for r in recs if r["label"] == label]
             ok = [r for r in rs if not r.get("error")]
