@@ -12,8 +12,11 @@ import stat
 import struct
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
+
+from filelock import FileLock, Timeout
 
 from .errors import PoolError
 
@@ -25,6 +28,7 @@ log = logging.getLogger("ouroboros_local")
 T = TypeVar("T")
 
 STALE_TEMP_SECONDS = 3600.0   # a temp file untouched this long was left by a save killed mid-write
+LOCK_WAIT_SECONDS = 60.0      # longer than any save takes (a pool of a million tokens: half a second)
 _warned_unsaved: set[str] = set()   # files whose failed save was already warned about in this process
 
 
@@ -60,6 +64,28 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
             except OSError:
                 pass
     _fsync_dir(directory)
+
+
+@contextmanager
+def locked(path: str | os.PathLike[str], what: str) -> Iterator[None]:
+    """Hold the lock of ``path`` (the hidden ``.NAME.lock`` beside the file it names) while the block reads,
+    merges and writes it. Two processes saving into one file (two chats on one --pool, two engines'
+    cost curves) each read it before either replaced it, and the later write dropped what the earlier
+    added. The lock is the operating system's (it goes with a process that dies); a wait past
+    LOCK_WAIT_SECONDS raises PoolError."""
+    target = Path(os.path.realpath(path))
+    lock = FileLock(target.with_name(f".{target.name}.lock"), timeout=LOCK_WAIT_SECONDS)
+    try:
+        lock.acquire()
+    except Timeout:
+        raise PoolError(f"cannot save the {what} to {target}: another process held its lock "
+                        f"{lock.lock_file} for {LOCK_WAIT_SECONDS:.0f} s") from None
+    except OSError as e:
+        raise PoolError(f"cannot save the {what} to {target}: {e}") from e
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _remove_stale_temps(directory: Path, name: str) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
 from .errors import PoolError
-from .filestore import ForeignStateError, is_empty_file
+from .filestore import ForeignStateError, is_empty_file, locked
 from .pool import PhrasePool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -196,14 +196,16 @@ class History:
             raise PoolError("; ".join(failures))
 
     def _save_file(self, path: str, state: Persistable) -> None:
-        found = _stamp(path)
-        if found is not None and found != self._stamps.get(path):
-            self._shared.add(path)   # the file now holds the other's too: a plain save would drop it
-        if path in self._shared:
-            state.save_merged(path, self.fingerprint(), self._n_vocab())
-        else:
-            state.save(path, self.fingerprint())
-        self._stamps[path] = _stamp(path)
+        fingerprint = self.fingerprint()   # (hashing the vocabulary, where needed, outside the lock)
+        with locked(path, "history"):   # another process's save, between our look and our write, would be lost
+            found = _stamp(path)
+            if found is not None and found != self._stamps.get(path):
+                self._shared.add(path)   # the file now holds the other's too: a plain save would drop it
+            if path in self._shared:
+                state.save_merged(path, fingerprint, self._n_vocab())
+            else:
+                state.save(path, fingerprint)
+            self._stamps[path] = _stamp(path)
 
 
 def _fingerprint(model: "Model | None") -> str:

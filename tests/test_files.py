@@ -6,12 +6,16 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
-from ouroboros_local import catalogue
+from filelock import FileLock
+
+from ouroboros_local import calibration, catalogue, filestore, learned, pool
 from ouroboros_local.calibration import CalibrationCache, CostModel, cached_or_measured
 from ouroboros_local.errors import ModelError, PoolError
 from ouroboros_local.filestore import STALE_TEMP_SECONDS, read_json_object, write_atomic
@@ -216,6 +220,67 @@ def test_learned_estimates_that_cannot_be_saved_are_warned_about_once(tmp_path: 
                 store.put("key", {})
     warnings = [r.getMessage() for r in caplog.records if "cannot save the learned estimates" in r.getMessage()]
     assert len(warnings) == 1 and "OUROBOROS_ESTIMATES_FILE" in warnings[0]
+
+
+def _two_saves(store: str, path: Path) -> tuple[object, Callable[[], None], Callable[[], None], Callable[[], set]]:
+    """Two processes' handles on one ``store`` file: the module that writes it, each one's save of its own
+    entry, and what the file holds."""
+    if store == "history":
+        first, second = History(None), History(None)
+        first.pool(4, 8, str(path)).add([1], (2,))
+        second.pool(4, 8, str(path)).add([3], (4,))
+        fp = first.fingerprint()
+        return (pool, first.save, second.save,
+                lambda: {key for key in ((1,), (3,)) if PhrasePool.load(path, fp).lookup(list(key))})
+    if store == "cost curves":
+        curves = [CostModel.flat() for _ in range(2)]
+        for key, curve in zip("ab", curves):
+            curve.key = key
+        return (calibration, lambda: CalibrationCache(path).put(curves[0]),
+                lambda: CalibrationCache(path).put(curves[1]), lambda: set(read_json_object(path)))
+    return (learned, lambda: LearnedEstimates(path).put("a", {}), lambda: LearnedEstimates(path).put("b", {}),
+            lambda: set(read_json_object(path)))
+
+
+@pytest.mark.parametrize("store", ["history", "cost curves", "learned estimates"])
+def test_two_processes_saving_one_file_at_once_keep_both(store: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each read the file before the other replaced it, and the later write dropped what the earlier
+    added (two chats on one --pool; two engines measuring their cost curves at once)."""
+    module, save, save_meanwhile, held = _two_saves(store, tmp_path / "state")
+    real_write, other, failures = module.write_atomic, [], []
+
+    def run_other() -> None:
+        try:
+            save_meanwhile()
+        except Exception as exc:  # noqa: BLE001 - reported below, a thread's exception would be lost
+            failures.append(exc)
+
+    def slow_first_write(*args: object) -> None:
+        if not other:                 # the other process saves while this one is about to write
+            other.append(threading.Thread(target=run_other))
+            other[0].start()
+            time.sleep(0.3)
+        real_write(*args)
+
+    monkeypatch.setattr(module, "write_atomic", slow_first_write)
+    save()
+    other[0].join(10)
+    assert not failures and len(held()) == 2
+
+
+def test_a_history_file_locked_too_long_is_not_saved_and_stays_pending(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "h.pool"
+    history = History(None)
+    history.pool(4, 8, str(path)).add([1], (2,))
+    monkeypatch.setattr(filestore, "LOCK_WAIT_SECONDS", 0.05)
+    with FileLock(tmp_path / ".h.pool.lock"):          # another process stuck mid-save
+        with pytest.raises(PoolError, match="another process held its lock"):
+            history.save()
+    assert history.pending and not path.exists()
+    history.save()
+    assert not history.pending and len(PhrasePool.load(path, history.fingerprint())) == 1
 
 
 # ---- reading files edited by hand ----------------------------------------------------------------------
