@@ -74,7 +74,11 @@ def locked(path: str | os.PathLike[str], what: str) -> Iterator[None]:
     added. The lock is the operating system's (it goes with a process that dies); a wait past
     LOCK_WAIT_SECONDS raises PoolError."""
     target = Path(os.path.realpath(path))
-    lock = FileLock(target.with_name(f".{target.name}.lock"), timeout=LOCK_WAIT_SECONDS)
+    try:   # whoever may write the file may take its lock (a group's shared pool); the owner always
+        mode = stat.S_IMODE(target.stat().st_mode) | 0o600
+    except OSError:
+        mode = 0o600
+    lock = FileLock(target.with_name(f".{target.name}.lock"), timeout=LOCK_WAIT_SECONDS, mode=mode)
     try:
         lock.acquire()
     except Timeout:

@@ -283,6 +283,16 @@ def test_a_history_file_locked_too_long_is_not_saved_and_stays_pending(tmp_path:
     assert not history.pending and len(PhrasePool.load(path, history.fingerprint())) == 1
 
 
+def test_whoever_may_write_a_shared_file_may_take_its_lock(tmp_path: Path) -> None:
+    """A group's shared pool (0660): a lock file only its creator could open would refuse the others' saves."""
+    shared, private = tmp_path / "group.pool", tmp_path / "new.pool"
+    shared.write_bytes(b"")
+    shared.chmod(0o660)
+    for path, mode in ((shared, 0o660), (private, 0o600)):
+        with filestore.locked(path, "phrase pool"):
+            assert (tmp_path / f".{path.name}.lock").stat().st_mode & 0o777 == mode
+
+
 # ---- reading files edited by hand ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("field, value", [("switch_seconds", "x"), ("provisional", "no"), ("round_size", 1.5),
