@@ -38,6 +38,13 @@ def tiny_draft(tiny_models_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_noisy_draft(tiny_models_dir: Path) -> Path:
+    """`tiny_target` + 10% noise (~57% of sampled draft tokens accepted): a wrong residual after a
+    rejection moves enough probability to fail a distribution test (at 2% it hides in the noise)."""
+    return write_tiny_model(tiny_models_dir / "noisy_draft.gguf", vocab="a", seed=5, base_seed=1, noise=0.1)
+
+
+@pytest.fixture(scope="session")
 def tiny_self_draft(tiny_models_dir: Path) -> Path:
     """Byte-identical to `tiny_target`, in its own file: every greedy draft token is accepted."""
     return write_tiny_model(tiny_models_dir / "self_draft.gguf", vocab="a", seed=1)

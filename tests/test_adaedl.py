@@ -197,7 +197,8 @@ def test_high_entropy_tiny_models_stop_early(engine) -> None:
 
 
 def test_sampling_is_lossless(engine, tiny_target) -> None:
-    # top-k 6 caps the draft entropy at log 6 = 1.79 nats; lambda 0.5 stops above 1.25 nats
+    # seeded, the draft is greedy: the rule reads the entropy of its untruncated softmax (sampled drafts,
+    # whose q is truncated, are test_engine's test_sampled_drafts_are_lossless); lambda 0.5 stops often
     opts = {"adaedl": True, "adaedl_lambda": 0.5, "gamma": 4}
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
     # 4 tokens so that the first round may draft 3 (the rule never stops the first token);

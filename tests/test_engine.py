@@ -10,8 +10,8 @@ from ouroboros_local.errors import ContextOverflowError, ParameterError
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.testing.engines import tiny_engine as make_engine
-from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target, target_pair_distribution,
-                                              assert_greedy_equals_vanilla)
+from ouroboros_local.testing.lossless import (assert_first_pairs_follow_the_target, assert_greedy_equals_vanilla,
+                                              assert_seeded_equals_vanilla, copyable, target_pair_distribution)
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -258,8 +258,39 @@ def test_context_full_ends_generation_cleanly(tiny_target, tiny_draft, adaptive:
 
 @pytest.mark.parametrize("method", ["speculative"] + draft_free_methods())
 def test_sampling_is_lossless(pair_engine: Engine, tiny_target, method: str) -> None:
+    """The first two of 4 tokens, on a prompt the copying drafters draft from: drafts of several tokens
+    are verified, accepted and rejected (of 2 tokens on the plain prompt, prompt lookup drafted 1 at
+    most, and had none accepted)."""
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
-    assert_first_pairs_follow_the_target(pair_engine, tiny_target, PROMPTS[1], params, 600, method=method)
+    results = assert_first_pairs_follow_the_target(pair_engine, tiny_target, copyable(pair_engine, PROMPTS[1]),
+                                                   params, 600, max_tokens=4, method=method)
+    assert sum(r.stats.accepted for r in results) > 50
+
+
+@pytest.mark.parametrize("method", ["speculative"] + draft_free_methods())
+def test_seeded_sampling_gives_seeded_vanillas_tokens(pair_engine: Engine, method: str) -> None:
+    """Every method drafts deterministically when seeded (a draft model greedily), so each emitted token
+    consumes one uniform as in plain decoding: the same seed gives the same answer."""
+    answers = assert_seeded_equals_vanilla(pair_engine, PROMPTS, method=method)
+    assert sum(a.stats.accepted for a in answers) > 0
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0),
+                                    SamplingParams(temperature=1.5, top_k=0, top_p=0.9, min_p=0.02)])
+@pytest.mark.parametrize("adaedl", [False, True])
+def test_sampled_drafts_are_lossless(tiny_target, tiny_noisy_draft, params: SamplingParams, adaedl: bool) -> None:
+    """The rejection sampling an unseeded request runs: the draft samples its tokens (a seed makes it
+    greedy, checked by sample-and-match, as in the tests above), each with its distribution q, and a
+    rejection draws from the residual (p - q)+. A noisy draft rejects often enough for a wrong residual
+    to show; 4 tokens let the first two come from a draft of several."""
+    options = {"greedy_draft": False, "adaptive": False, "gamma": 4, "adaedl": adaedl, "adaedl_lambda": 0.5}
+    with make_engine(tiny_target, tiny_noisy_draft) as engine:
+        results = assert_first_pairs_follow_the_target(engine, tiny_target, PROMPTS[1], params, 1500,
+                                                       max_tokens=4, method="speculative", options=options)
+    drafted = sum(r.stats.drafted for r in results)
+    assert 0.2 * drafted < sum(r.stats.accepted for r in results) < 0.9 * drafted   # both branches taken
+    if adaedl:
+        assert sum(r.stats.extra["adaedl_early_stops"] for r in results) > 0
 
 
 @pytest.mark.parametrize("method", ["vanilla", "speculative"])

@@ -201,3 +201,26 @@ def test_sampling_verification_preserves_the_target_distribution(kind: str) -> N
     joint = np.array([[p_first[a] * distribution(target_logits[1 + a], params)[b] for b in range(vocab)]
                       for a in range(vocab)])
     assert_follows(counts, joint, what=kind)
+
+
+@pytest.mark.parametrize("drafts", ["one q twice", "one q three times", "two qs"])
+def test_sampled_siblings_preserve_the_target_distribution(drafts: str) -> None:
+    """Several sampled children of one node (multi-draft, as SpecInfer): each sibling is tried against the
+    renormalised residual the earlier rejections left. Trying each against the original p, or against
+    an unnormalised residual, moves the first token by a total variation of about 0.1."""
+    vocab = 6
+    rng = np.random.default_rng(1)
+    params = SamplingParams(temperature=1.0, top_k=5, top_p=0.95, min_p=0.0)
+    target_logits = rng.normal(size=vocab) * 1.5
+    qs = [distribution(target_logits + rng.normal(size=vocab) * 1.5, params) for _ in range(2)]
+    draws = {"one q twice": [qs[0]] * 2, "one q three times": [qs[0]] * 3, "two qs": qs}[drafts]
+    rows = np.stack([target_logits] * (1 + len(draws)))
+    n = 20000
+    counts = np.zeros(vocab)
+    for _ in range(n):
+        tree = TokenTree.rooted_at(0)
+        for q in draws:
+            tree.add(0, sample(q, rng), draft_probs=q)
+        path, bonus, _ = verify_sampling(tree, rows, params, rng)
+        counts[tree.tokens[path[1]] if len(path) > 1 else bonus] += 1
+    assert_follows(counts, distribution(target_logits, params), what=drafts)

@@ -141,19 +141,25 @@ def assert_greedy_equals_vanilla(engine: "Engine", prompts: Sequence[str], metho
     return res
 
 
-def assert_seeded_auto_equals_vanilla(engine: "Engine", prompts: Sequence[str],
-                                      seeds: Sequence[int] = (0, 1, 2)) -> list["GenerationResult"]:
-    """Seeded ``auto`` answers as seeded vanilla's, token for token (each emitted token consumes one
-    uniform, however it was drafted), on prompts made copyable (the prompt, its greedy answer, the
-    prompt again); returns ``auto``'s answers."""
+def copyable(engine: "Engine", prompt: str | Sequence[int]) -> list[int]:
+    """The prompt, its greedy answer (12 tokens) and the prompt again: tokens a copying drafter drafts
+    from and the target often accepts, also when sampling."""
+    tokens = engine.prompt_tokens(prompt)
+    return tokens + engine.generate(tokens, max_tokens=12).tokens + tokens
+
+
+def assert_seeded_equals_vanilla(engine: "Engine", prompts: Sequence[str], method: str = "auto",
+                                 seeds: Sequence[int] = (0, 1, 2)) -> list["GenerationResult"]:
+    """Seeded answers of ``method`` (drafting deterministically, as every method but a draft model
+    that samples does) as seeded vanilla's, token for token: each emitted token consumes one uniform,
+    however it was drafted. On copyable prompts (``copyable``); returns ``method``'s answers."""
     answers = []
     for seed in seeds:
-        prompt = engine.prompt_tokens(prompts[seed % len(prompts)])
-        prompt = prompt + engine.generate(prompt, max_tokens=12).tokens + prompt
+        prompt = copyable(engine, prompts[seed % len(prompts)])
         sp = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=seed)
         base = engine.generate(prompt, max_tokens=30, method="vanilla", sampling=sp)
-        answers.append(engine.generate(prompt, max_tokens=30, method="auto", sampling=sp))
-        assert answers[-1].tokens == base.tokens, seed
+        answers.append(engine.generate(prompt, max_tokens=30, method=method, sampling=sp))
+        assert answers[-1].tokens == base.tokens, (method, seed)
     return answers
 
 
