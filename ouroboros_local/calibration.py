@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, contended, usable_cores
 from .errors import PoolError
-from .filestore import keep_newest, locked, read_json_object, warn_not_saved, write_atomic
+from .filestore import put_json_entry, read_json_object, warn_not_saved
 from .tree import TokenTree, layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -300,12 +300,8 @@ class CalibrationCache:
         return CostModel(**raw)
 
     def put(self, model: CostModel) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with locked(self.path, "cost curve"):   # another process's curve, saved meanwhile, is kept
-            data = self._read()
-            data[model.key] = model.to_dict()
-            keep_newest(data, MAX_CURVES, "measured_at")
-            write_atomic(self.path, json.dumps(data, indent=1).encode(), "cost curve")
+        put_json_entry(self.path, model.key, model.to_dict(), keep=MAX_CURVES, stamp_key="measured_at",
+                       what="cost curve", indent=1)
 
 
 def _is_number(value: Any) -> bool:

@@ -158,6 +158,19 @@ def keep_newest(data: dict[str, Any], keep: int, stamp_key: str) -> None:
         del data[old]
 
 
+def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: str, what: str,
+                   indent: int | None = None) -> None:
+    """Set ``key`` of the JSON state file ``path`` to ``entry`` and keep its ``keep`` newest entries
+    (``keep_newest``), under the file's lock: an entry another process saved meanwhile is kept.
+    OSError or PoolError when the file cannot be written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with locked(path, what):
+        data = read_json_object(path)
+        data[key] = entry
+        keep_newest(data, keep, stamp_key)
+        write_atomic(path, json.dumps(data, indent=indent).encode(), what)
+
+
 def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, header: struct.Struct,
                  what: str) -> tuple[Path, tuple, bytes]:
     """Read a state file: (its path, its header fields after magic and version, the bytes after the

@@ -27,7 +27,7 @@ from typing import Any
 
 from .catalogue import default_cache_dir
 from .errors import PoolError
-from .filestore import file_identity, keep_newest, locked, read_json_object, warn_not_saved, write_atomic
+from .filestore import file_identity, put_json_entry, read_json_object, warn_not_saved
 
 log = logging.getLogger("ouroboros_local")
 
@@ -76,12 +76,8 @@ class LearnedEstimates:
         """Save ``estimates`` under ``key``; OSError or PoolError when the file cannot be written (warned
         about once per process here: the caller may only log it at debug level)."""
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with locked(self.path, "learned estimates"):   # another process's entry, saved meanwhile, is kept
-                data = self._read()
-                data[key] = {"format": FORMAT, "saved_at": time.time(), "estimates": estimates}
-                keep_newest(data, MAX_ENTRIES, "saved_at")
-                write_atomic(self.path, json.dumps(data).encode(), "learned estimates")
+            put_json_entry(self.path, key, {"format": FORMAT, "saved_at": time.time(), "estimates": estimates},
+                           keep=MAX_ENTRIES, stamp_key="saved_at", what="learned estimates")
         except (OSError, PoolError) as exc:
             warn_not_saved(self.path, "learned estimates", "OUROBOROS_ESTIMATES_FILE",
                            "every start begins from the shipped priors", exc)

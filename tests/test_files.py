@@ -15,7 +15,7 @@ import pytest
 
 from filelock import FileLock
 
-from ouroboros_local import calibration, catalogue, filestore, learned, pool
+from ouroboros_local import catalogue, filestore, pool
 from ouroboros_local.calibration import CalibrationCache, CostModel, cached_or_measured
 from ouroboros_local.errors import ModelError, PoolError
 from ouroboros_local.filestore import STALE_TEMP_SECONDS, read_json_object, write_atomic
@@ -236,9 +236,9 @@ def _two_saves(store: str, path: Path) -> tuple[object, Callable[[], None], Call
         curves = [CostModel.flat() for _ in range(2)]
         for key, curve in zip("ab", curves):
             curve.key = key
-        return (calibration, lambda: CalibrationCache(path).put(curves[0]),
+        return (filestore, lambda: CalibrationCache(path).put(curves[0]),
                 lambda: CalibrationCache(path).put(curves[1]), lambda: set(read_json_object(path)))
-    return (learned, lambda: LearnedEstimates(path).put("a", {}), lambda: LearnedEstimates(path).put("b", {}),
+    return (filestore, lambda: LearnedEstimates(path).put("a", {}), lambda: LearnedEstimates(path).put("b", {}),
             lambda: set(read_json_object(path)))
 
 
