@@ -140,17 +140,21 @@ def _method_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) -> tuple[str, dict[str, Any]]:
     """The method (``--method``, else the default for the models given) and its option flags, checked before
-    a model loads (a large one takes minutes): an unknown method, a bad option and a pool file whose folder
-    cannot take it are refused now. ``for_any_method``: the flags go to the methods that have them (a
-    server's request may pick another method), so each is checked only for its type and bounds there."""
+    a model loads (a large one takes minutes): an unknown method, a method that needs a draft model when
+    none is given, a bad option and a pool file whose folder cannot take it are refused now.
+    ``for_any_method``: the flags go to the methods that have them (a server's request may pick another
+    method), so each is checked only for its type and bounds there."""
     from .history import check_history_folder
     from .options import parse as parse_options
-    from .proposers import applicable_options, check_options, method_names
+    from .proposers import applicable_options, check_options, method_names, needs_draft
     from .server import default_method
 
     method = args.method or default_method(args.draft is not None)
     if method not in method_names():
         raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
+    if args.draft is None and needs_draft(method):
+        raise ParameterError(f"{method} needs a draft model: -d DRAFT (-d auto: the target's same-family "
+                             "draft, where the catalogue names one)")
     options = _method_options(args)
     if for_any_method:
         parse_options("serve", ALL_OPTIONS, options)

@@ -319,6 +319,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: P
     (["--peer-timeout", "-1"], "--peer-timeout must be > 0"),
     (["--variant", "big=lookahead:{\"levle\": 5}"], "levle"),
     (["--limit", "0", "--learn-first", "2"], "--limit must be >= 1"),   # once "no prompt fits" after loading
+    (["--methods", "suffix,speculative,pearl"], "speculative, pearl need a draft model: -d DRAFT"),
     (["--sweep", "lookahead:window=2,2"], "share the label 'lookahead[window=2]'"),
 ])
 def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(

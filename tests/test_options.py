@@ -101,11 +101,13 @@ def test_method_help_names_every_registered_method():
     (["--method", "vanilla", "--gamma", "3"], "vanilla has no option 'gamma'"),
     (["--method", "lookahead", "--window", "999"], "option 'window' must be between"),
     (["--pool", "/no/such/folder/h.pool"], "/no/such/folder is not a writable folder"),
+    (["--method", "speculative"], "speculative needs a draft model: -d DRAFT"),
+    (["--method", "pearl"], "pearl needs a draft model: -d DRAFT"),
 ])
 def test_a_bad_method_option_or_pool_folder_is_refused_before_a_model_loads(
         command: str, flags: list[str], message: str, tmp_path, capsys) -> None:
     """Found only after the weights loaded (minutes for a large model; the pool folder in chat and serve
-    even after the first calibration)."""
+    even after the first calibration; a missing draft model after the target's)."""
     from ouroboros_local.cli import main
 
     if command == "serve":

@@ -227,11 +227,21 @@ def parse_methods(spec: str, available: list[str], custom: list[str]) -> list[st
 
 def resolve_methods(args: argparse.Namespace, available: list[str], custom: list[str]) -> list[str]:
     """--methods (default: all), or `--method X` as shorthand for vanilla and X (`--method vanilla`: vanilla
-    alone)."""
+    alone). A method named that needs a draft model is refused when none is given."""
+    from ..proposers import needs_draft
+
     spec = args.methods
     if spec == DEFAULT_METHODS and getattr(args, "method", None) is not None:
         spec = args.method
-    return parse_methods(spec, available, custom)
+    methods = parse_methods(spec, available, custom)
+    named = [m.strip() for m in spec.split(",")] != ["all"]
+    # 'all' without a draft lists them under "Not run"; a method named without one is a mistake
+    without_draft = [m for m in methods if named and args.draft is None and needs_draft(m)]
+    if without_draft:
+        raise ParameterError(f"{', '.join(without_draft)} {'needs' if len(without_draft) == 1 else 'need'} "
+                             "a draft model: -d DRAFT (-d auto: the target's same-family draft, where the "
+                             "catalogue names one)")
+    return methods
 
 
 def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:

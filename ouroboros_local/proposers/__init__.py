@@ -71,6 +71,15 @@ def applicable_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in names}
 
 
+def needs_draft(method: str) -> bool:
+    """Does ``method`` run only with a draft model (its module sets ``NEEDS_DRAFT``)? Asked before the
+    models load, so that a missing ``-d`` is refused before a large target takes minutes to load."""
+    if method not in _METHODS:
+        return False
+    module, _, _ = _METHODS[method].partition(":")
+    return bool(getattr(import_module(module), "NEEDS_DRAFT", False))
+
+
 def check_options(method: str, options: dict[str, Any] | None, *, per_request: bool = False) -> dict[str, Any]:
     """``options`` checked against the method's declaration, defaults filled in (MethodOptionError)."""
     raw = dict(options or {})

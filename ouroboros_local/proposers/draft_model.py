@@ -279,6 +279,7 @@ ADAEDL_OPTIONS = {"adaedl_gamma_e": "gamma_e", "adaedl_lambda": "lam", "adaedl_a
                   "adaedl_beta1": "beta1", "adaedl_beta2": "beta2", "adaedl_eps": "eps"}
 ADAEDL_DEFAULT_CAP = 8   # gamma (= L_max) when AdaEDL is on and no gamma is given
 # speculative's options; map_specials/keep_unstable matter only for a draft of another vocabulary
+NEEDS_DRAFT = True   # refused before the models load when no draft is given
 OPTIONS: tuple[opt.Option, ...] = (opt.GAMMA, opt.P_MIN, opt.ADAEDL, opt.ADAEDL_LAMBDA, *opt.ADAEDL_TUNING,
                                    opt.GREEDY_DRAFT, opt.MAP_SPECIALS, opt.KEEP_UNSTABLE, opt.ADAPTIVE)
 

@@ -65,6 +65,7 @@ if TYPE_CHECKING:  # pragma: no cover
 PARALLEL = "parallel"
 SEQUENTIAL = "sequential"
 GAMMA_MIN, GAMMA_MAX = 2, 12
+NEEDS_DRAFT = True   # refused before the models load when no draft is given
 OPTIONS: tuple[opt.Option, ...] = (opt.PEARL_MODE, opt.PEARL_GAMMA, *opt.PEARL_TUNING)
 
 
