@@ -456,6 +456,25 @@ def test_a_method_the_draft_cannot_run_is_refused_by_name(tiny_target, tiny_othe
         eng.close()
 
 
+def test_a_method_that_needs_a_draft_is_refused_by_name_without_one(tiny_target):
+    """Once a 400 naming no field and telling the client to pass -d/--draft, a command-line flag."""
+    eng = Engine(Model(tiny_target), None, EngineConfig(n_ctx=N_CTX, n_batch=64, n_seq_max=8, threads=1,
+                                                        threads_batch=1))
+    srv = LiveServer(create_app(eng, ServerConfig(model_id="tiny", sampling=SamplingParams(temperature=0.0))))
+    try:
+        for method in ("speculative", "pearl"):
+            got = http(srv.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "method": method})
+            err = assert_error(got[0], got[2], 400, "method")
+            assert f"{method} needs a draft model, and this server has none" in err["message"]
+        ok_status, _, ok_body = http(srv.base, "/v1/completions",
+                                     {"prompt": PROMPT, "max_tokens": 6, "method": "prompt-lookup"})
+        assert ok_status == 200, ok_body
+        assert json.loads(ok_body)["choices"][0]["text"] == greedy(eng, PROMPT, 6).text
+    finally:
+        srv.stop()
+        eng.close()
+
+
 def test_json_only_cross_origin_style_request_is_refused(live, engine, tmp_path):
     """A web page may POST text/plain to 127.0.0.1 without a preflight: such a body is never read."""
     target = tmp_path / "written-by-a-web-page.pool"

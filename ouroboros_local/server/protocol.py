@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import validate_messages
 from ..errors import ContextOverflowError, IncompatiblePairError, MethodOptionError, OuroborosError, ParameterError
-from ..proposers import applicable_options, check_options, method_names
+from ..proposers import applicable_options, check_options, method_names, needs_draft
 from ..sampling import SamplingParams
 from .worker import ShuttingDown
 
@@ -191,11 +191,12 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     return stream, include_usage
 
 
-def method_and_options(body: dict[str, Any], default: str,
-                       server_options: dict[str, Any]) -> tuple[str, dict[str, Any], bool]:
+def method_and_options(body: dict[str, Any], default: str, server_options: dict[str, Any],
+                       has_draft: bool = True) -> tuple[str, dict[str, Any], bool]:
     """The method and its options: the server's (those the method has) under the request's, all checked
     here, before anything is queued or allocated. A request cannot name a file (the history pool is the
-    server's, set when it starts). The flag says whether the request gave options of its own."""
+    server's, set when it starts). The flag says whether the request gave options of its own.
+    ``has_draft``: the server loaded a draft model (a method that needs one is refused without it)."""
     method = body.get("method")
     if method is None:
         method = default
@@ -204,6 +205,9 @@ def method_and_options(body: dict[str, Any], default: str,
     names = method_names()
     if method not in names:
         raise bad_request("method", f"unknown method {method!r}; choose one of {', '.join(names)}")
+    if not has_draft and needs_draft(method):
+        raise bad_request("method", f"{method} needs a draft model, and this server has none "
+                                    "(ouroboros-local serve -d DRAFT loads one)")
     options = body.get("method_options")
     if options is None:
         options = {}
@@ -309,13 +313,14 @@ class GenerationRequest:
 
 
 def parse_generation(body: dict[str, Any], chat: bool, sampling: SamplingParams, method: str,
-                     server_options: dict[str, Any]) -> GenerationRequest:
-    """Check every field of a generation body; ``sampling`` and ``method`` are the server's defaults."""
+                     server_options: dict[str, Any], has_draft: bool = True) -> GenerationRequest:
+    """Check every field of a generation body; ``sampling`` and ``method`` are the server's defaults,
+    ``has_draft`` whether it loaded a draft model."""
     refuse_unsupported(body, chat)
     stream, include_usage = stream_flags(body)
     params = sampling_params(body, sampling)
     stops = stop_strings(body)
-    method, options, user_options = method_and_options(body, method, server_options)
+    method, options, user_options = method_and_options(body, method, server_options, has_draft)
     max_tokens = max_tokens_field(body, chat)
     param = "messages" if chat else "prompt"
     if param not in body:
