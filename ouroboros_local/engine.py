@@ -33,7 +33,7 @@ from .llama import Context, ContextParams, Device, Model, TextStream, devices, s
 from .llama.binding import KV_CACHE_TYPES
 from .llama.binding import decode_seconds as llama_decode_clock
 from .pairs import check_pair
-from .proposers import Method, create_method, method_names
+from .proposers import Method, create_method, method_names, needs_draft
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .round_sizer import RoundSizer
 from .sampling import SamplingParams
@@ -629,6 +629,9 @@ class Engine:
               ) -> tuple[Method, Scheduler | None, RoundSizer | None]:
         """A generation's proposer, the scheduler that prices its drafts and its round sizer; the first
         call measures the cost curves, before the generation takes the lock."""
+        if self.draft is None and needs_draft(method):   # not an option's fault, whatever options are given
+            raise ParameterError(f"{method} needs a draft model: Engine.load(TARGET, DRAFT) (on the command "
+                                 "line: -d DRAFT)")
         try:
             with self.history.unchanged_on_error():
                 chosen = create_method(method, self.drafting_context(), options or {})

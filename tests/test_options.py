@@ -12,7 +12,7 @@ import pytest
 from ouroboros_local import options as opt
 from ouroboros_local.cli import build_parser, _method_options
 from ouroboros_local.engine import Engine, EngineConfig
-from ouroboros_local.errors import MethodOptionError, OuroborosError
+from ouroboros_local.errors import MethodOptionError, OuroborosError, ParameterError
 from ouroboros_local.llama import Model
 from ouroboros_local.proposers import (applicable_options, check_options, create_proposer, method_names,
                                        method_options)
@@ -138,6 +138,19 @@ def test_unknown_option_through_the_engine_is_one_line(engine):
     with pytest.raises(MethodOptionError) as exc:
         engine.generate(PROMPT, max_tokens=2, method="lookahead", options={"gamma": 3})
     assert "\n" not in str(exc.value) and "lookahead has no option 'gamma'" in str(exc.value)
+
+
+@pytest.mark.parametrize("method", ["speculative", "pearl"])
+def test_a_method_that_needs_a_draft_says_so_through_the_engine(tiny_target, method):
+    """Once told the API user to pass -d/--draft, and with options given called it a bad option."""
+    with Engine(Model(tiny_target), None, EngineConfig(n_ctx=256, n_batch=64, threads=1, threads_batch=1,
+                                                       calibration="off")) as eng:
+        for options in (None, {"gamma": 3}):
+            with pytest.raises(ParameterError) as exc:
+                eng.generate(PROMPT, max_tokens=2, method=method, options=options)
+            assert not isinstance(exc.value, MethodOptionError)
+            assert f"{method} needs a draft model: Engine.load(TARGET, DRAFT)" in str(exc.value)
+        assert eng.generate(PROMPT, max_tokens=2, method="prompt-lookup").tokens   # still usable
 
 
 EXTREMES = [0, 1, -1, 3, 64, 65, 10**9, -10**9, 2**70, 0.5, 1e308, -1e308, math.inf, math.nan, True, False,
