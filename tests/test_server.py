@@ -438,36 +438,26 @@ def test_bad_request_then_normal_request(live, engine, name, path, body, status,
     assert json.loads(ok_body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
 
 
-def test_a_method_the_draft_cannot_run_is_refused_by_name(tiny_target, tiny_other_vocab):
-    """pearl needs a draft of the target's vocabulary: with another one it is the request's method that is
-    wrong (400 naming it), and the server goes on with what the pair can run."""
-    eng = Engine(Model(tiny_target), Model(tiny_other_vocab), EngineConfig(n_ctx=N_CTX, n_batch=64, n_seq_max=8,
-                                                                           threads=1, threads_batch=1))
+@pytest.mark.parametrize("pair, refused, message, runs", [
+    # pearl needs a draft of the target's vocabulary: with another one it is the request's method that is
+    # wrong, and the server goes on with what the pair can run
+    ("other vocabulary", ("pearl",), "pearl needs a draft with the target's vocabulary", "speculative"),
+    # once a 400 naming no field that told the client to pass -d/--draft, a command-line flag
+    ("no draft", ("speculative", "pearl"), "{method} needs a draft model, and this server has none",
+     "prompt-lookup"),
+])
+def test_a_method_the_draft_cannot_run_is_refused_by_name(tiny_target, tiny_other_vocab, pair, refused, message,
+                                                          runs):
+    draft = Model(tiny_other_vocab) if pair == "other vocabulary" else None
+    eng = Engine(Model(tiny_target), draft, EngineConfig(n_ctx=N_CTX, n_batch=64, n_seq_max=8, threads=1,
+                                                         threads_batch=1))
     srv = LiveServer(create_app(eng, ServerConfig(model_id="tiny", sampling=SamplingParams(temperature=0.0))))
     try:
-        got = http(srv.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "method": "pearl"})
-        assert assert_error(got[0], got[2], 400, "method")["type"] == "invalid_request_error"
-        ok_status, _, ok_body = http(srv.base, "/v1/completions",
-                                     {"prompt": PROMPT, "max_tokens": 6, "method": "speculative"})
-        assert ok_status == 200, ok_body
-        assert json.loads(ok_body)["choices"][0]["text"] == greedy(eng, PROMPT, 6).text
-    finally:
-        srv.stop()
-        eng.close()
-
-
-def test_a_method_that_needs_a_draft_is_refused_by_name_without_one(tiny_target):
-    """Once a 400 naming no field and telling the client to pass -d/--draft, a command-line flag."""
-    eng = Engine(Model(tiny_target), None, EngineConfig(n_ctx=N_CTX, n_batch=64, n_seq_max=8, threads=1,
-                                                        threads_batch=1))
-    srv = LiveServer(create_app(eng, ServerConfig(model_id="tiny", sampling=SamplingParams(temperature=0.0))))
-    try:
-        for method in ("speculative", "pearl"):
+        for method in refused:
             got = http(srv.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "method": method})
             err = assert_error(got[0], got[2], 400, "method")
-            assert f"{method} needs a draft model, and this server has none" in err["message"]
-        ok_status, _, ok_body = http(srv.base, "/v1/completions",
-                                     {"prompt": PROMPT, "max_tokens": 6, "method": "prompt-lookup"})
+            assert err["type"] == "invalid_request_error" and message.format(method=method) in err["message"]
+        ok_status, _, ok_body = http(srv.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, "method": runs})
         assert ok_status == 200, ok_body
         assert json.loads(ok_body)["choices"][0]["text"] == greedy(eng, PROMPT, 6).text
     finally:
