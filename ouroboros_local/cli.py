@@ -267,6 +267,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         out.write("\n")
     stats = result.stats
+    if stats.finish_reason == "length" and stats.tokens < args.max_tokens:
+        say(f"note: the answer stopped after {stats.tokens} of the {args.max_tokens} tokens asked: the context "
+            f"of {engine.target_ctx.n_ctx} tokens is full (-c/--ctx-size sets its size)")
     if args.compare and method != "vanilla":
         say("running plain decoding to compare ...")
         base = engine.generate(prompt, method="vanilla", **kwargs)

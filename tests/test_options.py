@@ -244,6 +244,19 @@ def test_context_flags_are_bounded_and_a_context_past_training_is_named(tiny_tar
     assert "more than the 2048 the model was trained on" in capsys.readouterr().err
 
 
+def test_an_answer_cut_by_the_context_says_so(tiny_target, capsys) -> None:
+    """-n past what the context leaves stopped the answer there without a word."""
+    from ouroboros_local.cli import main
+
+    # a prompt that leaves the answer a few cells, so that it meets the end of the context before an end token
+    base = ["generate", "-m", str(tiny_target), "-t", "1", "-p", "hello " * 60, "-c", "256", "--quiet"]
+    assert main(base + ["-n", "1000"]) == 0
+    err = capsys.readouterr().err
+    assert "of the 1000 tokens asked: the context of 256 tokens is full" in err
+    assert main(base + ["-n", "8"]) == 0
+    assert "tokens asked" not in capsys.readouterr().err
+
+
 def test_output_and_input_that_fail_are_one_line(tiny_target) -> None:
     """A full disk under stdout, a closed stdout or stdin: tracebacks (OSError, AttributeError on None)."""
     import os
