@@ -5,15 +5,19 @@ __version__ = "0.1.0"
 
 from .errors import (ContextOverflowError, IncompatiblePairError, MethodOptionError, ModelError,  # noqa: E402
                      OuroborosError, ParameterError, PoolError)
-from .sampling import SamplingParams  # noqa: E402
 
 
 def __getattr__(name: str):
-    # The engine imports llama.cpp; load it lazily so `import ouroboros_local` stays cheap.
+    # The engine imports llama.cpp and sampling numpy: both load lazily, so that `import ouroboros_local`
+    # stays cheap and the command line parses its arguments, and hears Ctrl-C, within a few milliseconds.
     if name in ("Engine", "EngineConfig", "GenerationResult", "GenerationStats", "StreamEvent"):
         from . import engine
 
         return getattr(engine, name)
+    if name == "SamplingParams":
+        from .sampling import SamplingParams
+
+        return SamplingParams
     raise AttributeError(name)
 
 

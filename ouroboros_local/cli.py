@@ -394,10 +394,10 @@ def tolerate_console_encoding() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     tolerate_console_encoding()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    _show_progress(quiet=getattr(args, "json", False))
     try:
+        parser = build_parser()   # imports every command's module: Ctrl-C there is heard as anywhere else
+        args = parser.parse_args(argv)
+        _show_progress(quiet=getattr(args, "json", False))
         return int(args.func(args) or 0)
     except OuroborosError as exc:
         print(f"error: {exc}", file=sys.stderr)

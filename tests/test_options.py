@@ -257,6 +257,25 @@ def test_an_answer_cut_by_the_context_says_so(tiny_target, capsys) -> None:
     assert "tokens asked" not in capsys.readouterr().err
 
 
+def test_ctrl_c_as_the_command_line_starts_is_one_line(monkeypatch, capsys) -> None:
+    """Ctrl-C in the first half second (numpy's import for the package, every command's module for the
+    parser) was a traceback: the package now imports nothing heavy, and main hears Ctrl-C from its start."""
+    import subprocess
+    import sys
+
+    from ouroboros_local import cli
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["generate", "-p", "hi"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    code = "import sys, ouroboros_local.cli; print(sorted({'numpy', 'llama_cpp'} & set(sys.modules)))"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "[]", run.stdout + run.stderr
+
+
 def test_output_and_input_that_fail_are_one_line(tiny_target) -> None:
     """A full disk under stdout, a closed stdout or stdin: tracebacks (OSError, AttributeError on None)."""
     import os
