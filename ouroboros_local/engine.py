@@ -310,7 +310,8 @@ class Engine:
         self._draft_ctx: Context | None = None
         self._draft_kv: KVCache | None = None
         self._lock = threading.Lock()
-        self._lock_owner: int | None = None   # the thread holding it (_exclusive)
+        # the thread holding it (_exclusive); the object, not its ident, which a new thread may reuse
+        self._lock_owner: threading.Thread | None = None
         self.history = History(target)      # state kept across requests (phrase pool, suffix tries, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
@@ -460,7 +461,7 @@ class Engine:
         self._refuse_reentry()
         with self._lock:
             self._check_open()   # closed while this call waited for the lock
-            self._lock_owner = threading.get_ident()
+            self._lock_owner = threading.current_thread()
             try:
                 yield
             finally:
@@ -468,25 +469,28 @@ class Engine:
 
     def _refuse_reentry(self) -> None:
         self._check_open()
-        if self._lock_owner == threading.get_ident():
+        if self._lock_owner is threading.current_thread():
             raise OuroborosError("this thread has a generation of this engine still open (a stream() not "
                                  "read to its end): read it to the end or close() it first")
 
     def close(self) -> None:
         """Free the contexts, and the models no other engine holds. A stream this thread left open (a
-        ``with`` block left mid-stream) is closed first; one running in another thread is waited for."""
+        ``with`` block left mid-stream), or that a thread that has ended left open, is closed first; one
+        running in another thread is waited for."""
         if self._closed:
             return
-        if self._lock_owner == threading.get_ident():
+        owner = self._lock_owner
+        if owner is threading.current_thread() or (owner is not None and not owner.is_alive()):
+            # this thread's open stream, or one whose reader ended without closing it: no one else will
             for stream in list(self._streams):
                 if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:   # the one holding the lock
                     stream.close()
-        if self._lock_owner == threading.get_ident():   # a plain lock would wait for itself
+        if self._lock_owner is threading.current_thread():   # a plain lock would wait for itself
             raise OuroborosError("this thread has a generation of this engine still open: close it first")
         with self._lock:   # after a generation still running in another thread: it changes the estimates
             if self._closed:   # another thread closed it while this one waited
                 return
-            self._lock_owner = threading.get_ident()
+            self._lock_owner = threading.current_thread()
             try:
                 if self.history.pending:   # the last answers' history, not yet due when they ended
                     self._save_history(None)
@@ -610,7 +614,7 @@ class Engine:
                         self.save_learned(SAVE_INTERVAL)
                         saved = True
                     yield event
-                    self._lock_owner = threading.get_ident()   # whichever thread reads the stream holds it
+                    self._lock_owner = threading.current_thread()   # whichever thread reads the stream holds it
             finally:
                 run.close()
                 if not saved:

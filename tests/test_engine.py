@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
 from ouroboros_local.engine import Engine, StopMatcher
-from ouroboros_local.errors import ContextOverflowError, ParameterError
+from ouroboros_local.errors import ContextOverflowError, OuroborosError, ParameterError
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.testing.engines import tiny_engine as make_engine
@@ -417,6 +419,53 @@ def test_a_stream_read_on_in_another_thread_belongs_to_that_thread(pair_engine: 
     finally:
         faulthandler.cancel_dump_traceback_later()
     stream.close()
+
+
+def test_a_new_thread_waits_for_a_stream_an_ended_thread_read(pair_engine: Engine) -> None:
+    """The stream's reader was known by its thread ident, which a new thread often reuses once the old one
+    has ended: that thread was refused ("still open") instead of waiting for the stream to be closed."""
+    import threading
+
+    expected = pair_engine.generate(PROMPTS[1], max_tokens=3).tokens
+    for _ in range(5):   # the ident was reused in about 70% of tries
+        stream = pair_engine.stream(PROMPTS[0], max_tokens=20)
+        reader = threading.Thread(target=lambda: next(stream))
+        reader.start()
+        reader.join()
+        got: list = []
+        later = threading.Thread(target=lambda: got.append(_outcome(pair_engine, PROMPTS[1])))
+        later.start()
+        later.join(0.3)
+        assert later.is_alive() and not got, got    # waiting for the engine, not refused
+        stream.close()
+        later.join(60)
+        assert got == [expected]
+
+
+def _outcome(engine: Engine, prompt: str) -> Any:
+    try:
+        return engine.generate(prompt, max_tokens=3).tokens
+    except Exception as exc:   # noqa: BLE001 - the test reports it
+        return exc
+
+
+def test_close_ends_a_stream_that_an_ended_thread_left_open(tiny_target) -> None:
+    """close() waited forever for a stream whose reader had ended without closing it."""
+    import faulthandler
+    import threading
+
+    engine = make_engine(tiny_target)
+    stream = engine.stream(PROMPTS[0], max_tokens=20)
+    reader = threading.Thread(target=lambda: next(stream))
+    reader.start()
+    reader.join()
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        engine.close()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    with pytest.raises(OuroborosError, match="closed"):
+        engine.generate(PROMPTS[1], max_tokens=2)
 
 
 def test_engine_lifecycle_errors_are_one_line(tiny_target, tmp_path) -> None:
