@@ -101,7 +101,7 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
         g.add_argument(option.flag_name, **kwargs)
 
 
-def _gpu_layers(value: str) -> int:
+def _gpu_layers(value: str, flag: str = "--gpu-layers") -> int:
     if value == "auto":
         from .llama import supports_gpu_offload
 
@@ -111,9 +111,9 @@ def _gpu_layers(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise ParameterError(f"--gpu-layers takes all, N, 0 or auto (got {value!r})") from None
+        raise ParameterError(f"{flag} takes all, N, 0 or auto (got {value!r})") from None
     if n < 0:
-        raise ParameterError(f"--gpu-layers takes all, N, 0 or auto (got {value!r})")
+        raise ParameterError(f"{flag} takes all, N, 0 or auto (got {value!r})")
     return n
 
 
@@ -180,7 +180,8 @@ def _engine_from_args(args: argparse.Namespace):
     config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
                           threads=args.threads, flash_attn=args.flash_attn,
                           gpu_layers=_gpu_layers(args.gpu_layers),
-                          draft_gpu_layers=_gpu_layers(args.draft_gpu_layers), main_gpu=args.main_gpu,
+                          draft_gpu_layers=_gpu_layers(args.draft_gpu_layers, "--draft-gpu-layers"),
+                          main_gpu=args.main_gpu,
                           type_k=args.cache_type_k, type_v=args.cache_type_v,
                           draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
                           learned=args.learned is not False, round_size=round_size,

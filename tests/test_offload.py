@@ -78,6 +78,10 @@ def test_cli_rejects_bad_gpu_layers_with_one_line(tiny_target, capsys) -> None:
     assert main(["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "--gpu-layers", "lots"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--gpu-layers" in err[0]
+    # the draft's flag is named as the draft's (it said --gpu-layers)
+    assert main(["generate", "-m", str(tiny_target), "-p", "x", "-n", "2", "--draft-gpu-layers", "lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --draft-gpu-layers takes")
 
 
 @pytest.mark.skipif(GPU, reason="checks the CPU build's behaviour")

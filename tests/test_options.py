@@ -138,6 +138,9 @@ def test_unknown_option_through_the_engine_is_one_line(engine):
     with pytest.raises(MethodOptionError) as exc:
         engine.generate(PROMPT, max_tokens=2, method="lookahead", options={"gamma": 3})
     assert "\n" not in str(exc.value) and "lookahead has no option 'gamma'" in str(exc.value)
+    for bad in ("ab", 5, [("gamma", 3)]):   # a ValueError, a TypeError, and a list taken as a dict
+        with pytest.raises(MethodOptionError, match="options must be a dict of option names and values"):
+            engine.generate(PROMPT, max_tokens=2, method="prompt-lookup", options=bad)
 
 
 @pytest.mark.parametrize("method", ["speculative", "pearl"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from importlib import import_module
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from ..errors import IncompatiblePairError, MethodOptionError, ParameterError
 from ..options import Option
@@ -82,6 +82,8 @@ def needs_draft(method: str) -> bool:
 
 def check_options(method: str, options: dict[str, Any] | None, *, per_request: bool = False) -> dict[str, Any]:
     """``options`` checked against the method's declaration, defaults filled in (MethodOptionError)."""
+    if options is not None and not isinstance(options, Mapping):
+        raise MethodOptionError(f"options must be a dict of option names and values, not {type(options).__name__}")
     raw = dict(options or {})
     if method == "auto" and raw.get("adaptive") is False:
         raise MethodOptionError("auto is the scheduler itself: it has no fixed-parameter mode (adaptive=false)")
