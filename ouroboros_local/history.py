@@ -44,7 +44,13 @@ class History:
         self.clear()
 
     def clear(self) -> None:
-        """Forget everything learned (files named so far are no longer written)."""
+        """Forget everything learned (files named so far are no longer written), once the answers whose
+        save was not yet due (``pending``) are in their files: they were promised to them."""
+        if getattr(self, "pending", False):
+            try:
+                self.save()
+            except PoolError as exc:
+                log.warning("warning: %s (the history is cleared all the same)", exc)
         self.phrase_pool: PhrasePool | None = None      # shared by every pool method
         self.phrase_pool_file: str | None = None
         self.suffix_cache: "SuffixCache | None" = None  # the suffix tries of earlier answers
