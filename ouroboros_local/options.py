@@ -33,6 +33,7 @@ class Option:
     flag: bool | str = True   # exposed on the command line as --NAME (underscores as dashes) or --FLAG
     per_request: bool = True  # False: set when the engine or server starts, never by one request
     aliases: tuple[str, ...] = ()
+    open_bounds: str = ""     # "lo", "hi" or "lo,hi": that bound itself is refused (AdaEDL's lambda < 1)
 
     def with_default(self, default: Any) -> "Option":
         return replace(self, default=default)
@@ -87,7 +88,11 @@ class Option:
     def _bounded(self, value: float) -> Any:
         lo = -_INT_LIMIT if self.lo is None else self.lo
         hi = _INT_LIMIT if self.hi is None else self.hi
-        if not lo <= value <= hi:
+        open_lo, open_hi = "lo" in self.open_bounds, "hi" in self.open_bounds
+        if not ((lo < value if open_lo else lo <= value) and (value < hi if open_hi else value <= hi)):
+            if open_lo or open_hi:
+                interval = f"in {'(' if open_lo else '['}{_show(lo)}, {_show(hi)}{')' if open_hi else ']'}"
+                raise self._error(f"must be {interval} (got {value!r})")
             raise self._error(f"must be between {_show(lo)} and {_show(hi)} (got {value!r})")
         return value
 
@@ -124,10 +129,13 @@ ADAPTIVE = Option("adaptive", "bool", True, "schedule draft lengths by the cost 
                   "hyperparameters every round)", flag=False)
 ADAEDL = Option("adaedl", "bool", False, "speculative: stop drafting early when the draft's entropy is "
                 "high (AdaEDL)")
-ADAEDL_LAMBDA = Option("adaedl_lambda", "float", None, "AdaEDL's initial threshold (0..1)", 0.0, 1.0)
-ADAEDL_TUNING = tuple(Option(f"adaedl_{name}", "float", None, f"AdaEDL {name}", lo, hi, flag=False)
-                      for name, lo, hi in (("gamma_e", 0.0, 1.0), ("alpha", 0.0, 1.0), ("beta1", 0.0, 1.0),
-                                           ("beta2", 0.0, 1.0), ("eps", 0.0, 1.0)))
+ADAEDL_LAMBDA = Option("adaedl_lambda", "float", None, "AdaEDL's initial threshold, in [0, 1)", 0.0, 1.0,
+                       open_bounds="hi")
+# AdaEDL refuses gamma_e 0 and the others at 1
+ADAEDL_TUNING = tuple(Option(f"adaedl_{name}", "float", None, f"AdaEDL {name}", 0.0, hi, flag=False,
+                             open_bounds=bounds)
+                      for name, hi, bounds in (("gamma_e", 1.0, "lo"), ("alpha", 1.0, "hi"), ("beta1", 1.0, "hi"),
+                                               ("beta2", 1.0, "hi"), ("eps", 1.0, "hi")))
 GREEDY_DRAFT = Option("greedy_draft", "bool", None, "draft with the draft's argmax even when sampling "
                       "(default: when the request has a seed, so that it repeats plain seeded decoding)",
                       flag=False)

@@ -48,7 +48,7 @@ def test_parse_fills_defaults_and_converts():
 
 
 @pytest.mark.parametrize("method,options,words", [
-    ("lookahead", {"window": 100000}, "'window' must be between 0 and 64"),
+    ("lookahead", {"window": 100000}, "'window' must be between 1 and 64"),
     ("lookahead", {"window": 2.5}, "'window' must be an integer"),
     ("lookahead", {"window": True}, "'window' must be an integer"),
     ("prompt-lookup", {"max_ngram": 10**9}, "'max_ngram' must be between"),
@@ -103,6 +103,10 @@ def test_method_help_names_every_registered_method():
     (["--pool", "/no/such/folder/h.pool"], "/no/such/folder is not a writable folder"),
     (["--method", "speculative"], "speculative needs a draft model: -d DRAFT"),
     (["--method", "pearl"], "pearl needs a draft model: -d DRAFT"),
+    # bounds that only the method itself checked, after the models loaded
+    (["--method", "lookahead", "--window", "0"], "option 'window' must be between 1 and 64"),
+    (["-d", "draft.gguf", "--method", "speculative", "--adaedl", "--adaedl-lambda", "1"],
+     "option 'adaedl_lambda' must be in [0, 1) (got 1.0)"),
 ])
 def test_a_bad_method_option_or_pool_folder_is_refused_before_a_model_loads(
         command: str, flags: list[str], message: str, tmp_path, capsys) -> None:

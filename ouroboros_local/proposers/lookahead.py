@@ -24,6 +24,7 @@ POOL_FROM_PROMPT), which makes it a prompt-lookup as well.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import options as opt
@@ -139,7 +140,8 @@ class LookaheadProposer(Proposer):
         return {"la_" + k: v for k, v in self._stats.items()}
 
 
-OPTIONS: tuple[opt.Option, ...] = (opt.WINDOW, opt.LEVEL, opt.GUESS_SET, opt.POOL, opt.WARM_START,
+WINDOW = replace(opt.WINDOW, lo=1, help="lookahead window columns (W)")   # never 0 (ouroboros's may be)
+OPTIONS: tuple[opt.Option, ...] = (WINDOW, opt.LEVEL, opt.GUESS_SET, opt.POOL, opt.WARM_START,
                                    opt.POOL_FROM_PROMPT, opt.HARVEST.with_default("none"), opt.SEED)
 
 
