@@ -285,7 +285,8 @@ def test_sampled_drafts_are_lossless(tiny_target, tiny_noisy_draft, params: Samp
     greedy, checked by sample-and-match, as in the tests above), each with its distribution q, and a
     rejection draws from the residual (p - q)+. A noisy draft rejects often enough for a wrong residual
     to show; 4 tokens let the first two come from a draft of several."""
-    options = {"greedy_draft": False, "adaptive": False, "gamma": 4, "adaedl": adaedl, "adaedl_lambda": 0.5}
+    options = {"greedy_draft": False, "adaptive": False, "gamma": 4, "adaedl": adaedl,
+               **({"adaedl_lambda": 0.5} if adaedl else {})}
     with make_engine(tiny_target, tiny_noisy_draft) as engine:
         results = assert_first_pairs_follow_the_target(engine, tiny_target, PROMPTS[1], params, 1500,
                                                        max_tokens=4, method="speculative", options=options)

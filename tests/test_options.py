@@ -107,6 +107,9 @@ def test_method_help_names_every_registered_method():
     (["--method", "lookahead", "--window", "0"], "option 'window' must be between 1 and 64"),
     (["-d", "draft.gguf", "--method", "speculative", "--adaedl", "--adaedl-lambda", "1"],
      "option 'adaedl_lambda' must be in [0, 1) (got 1.0)"),
+    # it was silently ignored
+    (["-d", "draft.gguf", "--method", "speculative", "--adaedl-lambda", "0.5"],
+     "adaedl_lambda tunes AdaEDL, which is off: add adaedl=true (--adaedl)"),
 ])
 def test_a_bad_method_option_or_pool_folder_is_refused_before_a_model_loads(
         command: str, flags: list[str], message: str, tmp_path, capsys) -> None:
@@ -188,7 +191,7 @@ def test_randomized_extreme_values_stay_bounded(engine, tmp_path):
         assert result.stats.tokens <= 3
         ran += 1
     engine.history.clear()
-    assert ran > 50 and refused > 50, (ran, refused)
+    assert ran > 40 and refused > 50, (ran, refused)   # (AdaEDL settings alone are refused: adaedl is off)
     assert _max_rss_mib() - before < 300, "an option value made the process allocate far too much"
 
 
