@@ -159,6 +159,8 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
     if for_any_method:
         parse_options("serve", ALL_OPTIONS, options)
         check_options(method, applicable_options(method, options))
+        # rules across options (AdaEDL's settings need its switch): else every request would be refused
+        check_options("speculative", applicable_options("speculative", options))
     else:
         check_options(method, options)
     if options.get("pool") is not None:

@@ -132,6 +132,16 @@ def test_a_bad_method_option_or_pool_folder_is_refused_before_a_model_loads(
     assert message in err and "no-model.gguf" not in err
 
 
+def test_a_server_refuses_adaedl_settings_without_adaedl_at_start(tmp_path, capsys) -> None:
+    """Its default method has no AdaEDL: each speculative request would have been refused instead."""
+    pytest.importorskip("uvicorn")
+    from ouroboros_local.cli import main
+
+    assert main(["serve", "-m", str(tmp_path / "no-model.gguf"), "-d", "d.gguf", "--adaedl-lambda", "0.5",
+                 "--port", "0"]) == 2
+    assert "adaedl_lambda tunes AdaEDL, which is off" in capsys.readouterr().err
+
+
 def test_lookahead_level_and_guess_set_change_what_it_does(engine):
     base = engine.generate(PROMPT, max_tokens=12, method="lookahead")
     tuned = engine.generate(PROMPT, max_tokens=12, method="lookahead", options={"level": 5, "guess_set": 8})
