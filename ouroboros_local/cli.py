@@ -98,6 +98,9 @@ def _add_method_args(p: argparse.ArgumentParser) -> None:
             kwargs["choices"] = option.choices
         elif option.kind in ("int", "float"):
             kwargs["type"] = int if option.kind == "int" else float
+            kwargs["metavar"] = "N" if option.kind == "int" else "X"   # not OPT_GAMMA
+        elif option.kind == "path":
+            kwargs["metavar"] = "FILE"
         g.add_argument(option.flag_name, **kwargs)
 
 
@@ -337,9 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate text from a prompt")
     _add_model_args(gen)
-    gen.add_argument("-p", "--prompt", default=None)
-    gen.add_argument("-f", "--file", default=None, help="read the prompt from a file (- = stdin)")
-    gen.add_argument("-n", "--max-tokens", type=int, default=128)
+    gen.add_argument("-p", "--prompt", default=None, metavar="TEXT", help="the prompt")
+    gen.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from a file (- = stdin)")
+    gen.add_argument("-n", "--max-tokens", type=int, default=128, metavar="N",
+                     help="longest answer in tokens (default 128; the end of the context stops it too)")
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print a JSON object on the last line")
