@@ -306,21 +306,8 @@ def test_history_saves_after_answers_take_at_most_a_twentieth_of_the_time(tmp_pa
     assert PhrasePool.load(path, history.fingerprint()).lookup([1]) == [(3,), (2,)]
 
 
-def test_an_engine_closing_writes_the_history_save_that_was_not_yet_due(tiny_target, tmp_path) -> None:
-    from ouroboros_local.suffix_trie import read_documents
-    from ouroboros_local.testing.engines import E2E_PROMPTS, tiny_engine
-
-    path = tmp_path / "h.pool"
-    with tiny_engine(tiny_target) as engine:
-        engine.generate(E2E_PROMPTS[0], max_tokens=6, method="suffix", options={"pool": str(path)})
-        engine.history._save_seconds = 3600.0      # as if the last save had taken an hour: none is due
-        engine.generate(E2E_PROMPTS[1], max_tokens=6, method="suffix", options={"pool": str(path)})
-        fingerprint = engine.history.fingerprint()
-        assert engine.history.pending and len(read_documents(f"{path}.suffix", fingerprint)) == 1
-    assert len(read_documents(f"{path}.suffix", fingerprint)) == 2
-
-
-def test_clearing_the_history_writes_the_save_that_was_not_yet_due(tiny_target, tmp_path) -> None:
+@pytest.mark.parametrize("end", ["close", "clear"])
+def test_closing_or_clearing_writes_the_history_save_that_was_not_yet_due(tiny_target, tmp_path, end) -> None:
     """history.clear() dropped the answers whose save was not yet due (found by a new-user review)."""
     from ouroboros_local.suffix_trie import read_documents
     from ouroboros_local.testing.engines import E2E_PROMPTS, tiny_engine
@@ -332,9 +319,10 @@ def test_clearing_the_history_writes_the_save_that_was_not_yet_due(tiny_target, 
         engine.generate(E2E_PROMPTS[1], max_tokens=6, method="suffix", options={"pool": str(path)})
         fingerprint = engine.history.fingerprint()
         assert engine.history.pending and len(read_documents(f"{path}.suffix", fingerprint)) == 1
-        engine.history.clear()
-        assert not engine.history.pending and len(read_documents(f"{path}.suffix", fingerprint)) == 2
-        engine.generate(E2E_PROMPTS[0], max_tokens=6, method="suffix")   # cleared: the file is no longer named
+        if end == "clear":
+            engine.history.clear()
+            assert not engine.history.pending and len(read_documents(f"{path}.suffix", fingerprint)) == 2
+            engine.generate(E2E_PROMPTS[0], max_tokens=6, method="suffix")   # cleared: the file is not named
     assert len(read_documents(f"{path}.suffix", fingerprint)) == 2
 
 
