@@ -149,26 +149,33 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
     method), so each is checked only for its type and bounds there."""
     from .history import check_history_folder
     from .options import parse as parse_options
-    from .proposers import applicable_options, check_options, method_names, needs_draft
+    from .proposers import applicable_options, check_options, method_names
     from .server import default_method
 
     method = args.method or default_method(args.draft is not None)
     if method not in method_names():
         raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
-    if args.draft is None and needs_draft(method):
-        raise ParameterError(f"{method} needs a draft model: -d DRAFT (-d auto: the target's same-family "
-                             "draft, where the catalogue names one)")
+    if args.draft is None:
+        refuse_without_draft([method])
     options = _method_options(args)
     if for_any_method:
         parse_options("serve", ALL_OPTIONS, options)
         check_options(method, applicable_options(method, options))
-        # rules across options (AdaEDL's settings need its switch): else every request would be refused
-        check_options("speculative", applicable_options("speculative", options))
     else:
         check_options(method, options)
     if options.get("pool") is not None:
         check_history_folder(options["pool"])
     return method, options
+
+
+def refuse_without_draft(methods: Sequence[str]) -> None:
+    """ParameterError naming the ``methods`` that need a draft model, when no -d is given."""
+    from .proposers import needs_draft
+
+    names = [m for m in methods if needs_draft(m)]
+    if names:
+        raise ParameterError(f"{', '.join(names)} {'needs' if len(names) == 1 else 'need'} a draft model: -d "
+                             "DRAFT (-d auto: the target's same-family draft, where the catalogue names one)")
 
 
 def _engine_from_args(args: argparse.Namespace):

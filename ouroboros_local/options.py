@@ -34,6 +34,9 @@ class Option:
     per_request: bool = True  # False: set when the engine or server starts, never by one request
     aliases: tuple[str, ...] = ()
     open_bounds: str = ""     # "lo", "hi" or "lo,hi": that bound itself is refused (AdaEDL's lambda < 1)
+    # (a bool option, what it switches on): this one takes effect only with that on, and is refused
+    # without it, where it would be ignored as if it had taken effect
+    needs: tuple[str, str] = ()
 
     def with_default(self, default: Any) -> "Option":
         return replace(self, default=default)
@@ -130,10 +133,10 @@ ADAPTIVE = Option("adaptive", "bool", True, "schedule draft lengths by the cost 
 ADAEDL = Option("adaedl", "bool", False, "speculative: stop drafting early when the draft's entropy is "
                 "high (AdaEDL)")
 ADAEDL_LAMBDA = Option("adaedl_lambda", "float", None, "AdaEDL's initial threshold, in [0, 1)", 0.0, 1.0,
-                       open_bounds="hi")
+                       open_bounds="hi", needs=("adaedl", "AdaEDL"))
 # AdaEDL refuses gamma_e 0 and the others at 1
 ADAEDL_TUNING = tuple(Option(f"adaedl_{name}", "float", None, f"AdaEDL {name}", 0.0, hi, flag=False,
-                             open_bounds=bounds)
+                             open_bounds=bounds, needs=("adaedl", "AdaEDL"))
                       for name, hi, bounds in (("gamma_e", 1.0, "lo"), ("alpha", 1.0, "hi"), ("beta1", 1.0, "hi"),
                                                ("beta2", 1.0, "hi"), ("eps", 1.0, "hi")))
 GREEDY_DRAFT = Option("greedy_draft", "bool", None, "draft with the draft's argmax even when sampling "
@@ -191,7 +194,22 @@ def parse(method: str, declared: Iterable[Option], raw: Mapping[str, Any] | None
             raise MethodOptionError(f"option {key!r} cannot be set per request: {where}")
         checked = option.check(value)
         out[option.name] = option.default if checked is None else checked
+    _refuse_switched_off(by_name, raw or {}, out)
     return out
+
+
+def _refuse_switched_off(by_name: dict[str, Option], raw: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """MethodOptionError for options given whose switch (``Option.needs``) is off."""
+    off: dict[tuple[str, str], list[str]] = {}
+    for key, value in raw.items():
+        option = by_name[key]
+        if option.needs and value is not None and not out.get(option.needs[0]):
+            off.setdefault(option.needs, []).append(option.name)
+    for (switch, what), names in off.items():
+        names = sorted(names)
+        flag = by_name[switch].flag_name if switch in by_name else None
+        raise MethodOptionError(f"{', '.join(names)} {'tunes' if len(names) == 1 else 'tune'} {what}, which is "
+                                f"off: add {switch}=true" + (f" ({flag})" if flag else ""))
 
 
 __all__ = ["ALL", "Option", "merge", "parse"]

@@ -228,19 +228,15 @@ def parse_methods(spec: str, available: list[str], custom: list[str]) -> list[st
 def resolve_methods(args: argparse.Namespace, available: list[str], custom: list[str]) -> list[str]:
     """--methods (default: all), or `--method X` as shorthand for vanilla and X (`--method vanilla`: vanilla
     alone). A method named that needs a draft model is refused when none is given."""
-    from ..proposers import needs_draft
+    from ..cli import refuse_without_draft
 
     spec = args.methods
     if spec == DEFAULT_METHODS and getattr(args, "method", None) is not None:
         spec = args.method
     methods = parse_methods(spec, available, custom)
-    named = [m.strip() for m in spec.split(",")] != ["all"]
     # 'all' without a draft lists them under "Not run"; a method named without one is a mistake
-    without_draft = [m for m in methods if named and args.draft is None and needs_draft(m)]
-    if without_draft:
-        raise ParameterError(f"{', '.join(without_draft)} {'needs' if len(without_draft) == 1 else 'need'} "
-                             "a draft model: -d DRAFT (-d auto: the target's same-family draft, where the "
-                             "catalogue names one)")
+    if args.draft is None and [m.strip() for m in spec.split(",")] != ["all"]:
+        refuse_without_draft(methods)
     return methods
 
 

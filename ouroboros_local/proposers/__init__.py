@@ -87,12 +87,7 @@ def check_options(method: str, options: dict[str, Any] | None, *, per_request: b
     raw = dict(options or {})
     if method == "auto" and raw.get("adaptive") is False:
         raise MethodOptionError("auto is the scheduler itself: it has no fixed-parameter mode (adaptive=false)")
-    parsed = parse_options(method, method_options(method), raw, per_request=per_request)
-    tuning = sorted(k for k, v in raw.items() if k.startswith("adaedl_") and v is not None)
-    if tuning and not parsed.get("adaedl"):   # silently ignored, they looked like they took effect
-        raise MethodOptionError(f"{', '.join(tuning)} {'tunes' if len(tuning) == 1 else 'tune'} AdaEDL, which "
-                                "is off: add adaedl=true (--adaedl)")
-    return parsed
+    return parse_options(method, method_options(method), raw, per_request=per_request)
 
 
 def method_names() -> list[str]:
