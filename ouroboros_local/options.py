@@ -175,7 +175,8 @@ def parse(method: str, declared: Iterable[Option], raw: Mapping[str, Any] | None
     """Checked options with defaults filled in, or MethodOptionError naming the first bad one.
 
     ``per_request``: the options come from one request (the server), so options that must be set when
-    the engine starts (a pool file path) are refused.
+    the engine starts (a pool file path) are refused; a switch they need (``Option.needs``) may be the
+    server's, so that rule waits for the request's options merged with the server's.
     """
     by_name: dict[str, Option] = {}
     for option in declared:
@@ -194,7 +195,8 @@ def parse(method: str, declared: Iterable[Option], raw: Mapping[str, Any] | None
             raise MethodOptionError(f"option {key!r} cannot be set per request: {where}")
         checked = option.check(value)
         out[option.name] = option.default if checked is None else checked
-    _refuse_switched_off(by_name, raw or {}, out)
+    if not per_request:
+        _refuse_switched_off(by_name, raw or {}, out)
     return out
 
 

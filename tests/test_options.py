@@ -142,6 +142,17 @@ def test_a_server_refuses_adaedl_settings_without_adaedl_at_start(tmp_path, caps
     assert "adaedl_lambda tunes AdaEDL, which is off" in capsys.readouterr().err
 
 
+def test_a_requests_adaedl_setting_takes_the_servers_adaedl_switch() -> None:
+    """A request's adaedl_lambda on a server started with --adaedl was refused as if AdaEDL were off."""
+    from ouroboros_local.server.protocol import ApiError, method_and_options
+
+    body = {"method": "speculative", "method_options": {"adaedl_lambda": 0.3}}
+    method, options, _ = method_and_options(body, "auto", {"adaedl": True})
+    assert options["adaedl"] is True and options["adaedl_lambda"] == 0.3
+    with pytest.raises(ApiError, match="adaedl_lambda tunes AdaEDL, which is off"):
+        method_and_options(body, "auto", {})
+
+
 def test_lookahead_level_and_guess_set_change_what_it_does(engine):
     base = engine.generate(PROMPT, max_tokens=12, method="lookahead")
     tuned = engine.generate(PROMPT, max_tokens=12, method="lookahead", options={"level": 5, "guess_set": 8})
