@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import numbers
 import threading
 import time
 import weakref
@@ -36,7 +35,7 @@ from .pairs import check_pair
 from .proposers import Method, create_method, method_names, needs_draft
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .round_sizer import RoundSizer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, is_integer
 from .scheduler import Scheduler
 from .time_split import TimeSplit
 from .tree import BatchLayout, TokenTree
@@ -146,7 +145,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
-            if not _is_integer(value) or not low <= value <= high:
+            if not is_integer(value) or not low <= value <= high:
                 raise ParameterError(f"EngineConfig.{name} must be an integer from {low} to {high}"
                                      f"{' or None' if name in optional else ''} (got {value!r})")
             setattr(self, name, int(value))   # numpy's integers too
@@ -531,6 +530,7 @@ class Engine:
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         from .chat import render_chat
 
+        self._check_open()
         return render_chat(self.target, messages, add_generation_prompt=add_generation_prompt)
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
@@ -592,8 +592,9 @@ class Engine:
         self._refuse_reentry()   # before anything that would wait for the lock (calibration)
         stops = _stop_strings(stop)
         sampling = _sampling_params(sampling)
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        if not is_integer(max_tokens) or max_tokens < 0:
             raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
+        max_tokens = int(max_tokens)
         if method not in method_names():
             raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
         tokens = self.prompt_tokens(prompt, chat=chat)
@@ -1162,11 +1163,6 @@ def _cancel_check(cancel: Callable[[], bool] | threading.Event | None) -> Callab
     return cancel
 
 
-def _is_integer(value: Any) -> bool:
-    """An int or a numpy integer; not a bool (True is 1 to Python, never a count here)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
 def _items(values: Any, what: str, expected: str) -> list[Any]:
     """Any iterable but a str or bytes, as a list (a generator, an array, a set)."""
     if isinstance(values, (str, bytes, bytearray)) or (isinstance(values, np.ndarray) and values.ndim != 1):
@@ -1182,7 +1178,7 @@ def _token_ids(tokens: Any, what: str) -> list[int]:
     (``int()`` took 1.9 as 1 and b"hi" as the ids 104, 105)."""
     out = _items(tokens, what, "a str or a sequence of token ids")
     for t in out:
-        if not _is_integer(t):
+        if not is_integer(t):
             raise ParameterError(f"{what}: token ids are integers (got {t!r})")
     return [int(t) for t in out]
 

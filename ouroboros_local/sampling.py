@@ -12,6 +12,7 @@ probabilities and rejection residuals stay sparse. ``distribution`` gives the de
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -37,7 +38,7 @@ class SamplingParams:
 
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            if not is_real(value) or not math.isfinite(value):
                 raise bad(name, value, "a finite number")
         if self.temperature < 0:
             raise bad("temperature", self.temperature, ">= 0")
@@ -45,16 +46,27 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not 0.0 <= self.min_p < 1.0:
             raise bad("min_p", self.min_p, "in [0, 1)")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+        if not is_integer(self.top_k) or self.top_k < 0:
             raise bad("top_k", self.top_k, "an integer >= 0")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
-                                      or self.seed < 0):
+        if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):
             raise bad("seed", self.seed, "an integer >= 0")
+        # numpy's numbers as Python's: a seed of np.uint32 and a top_k of np.int64 behave as their ints
         return replace(self, temperature=float(self.temperature), top_p=float(self.top_p),
-                       min_p=float(self.min_p))
+                       min_p=float(self.min_p), top_k=int(self.top_k),
+                       seed=None if self.seed is None else int(self.seed))
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
+
+
+def is_integer(value: object) -> bool:
+    """An int or a numpy integer; not a bool (True is 1 to Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_real(value: object) -> bool:
+    """An int, a float or a numpy number; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 # Vocabularies at least this large find their top-k through column maxima (``top_k_by_value``);

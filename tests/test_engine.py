@@ -495,6 +495,8 @@ def test_engine_lifecycle_errors_are_one_line(tiny_target, tmp_path) -> None:
     second.close()
     with pytest.raises(OuroborosError, match="model is closed"):
         shared.tokenize("hello")
+    with pytest.raises(OuroborosError, match="engine is closed"):   # not its model's words
+        second.chat_tokens([{"role": "user", "content": "hello"}])
 
 
 def test_leaving_a_with_block_mid_stream_closes_the_stream_and_the_engine(tiny_target) -> None:
@@ -604,3 +606,13 @@ def test_numpy_integers_and_any_iterable_are_taken(tiny_target) -> None:
             engine.generate(prompt, max_tokens=6, stop=[want.text[2:4]]).text
         with pytest.raises(ParameterError):
             engine.generate(np.array(3), max_tokens=2)
+        # numpy's numbers are numbers: a count, a seed and sampler settings read from an array
+        assert engine.generate(prompt, max_tokens=np.int64(6)).tokens == want.tokens
+        sampling = {"temperature": 0.5, "top_k": 5, "top_p": 0.9, "seed": 7}
+        from_numpy = {"temperature": np.float32(0.5), "top_k": np.int64(5), "top_p": np.float64(0.9),
+                      "seed": np.uint32(7)}
+        assert engine.generate(prompt, max_tokens=8, sampling=from_numpy).tokens == \
+            engine.generate(prompt, max_tokens=8, sampling=sampling).tokens
+        for bad in ({"top_k": np.bool_(True)}, {"seed": np.float64(1.0)}, {"temperature": np.bool_(True)}):
+            with pytest.raises(ParameterError):
+                engine.generate(prompt, max_tokens=2, sampling=bad)
