@@ -704,7 +704,11 @@ class Engine:
             stats.finalize()
             yield StreamEvent(text="", tokens=[], result=GenerationResult(text="", tokens=[], stats=stats))
             return
-        proposer.begin(committed, setup)
+        try:
+            proposer.begin(committed, setup)
+        except BaseException:   # Ctrl-C in a draft's prefill: what it began (PEARL's threads) is undone
+            proposer.end()
+            raise
         t1 = time.perf_counter()
         llama_at_t1 = llama_decode_clock()   # this thread's seconds decoding in llama.cpp
         stats.prefill_seconds = t1 - t0

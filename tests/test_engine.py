@@ -130,6 +130,28 @@ def test_cancellation(pair_engine: Engine) -> None:
         pair_engine.generate(PROMPTS[0], max_tokens=8, method="speculative").tokens
 
 
+def test_a_proposer_whose_begin_raises_is_ended(pair_engine: Engine, monkeypatch) -> None:
+    """end() undoes what begin() started (PEARL splits the cores and starts a prefill thread), so it
+    follows a begin() that raised too (Ctrl-C during it)."""
+    from ouroboros_local.proposers.prompt_lookup import PromptLookupProposer
+
+    ended = []
+    begin = PromptLookupProposer.begin
+
+    def failing_begin(self, prompt, setup) -> None:
+        begin(self, prompt, setup)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PromptLookupProposer, "begin", failing_begin)
+    monkeypatch.setattr(PromptLookupProposer, "end", lambda self: ended.append(self))
+    with pytest.raises(KeyboardInterrupt):
+        pair_engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup")
+    assert len(ended) == 1
+    monkeypatch.undo()
+    assert pair_engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup").tokens == \
+        pair_engine.generate(PROMPTS[0], max_tokens=8).tokens
+
+
 def test_a_cancel_stops_a_long_prefill_between_its_batches(tiny_target) -> None:
     """A client that hung up during a long prompt's prefill was heard only once all of it was decoded
     (minutes on a CPU for a long prompt)."""

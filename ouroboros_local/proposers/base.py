@@ -122,7 +122,7 @@ class Proposer(ABC):
         """Learn from a verification; ``committed`` already ends with ``result.tokens``."""
 
     def end(self) -> None:
-        """The generation is over (finished, stopped or cancelled)."""
+        """The generation is over (finished, stopped or cancelled), or its ``begin`` raised."""
 
     def stats(self) -> dict[str, Any]:
         """Method-specific numbers merged into the generation stats (optional)."""
