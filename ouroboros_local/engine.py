@@ -311,6 +311,7 @@ class Engine:
         self._lock = threading.Lock()
         # the thread holding it (_exclusive); the object, not its ident, which a new thread may reuse
         self._lock_owner: threading.Thread | None = None
+        self._planning = False   # its holder plans a generation (_plan): cost measurements take no second hold
         self.history = History(target)      # state kept across requests (phrase pool, suffix tries, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
@@ -457,6 +458,9 @@ class Engine:
     def _exclusive(self) -> Iterator[None]:
         """The engine's lock. A thread that asks for it while holding it (a stream it started and has not
         read to its end or closed) gets an error, where a plain lock would wait for itself forever."""
+        if self._planning and self._lock_owner is threading.current_thread():
+            yield   # the first cost measurements, under the hold of the generation being planned
+            return
         self._refuse_reentry()
         with self._lock:
             self._check_open()   # closed while this call waited for the lock
@@ -603,8 +607,8 @@ class Engine:
         if len(tokens) + 1 > self.target_ctx.n_ctx:
             raise self._overflow(len(tokens))
         is_cancelled = _cancel_check(cancel)
-        chosen, sched, sizer = self._plan(method, options)
-        with self._exclusive():
+        with self._exclusive():   # a method's options may name history files: not while another generates
+            chosen, sched, sizer = self._plan(method, options)
             run = self._run(tokens, chosen.proposer, sched, sizer, max_tokens, sampling, stops,
                             is_cancelled)
             saved = False
@@ -628,12 +632,21 @@ class Engine:
         self._refuse_reentry()
         if method not in method_names():
             raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
-        self._plan(method, options)   # the proposer it makes has not begun: nothing to end
+        with self._exclusive():
+            self._plan(method, options)   # the proposer it makes has not begun: nothing to end
 
     def _plan(self, method: str, options: dict[str, Any] | None
               ) -> tuple[Method, Scheduler | None, RoundSizer | None]:
         """A generation's proposer, the scheduler that prices its drafts and its round sizer; the first
-        call measures the cost curves, before the generation takes the lock."""
+        call measures the cost curves. Called holding the engine's lock."""
+        self._planning = True
+        try:
+            return self._new_plan(method, options)
+        finally:
+            self._planning = False
+
+    def _new_plan(self, method: str, options: dict[str, Any] | None
+                  ) -> tuple[Method, Scheduler | None, RoundSizer | None]:
         if self.draft is None and needs_draft(method):   # not an option's fault, whatever options are given
             raise ParameterError(f"{method} needs a draft model: Engine.load(TARGET, DRAFT) (on the command "
                                  "line: -d DRAFT)")
@@ -904,8 +917,7 @@ class Engine:
     def _round_sizer(self, proposer: Proposer) -> RoundSizer | None:
         """Plain steps where a method's rounds of one size would not pay (``EngineConfig.round_switch``),
         as the calibrated costs of both, each decoded back to back, and of a change of size say; None
-        where rounds take their draft's size or the costs are not measured. Asked before a generation
-        takes the engine's lock, which measuring the costs takes too. Whether ``proposer`` drafts ahead
+        where rounds take their draft's size or the costs are not measured. Whether ``proposer`` drafts ahead
         is not asked here: a draft model's depends on the request's sampling, which it learns when its
         generation begins (``_run`` drops the sizer where its rounds do not draft while they decode)."""
         round_size = self.round_size

@@ -465,6 +465,25 @@ def test_a_new_thread_waits_for_a_stream_an_ended_thread_read(pair_engine: Engin
         assert got == [expected]
 
 
+def test_a_generation_waiting_its_turn_names_its_files_in_its_turn(tiny_target, tmp_path) -> None:
+    """A method's options are taken when its generation holds the engine: a history file one names was
+    bound to the engine while another thread's generation ran, and saved by that one."""
+    import threading
+
+    pool_file = str(tmp_path / "later.pool")
+    with make_engine(tiny_target) as engine:
+        stream = engine.stream(PROMPTS[0], max_tokens=20, method="lookahead")
+        next(stream)
+        later = threading.Thread(target=lambda: engine.generate(PROMPTS[1], max_tokens=3, method="lookahead",
+                                                                options={"pool": pool_file}))
+        later.start()
+        later.join(0.3)
+        assert later.is_alive() and engine.history.named_file is None   # waiting, its file not yet taken
+        stream.close()
+        later.join(60)
+        assert engine.history.named_file == pool_file
+
+
 def _outcome(engine: Engine, prompt: str) -> Any:
     try:
         return engine.generate(prompt, max_tokens=3).tokens
