@@ -158,12 +158,22 @@ def keep_newest(data: dict[str, Any], keep: int, stamp_key: str) -> None:
         del data[old]
 
 
+def make_folder(folder: Path) -> None:
+    """``folder`` and its parents; PoolError naming the part that is a file (mkdir says only "File
+    exists", of the folder asked for)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        part = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
+        raise PoolError(f"{part} is a file, not a folder") from None
+
+
 def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: str, what: str,
                    indent: int | None = None) -> None:
     """Set ``key`` of the JSON state file ``path`` to ``entry`` and keep its ``keep`` newest entries
     (``keep_newest``), under the file's lock: an entry another process saved meanwhile is kept.
     OSError or PoolError when the file cannot be written."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_folder(path.parent)
     with locked(path, what):
         data = read_json_object(path)
         data[key] = entry
