@@ -149,6 +149,9 @@ class EngineConfig:
                 raise ParameterError(f"EngineConfig.{name} must be an integer from {low} to {high}"
                                      f"{' or None' if name in optional else ''} (got {value!r})")
             setattr(self, name, int(value))   # numpy's integers too
+        if self.round_size == 1:   # the command line's --round-size refuses it too
+            raise ParameterError("EngineConfig.round_size must be 0 (every round its draft's size) or 2 and more: "
+                                 "a round of 1 token checks no draft")
         if self.round_size and (self.round_size > self.n_batch or 0 < self.n_ctx < self.round_size):
             raise ParameterError(f"EngineConfig.round_size ({self.round_size}) must fit the batch ({self.n_batch}) "
                                  f"and the context ({self.n_ctx})")

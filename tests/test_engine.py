@@ -567,9 +567,10 @@ def test_engine_arguments_are_checked(tiny_target) -> None:
         for kwargs in ({"stop": [1]}, {"cancel": True}):
             with pytest.raises(ParameterError):
                 engine.generate(PROMPTS[0], max_tokens=2, **kwargs)
-    for bad in ({"max_draft": 0}, {"round_size": -1}, {"n_ctx": "big"}, {"flash_attn": "yes"}, {"type_v": "q3"},
-                {"overlap": 1}, {"calibration": "sometimes"}, {"n_ctx": 2**32 + 512}, {"n_batch": 2**32 + 2},
-                {"threads": 10**11}, {"n_seq_max": 257}, {"round_size": 513, "n_ctx": 512, "n_batch": 1024}):
+    for bad in ({"max_draft": 0}, {"round_size": -1}, {"round_size": 1}, {"n_ctx": "big"}, {"flash_attn": "yes"},
+                {"type_v": "q3"}, {"overlap": 1}, {"calibration": "sometimes"}, {"n_ctx": 2**32 + 512},
+                {"n_batch": 2**32 + 2}, {"threads": 10**11}, {"n_seq_max": 257},
+                {"round_size": 513, "n_ctx": 512, "n_batch": 1024}):
         with pytest.raises(ParameterError, match=f"EngineConfig.{next(iter(bad))}"):
             EngineConfig(**bad)
     mine = EngineConfig(n_ctx=256, n_batch=32, threads=1, calibration="off")
