@@ -40,7 +40,8 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
                    help="target layers on the GPU: all, N, 0 or auto (default auto: all when llama.cpp "
                         "has a GPU backend, else 0)")
     g.add_argument("--draft-gpu-layers", default="auto", help="draft layers on the GPU: all, N, 0 or auto")
-    g.add_argument("--main-gpu", type=int, default=0, help="GPU index for the models (default 0)")
+    g.add_argument("--main-gpu", type=int, default=None, metavar="N",
+                   help="the models on GPU N alone (default: their layers split across every GPU)")
     for who in ("", "draft-"):
         for kind in ("k", "v"):
             g.add_argument(f"--{who}cache-type-{kind}", default="f16",

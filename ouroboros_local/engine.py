@@ -103,7 +103,8 @@ class EngineConfig:
     # layers on the GPU (-1: all); None: all where llama.cpp has a GPU backend, else 0 (the CLI's auto)
     gpu_layers: int | None = None
     draft_gpu_layers: int | None = None
-    main_gpu: int = 0
+    # the whole of both models on this GPU; None: llama.cpp's default, their layers split across every GPU
+    main_gpu: int | None = None
     type_k: str = "f16"
     type_v: str = "f16"
     draft_type_k: str = "f16"
@@ -140,7 +141,7 @@ class EngineConfig:
                   "threads": (0, MAX_THREADS), "threads_batch": (0, MAX_THREADS), "gpu_layers": (-1, 2**31 - 1),
                   "draft_gpu_layers": (-1, 2**31 - 1), "main_gpu": (0, 2**31 - 1), "draft_n_ctx": (0, MAX_CTX),
                   "max_draft": (1, MAX_CTX), "round_size": (0, MAX_CTX)}
-        optional = {"threads", "threads_batch", "draft_n_ctx", "round_size"}
+        optional = {"threads", "threads_batch", "draft_n_ctx", "round_size", "main_gpu"}
         for name, (low, high) in bounds.items():
             value = getattr(self, name)
             if value is None and name in optional:
@@ -371,11 +372,14 @@ class Engine:
         assert ctx is not None
         model = self.draft if draft else self.target
         # the model's own layers: an engine built on a loaded Model may hold other numbers in its config
-        return {"gpu_layers": model.n_gpu_layers, "threads": ctx.n_threads,
-                "n_batch": ctx.n_batch, "flash_attn": cfg.flash_attn,
-                "huge_pages": model.huge_page_bytes > 0,
-                "type_k": cfg.draft_type_k if draft else cfg.type_k,
-                "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info()}
+        settings = {"gpu_layers": model.n_gpu_layers, "threads": ctx.n_threads,
+                    "n_batch": ctx.n_batch, "flash_attn": cfg.flash_attn,
+                    "huge_pages": model.huge_page_bytes > 0,
+                    "type_k": cfg.draft_type_k if draft else cfg.type_k,
+                    "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info()}
+        if model.main_gpu is not None:   # one GPU of several (the key of every other curve left as it was)
+            settings["main_gpu"] = model.main_gpu
+        return settings
 
     def cost_model(self, refresh: bool = False) -> CostModel:
         """The target's verify-cost curve: from the on-disk cache, else measured now (a few decodes)."""

@@ -174,3 +174,55 @@ def test_an_engine_resolves_flash_attention_and_keeps_a_setting_given(tiny_targe
     config = EngineConfig(n_ctx=512, n_batch=64, n_seq_max=8, threads=1, flash_attn="on")
     with Engine(Model(tiny_target), None, config) as chosen:
         assert chosen.config.flash_attn == "on"
+
+
+def _fake_gpus(n: int) -> list:
+    from ouroboros_local.llama.binding import Device
+
+    cpu = Device(name="CPU", description="cpu", kind="cpu", memory_free=0, memory_total=0)
+    return [Device(name=f"CUDA{i}", description=f"GPU {i}", kind="gpu", memory_free=0, memory_total=0)
+            for i in range(n)] + [cpu]
+
+
+def test_main_gpu_puts_the_whole_model_on_that_gpu(tiny_target, monkeypatch, caplog) -> None:
+    """llama.cpp reads main_gpu only where the model is not split across GPUs: --main-gpu 1 did nothing
+    (the layers stayed split across every GPU); one past the GPUs failed as "could not load"."""
+    import logging
+
+    import ouroboros_local.llama.binding as binding
+    from ouroboros_local.errors import ModelError
+
+    asked: list = []
+
+    def load(path, params):   # the parameters llama.cpp is given; no model comes back
+        asked.append((params.split_mode, params.main_gpu))
+        return None
+
+    monkeypatch.setattr(binding.lc, "llama_model_load_from_file", load)
+    monkeypatch.setattr(binding, "devices", lambda: _fake_gpus(2))
+    for main_gpu, want in ((1, (binding.lc.LLAMA_SPLIT_MODE_NONE, 1)), (None, (binding.lc.LLAMA_SPLIT_MODE_LAYER, 0))):
+        with pytest.raises(ModelError, match="could not load"):
+            Model(tiny_target, n_gpu_layers=-1, main_gpu=main_gpu)
+        assert asked.pop() == want
+    with pytest.raises(ModelError, match=r"no GPU 2 \(--main-gpu\): llama.cpp sees 2 \(0: GPU 0, 1: GPU 1\)"):
+        Model(tiny_target, n_gpu_layers=-1, main_gpu=2)
+    assert not asked                                       # refused before loading
+    monkeypatch.setattr(binding, "devices", lambda: _fake_gpus(0))
+    monkeypatch.setattr(binding, "_said_no_gpu", set())
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"), pytest.raises(ModelError):
+        Model(tiny_target, n_gpu_layers=-1, main_gpu=1)
+    assert asked.pop()[0] == binding.lc.LLAMA_SPLIT_MODE_LAYER and "sees no GPU" in caplog.text
+
+
+def test_main_gpu_reaches_the_llama_cpp_peers(tiny_target, tmp_path) -> None:
+    from ouroboros_local.bench.peers import LlamaCppBinPeer
+
+    model = Model(tiny_target, vocab_only=True)
+    try:
+        for main_gpu, tail in ((1, ["-sm", "none", "-mg", "1"]), (None, [])):
+            peer = LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, model, tiny_target, n_ctx=256, main_gpu=main_gpu)
+            peer.binary = tmp_path / "llama-cli"
+            command = peer.command(tmp_path / "p.txt", 8)
+            assert (command[command.index("-sm"):command.index("-sm") + 4] if "-sm" in command else []) == tail
+    finally:
+        model.close()

@@ -412,7 +412,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     label, args.llama_cpp_bin, target, target.path, draft_path, n_ctx=n_ctx,
                     n_ubatch=min(512, engine.config.n_batch), threads=threads, gpu_layers=gpu_layers,
                     draft_gpu_layers=engine.config.draft_gpu_layers, flash_attn=engine.config.flash_attn,
-                    options=opts, timeout=args.peer_timeout))
+                    options=opts, timeout=args.peer_timeout, main_gpu=target.main_gpu))
             else:
                 if label == peers_mod.PY_PLD and "num_pred_tokens" not in opts:
                     # llama-cpp-python's README: 10 on GPU, 2 on CPU
@@ -422,7 +422,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     n_ctx=need_ctx if label == peers_mod.PY_PLD else n_ctx,
                     n_batch=512, threads=threads, gpu_layers=gpu_layers,
                     flash_attn=engine.config.flash_attn, options=opts,
-                    cold=not args.warm_prefill))
+                    cold=not args.warm_prefill, main_gpu=target.main_gpu))
         if peer_labels:
             notes.append("peer speeds are per decode step: a peer's first token comes out of its prompt "
                          "evaluation and is not timed; llama.cpp binaries are compared by text")

@@ -112,7 +112,7 @@ class LlamaCppPythonPeer(Contender):
 
     def __init__(self, label: str, model_path: str | Path, *, eog: frozenset[int], n_ctx: int,
                  n_batch: int = 512, threads: int | None = None, gpu_layers: int = 0, flash_attn: str = "off",
-                 options: dict[str, Any] | None = None, cold: bool = True):
+                 options: dict[str, Any] | None = None, cold: bool = True, main_gpu: int | None = None):
         self.label = label
         self.flash_attn = flash_attn != "off"   # Llama takes a bool: auto as on (a GPU's default)
         self.method = label
@@ -129,6 +129,7 @@ class LlamaCppPythonPeer(Contender):
         self.n_batch = min(n_batch, n_ctx)
         self.threads = threads or os.cpu_count() or 1
         self.gpu_layers = gpu_layers
+        self.main_gpu = main_gpu   # the model on that GPU alone, as ours (Model's main_gpu)
         self.llm: Any = None
         self._counts = {"evals": 0, "drafted": 0}
 
@@ -144,6 +145,8 @@ class LlamaCppPythonPeer(Contender):
                                       n_ubatch=self.n_batch, n_threads=self.threads,
                                       n_threads_batch=self.threads, n_gpu_layers=self.gpu_layers,
                                       flash_attn=self.flash_attn, verbose=False, seed=0)
+        if self.main_gpu is not None:
+            kwargs.update(split_mode=llama_cpp.LLAMA_SPLIT_MODE_NONE, main_gpu=self.main_gpu)
         counts = self._counts
         if self.pld:
             class CountingPLD(LlamaPromptLookupDecoding):
@@ -293,7 +296,8 @@ class LlamaCppBinPeer(Contender):
     def __init__(self, label: str, bin_dir: str | Path | None, target: "Model", target_path: str | Path,
                  draft_path: str | Path | None = None, *, n_ctx: int, n_ubatch: int = 512,
                  threads: int | None = None, gpu_layers: int = 0, draft_gpu_layers: int = 0,
-                 flash_attn: str = "off", options: dict[str, Any] | None = None, timeout: float = 900.0):
+                 flash_attn: str = "off", options: dict[str, Any] | None = None, timeout: float = 900.0,
+                 main_gpu: int | None = None):
         variant = label[len(BIN_PREFIX):]
         if variant not in BIN_VARIANTS:
             raise ParameterError(f"unknown llama.cpp variant {variant!r}")
@@ -313,6 +317,7 @@ class LlamaCppBinPeer(Contender):
         self.threads = threads or os.cpu_count() or 1
         self.gpu_layers = gpu_layers
         self.draft_gpu_layers = draft_gpu_layers
+        self.main_gpu = main_gpu   # the models on that GPU alone, as ours (Model's main_gpu)
         self.flash_attn = flash_attn
         self.timeout = timeout
         self._tmp = tempfile.TemporaryDirectory(prefix="ouroboros-bench-")
@@ -342,6 +347,8 @@ class LlamaCppBinPeer(Contender):
                "-c", str(self.n_ctx), "-b", str(self.n_ctx), "-ub", str(self.n_ubatch),
                "-t", str(self.threads), "-tb", str(self.threads), "--temp", "0", "--top-k", "1",
                "-s", "1", "-fa", self.flash_attn, "-ngl", _gpu_layers_flag(self.gpu_layers), "--no-escape"]
+        if self.main_gpu is not None:
+            cmd += ["-sm", "none", "-mg", str(self.main_gpu)]
         cmd += self.variant_args
         if self.variant == "draft-simple":
             if not self.draft_path:

@@ -170,6 +170,29 @@ def devices() -> list[Device]:
     return found
 
 
+_said_no_gpu: set[int] = set()
+
+
+def _one_gpu(index: int) -> bool:
+    """Can the model go on GPU ``index`` (as llama.cpp counts them: discrete GPUs, else integrated
+    ones)? False, with a warning, where there is none; ModelError where there are fewer."""
+    try:
+        seen = devices()
+    except (ImportError, AttributeError, OSError, RuntimeError):   # no ggml device API: llama.cpp checks it
+        return True
+    found = [d for d in seen if d.kind == "gpu"] or [d for d in seen if d.kind == "igpu"]
+    if not found:
+        if index not in _said_no_gpu:   # once, not for the target and again for its draft
+            _said_no_gpu.add(index)
+            logging.getLogger("ouroboros_local").warning(
+                "warning: main GPU %d asked for, but llama.cpp sees no GPU here: the models run on the CPU", index)
+        return False
+    if index >= len(found):
+        names = ", ".join(f"{i}: {d.description or d.name}" for i, d in enumerate(found))
+        raise ModelError(f"there is no GPU {index} (--main-gpu): llama.cpp sees {len(found)} ({names})")
+    return True
+
+
 def _quietly(release: Callable[[], None]) -> None:
     """Run a finalizer's release call, ignoring errors (the library may be gone at interpreter exit)."""
     try:
@@ -202,8 +225,10 @@ class Model(_Native):
     _free = staticmethod(lambda ptr: lc.llama_model_free(ptr))
 
     def __init__(self, path: str | Path, n_gpu_layers: int = 0, vocab_only: bool = False,
-                 main_gpu: int = 0, huge_pages: bool = False):
-        """``huge_pages``: read the weights into 2 MiB pages where they stay on the CPU (huge_pages.py)."""
+                 main_gpu: int | None = None, huge_pages: bool = False):
+        """``main_gpu``: the whole model on that GPU (None: llama.cpp's default, its layers split across
+        every GPU). ``huge_pages``: read the weights into 2 MiB pages where they stay on the CPU
+        (huge_pages.py)."""
         backend_init()
         self.path = Path(path)
         if not self.path.is_file():
@@ -212,7 +237,11 @@ class Model(_Native):
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
         params.vocab_only = bool(vocab_only)
-        params.main_gpu = int(main_gpu)
+        if main_gpu is not None and not vocab_only and _one_gpu(main_gpu) and n_gpu_layers != 0:
+            # llama.cpp reads main_gpu only where the model is not split (LLAMA_SPLIT_MODE_NONE)
+            params.split_mode = lc.LLAMA_SPLIT_MODE_NONE
+            params.main_gpu = int(main_gpu)
+        self.main_gpu = int(params.main_gpu) if params.split_mode == lc.LLAMA_SPLIT_MODE_NONE else None
         self.n_gpu_layers = int(n_gpu_layers)
         advice = None
         # only weights that stay on the CPU are read in, and only where they fit well (huge_pages.worth_it)
