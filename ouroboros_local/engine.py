@@ -352,7 +352,7 @@ class Engine:
     def draft_kv(self) -> KVCache:
         """The draft model's context (created on first use, kept across generations)."""
         if self.draft is None:
-            raise ParameterError("this method needs a draft model (-d/--draft)")
+            raise _needs_draft("this method")   # one whose module does not say so (NEEDS_DRAFT)
         if self._draft_kv is None:
             cfg = self.config
             self._draft_ctx = Context(self.draft, ContextParams(
@@ -655,8 +655,7 @@ class Engine:
     def _new_plan(self, method: str, options: dict[str, Any] | None
                   ) -> tuple[Method, Scheduler | None, RoundSizer | None]:
         if self.draft is None and needs_draft(method):   # not an option's fault, whatever options are given
-            raise ParameterError(f"{method} needs a draft model: Engine.load(TARGET, DRAFT) (on the command "
-                                 "line: -d DRAFT)")
+            raise _needs_draft(method)
         try:
             with self.history.unchanged_on_error():
                 chosen = create_method(method, self.drafting_context(), options or {})
@@ -1173,6 +1172,10 @@ def _sampling_params(sampling: SamplingParams | dict[str, Any] | None) -> Sampli
     if not isinstance(sampling, SamplingParams):
         raise ParameterError(f"sampling must be a SamplingParams or a dict (got {type(sampling).__name__})")
     return sampling.validated()
+
+
+def _needs_draft(what: str) -> ParameterError:
+    return ParameterError(f"{what} needs a draft model: Engine.load(TARGET, DRAFT) (on the command line: -d DRAFT)")
 
 
 def _cancel_check(cancel: Callable[[], bool] | threading.Event | None) -> Callable[[], bool]:

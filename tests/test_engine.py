@@ -222,6 +222,8 @@ def test_speculative_without_draft_is_refused(tiny_target) -> None:
     with make_engine(tiny_target) as engine:
         with pytest.raises(ParameterError, match="draft"):
             engine.generate("x", method="speculative")
+        with pytest.raises(ParameterError, match=r"needs a draft model: Engine.load\(TARGET, DRAFT\)"):
+            engine.draft_kv()   # what a registered method's factory asks for, NEEDS_DRAFT or not
 
 
 SMALL_BATCH_SCRIPT = """
