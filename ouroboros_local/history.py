@@ -110,7 +110,10 @@ class History:
         ids outside the target's vocabulary). An empty file, made by ``touch``, starts afresh."""
         if path is not None and path != current_file and os.path.exists(path) and not is_empty_file(path):
             self._stamps[path] = _stamp(path)
-            return load(path, self.fingerprint(), self._n_vocab())
+            try:
+                return load(path, self.fingerprint(), self._n_vocab())
+            except ForeignStateError as exc:   # another model's (or version's): kept as it is
+                raise ForeignStateError(f"{exc}; name another history file (--pool) for this model") from None
         return current
 
     def _n_vocab(self) -> int | None:
