@@ -6,8 +6,12 @@ import argparse
 import os
 import platform
 import time
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import ParameterError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .llama import Device
 
 OMP_SETTINGS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 # bytes per element of each KV cache type the CLI offers (blocks of 32 with their scales where quantised)
@@ -33,6 +37,19 @@ def load_lines() -> list[str]:
             f"threads: {threads} by default, {why}; os.cpu_count() = {os.cpu_count()}; -t N overrides",
             f"OpenMP waiting: {waits} (PASSIVE: no stalls beside another llama.cpp process, but a "
             "small model runs ~35% slower on a quiet 2-core CPU)"]
+
+
+def main_gpu_line(main_gpu: int | None, gpus: Sequence["Device"]) -> str | None:
+    """Where the models go among several GPUs (``--main-gpu``); None where there is nothing to say."""
+    if main_gpu is None:
+        if len(gpus) < 2:
+            return None
+        return f"GPUs: the models' layers are split across all {len(gpus)} (--main-gpu N: both on GPU N alone)"
+    if not gpus:
+        return f"--main-gpu {main_gpu}: llama.cpp sees no GPU here, so the models run on the CPU"
+    if main_gpu >= len(gpus):
+        return f"--main-gpu {main_gpu}: there is no such GPU (llama.cpp sees {len(gpus)}, numbered from 0): refused"
+    return f"--main-gpu {main_gpu}: both models on {gpus[main_gpu].description or gpus[main_gpu].name} alone"
 
 
 def rounds_line(cuda: bool) -> str:
@@ -73,7 +90,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
     from .engine import has_cuda_gpu
     from .gguf_file import validate_gguf
-    from .llama import Model, devices, huge_pages, supports_gpu_offload, system_info
+    from .llama import Model, devices, huge_pages, offload_gpus, supports_gpu_offload, system_info
     from .pairs import check_pair
 
     print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
@@ -86,6 +103,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         memory = (f", {dev.memory_free / 2**30:.1f} of {dev.memory_total / 2**30:.1f} GiB free"
                   if dev.memory_total else "")
         print(f"device {i}: {dev.name} ({dev.kind}: {dev.description}{memory})")
+    line = main_gpu_line(args.main_gpu, offload_gpus(found))
+    if line:
+        print(line)
     print(rounds_line(gpu and has_cuda_gpu(found)))
     print(flash_attention_line(gpu))
     for line in load_lines():

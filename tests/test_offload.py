@@ -226,3 +226,16 @@ def test_main_gpu_reaches_the_llama_cpp_peers(tiny_target, tmp_path) -> None:
             assert (command[command.index("-sm"):command.index("-sm") + 4] if "-sm" in command else []) == tail
     finally:
         model.close()
+
+
+def test_doctor_says_where_main_gpu_puts_the_models() -> None:
+    from ouroboros_local.doctor import main_gpu_line
+    from ouroboros_local.llama import offload_gpus
+
+    two = offload_gpus(_fake_gpus(2))
+    assert [g.name for g in two] == ["CUDA0", "CUDA1"]
+    assert main_gpu_line(None, offload_gpus(_fake_gpus(1))) is None        # one GPU: nothing to choose
+    assert "split across all 2" in main_gpu_line(None, two)
+    assert main_gpu_line(1, two).endswith("both models on GPU 1 alone")
+    assert "no such GPU (llama.cpp sees 2" in main_gpu_line(2, two)
+    assert "sees no GPU here" in main_gpu_line(0, offload_gpus(_fake_gpus(0)))

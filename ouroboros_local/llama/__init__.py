@@ -2,7 +2,8 @@
 
 from . import huge_pages
 from .binding import (Batch, Context, ContextParams, Device, Model, TextStream, backend_init,
-                      default_threads, devices, quantize, supports_gpu_offload, system_info)
+                      default_threads, devices, offload_gpus, quantize, supports_gpu_offload, system_info)
 
 __all__ = ["Batch", "Context", "ContextParams", "Device", "Model", "TextStream", "backend_init",
-           "default_threads", "devices", "huge_pages", "quantize", "supports_gpu_offload", "system_info"]
+           "default_threads", "devices", "huge_pages", "offload_gpus", "quantize", "supports_gpu_offload",
+           "system_info"]

@@ -170,6 +170,12 @@ def devices() -> list[Device]:
     return found
 
 
+def offload_gpus(found: Sequence[Device]) -> list[Device]:
+    """The GPUs llama.cpp offloads to, numbered as ``main_gpu`` counts them: the discrete ones, else the
+    integrated ones."""
+    return [d for d in found if d.kind == "gpu"] or [d for d in found if d.kind == "igpu"]
+
+
 _said_no_gpu: set[int] = set()
 
 
@@ -180,7 +186,7 @@ def _one_gpu(index: int) -> bool:
         seen = devices()
     except (ImportError, AttributeError, OSError, RuntimeError):   # no ggml device API: llama.cpp checks it
         return True
-    found = [d for d in seen if d.kind == "gpu"] or [d for d in seen if d.kind == "igpu"]
+    found = offload_gpus(seen)
     if not found:
         if index not in _said_no_gpu:   # once, not for the target and again for its draft
             _said_no_gpu.add(index)
