@@ -600,7 +600,7 @@ class Engine:
                 sampling: SamplingParams | dict[str, Any] | None, stop: str | Sequence[str], chat: bool,
                 options: dict[str, Any] | None,
                 cancel: Callable[[], bool] | threading.Event | None) -> Iterator[StreamEvent]:
-        self._refuse_reentry()   # before anything that would wait for the lock (calibration)
+        self._refuse_reentry()   # before the prompt is tokenized for a generation that cannot start
         stops = _stop_strings(stop)
         sampling = _sampling_params(sampling)
         if not is_integer(max_tokens) or max_tokens < 0:
