@@ -8,7 +8,7 @@ import platform
 import time
 from typing import TYPE_CHECKING, Sequence
 
-from .errors import ParameterError
+from .errors import ModelError, ParameterError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .llama import Device
@@ -45,11 +45,15 @@ def main_gpu_line(main_gpu: int | None, gpus: Sequence["Device"]) -> str | None:
         if len(gpus) < 2:
             return None
         return f"GPUs: the models' layers are split across all {len(gpus)} (--main-gpu N: both on GPU N alone)"
-    if not gpus:
+    from .llama import chosen_gpu
+
+    try:
+        gpu = chosen_gpu(main_gpu, gpus)
+    except ModelError as e:
+        return f"refused: {e}"
+    if gpu is None:
         return f"--main-gpu {main_gpu}: llama.cpp sees no GPU here, so the models run on the CPU"
-    if main_gpu >= len(gpus):
-        return f"--main-gpu {main_gpu}: there is no such GPU (llama.cpp sees {len(gpus)}, numbered from 0): refused"
-    return f"--main-gpu {main_gpu}: both models on {gpus[main_gpu].description or gpus[main_gpu].name} alone"
+    return f"--main-gpu {main_gpu}: both models on {gpu.description or gpu.name} alone"
 
 
 def rounds_line(cuda: bool) -> str:

@@ -237,5 +237,5 @@ def test_doctor_says_where_main_gpu_puts_the_models() -> None:
     assert main_gpu_line(None, offload_gpus(_fake_gpus(1))) is None        # one GPU: nothing to choose
     assert "split across all 2" in main_gpu_line(None, two)
     assert main_gpu_line(1, two).endswith("both models on GPU 1 alone")
-    assert "no such GPU (llama.cpp sees 2" in main_gpu_line(2, two)
+    assert main_gpu_line(2, two) == "refused: there is no GPU 2 (--main-gpu): llama.cpp sees 2 (0: GPU 0, 1: GPU 1)"
     assert "sees no GPU here" in main_gpu_line(0, offload_gpus(_fake_gpus(0)))

@@ -176,26 +176,33 @@ def offload_gpus(found: Sequence[Device]) -> list[Device]:
     return [d for d in found if d.kind == "gpu"] or [d for d in found if d.kind == "igpu"]
 
 
+def chosen_gpu(index: int, gpus: Sequence[Device]) -> Device | None:
+    """GPU ``index`` among ``gpus`` (``offload_gpus``' numbering, as ``main_gpu`` counts them); None where
+    there is no GPU (the models run on the CPU); ModelError where there are fewer than ``index + 1``."""
+    if not gpus:
+        return None
+    if index >= len(gpus):
+        names = ", ".join(f"{i}: {d.description or d.name}" for i, d in enumerate(gpus))
+        raise ModelError(f"there is no GPU {index} (--main-gpu): llama.cpp sees {len(gpus)} ({names})")
+    return gpus[index]
+
+
 _said_no_gpu: set[int] = set()
 
 
 def _one_gpu(index: int) -> bool:
-    """Can the model go on GPU ``index`` (as llama.cpp counts them: discrete GPUs, else integrated
-    ones)? False, with a warning, where there is none; ModelError where there are fewer."""
+    """Can the model go on GPU ``index`` alone? False, with a warning, where there is no GPU; ModelError
+    where there are fewer (``chosen_gpu``)."""
     try:
         seen = devices()
     except (ImportError, AttributeError, OSError, RuntimeError):   # no ggml device API: llama.cpp checks it
         return True
-    found = offload_gpus(seen)
-    if not found:
+    if chosen_gpu(index, offload_gpus(seen)) is None:
         if index not in _said_no_gpu:   # once, not for the target and again for its draft
             _said_no_gpu.add(index)
             logging.getLogger("ouroboros_local").warning(
                 "warning: main GPU %d asked for, but llama.cpp sees no GPU here: the models run on the CPU", index)
         return False
-    if index >= len(found):
-        names = ", ".join(f"{i}: {d.description or d.name}" for i, d in enumerate(found))
-        raise ModelError(f"there is no GPU {index} (--main-gpu): llama.cpp sees {len(found)} ({names})")
     return True
 
 
