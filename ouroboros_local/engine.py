@@ -31,11 +31,12 @@ from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimat
 from .llama import Context, ContextParams, Device, Model, TextStream, devices, supports_gpu_offload
 from .llama.binding import KV_CACHE_TYPES
 from .llama.binding import decode_seconds as llama_decode_clock
+from .options import is_integer
 from .pairs import check_pair
 from .proposers import Method, create_method, method_names, needs_draft
 from .proposers.base import DraftingContext, ProposeSetup, Proposer
 from .round_sizer import RoundSizer
-from .sampling import SamplingParams, is_integer
+from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .time_split import TimeSplit
 from .tree import BatchLayout, TokenTree

@@ -12,6 +12,7 @@ A method declares its options as a tuple of ``Option`` (``OPTIONS`` in its modul
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping
@@ -19,6 +20,17 @@ from typing import Any, Iterable, Mapping
 from .errors import MethodOptionError
 
 _INT_LIMIT = 2**63 - 1
+
+
+def is_integer(value: object) -> bool:
+    """An int or a numpy integer (numpy registers its numbers with ``numbers``, so numpy is not imported
+    here); not a bool (True is 1 to Python, never a count here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: object) -> bool:
+    """An int, a float or a numpy number; not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,7 @@ class Option:
         if kind in ("int", "int_or_auto"):
             return self._bounded(self._integer(value))
         if kind == "float":
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if not is_real(value):   # numpy's numbers too, as max_tokens and the sampler settings take them
                 raise self._error(f"must be a number (got {value!r})")
             if not math.isfinite(value):
                 raise self._error(f"must be a finite number (got {value!r})")
@@ -79,14 +91,12 @@ class Option:
         raise AssertionError(f"unknown option kind {kind!r}")  # pragma: no cover
 
     def _integer(self, value: Any) -> int:
-        if isinstance(value, bool):
-            raise self._error(f"must be an integer (got {value!r})")
-        if isinstance(value, float) and value.is_integer():
+        if is_real(value) and not is_integer(value) and float(value).is_integer():   # 5.0: 5
             value = int(value)
-        if not isinstance(value, int):
+        if not is_integer(value):
             wanted = "an integer or auto" if self.kind == "int_or_auto" else "an integer"
             raise self._error(f"must be {wanted} (got {value!r})")
-        return value
+        return int(value)
 
     def _bounded(self, value: float) -> Any:
         lo = -_INT_LIMIT if self.lo is None else self.lo

@@ -12,12 +12,12 @@ probabilities and rejection residuals stay sparse. ``distribution`` gives the de
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .errors import ParameterError
+from .options import is_integer, is_real
 
 
 @dataclass(frozen=True)
@@ -57,16 +57,6 @@ class SamplingParams:
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
-
-
-def is_integer(value: object) -> bool:
-    """An int or a numpy integer; not a bool (True is 1 to Python, never a count here)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
-
-
-def is_real(value: object) -> bool:
-    """An int, a float or a numpy number; not a bool."""
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
 # Vocabularies at least this large find their top-k through column maxima (``top_k_by_value``);

@@ -47,6 +47,18 @@ def test_parse_fills_defaults_and_converts():
     assert check_options("speculative", {"adaedl": "true"})["adaedl"] is True
 
 
+def test_numpy_numbers_are_options_as_they_are_counts():
+    """max_tokens and the sampler settings took numpy's numbers; a method's options refused them."""
+    import numpy as np
+
+    got = check_options("speculative", {"gamma": np.int64(5), "p_min": np.float32(0.25)})
+    assert (got["gamma"], got["p_min"]) == (5, 0.25) and type(got["gamma"]) is int and type(got["p_min"]) is float
+    assert check_options("lookahead", {"window": np.float64(6.0)})["window"] == 6
+    for bad in ({"gamma": np.True_}, {"gamma": np.float32(2.5)}, {"p_min": np.float64("nan")}):
+        with pytest.raises(MethodOptionError):
+            check_options("speculative", bad)
+
+
 @pytest.mark.parametrize("method,options,words", [
     ("lookahead", {"window": 100000}, "'window' must be between 1 and 64"),
     ("lookahead", {"window": 2.5}, "'window' must be an integer"),
