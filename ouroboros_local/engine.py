@@ -567,7 +567,14 @@ class Engine:
                 return self.tokenize(text, add_special=True, parse_special=True, limit=self.target_ctx.n_ctx - 1)
             except ContextOverflowError as exc:
                 raise self._overflow(exc.n_tokens or 0, exc.at_least) from None
-        tokens = _token_ids(prompt, "the prompt")
+        items = _items(prompt, "the prompt", "a str or a sequence of token ids")
+        if any(isinstance(m, dict) for m in items):
+            raise ParameterError("the prompt is a str or token ids; a conversation (a list of messages) goes "
+                                 "through engine.chat_tokens(messages), whose tokens are the prompt")
+        if chat:   # it was ignored: the ids were taken as they are
+            raise ParameterError("chat=True wraps a text prompt in the chat template; token ids are taken as "
+                                 "they are (chat=False)")
+        tokens = _token_ids(items, "the prompt")
         n_vocab = self.target.n_vocab
         if tokens and not 0 <= min(tokens) <= max(tokens) < n_vocab:   # llama.cpp says only "failed to decode"
             bad = next(t for t in tokens if not 0 <= t < n_vocab)

@@ -89,3 +89,17 @@ def test_templates_render_as_llama_cpp_renders_them(bpe_engine: Engine) -> None:
     scoped = ("{% for m in messages %}{% generation %}{% set x = m.content %}{% endgeneration %}"
               "[{{ x }}]{% endfor %}")
     assert render_chat(bpe_engine.target, messages, template=scoped) == "[hi][no]"   # no scope of its own
+
+
+def test_a_conversation_or_chat_ids_as_the_prompt_say_what_to_do(bpe_engine: Engine) -> None:
+    """A list of messages as the prompt said "token ids are integers (got {'role': ...})", and chat=True
+    with token ids was ignored (the ids taken as they are)."""
+    from ouroboros_local.errors import ParameterError
+
+    with pytest.raises(ParameterError, match=r"engine.chat_tokens\(messages\)"):
+        bpe_engine.generate(CHAT, chat=True, max_tokens=2)
+    with pytest.raises(ParameterError, match="token ids are taken as they are"):
+        bpe_engine.generate(bpe_engine.chat_tokens(CHAT), chat=True, max_tokens=2)
+    ids = (t for t in bpe_engine.chat_tokens(CHAT))   # a generator is still taken once
+    assert bpe_engine.generate(ids, max_tokens=2).tokens == \
+        bpe_engine.generate(bpe_engine.chat_tokens(CHAT), max_tokens=2).tokens
