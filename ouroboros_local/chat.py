@@ -71,8 +71,13 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
         role = ROLE_ALIASES.get(m["role"], m["role"])
         if role not in ROLES:
             raise ParameterError(f"message {i} has role {m['role']!r}; use one of {', '.join(ROLES)}")
-        content = m.get("content", "")
-        if content is None:
+        for name in _UNSUPPORTED_PARTS:
+            if m.get(name):
+                raise ParameterError(f"message {i}: {name!r} is not supported (text messages only; no tool calling)")
+        content = m.get("content")
+        if content is None:   # OpenAI's assistant turn may have none; a question or an instruction must
+            if role != "assistant":
+                raise ParameterError(f"message {i} ({m['role']}) needs 'content'")
             content = ""
         if isinstance(content, list):  # OpenAI content parts: text only (no images, audio or files)
             content = "".join(_text_part(i, part) for part in content)
@@ -84,6 +89,8 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
 
 ROLES = ("system", "user", "assistant")
 ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the system role
+# what a message may carry beside its text; refused, since rendering the text alone would drop it
+_UNSUPPORTED_PARTS = ("tool_calls", "function_call", "audio")
 
 
 def _text_part(i: int, part: Any) -> str:

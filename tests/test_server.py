@@ -332,8 +332,8 @@ BAD_REQUESTS = [
     ("batched prompts", "/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
     ("token out of vocab", "/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "prompt"),
     ("negative token", "/v1/completions", {"prompt": [1, -4]}, 400, "prompt"),
-    ("prompt too long", "/v1/completions", {"prompt": LONG}, 413, "prompt"),
-    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 413,
+    ("prompt too long", "/v1/completions", {"prompt": LONG}, 400, "prompt"),
+    ("chat too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG}]}, 400,
      "messages"),
     ("max_tokens too large", "/v1/completions", {"prompt": "x", "max_tokens": N_CTX}, 400, "max_tokens"),
     ("max_tokens negative", "/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
@@ -413,6 +413,24 @@ BAD_REQUESTS = [
     ("json mode on completions", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
      400, "response_format"),
     ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    # an earlier tool call, a user turn without text and audio output were taken, the tool call dropped
+    ("tool call in the history", "/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                               "function": {"name": "w", "arguments": "{}"}}]},
+        {"role": "user", "content": "and?"}]}, 400, "messages"),
+    ("user turn without content", "/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages"),
+    ("audio output", "/v1/chat/completions", {"messages": CHAT, "modalities": ["text", "audio"]}, 400,
+     "modalities"),
+    ("audio settings", "/v1/chat/completions", {"messages": CHAT, "audio": {"voice": "x"}}, 400, "audio"),
+    # a setting that does nothing without streaming was ignored, as OpenAI refuses it
+    ("stream_options without stream", "/v1/completions",
+     {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    # the field the client sent is the one named (it said max_tokens)
+    ("max_completion_tokens negative", "/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": -1},
+     400, "max_completion_tokens"),
+    ("max_completion_tokens too large", "/v1/chat/completions",
+     {"messages": CHAT, "max_completion_tokens": N_CTX}, 400, "max_completion_tokens"),
 ]
 
 
@@ -515,13 +533,15 @@ def test_bad_requests_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as br:
         client.completions.create(model="tiny", prompt="x", temperature=-1.0)
     assert br.value.param == "temperature"
-    with pytest.raises(openai.APIStatusError) as big:
+    with pytest.raises(openai.BadRequestError) as big:   # 413 before: clients that trim history missed it
         client.completions.create(model="tiny", prompt=LONG, max_tokens=4)
-    assert big.value.status_code == 413
     assert big.value.code == "context_length_exceeded"
     with pytest.raises(openai.BadRequestError) as br:
         client.completions.create(model="tiny", prompt="x", max_tokens=10**6)
     assert br.value.param == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as br:   # a 309-digit count was spelled out
+        client.completions.create(model="tiny", prompt="x", extra_body={"max_tokens": 1e308})
+    assert "1e+308 for the completion" in br.value.message and len(br.value.message) < 300
     assert client.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].text is not None
 
 
@@ -584,6 +604,28 @@ def test_api_key_checked_on_every_request(engine):
         good = client_for(srv.base, "s3cret")
         assert good.completions.create(model="tiny", prompt="x", max_tokens=2).usage.completion_tokens <= 2
         assert http(srv.base, "/health", headers={"Authorization": "Bearer s3cret"})[0] == 200
+    finally:
+        srv.stop()
+
+
+def test_a_local_server_without_a_key_answers_its_own_names_only(engine):
+    """DNS rebinding: a page whose name was re-pointed at 127.0.0.1 is same-origin to the browser, so it
+    could post JSON to a local server without a key and read the answer; its Host header names its site."""
+    from ouroboros_local.server.gate import host_name, is_loopback_name
+
+    assert [host_name(h) for h in ("[::1]:8080", "localhost:80", "LOCALHOST", "::1")] == \
+        ["::1", "localhost", "localhost", "::1"]
+    assert all(map(is_loopback_name, ("localhost", "127.0.0.1", "127.3.2.1", "::1", "app.localhost", "localhost.")))
+    assert not any(map(is_loopback_name, ("attacker.example", "0.0.0.0", "192.168.1.4", "localhost.example")))
+    app = create_app(engine, ServerConfig(model_id="tiny", local_names_only=True))
+    srv = LiveServer(app)
+    try:
+        foreign = {"Host": f"attacker.example:{srv.port}", "Origin": f"http://attacker.example:{srv.port}"}
+        status, _, body = http(srv.base, "/v1/completions", {"prompt": "hi", "max_tokens": 2}, headers=foreign)
+        assert json.loads(body)["error"]["code"] == "host_not_allowed" and status == 403
+        for host in (f"localhost:{srv.port}", f"127.0.0.1:{srv.port}"):
+            assert http(srv.base, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                        headers={"Host": host})[0] == 200
     finally:
         srv.stop()
 
@@ -796,6 +838,7 @@ def test_serve_cli_subprocess(tiny_target, tmp_path, stop):
             assert time.monotonic() < deadline, "serve did not come up"
             time.sleep(0.1)
         assert http(base, "/v1/models")[0] == 401
+        assert http(base, "/health", headers={**auth, "Host": "proxy.example"})[0] == 200   # a key: any name
         client = client_for(base, "k3y")
         assert [m.id for m in client.models.list().data] == ["tiny-cli"]
         resp = client.chat.completions.create(model="tiny-cli", messages=CHAT, max_tokens=8)
@@ -873,6 +916,7 @@ def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(
                 pass
             assert time.monotonic() < deadline, "serve did not come up"
             time.sleep(0.1)
+        assert http(base, "/health", headers={"Host": "attacker.example"})[0] == 403   # on 127.0.0.1, no key
         running = _open_stream(base, {"messages": messages, "max_tokens": 1500, "stream": True})
         resp = running.getresponse()
         assert resp.status == 200

@@ -51,6 +51,7 @@ class ServerConfig:
     method_options: dict[str, Any] = field(default_factory=dict)
     sampling: SamplingParams = field(default_factory=SamplingParams)   # defaults for omitted fields
     api_key: str | None = None
+    local_names_only: bool = False                # 403 for a Host header that is not localhost or loopback
     max_queue: int = 16                           # requests waiting behind the running one
     default_max_tokens: int = 512                 # chat completions without max_tokens
     max_body_bytes: int = 8 * 1024 * 1024
@@ -83,7 +84,8 @@ def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
     app.post("/v1/chat/completions")(service.chat_completions)
     app.get("/health")(service.health)
     app.get("/metrics")(service.prometheus)
-    app.add_middleware(RequestGate, api_key=service.config.api_key, metrics=service.metrics)
+    app.add_middleware(RequestGate, api_key=service.config.api_key, metrics=service.metrics,
+                       local_names_only=service.config.local_names_only)
     return app
 
 
@@ -229,7 +231,8 @@ class _Service:
     def _submit(self, parsed: GenerationRequest, tokens: list[int]) -> Job:
         """Queue the generation (after checking that the context holds it), or answer 503."""
         default = self.config.default_max_tokens if parsed.chat else DEFAULT_COMPLETION_TOKENS
-        max_tokens = completion_budget(len(tokens), parsed.max_tokens, self.n_ctx, default, parsed.param)
+        max_tokens = completion_budget(len(tokens), parsed.max_tokens, self.n_ctx, default, parsed.param,
+                                       parsed.max_tokens_param)
         params = dict(max_tokens=max_tokens, method=parsed.method, sampling=parsed.sampling,
                       stop=parsed.stops, options=parsed.options)
         job = Job(tokens, params, asyncio.get_running_loop(), user_options=parsed.user_options)

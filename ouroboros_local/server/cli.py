@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import signal
 import socket
@@ -49,20 +48,12 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     return p
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import uvicorn
 
         from .app import ServerConfig, create_app
+        from .gate import is_loopback_name
     except ImportError as exc:
         raise OuroborosError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
                              "pip install fastapi uvicorn (or, in a checkout: pip install -e '.[server]')") from None
@@ -88,9 +79,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         aliases = tuple({str(args.model), Path(str(engine.target.path)).stem} - {model_id})
         config = ServerConfig(model_id=model_id, aliases=aliases, method=method, method_options=options,
                               sampling=sampling, api_key=api_key, max_queue=args.max_queue,
+                              local_names_only=is_loopback_name(args.host) and not api_key,
                               default_max_tokens=args.default_max_tokens)
         app = create_app(engine, config)
-        if not _is_loopback(args.host) and not api_key:
+        if not is_loopback_name(args.host) and not api_key:
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port "
                   "can use the model", file=sys.stderr)
         shown = f"[{args.host}]" if ":" in args.host else args.host

@@ -55,7 +55,7 @@ def engine_error(exc: BaseException, user_options: bool) -> ApiError:
     if isinstance(exc, ShuttingDown):
         return ApiError(503, str(exc), type="server_error", code="shutting_down")
     if isinstance(exc, ContextOverflowError):
-        return ApiError(413, str(exc), code="context_length_exceeded")
+        return ApiError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, MethodOptionError) and user_options:
         return bad_request("method_options", f"invalid method_options: {exc}")
     if isinstance(exc, IncompatiblePairError):   # a method this server's draft cannot run
@@ -162,14 +162,17 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
     return [s for s in value if s]
 
 
-def max_tokens_field(body: dict[str, Any], chat: bool) -> int | None:
-    """max_tokens (chat also takes max_completion_tokens); None when the request gives neither."""
-    max_tokens = number_field(body, "max_tokens", None, integer=True)
+def max_tokens_field(body: dict[str, Any], chat: bool) -> tuple[int | None, str]:
+    """max_tokens (chat also takes max_completion_tokens), None when the request gives neither, and the
+    field it came from (errors name the field the client sent)."""
+    name = "max_tokens"
+    max_tokens = number_field(body, name, None, integer=True)
     if chat and max_tokens is None:
-        max_tokens = number_field(body, "max_completion_tokens", None, integer=True)
+        name = "max_completion_tokens"
+        max_tokens = number_field(body, name, None, integer=True)
     if max_tokens is not None and max_tokens < 0:
-        raise bad_request("max_tokens", f"max_tokens must be >= 0 (got {max_tokens})")
-    return max_tokens
+        raise bad_request(name, f"{name} must be >= 0 (got {max_tokens})")
+    return max_tokens, name
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -182,6 +185,8 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
     options = body.get("stream_options")
     include_usage = False
     if options is not None:
+        if not stream:   # as OpenAI: a setting that would do nothing is named, not ignored
+            raise bad_request("stream_options", "stream_options is only allowed when stream is true")
         if not isinstance(options, dict):
             raise bad_request("stream_options", "stream_options must be an object", "invalid_type")
         include_usage = options.get("include_usage") or False
@@ -288,6 +293,11 @@ def _refuse_chat_features(body: dict[str, Any]) -> None:
     for name in ("tools", "functions"):
         if body.get(name):
             raise _refusal(name, "no tool calling")
+    if body.get("audio"):
+        raise _refusal("audio", "text output only")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise _refusal("modalities", "text output only")
 
 
 # ---- a generation request -----------------------------------------------------------------------
@@ -305,6 +315,7 @@ class GenerationRequest:
     options: dict[str, Any]
     user_options: bool          # the request gave method_options of its own
     max_tokens: int | None
+    max_tokens_param: str = "max_tokens"   # or max_completion_tokens, the field the client sent
 
     @property
     def param(self) -> str:
@@ -321,12 +332,12 @@ def parse_generation(body: dict[str, Any], chat: bool, sampling: SamplingParams,
     params = sampling_params(body, sampling)
     stops = stop_strings(body)
     method, options, user_options = method_and_options(body, method, server_options, has_draft)
-    max_tokens = max_tokens_field(body, chat)
+    max_tokens, max_tokens_param = max_tokens_field(body, chat)
     param = "messages" if chat else "prompt"
     if param not in body:
         raise bad_request(param, f"{param} is required", "missing_required_parameter")
     return GenerationRequest(chat, body[param], stream, include_usage, params, stops, method, options,
-                             user_options, max_tokens)
+                             user_options, max_tokens, max_tokens_param)
 
 
 def completion_prompt(prompt: Any) -> str | list[int]:
@@ -355,15 +366,18 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 
 
 def context_exceeded(n_prompt: int | str, n_ctx: int, param: str) -> ApiError:
-    """413; ``n_prompt``: the count, or how a ContextOverflowError says it ("at least 70000")."""
-    return ApiError(413, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: "
+    """400 with code context_length_exceeded, as OpenAI and llama-server answer (clients catch it as a bad
+    request); ``n_prompt``: the count, or how a ContextOverflowError says it ("at least 70000")."""
+    return ApiError(400, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: "
                          "shorten the prompt (or start the server with a larger --ctx-size)",
                     param=param, code="context_length_exceeded")
 
 
-def completion_budget(n_prompt: int, max_tokens: int | None, n_ctx: int, default: int, param: str) -> int:
+def completion_budget(n_prompt: int, max_tokens: int | None, n_ctx: int, default: int, param: str,
+                      max_tokens_param: str = "max_tokens") -> int:
     """The completion's token limit: the request's if the context holds it, else ``default`` capped to
-    the room left. Refuses an empty prompt and one the context cannot hold."""
+    the room left. Refuses an empty prompt and one the context cannot hold (``param``, the prompt's field;
+    ``max_tokens_param``, the limit's)."""
     if not n_prompt:
         raise bad_request(param, "the prompt is empty")
     if n_prompt + 1 > n_ctx:
@@ -372,11 +386,16 @@ def completion_budget(n_prompt: int, max_tokens: int | None, n_ctx: int, default
     if max_tokens is None:
         return min(default, room)
     if max_tokens > room:
-        raise ApiError(400, f"this model's context holds {n_ctx} tokens, but {n_prompt + max_tokens} "
-                            f"were requested ({n_prompt} in the prompt, {max_tokens} for the "
-                            f"completion): reduce max_tokens to at most {room}",
-                       param="max_tokens", code="context_length_exceeded")
+        raise ApiError(400, f"this model's context holds {n_ctx} tokens, but {_count(n_prompt + max_tokens)} "
+                            f"were requested ({n_prompt} in the prompt, {_count(max_tokens)} for the "
+                            f"completion): reduce {max_tokens_param} to at most {room}",
+                       param=max_tokens_param, code="context_length_exceeded")
     return max_tokens
+
+
+def _count(n: int) -> str:
+    """A count as an error quotes it: a client's 1e308 is not spelled out in 309 digits."""
+    return str(n) if n < 10**12 else f"{float(n):.3g}"
 
 
 # ---- responses ----------------------------------------------------------------------------------
