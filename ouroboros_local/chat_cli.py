@@ -242,7 +242,7 @@ def _message(line: str, read: Callable[[str], str], prompt: str) -> tuple[str | 
     """(the message ``line`` opens, None for nothing to send; whether it came between triple quotes). A
     line opening with three double quotes takes the lines up to the one that ends with them (a line of
     them alone, where they opened alone; EOF closes it too): a message of several lines, where each line
-    is otherwise sent on its own."""
+    is otherwise sent on its own. A closing line is not indented: pasted code's docstrings are."""
     text = line.strip()
     if not text.startswith(MULTILINE):
         return (line if text else None), False
@@ -257,7 +257,8 @@ def _message(line: str, read: Callable[[str], str], prompt: str) -> tuple[str | 
                 more = read("... " if prompt else "")
             except EOFError:
                 break
-            closing = more.strip() == MULTILINE if not rest else more.rstrip().endswith(MULTILINE)
+            indented = more[:1] in (" ", "\t")
+            closing = not indented and (more.rstrip() == MULTILINE if not rest else more.rstrip().endswith(MULTILINE))
             if closing:
                 tail = more.rstrip()[:-len(MULTILINE)]
                 if tail.strip():

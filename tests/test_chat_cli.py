@@ -170,11 +170,15 @@ def test_repl_unknown_commands_escapes_and_messages_of_several_lines(engine):
     assert run_repl(session, read=lambda prompt: next(lines), out=io.StringIO(), err=err) == 0
     assert "unknown command /usr/bin/python3 (not sent; start the message with // to send it)" in err.getvalue()
     assert sent == ["/usr/bin/python3 crashes", "first line\n  second line\nthird", "one line", "/stats"]
-    # opened alone, only a line of three quotes closes it: pasted code holds docstrings
+    # only an unindented line closes it: pasted code holds docstrings (an indented closing one ended the
+    # message, the code after it went out line by line)
     sent.clear()
-    lines = iter(['"""', "def f():", '    """Docstring."""', "    return 1", '  """  ', "/quit"])
+    lines = iter(['"""', "def f():", '    """Docstring."""', '    """Summary.', "", "    More.", '    """',
+                  "    return 1", '"""  ', '"""Review:', "def g():", '    """Return x."""', "    return x", 'done"""',
+                  "/quit"])
     assert run_repl(session, read=lambda prompt: next(lines), out=io.StringIO(), err=io.StringIO()) == 0
-    assert sent == ['def f():\n    """Docstring."""\n    return 1']
+    assert sent == ['def f():\n    """Docstring."""\n    """Summary.\n\n    More.\n    """\n    return 1',
+                    'Review:\ndef g():\n    """Return x."""\n    return x\ndone']
 
 
 def test_piped_chat_shows_no_prompt_and_takes_bytes_that_are_not_utf8(tiny_target, tmp_path):
