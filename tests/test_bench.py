@@ -701,6 +701,15 @@ def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts
     assert data["sets"][0]["prompts"] == 1 and "## p (raw, 1 prompts" in (out / "results.md").read_text()
     assert not (out / "sweep.png").exists()
     assert not (out / "speedup.png").exists() or (out / "speedup.png").read_bytes() != b"an earlier run's chart"
+    # the earlier run is kept aside, not wiped (a rerun stopped at once wrote an empty report over it)
+    previous = out / "previous"
+    assert "| broken [2 errors] |" in (previous / "results.md").read_text()
+    assert (previous / "sweep.png").read_text() == "an earlier run's chart"
+    before = (out / "results.json").read_bytes()
+    monkeypatch.setitem(runner.CUSTOM_METHODS, "stops", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert main([*common, "--methods", "vanilla,stops"]) == 130
+    assert (out / "results.json").read_bytes() == before                    # nothing measured: nothing written
+    assert "| broken [2 errors] |" in (previous / "results.md").read_text()
 
 
 def test_each_contender_keeps_its_own_learned_state() -> None:

@@ -248,6 +248,22 @@ def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:
 CHARTS = ("speedup.png", "sweep.png")
 
 
+def keep_earlier_run(out_dir: Path, log: Callable[[str], None]) -> None:
+    """Move an earlier run's results and charts in ``out_dir`` to ``out_dir/previous/`` (replacing the one
+    kept there before): a rerun into the same folder, perhaps stopped early, must not wipe a finished run."""
+    names = ("results.json", "results.md", *CHARTS)
+    earlier = [out_dir / name for name in names if (out_dir / name).is_file()]
+    if not earlier:
+        return
+    kept = out_dir / "previous"
+    kept.mkdir(exist_ok=True)
+    for name in names:
+        (kept / name).unlink(missing_ok=True)
+    for path in earlier:
+        path.replace(kept / path.name)
+    log(f"bench: the earlier run's results in {out_dir} moved to {kept}")
+
+
 def write_charts(summary: dict[str, Any], sweep_info: dict[str, Any] | None, out_dir: Path, title: str,
                  log: Callable[[str], None]) -> None:
     """speedup.png (and sweep.png with --sweep), first removing an earlier run's: a chart this run cannot
@@ -435,6 +451,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    tolerance_margin=args.tolerance_margin, progress=not args.no_progress,
                                    save_text=args.save_text, log=log, learn_prompts=learn_built)
 
+        if run.interrupted and not run.records:   # an earlier run's results there stay as they are
+            log(f"bench: interrupted before any prompt was measured: nothing written to {out_dir}")
+            return 130
         with saving_first(log) as pressed:   # a second Ctrl-C must not lose a long run's measurements
             if run.interrupted:
                 notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
@@ -485,6 +504,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "notes": notes,
                 "wall_seconds": run.wall_seconds,
             }
+            keep_earlier_run(out_dir, log)
             report.write_json(out_dir / "results.json", payload)
             md = report.render_markdown(payload)
             (out_dir / "results.md").write_text(md, encoding="utf-8")
