@@ -281,7 +281,8 @@ class CalibrationCache:
 
     def __init__(self, path: Path | None = None):
         override = os.environ.get("OUROBOROS_CALIBRATION_FILE")
-        self.path = path or (Path(override) if override else default_cache_dir() / "calibration.json")
+        # ~ expanded, as in OUROBOROS_CACHE: a systemd unit or a .env file has no shell to do it
+        self.path = path or (Path(override).expanduser() if override else default_cache_dir() / "calibration.json")
 
     def _read(self) -> dict:
         return read_json_object(self.path)

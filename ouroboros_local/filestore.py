@@ -127,14 +127,25 @@ def warn_not_saved(path: str | os.PathLike[str], what: str, env_var: str, cost: 
 def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A JSON state file's object; {} when it is missing, unreadable, not JSON or not an object (a file
     edited by hand is measured or learned again, never fatal)."""
-    target = Path(path)
+    return _json_object(Path(path)) or {}
+
+
+def _json_object(target: Path) -> dict[str, Any] | None:
+    """The file's JSON object; {} where there is none (missing, empty, unreadable); None where the file
+    holds something else (not JSON, or JSON but not an object)."""
     if not target.is_file():   # missing, or a FIFO that would block the read forever
         return {}
     try:
-        data = json.loads(target.read_text())
-    except (OSError, ValueError, RecursionError):   # RecursionError: nested thousands of levels deep
+        text = target.read_text(errors="replace")
+    except OSError:
         return {}
-    return data if isinstance(data, dict) else {}
+    if not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError):   # RecursionError: nested thousands of levels deep
+        return None
+    return data if isinstance(data, dict) else None
 
 
 def file_identity(path: str | os.PathLike[str]) -> list[Any]:
@@ -175,7 +186,13 @@ def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: st
     OSError or PoolError when the file cannot be written."""
     make_folder(path.parent)
     with locked(path, what):
-        data = read_json_object(path)
+        data = _json_object(path)
+        if data is None:   # another file, or one edited by hand into a syntax error: kept, not written over
+            aside = path.with_name(path.name + ".bad")
+            os.replace(path, aside)
+            log.warning("warning: %s is not a %s file (not a JSON object): moved to %s, a new one takes its place",
+                        path, what, aside)
+            data = {}
         data[key] = entry
         keep_newest(data, keep, stamp_key)
         write_atomic(path, json.dumps(data, indent=indent).encode(), what)

@@ -43,7 +43,7 @@ PRIOR_WEIGHT = RESTORE_WEIGHT   # observations' worth each class of the copy pri
 def cache_path() -> Path:
     """``OUROBOROS_ESTIMATES_FILE``, else ``estimates.json`` in the cache directory (``OUROBOROS_CACHE``)."""
     override = os.environ.get("OUROBOROS_ESTIMATES_FILE")
-    return Path(override) if override else default_cache_dir() / "estimates.json"
+    return Path(override).expanduser() if override else default_cache_dir() / "estimates.json"
 
 
 def estimates_key(target: list[Any], draft: list[Any] | None) -> str:

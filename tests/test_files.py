@@ -325,3 +325,32 @@ def test_a_deeply_nested_json_state_file_reads_as_empty(tmp_path: Path) -> None:
     path = tmp_path / "estimates.json"
     path.write_text("[" * 100_000 + "]" * 100_000)
     assert read_json_object(path) == {}
+
+
+def test_a_state_file_that_holds_something_else_is_kept_aside_not_written_over(tmp_path: Path, monkeypatch,
+                                                                                caplog) -> None:
+    """OUROBOROS_CALIBRATION_FILE=notes.txt replaced the notes with JSON in silence, and one syntax error in a
+    hand-edited calibration.json lost every cached curve; both are now moved to FILE.bad, with a warning.
+    ~ in the two variables is the home folder (it made a folder named ~ in the working directory)."""
+    from ouroboros_local import learned
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes, not a cost curve\n")
+    curve = CostModel.flat()
+    curve.key = "k"
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        CalibrationCache(notes).put(curve)
+    assert (tmp_path / "notes.txt.bad").read_text() == "my notes, not a cost curve\n"
+    assert set(read_json_object(notes)) == {"k"} and "notes.txt is not a cost curve file" in caplog.text
+    edited = tmp_path / "estimates.json"
+    edited.write_text('{"a": {"format": 1,}}')                    # a trailing comma
+    LearnedEstimates(edited).put("b", {})
+    assert (tmp_path / "estimates.json.bad").read_text() == '{"a": {"format": 1,}}'
+    for empty in ("", "  \n"):                                     # nothing to keep: simply written
+        edited.write_text(empty)
+        LearnedEstimates(edited).put("b", {})
+        assert set(read_json_object(edited)) == {"b"}
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", "~/cal.json")
+    monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", "~/est.json")
+    assert CalibrationCache().path == tmp_path / "cal.json" and learned.cache_path() == tmp_path / "est.json"
