@@ -487,6 +487,12 @@ def test_default_methods_are_all_and_method_is_a_shorthand() -> None:
     assert resolve_methods(default, available, []) == available     # generate's --method default is not used
     one = build_parser().parse_args(["bench", "-m", "t.gguf", "--prompts", "a.jsonl", "--method", "lookahead"])
     assert resolve_methods(one, available, []) == ["vanilla", "lookahead"]
+    both = build_parser().parse_args(["bench", "-m", "t.gguf", "--prompts", "a.jsonl", "--methods", "vanilla,auto",
+                                      "--method", "lookahead"])
+    with pytest.raises(ParameterError, match="--methods or --method, not both"):   # --method was ignored
+        resolve_methods(both, available, [])
+    bench_help = build_parser()._subparsers._group_actions[0].choices["bench"].format_help()
+    assert "shorthand for --methods vanilla,METHOD" in " ".join(bench_help.split())   # it said "(default auto)"
 
 
 def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,

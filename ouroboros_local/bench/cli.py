@@ -106,6 +106,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     add_method_args(p)
     # --method is generate's flag (default auto); here it is only a shorthand when given explicitly
     p.set_defaults(func=cmd_bench, method=None)
+    method_flag = next(a for a in p._actions if a.dest == "method")
+    method_flag.help = "shorthand for --methods vanilla,METHOD (not with --methods)"
     return p
 
 
@@ -231,7 +233,10 @@ def resolve_methods(args: argparse.Namespace, available: list[str], custom: list
     from ..cli import refuse_without_draft
 
     spec = args.methods
-    if spec == DEFAULT_METHODS and getattr(args, "method", None) is not None:
+    if getattr(args, "method", None) is not None:
+        if spec != DEFAULT_METHODS:   # one of the two was ignored in silence
+            raise ParameterError(f"give --methods or --method, not both (--method {args.method} is "
+                                 "--methods vanilla," + args.method + ")")
         spec = args.method
     methods = parse_methods(spec, available, custom)
     # 'all' without a draft lists them under "Not run"; a method named without one is a mistake
