@@ -267,6 +267,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise ParameterError("-n/--max-tokens must be >= 0")
     method, options = checked_method(args)
     engine = _engine_from_args(args)
+    try:   # closing saves the learned estimates and history, Ctrl-C or not
+        _generate_and_report(engine, args, prompt, method, options, sampling)
+    finally:
+        engine.close()
+    return 0
+
+
+def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, method: str,
+                         options: dict[str, Any], sampling: Any) -> None:
+    """Stream the answer to stdout, then its speed (against plain decoding with --compare) or --json."""
     if args.chat:
         warn_without_chat_template(engine)
     kwargs = dict(max_tokens=args.max_tokens, sampling=sampling, stop=args.stop or (), chat=args.chat)
@@ -303,8 +313,6 @@ def cmd_generate(args: argparse.Namespace) -> int:
         payload = {"text": result.text, "tokens": result.tokens,
                    "stats": {**{k: full[k] for k in keys}, **{k: v for k, v in full.items() if k not in keys}}}
         print_json(payload)
-    engine.close()
-    return 0
 
 
 def _same_output(engine: Any, prompt: str, args: argparse.Namespace, base: Any, result: Any) -> str:

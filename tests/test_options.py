@@ -383,3 +383,23 @@ def test_text_inputs_and_prompts_are_bounded(tiny_target, tmp_path, monkeypatch,
     monkeypatch.setenv("OUROBOROS_VERBOSE", "0")
     binding._on_log(2, b"llama.cpp says hello\n", None)
     assert "llama.cpp says hello" not in capfd.readouterr().err
+
+
+def test_ctrl_c_in_generate_still_closes_the_engine(tiny_target, monkeypatch, tmp_path) -> None:
+    """generate closed its engine only after a whole answer: Ctrl-C lost the learned estimates (closing
+    saves them, and the history)."""
+    from ouroboros_local import cli
+
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(tmp_path / "c.json"))
+    monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", str(tmp_path / "e.json"))
+    closed: list[bool] = []
+    real_close = Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: (closed.append(True), real_close(self))[1])
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Engine, "stream", interrupted)
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "hi", "-n", "4", "-t", "1", "-c", "256",
+                     "--method", "vanilla"]) == 130
+    assert closed
