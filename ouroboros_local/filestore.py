@@ -80,7 +80,11 @@ def locked(path: str | os.PathLike[str], what: str) -> Iterator[None]:
         mode = 0o600
     lock = FileLock(target.with_name(f".{target.name}.lock"), timeout=LOCK_WAIT_SECONDS, mode=mode)
     try:
-        lock.acquire()
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            _check_lock_file(lock.lock_file, mode, what, target)
+            lock.acquire()
     except Timeout:
         raise PoolError(f"cannot save the {what} to {target}: another process held its lock "
                         f"{lock.lock_file} for {LOCK_WAIT_SECONDS:.0f} s") from None
@@ -90,6 +94,19 @@ def locked(path: str | os.PathLike[str], what: str) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def _check_lock_file(lock_file: str, mode: int, what: str, target: Path) -> None:
+    """A lock not taken at once is held by another process, or its file cannot be made at all (filelock
+    then retries in silence until its timeout: a minute's wait on each save, then "another process held
+    it"): the second is a PoolError now, with the system's reason."""
+    if os.path.lexists(lock_file):
+        return
+    try:
+        os.close(os.open(lock_file, os.O_RDWR | os.O_CREAT, mode))
+    except OSError as e:
+        raise PoolError(f"cannot save the {what} to {target}: cannot make its lock file {lock_file} "
+                        f"({e.strerror or e})") from None
 
 
 def _remove_stale_temps(directory: Path, name: str) -> None:

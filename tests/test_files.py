@@ -354,3 +354,13 @@ def test_a_state_file_that_holds_something_else_is_kept_aside_not_written_over(t
     monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", "~/cal.json")
     monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", "~/est.json")
     assert CalibrationCache().path == tmp_path / "cal.json" and learned.cache_path() == tmp_path / "est.json"
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_lock_file_that_cannot_be_made_fails_at_once(tmp_path: Path) -> None:
+    """Where the lock file cannot be created (root under /proc, a read-only mount root lets through),
+    filelock retried until its minute-long timeout, on every save, then blamed another process."""
+    start = time.monotonic()
+    with pytest.raises(PoolError, match="cannot save the cost curve.*(lock file|Permission)"):
+        CalibrationCache(Path("/proc/ouroboros-test-costs.json")).put(CostModel.flat())
+    assert time.monotonic() - start < filestore.LOCK_WAIT_SECONDS / 4
