@@ -330,7 +330,6 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_sampling_args(p)
     add_method_args(p)
-    defer_method_default(p, "decoding method (default: auto if available, else speculative with -d, "
-                            "else prompt-lookup)")
+    defer_method_default(p, "decoding method (default auto)")
     p.set_defaults(func=cmd_chat)
     return p

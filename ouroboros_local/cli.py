@@ -163,10 +163,25 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
         parse_options("serve", ALL_OPTIONS, options)
         check_options(method, applicable_options(method, options))
     else:
+        _refuse_flags_not_of(method, options)
         check_options(method, options)
     if options.get("pool") is not None:
         check_history_folder(options["pool"])
     return method, options
+
+
+def _refuse_flags_not_of(method: str, options: dict[str, Any]) -> None:
+    """A flag the method does not take, refused in flags' words: the options' own error names them as the
+    API does ('p_min') and lists options no flag sets."""
+    from .proposers import method_options
+
+    names = {o.name for o in method_options(method)}
+    stray = [o.flag_name for o in FLAGGED_OPTIONS if o.name in options and o.name not in names]
+    if stray:
+        takes = [o.flag_name for o in FLAGGED_OPTIONS if o.name in names]
+        verb = "does" if len(stray) == 1 else "do"
+        raise ParameterError(f"{', '.join(stray)} {verb} not apply to --method {method} "
+                             f"({'its flags: ' + ', '.join(takes) if takes else 'it takes no method flags'})")
 
 
 def refuse_without_draft(methods: Sequence[str]) -> None:
@@ -240,6 +255,8 @@ def warn_without_chat_template(engine: Any, plain: str = "drop --chat for plain 
 def _sampling_from_args(args: argparse.Namespace):
     from .sampling import SamplingParams
 
+    if args.seed is not None and args.seed < -1:   # SamplingParams' own message does not know -1
+        raise ParameterError(f"--seed must be >= 0, or -1 for a random seed (got {args.seed})")
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=None if args.seed == -1 else args.seed).validated()
 
@@ -332,13 +349,15 @@ def _same_output(engine: Any, prompt: str, args: argparse.Namespace, base: Any, 
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from .catalogue import fetch_model, list_models, resolve_model
+    from .catalogue import fetch_model, list_models, load_catalogue, resolve_model
 
     if args.action == "list":
         for entry in list_models():
             print(entry)
         return 0
     for name in args.names:
+        if args.force and name not in load_catalogue():   # it said "unknown model" of a file it resolves
+            raise ParameterError(f"--force fetches a catalogue model again; {name!r} is not one (models list)")
         if args.force:   # fetched and verified again, whatever the cache holds
             print(fetch_model(name, progress=True, force=True))
         else:

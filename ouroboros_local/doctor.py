@@ -158,8 +158,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                                                                                       4096)})))
     # weights, the KV cache of -c tokens (F16; once ignored: -c 99999999 "fit" and then failed to
     # allocate) and an allowance for llama.cpp's compute buffers
-    need = total * 1.1 + kv + 512 * 2**20
-    parts = f"weights {total / 2**30:.1f}, KV cache of {n_ctx or 'the trained'} tokens {kv / 2**30:.1f}"
+    compute = 512 * 2**20
+    need = total * 1.1 + kv + compute
+    parts = (f"weights {total * 1.1 / 2**30:.1f}, KV cache of {n_ctx or 'the trained'} tokens {kv / 2**30:.1f}, "
+             f"compute buffers {compute / 2**30:.1f}")   # the parts add up to the whole
     gpu_free = sum(dev.memory_free for dev in found if dev.kind in ("gpu", "igpu"))
     if total and gpu and gpu_free:
         verdict = "fits" if need < gpu_free else "does NOT fit (offload fewer layers: --gpu-layers N, or a smaller -c)"

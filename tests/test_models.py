@@ -862,6 +862,8 @@ def test_models_fetch_without_a_name_is_an_error(capsys) -> None:
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     args = build_parser().parse_args(["models", "fetch", "--force", "x", "y"])
     assert args.force and args.names == ["x", "y"]
+    assert main(["models", "fetch", "--force", "./my.gguf"]) == 2      # it said "unknown model './my.gguf'"
+    assert "--force fetches a catalogue model again; './my.gguf' is not one" in capsys.readouterr().err
     assert main(["generate", "-m", "", "-p", "hi"]) == 2               # it said ". is a directory"
     assert "the model name is empty" in capsys.readouterr().err
 

@@ -110,7 +110,8 @@ def test_method_help_names_every_registered_method():
 @pytest.mark.parametrize("command", ["generate", "chat", "serve"])
 @pytest.mark.parametrize("flags, message", [
     (["--method", "nosuch"], "unknown method 'nosuch'"),
-    (["--method", "vanilla", "--gamma", "3"], "vanilla has no option 'gamma'"),
+    # in flags' words: it said "no option 'p_min' (its options: adaptive, feed_pool, ...)", flags or not
+    (["--method", "vanilla", "--gamma", "3"], "--gamma does not apply to --method vanilla (it takes no method"),
     (["--method", "lookahead", "--window", "999"], "option 'window' must be between"),
     (["--pool", "/no/such/folder/h.pool"], "/no/such/folder is not a writable folder"),
     (["--method", "speculative"], "speculative needs a draft model: -d DRAFT"),
@@ -142,6 +143,15 @@ def test_a_bad_method_option_or_pool_folder_is_refused_before_a_model_loads(
     assert main(argv) != 0
     err = capsys.readouterr().err
     assert message in err and "no-model.gguf" not in err
+
+
+def test_a_flag_of_another_method_is_named_with_the_methods_own_flags(tmp_path, capsys) -> None:
+    from ouroboros_local.cli import main
+
+    argv = ["generate", "-m", str(tmp_path / "no-model.gguf"), "-p", "hi", "--method", "prompt-lookup"]
+    assert main([*argv, "--p-min", "0.5", "--window", "4"]) == 2
+    assert "--window, --p-min do not apply to --method prompt-lookup (its flags: --gamma, --max-ngram, --pool)" \
+        in capsys.readouterr().err
 
 
 def test_a_server_refuses_adaedl_settings_without_adaedl_at_start(tmp_path, capsys) -> None:

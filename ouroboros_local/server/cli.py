@@ -17,7 +17,7 @@ from . import defer_method_default
 API_KEY_ENV = "OUROBOROS_API_KEY"
 # The server picks the fastest lossless method for the model pair unless --method names one.
 METHOD_HELP = ("default decoding method; requests may override it with a 'method' field "
-               "(default: auto if available, else speculative with -d, else prompt-lookup)")
+               "(default auto)")
 
 
 def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,
