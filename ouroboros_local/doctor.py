@@ -175,7 +175,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def pair_speed_line(args: argparse.Namespace) -> str:
     """Can the draft pay here at all? Both models' calibrated curves (cached, else measured: seconds)."""
     from .cli import _engine_from_args
-    from .scheduler import draft_ceiling
+    from .scheduler import MIN_GAIN, draft_ceiling
 
     with _engine_from_args(args) as engine:
         target, draft = engine.cost_model(), engine.draft_cost_model()
@@ -187,6 +187,8 @@ def pair_speed_line(args: argparse.Namespace) -> str:
             f"model would reach {ceiling:.2f}x of plain decoding at best")
     if ceiling < 1.0:
         return head + ": it cannot pay on this machine, and auto leaves it idle"
+    if ceiling < MIN_GAIN:   # the scheduler's bar: a ceiling this near 1 is lost to real acceptance
+        return head + f": under the {MIN_GAIN:.2f}x a draft must promise, so auto leaves it idle"
     return head + ": measure the real acceptance with `bench` (docs/benchmarks.md)"
 
 

@@ -239,3 +239,24 @@ def test_doctor_says_where_main_gpu_puts_the_models() -> None:
     assert main_gpu_line(1, two).endswith("both models on GPU 1 alone")
     assert main_gpu_line(2, two) == "refused: there is no GPU 2 (--main-gpu): llama.cpp sees 2 (0: GPU 0, 1: GPU 1)"
     assert "sees no GPU here" in main_gpu_line(0, offload_gpus(_fake_gpus(0)))
+
+
+def test_doctor_says_a_draft_under_the_schedulers_bar_stays_idle(monkeypatch) -> None:
+    """The scheduler retires a draft whose ceiling is under MIN_GAIN (1.05x); doctor said "measure it with
+    bench" of a ceiling between 1 and that, a draft auto never asks."""
+    import argparse
+    import contextlib
+    from types import SimpleNamespace
+
+    from ouroboros_local import cli, doctor, scheduler
+    from ouroboros_local.calibration import CostModel
+
+    engine = SimpleNamespace(cost_model=CostModel.flat, draft_cost_model=CostModel.flat)
+    monkeypatch.setattr(cli, "_engine_from_args", lambda args: contextlib.nullcontext(engine))
+    lines = {}
+    for ceiling in (0.98, 1.02, 1.2):
+        monkeypatch.setattr(scheduler, "draft_ceiling", lambda target, draft: ceiling)
+        lines[ceiling] = doctor.pair_speed_line(argparse.Namespace())
+    assert lines[0.98].endswith("cannot pay on this machine, and auto leaves it idle")
+    assert lines[1.02].endswith(f"under the {scheduler.MIN_GAIN:.2f}x a draft must promise, so auto leaves it idle")
+    assert lines[1.2].endswith("measure the real acceptance with `bench` (docs/benchmarks.md)")
