@@ -269,6 +269,18 @@ def test_pearl_refuses_another_vocabulary(cross_engine: Engine) -> None:
         cross_engine.generate("x", method="pearl")
 
 
+@pytest.mark.parametrize("method", ["speculative", "auto"])
+def test_same_vocabulary_draft_settings_are_refused_not_ignored(cross_engine: Engine, method: str) -> None:
+    """AdaEDL, p_min and sampled drafts were taken and ignored: the bridged drafter drafts greedily, in full."""
+    for options in ({"adaedl": True}, {"p_min": 0.3}, {"adaedl": True, "adaedl_lambda": 0.5}):
+        with pytest.raises(IncompatiblePairError, match="not for a draft of another vocabulary"):
+            cross_engine.generate("hello there", method=method, max_tokens=2, options=options)
+    if method == "speculative":
+        with pytest.raises(IncompatiblePairError, match="greedy_draft"):
+            cross_engine.generate("hello there", method=method, max_tokens=2, options={"greedy_draft": False})
+    assert cross_engine.generate("hello there", method=method, max_tokens=2, options={"gamma": 3}).tokens
+
+
 def test_oracle_draft_text_is_accepted(bridged_engine: Engine) -> None:
     """The conversion is right: text that continues the committed text comes back as the target's own
     tokens for it (the canonical tokenization), short of the last token, which may still grow. (A

@@ -48,14 +48,14 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from ..drafting import cut_at_eog, hang_phrases
-from ..errors import ParameterError
+from ..errors import IncompatiblePairError, ParameterError
 from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_verification
 from ..acceptance import probability_class
 from ..text_bridge import DraftView, target_confidences, text_to_target
 from ..tree import TokenTree
 from .base import CatchUp, DraftingContext, ProposeSetup, Proposer
-from .draft_model import top_probability
+from .draft_model import ADAEDL_OPTIONS, top_probability
 from .ouroboros import OuroborosProposer, scheduled
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -233,11 +233,25 @@ class CrossVocabProposer(Proposer):
                 "inexact_restarts": self.view.inexact_restarts}
 
 
+def _refuse_ignored(options: dict[str, Any], reason: str | None) -> None:
+    """Same-vocabulary draft settings this drafter would ignore, refused (options.py: an option that
+    would not take effect is an error): its drafts are greedy, in full, and not cut by confidence."""
+    ignored = [name for name, neutral in (("adaedl", False), ("p_min", 0.0))
+               if options.get(name) not in (None, neutral)]
+    ignored += [name for name in ADAEDL_OPTIONS if options.get(name) is not None]
+    if options.get("greedy_draft") is False:
+        ignored.append("greedy_draft")
+    if ignored:
+        raise IncompatiblePairError(f"{', '.join(ignored)}: not for a draft of another vocabulary ({reason}), "
+                                    "whose drafts are greedy and not cut by confidence or AdaEDL")
+
+
 def create(ctx: DraftingContext, options: dict[str, Any], prefill_in_begin: bool = True) -> Proposer:
     """``speculative`` for a draft of another vocabulary (``options`` checked against its OPTIONS).
     ``prefill_in_begin=False``: the draft reads the prompt only when first asked to draft (``auto``)."""
     if ctx.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft)")
+    _refuse_ignored(options, ctx.pair_reason)
     return CrossVocabProposer(ctx.draft_kv(), ctx.target, ctx.draft, gamma=options["gamma"] or 6,
                               map_specials=options["map_specials"], keep_unstable=options["keep_unstable"],
                               prefill_in_begin=prefill_in_begin)
