@@ -20,7 +20,7 @@ from ouroboros_local import options as opt
 from ouroboros_local.proposers.base import DraftingContext, Proposer
 from ouroboros_local.tree import TokenTree
 
-OPTIONS = (opt.GAMMA,)   # the options the method accepts (typed, bounded, generated CLI/server flags)
+OPTIONS = (opt.GAMMA,)   # the options the method accepts (typed and bounded; --gamma is a flag already)
 
 
 class BigramProposer(Proposer):

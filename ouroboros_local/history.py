@@ -1,8 +1,9 @@
 """History reuse: what an engine keeps across requests (the phrase pool, the suffix trie, each method's
 own learned state) and the files it persists to.
 
-Every method with a pool (prompt-lookup, lookahead, ouroboros, auto) reads the same phrase pool, so a
-pool file written by one method warms the others. Files are chosen when the engine (or server) starts,
+``ouroboros`` always reads the engine's phrase pool; with a pool file (``--pool FILE``) prompt-lookup,
+lookahead and auto read it too, so a file written by one method warms the others. Without one,
+lookahead keeps a pool of its own per window shape and prompt-lookup none. Files are chosen when the engine (or server) starts,
 registered here with ``persist``, and saved by the engine after each generation (``Engine.stream``),
 never by a proposer.
 """

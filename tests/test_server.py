@@ -812,6 +812,23 @@ def test_requests_are_served_first_in_first_out(slow_engine, monkeypatch):
         srv.stop()
 
 
+def test_serve_notes_a_model_without_a_chat_template(tiny_target, monkeypatch) -> None:
+    """generate --chat and chat said that a model without a template gets ChatML; serve said nothing."""
+    from ouroboros_local import cli
+    from ouroboros_local.cli import main
+
+    class Noted(Exception):
+        pass
+
+    def note(engine, plain):
+        raise Noted(plain)
+
+    monkeypatch.setattr(cli, "_engine_from_args", lambda args: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(cli, "warn_without_chat_template", note)
+    with pytest.raises(Noted, match="/v1/completions takes plain text"):
+        main(["serve", "-m", str(tiny_target), "--port", "0", "--method", "vanilla"])
+
+
 # ---- the real CLI in a subprocess ----------------------------------------------------------------
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])   # Ctrl-C; systemd's and docker's stop
 def test_serve_cli_subprocess(tiny_target, tmp_path, stop):

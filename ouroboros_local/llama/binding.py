@@ -1,4 +1,4 @@
-"""The only module that touches ctypes: llama.cpp models, contexts and batches.
+"""llama.cpp through ctypes (with huge_pages.py's madvise, the only ctypes code): models, contexts, batches.
 
 Built on llama-cpp-python's low-level bindings (``llama_cpp.llama_cpp``), never on its high-level
 ``Llama`` class, because we need several sequences per context, a unified KV cache and our own batches.

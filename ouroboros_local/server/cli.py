@@ -73,6 +73,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     engine = cli._engine_from_args(args)
     try:
+        cli.warn_without_chat_template(engine, "/v1/completions takes plain text")
         # a first calibration now, not in the first request (a client's timeout may be shorter)
         engine.prepare(method, applicable_options(method, options))
         model_id = args.model_name or Path(str(engine.target.path)).name
