@@ -29,6 +29,7 @@ T = TypeVar("T")
 
 STALE_TEMP_SECONDS = 3600.0   # a temp file untouched this long was left by a save killed mid-write
 LOCK_WAIT_SECONDS = 60.0      # longer than any save takes (a pool of a million tokens: half a second)
+MAX_JSON_STATE_BYTES = 16 * 2**20   # a cost-curve or estimates file is kilobytes; a larger one is another file
 _warned_unsaved: set[str] = set()   # files whose failed save was already warned about in this process
 
 
@@ -153,6 +154,8 @@ def _json_object(target: Path) -> dict[str, Any] | None:
     if not target.is_file():   # missing, or a FIFO that would block the read forever
         return {}
     try:
+        if target.stat().st_size > MAX_JSON_STATE_BYTES:   # not read into memory (a model named by mistake)
+            return None
         text = target.read_text(errors="replace")
     except OSError:
         return {}

@@ -346,6 +346,12 @@ def test_a_state_file_that_holds_something_else_is_kept_aside_not_written_over(t
     edited.write_text('{"a": {"format": 1,}}')                    # a trailing comma
     LearnedEstimates(edited).put("b", {})
     assert (tmp_path / "estimates.json.bad").read_text() == '{"a": {"format": 1,}}'
+    big = tmp_path / "model.gguf"                                  # not read into memory: set aside
+    with big.open("wb") as f:
+        f.truncate(filestore.MAX_JSON_STATE_BYTES + 1)
+    assert read_json_object(big) == {}
+    CalibrationCache(big).put(curve)
+    assert (tmp_path / "model.gguf.bad").stat().st_size == filestore.MAX_JSON_STATE_BYTES + 1
     for empty in ("", "  \n"):                                     # nothing to keep: simply written
         edited.write_text(empty)
         LearnedEstimates(edited).put("b", {})
