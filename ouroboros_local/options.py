@@ -160,7 +160,8 @@ KEEP_UNSTABLE = Option("keep_unstable", "bool", False, "cross-vocabulary drafts:
 PEARL_MODE = Option("mode", "choice", "auto", "pearl: draft and target at the same time, one after the "
                     "other, or measure both and keep the faster", choices=("auto", "parallel", "sequential"),
                     flag="pearl-mode")
-PEARL_GAMMA = Option("gamma", "int_or_auto", "auto", "pearl: draft tokens per round, or auto", 1, 64)
+# pearl's gamma 1 would leave nothing to post-verify (pearl.GAMMA_MIN): refused by its bounds, before loading
+PEARL_GAMMA = Option("gamma", "int_or_auto", "auto", "pearl: draft tokens per round, or auto", 2, 64)
 PEARL_TUNING = (Option("seq_gamma", "int", 4, "pearl: draft tokens per sequential round", 1, 64, flag=False),
                 Option("probe_rounds", "int", 8, "pearl: rounds per mode while measuring", 1, 1000, flag=False),
                 Option("threads_target", "int", None, "pearl: target threads", 1, 1024, flag=False),

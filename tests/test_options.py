@@ -72,6 +72,8 @@ def test_numpy_numbers_are_options_as_they_are_counts():
     ("ouroboros", {"pool": 5}, "'pool' must be a file path"),
     ("vanilla", {"gamma": 4}, "vanilla has no option 'gamma'"),
     ("auto", {"adaptive": False}, "auto is the scheduler itself"),
+    # declared 1..64, then refused by pearl itself after the models loaded
+    ("pearl", {"gamma": 1}, "'gamma' must be between 2 and 64"),
 ])
 def test_bad_options_are_refused_with_their_name(method, options, words):
     with pytest.raises(MethodOptionError, match=words.replace("(", r"\(").replace(")", r"\)")):
