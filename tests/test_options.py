@@ -415,3 +415,16 @@ def test_ctrl_c_in_generate_still_closes_the_engine(tiny_target, monkeypatch, tm
     assert cli.main(["generate", "-m", str(tiny_target), "-p", "hi", "-n", "4", "-t", "1", "-c", "256",
                      "--method", "vanilla"]) == 130
     assert closed
+
+
+def test_a_window_the_context_cannot_hold_is_a_method_option_error(tiny_target, tiny_draft) -> None:
+    """lookahead said so as a MethodOptionError, ouroboros as a plain ParameterError (a server answered
+    the first naming method_options, the second without)."""
+    eng = Engine(Model(tiny_target), Model(tiny_draft),
+                 EngineConfig(n_ctx=256, n_batch=64, n_seq_max=1, threads=1, threads_batch=1, calibration="off"))
+    try:
+        for method in ("lookahead", "ouroboros"):
+            with pytest.raises(MethodOptionError, match=f"{method} window W=4 needs"):
+                eng.generate("The", max_tokens=2, method=method)
+    finally:
+        eng.close()

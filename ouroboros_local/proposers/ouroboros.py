@@ -39,7 +39,7 @@ import numpy as np
 
 from .. import options as opt
 from ..drafting import JacobiWindow, cut_at_eog, hang_phrases
-from ..errors import ParameterError
+from ..errors import MethodOptionError, ParameterError
 from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_strategy, harvest_verification
 from ..tree import TokenTree, check_layout, layout
@@ -83,12 +83,12 @@ class OuroborosProposer(Proposer):
         self._check = check            # tests: assert the draft KV invariant after every round
         ctx = kv.ctx
         if self.window.W > ctx.n_seq_max:
-            raise ParameterError(f"ouroboros window W={window} needs {window} sequence ids; the draft "
-                                 f"context has {ctx.n_seq_max} (at most its batch of {ctx.n_batch} tokens): "
-                                 "lower the window, or raise --seqs and --batch-size")
+            raise MethodOptionError(f"ouroboros window W={window} needs {window} sequence ids; the draft "
+                                    f"context has {ctx.n_seq_max} (at most its batch of {ctx.n_batch} tokens): "
+                                    "lower the window, or raise --seqs and --batch-size")
         if self.window.n_nodes + 1 > ctx.n_batch:
-            raise ParameterError(f"ouroboros window W={window}, N={level} needs {self.window.n_nodes + 1} "
-                                 f"batch tokens; the batch holds {ctx.n_batch}")
+            raise MethodOptionError(f"ouroboros window W={window}, N={level} needs {self.window.n_nodes + 1} "
+                                    f"batch tokens; the batch holds {ctx.n_batch}")
         self._fed = 0
         self._catch_up = CatchUp()
         self._stats: dict[str, Any] = {}
