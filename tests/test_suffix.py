@@ -480,6 +480,17 @@ def test_a_pool_file_named_once_keeps_every_store(engine, tmp_path: Path, first:
     engine.history.clear()
 
 
+def test_auto_keeps_the_phrase_pool_of_a_file_named_once(engine, tmp_path: Path) -> None:
+    """auto's later calls without a pool fed the suffix trie of the named file but not its phrase pool,
+    which they neither read nor fed (only a call naming the file did)."""
+    engine.history.clear()
+    engine.generate(E2E_PROMPTS[0], max_tokens=16, method="auto", options={"pool": str(tmp_path / "history")})
+    before = len(engine.history.phrase_pool)
+    engine.generate(E2E_PROMPTS[1], max_tokens=16, method="auto")
+    assert len(engine.history.phrase_pool) > before
+    engine.history.clear()
+
+
 def test_a_refused_pool_file_is_not_taken_by_later_calls(engine, tmp_path: Path, caplog) -> None:
     """A pool file refused (another tokenizer's, a folder that does not exist) does not become the
     history's file: later calls without a pool ran into the same error, or saved the other store beside

@@ -49,7 +49,8 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     # branch, so the scheduler trims it by confidence class like any chain (a tree it cannot trim lost
     # up to 12% on a fast target, SmolLM2 on 2 cores)
     history = suffix.create(ctx, check_options("suffix", {"pool": options["pool"], "max_branches": 1}))
-    candidates: list[Proposer] = [prompt_lookup.create(ctx, options), history]
+    # a history file named by an earlier call keeps the phrase pool as it keeps the suffix trie (README)
+    candidates: list[Proposer] = [prompt_lookup.create(ctx, options, named_history=True), history]
     if ctx.draft is not None:
         # greedy drafts: seeded sampling then reproduces plain seeded decoding, whatever the scheduler chose
         options = {**options, "greedy_draft": True}

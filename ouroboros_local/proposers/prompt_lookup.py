@@ -220,10 +220,11 @@ POOL_PHRASE_LEN = 4   # phrases kept per key in the history pool when prompt loo
 POOL_PER_KEY = 8
 
 
-def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
-    """``options``: checked against ``OPTIONS``. A pool file makes the engine's history pool a source."""
+def create(ctx: DraftingContext, options: dict[str, Any], named_history: bool = False) -> Proposer:
+    """``options``: checked against ``OPTIONS``. A pool file makes the engine's history pool a source;
+    ``named_history`` (auto's): so does the file an earlier call named (``History.named_file``)."""
     pool = None
-    if options["pool"] is not None:
+    if options["pool"] is not None or (named_history and ctx.history.named_file is not None):
         pool = ctx.history.pool(POOL_PHRASE_LEN, POOL_PER_KEY, options["pool"])
     if options["min_ngram"] > options["max_ngram"]:
         raise MethodOptionError(f"option 'min_ngram' ({options['min_ngram']}) must not exceed 'max_ngram' "
