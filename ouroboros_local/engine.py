@@ -790,10 +790,12 @@ class Engine:
                 if self.check_kv:
                     self.kv.check()
                 stats.drafted += step.drafted
-                # a token a plain step checked is that pass's own; a round of one size may pass the budget
-                stats.accepted += min(len(result.accepted), max_tokens - len(out.tokens))
                 committed.extend(result.tokens)
+                before = len(out.tokens)
                 event = out.take(result.tokens)
+                # accepted draft tokens that are the answer's: the budget, a stop string or an end token may
+                # cut the round (a round of one size may pass the budget); the pass's own token is not one
+                stats.accepted += min(len(result.accepted), len(out.tokens) - before)
                 if sched is not None and seen is not None:
                     sched.learn(proposer.name, seen.tree, len(seen.accepted), seen.path)
                 if event is not None:

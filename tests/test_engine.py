@@ -660,3 +660,17 @@ def test_numpy_integers_and_any_iterable_are_taken(tiny_target) -> None:
         for bad in ({"top_k": np.bool_(True)}, {"seed": np.float64(1.0)}, {"temperature": np.bool_(True)}):
             with pytest.raises(ParameterError):
                 engine.generate(prompt, max_tokens=2, sampling=bad)
+
+
+def test_accepted_counts_only_draft_tokens_of_the_answer(tiny_target) -> None:
+    """A stop string that ends the answer mid-round left the round's accepted draft tokens in
+    stats.accepted: 4 accepted for a 2-token answer in one pass (the token budget was already applied)."""
+    engine = make_engine(tiny_target, tiny_target)   # the target as its own draft: every token accepted
+    try:
+        prompt = "The quick brown fox jumps over the lazy dog. The quick brown"
+        full = engine.generate(prompt, max_tokens=40, method="speculative")
+        cut = engine.generate(prompt, max_tokens=40, method="speculative", stop=full.text[1:3])
+        assert cut.stats.finish_reason == "stop" and full.stats.accepted > 0
+        assert cut.stats.accepted <= cut.stats.tokens < full.stats.tokens, (cut.stats.accepted, cut.stats.tokens)
+    finally:
+        engine.close()
