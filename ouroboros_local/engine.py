@@ -78,12 +78,18 @@ def default_round_size(target: Model, n_batch: int) -> int:
     return CUDA_ROUND_SIZE if has_cuda_gpu(found) else 0
 
 
-def default_flash_attn(model: Model) -> str:
+def default_flash_attn(model: Model, type_v: str = "f16") -> str:
     """``EngineConfig.flash_attn`` when left to None: llama.cpp's default (auto: on where its backend
     supports it) for a model with layers on a GPU, as plain llama.cpp runs it there (an H200 decoded
     SmolLM2-135M 13% faster with it); off on a CPU, where flash attention would change the logits with
-    the batch's shape (docs/design.md#exactness) and gains little at these context sizes."""
+    the batch's shape (docs/design.md#exactness) and gains little at these context sizes; auto wherever
+    the V cache is quantised, which llama.cpp runs only with flash attention."""
+    if type_v not in UNQUANTISED_CACHE:
+        return "auto"
     return "auto" if model.n_gpu_layers != 0 and supports_gpu_offload() else "off"
+
+
+UNQUANTISED_CACHE = ("f32", "f16")
 
 
 MAX_CTX = 2**24        # tokens: a context, a batch (llama.cpp: 32-bit; 16M cells is already ~TBs of KV)
@@ -172,6 +178,11 @@ class EngineConfig:
             if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
                 raise ParameterError(f"EngineConfig.{name} must be one of {', '.join(map(repr, allowed))} "
                                      f"(got {value!r})")
+        quantised_v = [n for n in ("type_v", "draft_type_v") if getattr(self, n) not in UNQUANTISED_CACHE]
+        if self.flash_attn == "off" and quantised_v:   # llama.cpp refused it after the weights loaded
+            raise ParameterError(f"EngineConfig.{quantised_v[0]}={getattr(self, quantised_v[0])!r} needs flash "
+                                 "attention (llama.cpp quantises the V cache only with it): flash_attn 'on', "
+                                 "'auto' or None (--flash-attn), or an f16 V cache")
 
 
 @dataclass
@@ -293,8 +304,8 @@ class Engine:
         # left to None, each model's own placement decides (a draft kept on the CPU stays exact there)
         self._draft_flash_attn = self.config.flash_attn
         if self.config.flash_attn is None:
-            self._draft_flash_attn = default_flash_attn(draft) if draft is not None else "off"
-            self.config = replace(self.config, flash_attn=default_flash_attn(target))
+            self._draft_flash_attn = default_flash_attn(draft, self.config.draft_type_v) if draft is not None else "off"
+            self.config = replace(self.config, flash_attn=default_flash_attn(target, self.config.type_v))
         self.target = target
         self.draft = draft
         self._closed = False

@@ -674,3 +674,20 @@ def test_accepted_counts_only_draft_tokens_of_the_answer(tiny_target) -> None:
         assert cut.stats.accepted <= cut.stats.tokens < full.stats.tokens, (cut.stats.accepted, cut.stats.tokens)
     finally:
         engine.close()
+
+
+def test_a_quantised_v_cache_turns_flash_attention_on_or_is_refused_before_loading(tiny_target) -> None:
+    """llama.cpp quantises the V cache only with flash attention: type_v='q4_0' failed after the weights
+    loaded, by default on a CPU (flash attention off there)."""
+    from ouroboros_local.engine import EngineConfig
+
+    with pytest.raises(ParameterError, match="type_v='q4_0' needs flash attention"):
+        EngineConfig(type_v="q4_0", flash_attn="off")
+    from ouroboros_local.engine import default_flash_attn
+    from ouroboros_local.llama import Model
+
+    model = Model(tiny_target, vocab_only=True)   # (its heads, 16 wide, take no 32-wide quantised block)
+    try:
+        assert default_flash_attn(model, "q8_0") == "auto" and default_flash_attn(model, "f16") == "off"
+    finally:
+        model.close()
