@@ -173,11 +173,12 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
 def _refuse_flags_not_of(method: str, options: dict[str, Any]) -> None:
     """A flag the method does not take, refused in flags' words: the options' own error names them as the
     API does ('p_min') and lists options no flag sets."""
-    from .proposers import method_options
+    from .proposers import applicable_options, method_options
 
-    names = {o.name for o in method_options(method)}
-    stray = [o.flag_name for o in FLAGGED_OPTIONS if o.name in options and o.name not in names]
+    applies = applicable_options(method, options)
+    stray = [o.flag_name for o in FLAGGED_OPTIONS if o.name in options and o.name not in applies]
     if stray:
+        names = {o.name for o in method_options(method)}
         takes = [o.flag_name for o in FLAGGED_OPTIONS if o.name in names]
         verb = "does" if len(stray) == 1 else "do"
         raise ParameterError(f"{', '.join(stray)} {verb} not apply to --method {method} "

@@ -78,6 +78,9 @@ def default_round_size(target: Model, n_batch: int) -> int:
     return CUDA_ROUND_SIZE if has_cuda_gpu(found) else 0
 
 
+UNQUANTISED_CACHE = ("f32", "f16")   # KV cache types llama.cpp runs without flash attention
+
+
 def default_flash_attn(model: Model, type_v: str = "f16") -> str:
     """``EngineConfig.flash_attn`` when left to None: llama.cpp's default (auto: on where its backend
     supports it) for a model with layers on a GPU, as plain llama.cpp runs it there (an H200 decoded
@@ -87,9 +90,6 @@ def default_flash_attn(model: Model, type_v: str = "f16") -> str:
     if type_v not in UNQUANTISED_CACHE:
         return "auto"
     return "auto" if model.n_gpu_layers != 0 and supports_gpu_offload() else "off"
-
-
-UNQUANTISED_CACHE = ("f32", "f16")
 
 
 MAX_CTX = 2**24        # tokens: a context, a batch (llama.cpp: 32-bit; 16M cells is already ~TBs of KV)

@@ -150,7 +150,7 @@ def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _json_object(target: Path) -> dict[str, Any] | None:
     """The file's JSON object; {} where there is none (missing, empty, unreadable); None where the file
-    holds something else (not JSON, or JSON but not an object)."""
+    holds something else (not JSON, JSON but not an object, or over MAX_JSON_STATE_BYTES)."""
     if not target.is_file():   # missing, or a FIFO that would block the read forever
         return {}
     try:
