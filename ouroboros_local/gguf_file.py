@@ -277,6 +277,11 @@ def validate_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelError(f"{p} has no general.architecture: not a GGUF model")
+    if meta.get("general.type") == "adapter":   # llama.cpp would say only "failed to load model"
+        raise ModelError(f"{p} is an adapter ({meta.get('adapter.type', 'LoRA')}), not a model: load the model "
+                         "it was trained for")
+    if parsed.n_tensors == 0:
+        raise ModelError(f"{p} holds no weights (a vocabulary-only GGUF): not a model to generate with")
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens) if isinstance(tokens, list) else (_int_or_none(meta.get(f"{arch}.vocab_size")) or 0)
     template = meta.get("tokenizer.chat_template")

@@ -38,8 +38,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 def write_gguf(path: Path, tokens: list[str] | None = None, *, n_vocab: int = 300, arch: str = "llama",
                tokenizer: str = "gpt2", bos: int | None = 0, eos: int | None = 1, eot: int | None = None,
-               add_bos: bool | None = False, merges: list[str] | None = None, tensor_elems: int = 64) -> Path:
-    """A small GGUF: tokenizer metadata plus one tiny tensor (enough for everything but inference)."""
+               add_bos: bool | None = False, merges: list[str] | None = None, tensor_elems: int = 64,
+               general_type: str | None = None) -> Path:
+    """A small GGUF: tokenizer metadata plus one tiny tensor (enough for everything but inference);
+    ``tensor_elems=0``: none (a vocabulary-only file)."""
     import gguf
 
     toks = tokens if tokens is not None else [f"tok{i}" for i in range(n_vocab)]
@@ -60,7 +62,10 @@ def write_gguf(path: Path, tokens: list[str] | None = None, *, n_vocab: int = 30
         w.add_eot_token_id(eot)
     if add_bos is not None:
         w.add_add_bos_token(add_bos)
-    w.add_tensor("token_embd.weight", np.arange(tensor_elems, dtype=np.float32))
+    if general_type is not None:
+        w.add_string("general.type", general_type)
+    if tensor_elems:
+        w.add_tensor("token_embd.weight", np.arange(tensor_elems, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -147,6 +152,22 @@ def test_corrupt_header(gguf_file: Path) -> None:
     gguf_file.write_bytes(bytes(data))
     with pytest.raises(ModelError, match="is truncated or corrupt"):
         validate_gguf(gguf_file)
+
+
+def test_adapters_and_vocabulary_only_files_are_refused_before_loading(tmp_path: Path) -> None:
+    # llama.cpp said only "failed to load model", and for a draft only after the target had loaded
+    with pytest.raises(ModelError, match="is an adapter .*not a model"):
+        validate_gguf(write_gguf(tmp_path / "lora.gguf", general_type="adapter"))
+    with pytest.raises(ModelError, match="holds no weights"):
+        validate_gguf(write_gguf(tmp_path / "vocab.gguf", tensor_elems=0))
+
+
+def test_a_failed_load_names_llama_cpps_cause(gguf_file: Path) -> None:
+    from ouroboros_local.llama import Model
+
+    with pytest.raises(ModelError) as caught:   # one 64-element tensor: not the model its metadata describes
+        Model(gguf_file)
+    assert "error loading model" in str(caught.value)   # the cause, not only "failed to load model"
 
 
 def test_recurrent_arch_is_flagged(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ _init_lock = threading.Lock()
 _initialised = False
 _log_callback = None  # keep a reference: a collected CFUNCTYPE segfaults when llama.cpp calls it
 _log_lines: list[str] = []
+_log_count = 0   # error lines logged since the process started: a mark for ``errors_since``
 
 
 def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
@@ -43,7 +44,9 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     if os.environ.get("OUROBOROS_VERBOSE", "").strip().lower() not in ("", "0", "false", "no", "off"):
         os.write(2, message.encode())
     elif level >= 4:  # GGML_LOG_LEVEL_ERROR: remember for error messages
+        global _log_count
         _log_lines.append(message.strip())
+        _log_count += 1
         del _log_lines[:-20]
 
 
@@ -77,6 +80,13 @@ _logits_address = _logits_address_function()
 
 def last_log_error() -> str:
     return _log_lines[-1] if _log_lines else ""
+
+
+def errors_since(mark: int) -> str:
+    """llama.cpp's error lines logged after ``mark`` (``_log_count`` then), joined: a failed load logs its
+    cause ('tensor ... not found') before the generic 'failed to load model' line."""
+    lines = [line for line in _log_lines[len(_log_lines) - min(_log_count - mark, len(_log_lines)):] if line]
+    return "; ".join(dict.fromkeys(lines)) or last_log_error()
 
 
 def default_threads() -> int:
@@ -263,11 +273,12 @@ class Model(_Native):
             advice = huge_pages_mod.WeightAdvice(lc.llama_progress_callback)
             params.load_mode = lc.LLAMA_LOAD_MODE_NONE
             params.progress_callback = advice.callback
+        mark = _log_count
         ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
         # bytes of weight buffers advised into huge pages (0: mapped as llama.cpp does by default)
         self.huge_page_bytes = advice.advised if advice is not None else 0
         if not ptr:
-            detail = last_log_error()
+            detail = errors_since(mark)
             raise ModelError(f"llama.cpp could not load {self.path}" + (f": {detail}" if detail else ""))
         self._ptr = ptr
         self._vocab = lc.llama_model_get_vocab(ptr)
