@@ -298,6 +298,11 @@ class Engine:
 
     def __init__(self, target: Model, draft: Model | None = None, config: EngineConfig | None = None,
                  pair_compatible: bool | None = None, pair_reason: str | None = None):
+        if not isinstance(target, Model) or not (draft is None or isinstance(draft, Model)):
+            raise ParameterError("Engine(...) takes loaded models; Engine.load(target_path, draft_path) loads "
+                                 "them from files")
+        if not (config is None or isinstance(config, EngineConfig)):
+            raise ParameterError(f"config must be an EngineConfig (got {type(config).__name__})")
         self.config = config or EngineConfig()
         if self.config.round_size is None:
             self.config = replace(self.config, round_size=default_round_size(target, self.config.n_batch))
@@ -346,6 +351,9 @@ class Engine:
         unknown = [key for key in overrides if key not in EngineConfig.__dataclass_fields__]
         if unknown:
             raise ParameterError(f"unknown engine option {unknown[0]!r}")
+        if not (config is None or isinstance(config, EngineConfig)):   # a dict: its fields go as keywords
+            raise ParameterError(f"config must be an EngineConfig (got {type(config).__name__}); "
+                                 "EngineConfig(**fields) or Engine.load(path, field=value, ...)")
         config = replace(config or EngineConfig(), **overrides)   # checked; the caller's config unchanged
         target_path, draft_path, compatible, reason = resolve_and_check(target, draft, progress=progress)
         log.info("loading %s (%.0f MiB)%s ...", target_path.name, target_path.stat().st_size / 2**20,
@@ -598,9 +606,18 @@ class Engine:
                                     n_tokens=n_tokens, at_least=at_least)
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], **kwargs: Any) -> GenerationResult:
+    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
+                 sampling: SamplingParams | dict[str, Any] | None = None, stop: str | Sequence[str] = (),
+                 chat: bool = False, options: dict[str, Any] | None = None,
+                 cancel: Callable[[], bool] | threading.Event | None = None) -> GenerationResult:
+        """Generate up to ``max_tokens`` tokens after ``prompt`` (text, or token ids taken as they are) and
+        return the whole answer. ``method``: one of the registered methods; ``sampling``: None for greedy;
+        ``stop``: strings that end the answer (not included in its text); ``chat``: wrap a text prompt in
+        the model's chat template; ``options``: the method's options; ``cancel``: an Event or a function
+        polled between rounds (finish_reason 'cancelled'). ``stream`` yields the same answer piece by piece."""
         result = None
-        for event in self.stream(prompt, **kwargs):
+        for event in self.stream(prompt, max_tokens=max_tokens, method=method, sampling=sampling, stop=stop,
+                                 chat=chat, options=options, cancel=cancel):
             result = event.result or result
         assert result is not None
         return result
@@ -625,6 +642,10 @@ class Engine:
         if not is_integer(max_tokens) or max_tokens < 0:
             raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
         max_tokens = int(max_tokens)
+        if isinstance(chat, np.bool_):
+            chat = bool(chat)
+        if chat is not True and chat is not False:   # "no" would be truthy: the template applied unasked
+            raise ParameterError(f"chat must be True or False (got {chat!r})")
         if method not in method_names():
             raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
         tokens = self.prompt_tokens(prompt, chat=chat)

@@ -214,6 +214,10 @@ def test_bad_parameters_raise_clear_errors(pair_engine: Engine) -> None:
         pair_engine.generate("x", sampling={"temp": 0.8})
     with pytest.raises(ParameterError, match="sampling must be"):
         pair_engine.generate("x", sampling=0.8)
+    with pytest.raises(ParameterError, match="chat must be True or False"):   # "no" applied the template
+        pair_engine.generate("x", chat="no")
+    with pytest.raises(TypeError, match="Engine.generate"):   # a typo named Engine.stream, behind **kwargs
+        pair_engine.generate("x", max_token=4)
     # still fine afterwards
     assert len(pair_engine.generate("x y z", max_tokens=3).tokens) == 3
 
@@ -576,6 +580,10 @@ def test_engine_arguments_are_checked(tiny_target) -> None:
         with pytest.raises(ParameterError, match=f"EngineConfig.{next(iter(bad))}"):
             EngineConfig(**bad)
     mine = EngineConfig(n_ctx=256, n_batch=32, threads=1, calibration="off")
+    with pytest.raises(ParameterError, match="config must be an EngineConfig"):   # was a TypeError in replace()
+        Engine.load(str(tiny_target), config={"n_ctx": 256}, progress=False)
+    with pytest.raises(ParameterError, match=r"Engine.load\(target_path"):   # was an AttributeError
+        Engine(str(tiny_target))
     Engine.load(str(tiny_target), config=mine, progress=False, n_ctx=512).close()
     assert mine.n_ctx == 256                         # the caller's config is not written to
 
