@@ -30,26 +30,27 @@ def main(argv: list[str]) -> int:
 
     cancel = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: cancel.set())      # Ctrl-C stops the answer, not the program
-    if args.timeout is not None:
-        timer = threading.Timer(args.timeout, cancel.set)
-        timer.daemon = True
-        timer.start()
 
     with Engine.load(args.target, args.draft, config=EngineConfig(n_ctx=2048), progress=False) as engine:
         method = default_method(engine.draft is not None)
+        if args.timeout is not None:   # the answer's time, not the load's
+            timer = threading.Timer(args.timeout, cancel.set)
+            timer.daemon = True
+            timer.start()
         t0 = time.perf_counter()
         first = None
         result = None
         for event in engine.stream(args.prompt, chat=True, max_tokens=args.max_tokens, method=method,
                                    stop=args.stop, cancel=cancel):
             if event.text:
-                first = first or time.perf_counter() - t0
+                first = time.perf_counter() - t0 if first is None else first
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
             result = event.result or result          # the last event carries the GenerationResult
         assert result is not None
         s = result.stats
-        print(f"\n[{s.method}] {s.tokens} tokens, first text after {first or 0:.2f}s, "
+        waited = f"first text after {first:.2f}s" if first is not None else "no text"
+        print(f"\n[{s.method}] {s.tokens} tokens, {waited}, "
               f"{s.tokens_per_second:.1f} tok/s, {s.tokens_per_pass:.2f} tokens/pass, "
               f"finish: {s.finish_reason}", file=sys.stderr)
     return 0

@@ -21,6 +21,10 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
+def __dir__() -> list[str]:   # the lazy names too: tab completion and dir() list them
+    return sorted(set(globals()) | set(__all__))
+
+
 __all__ = ["ContextOverflowError", "Engine", "EngineConfig", "GenerationResult", "GenerationStats",
            "IncompatiblePairError", "MethodOptionError", "ModelError", "OuroborosError", "ParameterError", "PoolError",
            "SamplingParams", "StreamEvent", "__version__"]

@@ -19,6 +19,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TextIO
 
 from .errors import ContextOverflowError, OuroborosError, ParameterError
+from .cli import METHODS_IN_HELP
 from .server import defer_method_default
 from .text_input import check_argument
 
@@ -330,6 +331,6 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     add_sampling_args(p)
     add_method_args(p)
-    defer_method_default(p, "decoding method (default auto)")
+    defer_method_default(p, f"{METHODS_IN_HELP} (default auto)")
     p.set_defaults(func=cmd_chat)
     return p

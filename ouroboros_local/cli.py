@@ -86,11 +86,25 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="seed of the sampler (default, or -1 as in llama.cpp: a random one)")
 
 
+METHODS_IN_HELP = "{methods}"   # in a flag's help: the registry's methods
+
+
+class _ListsMethods(argparse.HelpFormatter):
+    """Help that lists the registry's methods where it says METHODS_IN_HELP (a drafter added there shows
+    up), read only when help is printed: the registry's import costs numpy's, which a run need not pay first."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if not action.help or METHODS_IN_HELP not in action.help:
+            return action.help
+        from .proposers import method_names
+
+        return action.help.replace(METHODS_IN_HELP, " | ".join(method_names()))
+
+
 def _add_method_args(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = _ListsMethods
     g = p.add_argument_group("method hyperparameters (defaults suit a small CPU)")
-    g.add_argument("--method", default=DEFAULT_METHOD,
-                   help="auto | vanilla | speculative | ouroboros | lookahead | prompt-lookup | suffix | pearl "
-                        f"(default {DEFAULT_METHOD})")
+    g.add_argument("--method", default=DEFAULT_METHOD, help=f"{METHODS_IN_HELP} (default {DEFAULT_METHOD})")
     for option in FLAGGED_OPTIONS:
         kwargs: dict[str, Any] = {"dest": f"opt_{option.name}", "default": None, "help": option.help}
         if option.kind == "bool":

@@ -48,12 +48,13 @@ class SamplingParams:
             raise bad("min_p", self.min_p, "in [0, 1)")
         if not is_integer(self.top_k) or self.top_k < 0:
             raise bad("top_k", self.top_k, "an integer >= 0")
-        if self.seed is not None and (not is_integer(self.seed) or self.seed < 0):
-            raise bad("seed", self.seed, "an integer >= 0")
-        # numpy's numbers as Python's: a seed of np.uint32 and a top_k of np.int64 behave as their ints
+        if self.seed is not None and (not is_integer(self.seed) or self.seed < -1):
+            raise bad("seed", self.seed, "an integer >= 0, or None or -1 for a random one")
+        # numpy's numbers as Python's: a seed of np.uint32 and a top_k of np.int64 behave as their ints;
+        # -1 is random, as on the command line and the server (llama.cpp's default seed)
         return replace(self, temperature=float(self.temperature), top_p=float(self.top_p),
                        min_p=float(self.min_p), top_k=int(self.top_k),
-                       seed=None if self.seed is None else int(self.seed))
+                       seed=None if self.seed is None or self.seed == -1 else int(self.seed))
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)

@@ -256,6 +256,7 @@ def test_a_batch_smaller_than_the_sequences_runs(tiny_target, tiny_draft, n_ctx:
     fails this test instead of killing the test run."""
     import subprocess
     import sys
+    import sys
 
     run = subprocess.run([sys.executable, "-c", SMALL_BATCH_SCRIPT, str(tiny_target), str(tiny_draft), str(n_ctx),
                           str(n_batch)], capture_output=True, text=True, timeout=300)
@@ -699,3 +700,13 @@ def test_a_quantised_v_cache_turns_flash_attention_on_or_is_refused_before_loadi
         assert default_flash_attn(model, "q8_0") == "auto" and default_flash_attn(model, "f16") == "off"
     finally:
         model.close()
+
+
+def test_the_package_imports_lightly_and_lists_its_lazy_names() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys, ouroboros_local as o; print('numpy' in sys.modules, "
+            "{'Engine', 'EngineConfig', 'SamplingParams'} <= set(dir(o)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"]   # the names load on first use, and dir() (tab completion) sees them

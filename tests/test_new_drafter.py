@@ -92,3 +92,12 @@ def test_registered_method_is_served(bigram, engine) -> None:
         bad = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "method": "bigram",
                                                    "method_options": {"gamma": 10**9}})
         assert bad.status_code == 400 and "gamma" in bad.json()["error"]["message"]
+
+
+def test_registered_method_is_listed_in_help(bigram, capsys) -> None:
+    from ouroboros_local.cli import build_parser
+
+    for command in ("generate", "chat", "serve"):   # the list was written out by hand: a new method missing
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        assert "| bigram" in " ".join(capsys.readouterr().out.split())

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import OuroborosError, ParameterError
+from ..cli import METHODS_IN_HELP
 from . import defer_method_default
 
 API_KEY_ENV = "OUROBOROS_API_KEY"
 # The server picks the fastest lossless method for the model pair unless --method names one.
-METHOD_HELP = ("default decoding method; requests may override it with a 'method' field "
-               "(default auto)")
+METHOD_HELP = (f"default decoding method, one of {METHODS_IN_HELP}; requests may override it with a 'method' "
+               "field (default auto)")
 
 
 def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,
