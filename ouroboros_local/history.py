@@ -3,8 +3,8 @@ own learned state) and the files it persists to.
 
 ``ouroboros`` always reads the engine's phrase pool; with a pool file (``--pool FILE``) prompt-lookup,
 lookahead and auto read it too, so a file written by one method warms the others. Without one,
-lookahead keeps a pool of its own per window shape and prompt-lookup none. Files are chosen when the engine (or server) starts,
-registered here with ``persist``, and saved by the engine after each generation (``Engine.stream``),
+lookahead keeps a pool of its own per window shape and prompt-lookup none. Files are chosen when the
+engine (or server) starts, registered here with ``persist``, and saved by the engine after each generation (``Engine.stream``),
 never by a proposer.
 """
 
@@ -153,6 +153,7 @@ class History:
         (saved beside it); where that file does not take it (another tokenizer's, a folder it cannot
         write), the store stays in memory, with one warning. ``use`` raises before it changes anything."""
         if path is not None:
+            check_history_folder(path)   # the named file and its FILE.suffix sibling, whichever store opens
             out = use(path)
             self.named_file = path
             return out
@@ -241,10 +242,14 @@ def _stamp(path: str) -> tuple[int, ...] | None:
 
 
 def check_history_folder(path: str | os.PathLike[str]) -> None:
-    """PoolError unless the folder of ``path`` can take the file (and its ``.suffix`` sibling)."""
-    folder = Path(path).expanduser().resolve().parent
-    if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-        raise PoolError(f"cannot save history to {path}: {folder} is not a writable folder")
+    """PoolError unless the folder of ``path`` can take the file (and its ``.suffix`` sibling), and
+    neither names something other than a file (a folder as FILE gave ``suffix`` a FILE.suffix beside it)."""
+    file = Path(path).expanduser().resolve()
+    if not file.parent.is_dir() or not os.access(file.parent, os.W_OK | os.X_OK):
+        raise PoolError(f"cannot save history to {path}: {file.parent} is not a writable folder")
+    for name in (file, file.with_name(file.name + ".suffix")):
+        if name.exists() and not name.is_file():
+            raise PoolError(f"cannot save history to {path}: {name} is not a file")
 
 
 def resolve_pool_path(path: str | os.PathLike[str] | None) -> str | None:

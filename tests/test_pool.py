@@ -240,6 +240,20 @@ def test_a_history_file_in_a_missing_folder_is_refused_before_any_answer(tmp_pat
     assert (tmp_path / "h.pool").is_file()
 
 
+@pytest.mark.parametrize("method", ["suffix", "prompt-lookup"])
+def test_a_folder_named_as_the_history_file_is_refused_before_the_model_loads(tmp_path, method, capsys) -> None:
+    """suffix took it and wrote FOLDER.suffix beside it; the others refused it only once generating."""
+    from ouroboros_local.cli import main
+
+    folder = tmp_path / "history"
+    folder.mkdir()
+    # no such model: had the check come later, the missing model would be the error
+    assert main(["generate", "-m", str(tmp_path / "none.gguf"), "--method", method, "--pool", str(folder),
+                 "-p", "x"]) == 2
+    assert f"{folder} is not a file" in capsys.readouterr().err
+    assert not (tmp_path / "history.suffix").exists()
+
+
 def test_two_processes_sharing_a_history_file_keep_each_others_phrases(tmp_path) -> None:
     """Two chats on one --pool FILE: each save overwrote what the other had saved since it loaded."""
     from ouroboros_local.history import History

@@ -355,6 +355,13 @@ def test_options_defaults_and_shared_global() -> None:
     assert "suffix" in method_names()
 
 
+def test_a_folder_as_the_history_file_is_refused(tmp_path: Path) -> None:
+    ctx = SimpleNamespace(history=History(None))   # it was taken, and FOLDER.suffix written beside it
+    with pytest.raises(PoolError, match="is not a file"):
+        create(ctx, check_options("suffix", {"pool": str(tmp_path)}))
+    assert ctx.history.suffix_file is None and ctx.history.named_file is None
+
+
 # ---- end to end -------------------------------------------------------------------------------------------
 
 def repetitive_corpus(seed: int, vocab: int = 40, length: int = 400) -> list[int]:
