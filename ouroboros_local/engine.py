@@ -1027,18 +1027,16 @@ class Engine:
         finally:
             looks.hidden = False
 
-    @staticmethod
-    def _propose_in_room(proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
+    def _propose_in_room(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                          room: int) -> TokenTree | None:
-        """The proposer's tree (priced by ``sched`` when given; its root checked), or None when it no longer
-        fits the context (a lookahead window's extra tokens take cells too) or a draft model's own context
-        is full."""
+        """The proposer's tree (priced by ``sched`` when given; the contract checked), or None when it no
+        longer fits the context (a lookahead window's extra tokens take cells too) or a draft model's own
+        context is full."""
         try:
             tree = sched.draft(proposer, committed, budget) if sched else proposer.propose(committed, budget)
         except ContextOverflowError:
             return None
-        if tree.tokens[0] != committed[-1]:
-            raise RuntimeError(f"{proposer.name}: tree root is not the last committed token")
+        _check_tree(proposer, tree, committed[-1], budget, self.target.n_vocab)
         return tree if tree.batch_size <= room + 1 else None
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
@@ -1047,6 +1045,22 @@ class Engine:
         result, lay = verify_round(tree, self.kv.decode_layout, sampling, rng)
         self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         return result
+
+
+def _check_tree(proposer: Proposer, tree: TokenTree, root: int, budget: int, n_vocab: int) -> None:
+    """A drafter's broken contract (a plug-in's) as one line naming it: else every pass decoded an
+    oversized tree unnoticed, or llama.cpp failed without a word on a token outside the vocabulary."""
+    if not isinstance(tree, TokenTree):
+        raise OuroborosError(f"drafter {proposer.name!r}: propose() returned {type(tree).__name__}, not a TokenTree")
+    if tree.tokens[0] != root:
+        raise OuroborosError(f"drafter {proposer.name!r}: the tree's root is not the last committed token")
+    if tree.n_candidates > budget:
+        raise OuroborosError(f"drafter {proposer.name!r}: {tree.n_candidates} drafted tokens for a budget "
+                             f"of {budget}")
+    if tree.n_candidates and not 0 <= min(tree.tokens) <= max(tree.tokens) < n_vocab:
+        bad = next(t for t in tree.tokens if not 0 <= t < n_vocab)
+        raise OuroborosError(f"drafter {proposer.name!r}: drafted token {bad} is not in the vocabulary "
+                             f"(0..{n_vocab - 1})")
 
 
 @dataclass

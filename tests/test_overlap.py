@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from ouroboros_local.engine import Engine
+from ouroboros_local.errors import OuroborosError
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.testing.engines import tiny_engine
@@ -64,7 +65,7 @@ def test_a_draft_made_during_the_step_is_carried_into_the_next_round(overlap_eng
 
 def test_looks_are_free_only_while_the_step_decodes(overlap_engine: Engine, monkeypatch) -> None:
     seen = []
-    propose = Engine._propose_in_room
+    propose = overlap_engine._propose_in_room
 
     def spy(proposer, sched, committed, budget, room):
         seen.append(overlap_engine.scheduler().looks.hidden)
@@ -90,8 +91,30 @@ def test_a_tree_rooted_elsewhere_is_refused_in_both_kinds_of_round(tiny_target, 
 
     monkeypatch.setattr(PromptLookupProposer, "propose", elsewhere)
     with tiny_engine(tiny_target, overlap=overlap) as engine:
-        with pytest.raises(RuntimeError, match="tree root is not the last committed token"):
+        with pytest.raises(OuroborosError, match="'prompt-lookup': the tree's root is not the last committed token"):
             engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup", options={"adaptive": False})
+
+
+@pytest.mark.parametrize("broken, message", [
+    ("over_budget", "100 drafted tokens for a budget of"),   # was verified, 101 tokens a pass, unnoticed
+    ("not_a_tree", "propose\\(\\) returned NoneType, not a TokenTree"),   # was an AttributeError on n_candidates
+    ("outside_vocabulary", "drafted token 509 is not in the vocabulary"),   # was "llama_decode failed"
+])
+def test_a_drafter_that_breaks_its_contract_is_named(tiny_target, monkeypatch, broken: str, message: str) -> None:
+    from ouroboros_local.proposers.prompt_lookup import PromptLookupProposer
+
+    def propose(self, committed, budget):
+        if broken == "not_a_tree":
+            return None
+        tree = TokenTree.rooted_at(committed[-1])
+        tree.add_path(0, [509] if broken == "outside_vocabulary" else [7] * 100)
+        return tree
+
+    monkeypatch.setattr(PromptLookupProposer, "propose", propose)
+    for adaptive in (False, True):   # bare, and through the scheduler
+        with tiny_engine(tiny_target) as engine:
+            with pytest.raises(OuroborosError, match=f"drafter 'prompt-lookup': {message}"):
+                engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup", options={"adaptive": adaptive})
 
 
 def test_overlap_is_off_on_a_cpu_and_for_proposers_with_extras(tiny_target) -> None:
