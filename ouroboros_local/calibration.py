@@ -165,22 +165,24 @@ def measure_costs(kv: "KVCache", sizes: Sequence[int] = CALIBRATION_SIZES, repea
     # a bar on a terminal (the 1.5B takes ~25 s on 2 cores; a slow laptop, over a minute)
     bar = tqdm(total=(repeats + 1) * sum(larger) + repeats * len(larger) * SWITCH_SETTLE,
                desc="measuring the verify cost", unit="tok", leave=False, disable=None)
-    with LoadMeter() as meter, bar:
-        _random_prefix(kv, rng, n_vocab, prefix_len)
-        # size after size, repeat after repeat: a burst of load then spoils one decode of several sizes,
-        # not all decodes of one size (back to back, it made 13 tokens look twice as dear as 12 or 14)
-        for rep in range(repeats + 1):   # the first pass builds and warms the graph of each shape
-            for n in larger:
-                if rep:
-                    step = _settled_step(decode)
-                    bar.update(SWITCH_SETTLE)
-                    steps.append(step)
-                    ratios[n].append(decode(n) / step)
-                else:
-                    decode(n)
-                bar.update(n)
-        step, switch = _plain_and_switch(decode, max((n for n in sizes if n <= SWITCH_SIZE), default=1))
-    kv.reset()
+    try:   # however it ends (a Ctrl-C just after a decode leaves cells the cache does not record)
+        with LoadMeter() as meter, bar:
+            _random_prefix(kv, rng, n_vocab, prefix_len)
+            # size after size, repeat after repeat: a burst of load then spoils one decode of several
+            # sizes, not all decodes of one size (back to back, it made 13 tokens look twice as dear as 12)
+            for rep in range(repeats + 1):   # the first pass builds and warms the graph of each shape
+                for n in larger:
+                    if rep:
+                        step = _settled_step(decode)
+                        bar.update(SWITCH_SETTLE)
+                        steps.append(step)
+                        ratios[n].append(decode(n) / step)
+                    else:
+                        decode(n)
+                    bar.update(n)
+            step, switch = _plain_and_switch(decode, max((n for n in sizes if n <= SWITCH_SIZE), default=1))
+    finally:
+        kv.reset()
     if steps:
         step = float(np.median(steps))
     seconds = [step if n == 1 else float(np.median(ratios[n])) * step for n in sizes]

@@ -767,6 +767,7 @@ class Engine:
             proposer.begin(committed, setup)
         except BaseException:   # Ctrl-C in a draft's prefill: what it began (PEARL's threads) is undone
             proposer.end()
+            self._drop_draft_cells()
             raise
         t1 = time.perf_counter()
         llama_at_t1 = llama_decode_clock()   # this thread's seconds decoding in llama.cpp
@@ -786,6 +787,7 @@ class Engine:
         observe_later: Callable[[], None] | None = None
         ahead_drafts = ahead_carried = 0   # drafts made during a plain step, and those it accepted a token of
         split = TimeSplit()
+        failed = False
         try:
             while out.finish is None:
                 if is_cancelled():
@@ -854,9 +856,12 @@ class Engine:
             # context may be gone already (a stream collected after its engine).
             if not isinstance(exc, GeneratorExit):
                 self.kv.discard_uncommitted()
+                failed = True
             raise
         finally:
             proposer.end()
+            if failed:   # once its drafting has stopped (PEARL's thread)
+                self._drop_draft_cells()
             stats.extra.update(proposer.stats())
             if overlap:
                 stats.extra["overlap"] = {"drafts": ahead_drafts, "carried": ahead_carried}
@@ -1014,6 +1019,12 @@ class Engine:
                 seconds = round_seconds + (time.perf_counter() - t_observe if t_observe is not None else 0.0)
                 costs_learner.observe_round(tree.batch_size, seconds)
         return observe
+
+    def _drop_draft_cells(self) -> None:
+        """Drop the draft cache's cells past what it records: a Ctrl-C that Python raises just after a
+        draft decode returns leaves them written but unrecorded, and every later draft decode failed."""
+        if self._draft_kv is not None:
+            self._draft_kv.discard_uncommitted()
 
     def _propose_hidden(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                         room: int) -> TokenTree | None:

@@ -251,3 +251,24 @@ def test_beyond_the_curve_a_dip_at_its_end_does_not_make_costs_fall() -> None:
     assert curve.cost(20) == pytest.approx(5.1)
     rising = CostModel(sizes=[1, 24, 32], seconds=[1.0, 7.7, 9.1])
     assert rising.cost(40) == pytest.approx(9.1 + 1.4)      # the last stretch's slope, 1.4 per 8 tokens
+
+
+def test_a_ctrl_c_during_the_measurement_leaves_the_cache_empty(engine, monkeypatch) -> None:
+    """The measurement's cells were cleared only when it finished: a Ctrl-C just after one of its decodes
+    left cells the cache did not record, and the next generation failed in llama_decode."""
+    from ouroboros_local.llama import Context
+
+    want = engine.generate("abc abd abc", max_tokens=12).tokens
+    decode, calls = Context.decode, iter(range(10**6))
+
+    def interrupted(self, batch) -> None:
+        decode(self, batch)
+        if next(calls) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Context, "decode", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        measure_costs(engine.kv, sizes=[1, 2, 4], repeats=1)
+    monkeypatch.undo()
+    assert engine.kv.n_past == 0
+    assert engine.generate("abc abd abc", max_tokens=12).tokens == want

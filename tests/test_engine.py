@@ -152,6 +152,31 @@ def test_a_proposer_whose_begin_raises_is_ended(pair_engine: Engine, monkeypatch
         pair_engine.generate(PROMPTS[0], max_tokens=8).tokens
 
 
+@pytest.mark.parametrize("method, nth", [("speculative", 0), ("speculative", 3), ("ouroboros", 1), ("pearl", 0),
+                                         ("auto", 0)])
+def test_a_ctrl_c_just_after_a_draft_decode_leaves_the_engine_whole(tiny_target, tiny_draft, monkeypatch,
+                                                                     method: str, nth: int) -> None:
+    """Python raises a Ctrl-C that came during llama_decode once the call returns: the draft's cells were
+    written and not recorded, and every later draft method on the engine failed in llama_decode."""
+    from ouroboros_local.llama import Context
+
+    with make_engine(tiny_target, tiny_draft) as engine:
+        want = engine.generate(PROMPTS[0], max_tokens=24).tokens
+        draft_ctx, decode, calls = engine.draft_kv().ctx, Context.decode, iter(range(10**6))
+
+        def interrupted(self, batch) -> None:
+            decode(self, batch)
+            if self is draft_ctx and next(calls) == nth:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(Context, "decode", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(PROMPTS[0], max_tokens=24, method=method)
+        monkeypatch.undo()
+        for _ in range(2):
+            assert engine.generate(PROMPTS[0], max_tokens=24, method=method).tokens == want
+
+
 def test_a_cancel_stops_a_long_prefill_between_its_batches(tiny_target) -> None:
     """A client that hung up during a long prompt's prefill was heard only once all of it was decoded
     (minutes on a CPU for a long prompt)."""
@@ -255,7 +280,6 @@ def test_a_batch_smaller_than_the_sequences_runs(tiny_target, tiny_draft, n_ctx:
     as its batch holds, and the rounds fit the batch llama.cpp gave it. In a subprocess: an abort there
     fails this test instead of killing the test run."""
     import subprocess
-    import sys
     import sys
 
     run = subprocess.run([sys.executable, "-c", SMALL_BATCH_SCRIPT, str(tiny_target), str(tiny_draft), str(n_ctx),
