@@ -3,9 +3,10 @@ own learned state) and the files it persists to.
 
 ``ouroboros`` always reads the engine's phrase pool; with a pool file (``--pool FILE``) prompt-lookup,
 lookahead and auto read it too, so a file written by one method warms the others. Without one,
-lookahead keeps a pool of its own per window shape and prompt-lookup none. Files are chosen when the
-engine (or server) starts, registered here with ``persist``, and saved by the engine after each generation (``Engine.stream``),
-never by a proposer.
+lookahead keeps a pool of its own per window shape (the shapes used last: ``kept``) and prompt-lookup
+none. Files are chosen when the engine (or server) starts, or by a request's ``pool`` option, registered
+here with ``persist``, and saved by the engine after each generation (``Engine.stream``), never by a
+proposer.
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ class Persistable(Protocol):
     def save(self, path: str, fingerprint: str) -> None: ...
 
     def save_merged(self, path: str, fingerprint: str, n_vocab: int | None) -> None: ...
+
+
+MAX_METHOD_STATES = 8   # settings whose own state (``History.kept``) stays in memory
 
 
 class History:
@@ -84,10 +88,16 @@ class History:
 
     def kept(self, key: Hashable, make: Callable[[], T]) -> T:
         """A method's own state for ``key`` (its name and settings), made on first use, then kept:
-        lookahead's private pools, the cross-vocabulary draft pool, PEARL's timing table."""
-        if key not in self._method_state:
-            self._method_state[key] = make()
-        return self._method_state[key]
+        lookahead's private pools, the cross-vocabulary draft pool, PEARL's timing table. The
+        MAX_METHOD_STATES used last are kept: a server's requests may name hundreds of settings, each
+        pool up to ~100 MB."""
+        state = self._method_state.pop(key, None)
+        if state is None:
+            state = make()
+        self._method_state[key] = state   # the newest last: the first is the least recently used
+        while len(self._method_state) > MAX_METHOD_STATES:
+            del self._method_state[next(iter(self._method_state))]
+        return state
 
     def persist(self, path: str, state: Persistable) -> None:
         """Save ``state`` to ``path`` after each generation from now on (the latest state for a path wins).
@@ -109,13 +119,32 @@ class History:
         """``current``, or the state saved at ``path`` when that file is named for the first time and
         holds something (``load(path, fingerprint, n_vocab)`` refuses another tokenizer's file, and token
         ids outside the target's vocabulary). An empty file, made by ``touch``, starts afresh."""
-        if path is not None and path != current_file and os.path.exists(path) and not is_empty_file(path):
+        if path is None or path == current_file:
+            return current
+        if os.path.exists(path) and not is_empty_file(path):
             self._stamps[path] = _stamp(path)
             try:
                 return load(path, self.fingerprint(), self._n_vocab())
             except ForeignStateError as exc:   # another model's (or version's): kept as it is
                 raise ForeignStateError(f"{exc}; name another history file (--pool) for this model") from None
-        return current
+        # a new file starts afresh where the state is another file's (one history per project); state
+        # that no file holds yet is what this engine learned so far: the new file keeps it
+        return current if current_file is None else None
+
+    def move(self, old: str | None, new: str | None) -> None:
+        """A store's file changes from ``old`` to ``new``: ``old`` is written (if an answer is not yet in
+        it) and no longer saved to. It was rewritten with the new file's history at every save."""
+        if old is None or old == new or old not in self._files:
+            return
+        state = self._files.pop(old)
+        if self.pending:
+            try:
+                self._save_file(old, state)
+            except PoolError as exc:
+                log.warning("warning: %s", exc)
+        self._stamps.pop(old, None)
+        self._shared.discard(old)
+        self._foreign.discard(old)
 
     def _n_vocab(self) -> int | None:
         return self.target.n_vocab if self.target is not None else None
@@ -144,6 +173,7 @@ class History:
         file = path if path is not None else self.phrase_pool_file
         if file is not None:
             self.persist(file, pool)   # (a re-shaped pool replaces the one saved there) raises before any change
+        self.move(self.phrase_pool_file, file)
         self.phrase_pool, self.phrase_pool_file = pool, file
         return pool
 

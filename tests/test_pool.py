@@ -240,6 +240,52 @@ def test_a_history_file_in_a_missing_folder_is_refused_before_any_answer(tmp_pat
     assert (tmp_path / "h.pool").is_file()
 
 
+def test_naming_another_history_file_leaves_the_first_as_it_was(tmp_path) -> None:
+    """A desktop app's project switch: B started with A's history, and every save rewrote A with B's."""
+    from ouroboros_local.history import History
+    from ouroboros_local.proposers.suffix import shared_cache
+    from ouroboros_local.suffix_trie import load_global
+
+    a, b = str(tmp_path / "a.pool"), str(tmp_path / "b.pool")
+    history = History(None)
+    fp = history.fingerprint()
+    history.pool(4, 8, a).add([1], (2, 3))
+    shared_cache(history, 8, 1000, a + ".suffix").add([1, 2, 3])
+    history.save()
+    a_bytes = {p: open(p, "rb").read() for p in (a, a + ".suffix")}
+    history.pending = True   # an answer of A's not yet saved is written before A is let go
+    pool_b = history.pool(4, 8, b)
+    trie_b = shared_cache(history, 8, 1000, b + ".suffix")
+    assert pool_b.n_tokens == 0 and trie_b.n_tokens == 0   # B starts afresh
+    pool_b.add([7], (8, 9))
+    trie_b.add([7, 8, 9])
+    history.save()
+    assert {p: open(p, "rb").read() for p in a_bytes} == a_bytes
+    assert PhrasePool.load(b, fp).lookup([7]) and not PhrasePool.load(b, fp).lookup([1])
+    assert load_global(b + ".suffix", fp, 8, 1000).n_tokens == 3
+    assert sorted(history._files) == [b, b + ".suffix"]   # no file named before is kept, or written
+
+
+def test_state_learned_before_any_file_is_named_goes_into_the_file(tmp_path) -> None:
+    from ouroboros_local.history import History
+
+    history = History(None)
+    history.pool(4, 8, None).add([1], (2, 3))
+    assert history.pool(4, 8, str(tmp_path / "h.pool")).lookup([1])   # nothing learned so far is dropped
+
+
+def test_methods_own_states_are_bounded() -> None:
+    """A server's requests naming a new lookahead shape each kept one more pool (up to ~100 MB) for ever."""
+    from ouroboros_local.history import MAX_METHOD_STATES, History
+
+    history = History(None)
+    first = history.kept(("shape", 0), list)
+    made = [history.kept(("shape", n), list) for n in range(1, 3 * MAX_METHOD_STATES)
+            if history.kept(("shape", 0), list) is first]   # one in use stays
+    assert len(made) == 3 * MAX_METHOD_STATES - 1 and len(history._method_state) == MAX_METHOD_STATES
+    assert history.kept(("shape", 1), dict) is not made[0]   # the least recently used was let go
+
+
 @pytest.mark.parametrize("method", ["suffix", "prompt-lookup"])
 def test_a_folder_named_as_the_history_file_is_refused_before_the_model_loads(tmp_path, method, capsys) -> None:
     """suffix took it and wrote FOLDER.suffix beside it; the others refused it only once generating."""

@@ -63,6 +63,7 @@ def shared_cache(history: History, max_requests: int, max_tokens: int, path: str
         cache = SuffixCache(max_requests, max_tokens)
     if path is not None:
         history.persist(path, cache)   # raises before any change (a folder it cannot write)
+        history.move(history.suffix_file, path)
         history.suffix_file = path
     cache.set_limits(max_requests, max_tokens)
     history.suffix_cache = cache
