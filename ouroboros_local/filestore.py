@@ -33,6 +33,11 @@ MAX_JSON_STATE_BYTES = 16 * 2**20   # a cost-curve or estimates file is kilobyte
 _warned_unsaved: set[str] = set()   # files whose failed save was already warned about in this process
 
 
+class DamagedStateError(PoolError):
+    """A state file of ours that cannot be read back (cut short by a crash or a full disk, bytes changed):
+    set aside (``set_aside``) rather than refused at every start."""
+
+
 class ForeignStateError(PoolError):
     """A readable state file that is not this model's: another tokenizer's, or another format version's.
     Never merged into, nor replaced (its owner would lose it)."""
@@ -240,11 +245,11 @@ def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, heade
 def check_fingerprint(target: Path, body: bytes, fp_len: int, fingerprint: str, what: str) -> bytes:
     """The payload after the stored tokenizer fingerprint, or PoolError when it is not ``fingerprint``."""
     if len(body) < fp_len:
-        raise PoolError(f"{target} is truncated (header says more data than the file holds)")
+        raise DamagedStateError(f"{target} is truncated (header says more data than the file holds)")
     try:
         stored = body[:fp_len].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PoolError(f"{target} is corrupt (unreadable tokenizer fingerprint)") from e
+        raise DamagedStateError(f"{target} is corrupt (unreadable tokenizer fingerprint)") from e
     if stored != fingerprint:
         raise ForeignStateError(f"{target} was built for another tokenizer ({what} fingerprint "
                                 f"{_short(stored)}, model fingerprint {_short(fingerprint)})")
@@ -255,7 +260,7 @@ def check_token_ids(target: Path, tokens: "np.ndarray", n_vocab: int | None) -> 
     """PoolError when a saved token id lies outside the model's vocabulary (a crafted or foreign file whose
     fingerprint matches would otherwise fail every later generation inside llama_decode)."""
     if n_vocab is not None and tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= n_vocab):
-        raise PoolError(f"{target} is corrupt (token ids outside the vocabulary of {n_vocab})")
+        raise DamagedStateError(f"{target} is corrupt (token ids outside the vocabulary of {n_vocab})")
 
 
 def mergeable(read: Callable[[], T], what: str) -> T | None:
@@ -269,6 +274,18 @@ def mergeable(read: Callable[[], T], what: str) -> T | None:
     except PoolError as exc:
         log.info("replacing a damaged %s: %s", what, exc)
         return None
+
+
+def set_aside(path: str | os.PathLike[str], what: str, exc: Exception) -> Path:
+    """Move a damaged state file to FILE.bad (one earlier .bad is replaced), with a warning; its path."""
+    target = Path(path)
+    aside = target.with_name(target.name + ".bad")
+    try:
+        os.replace(target, aside)
+    except OSError as e:
+        raise PoolError(f"{exc}; and it cannot be moved aside to {aside}: {e}") from e
+    log.warning("warning: %s; moved to %s, a new %s takes its place", exc, aside, what)
+    return aside
 
 
 def is_empty_file(path: str | os.PathLike[str]) -> bool:

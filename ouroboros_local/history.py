@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
 from .errors import PoolError
-from .filestore import ForeignStateError, is_empty_file, locked
+from .filestore import DamagedStateError, ForeignStateError, is_empty_file, locked, set_aside
 from .pool import PhrasePool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,7 +118,8 @@ class History:
                load: Callable[[str, str, int | None], T]) -> T | None:
         """``current``, or the state saved at ``path`` when that file is named for the first time and
         holds something (``load(path, fingerprint, n_vocab)`` refuses another tokenizer's file, and token
-        ids outside the target's vocabulary). An empty file, made by ``touch``, starts afresh."""
+        ids outside the target's vocabulary). An empty file, made by ``touch``, starts afresh; so does a
+        damaged one (cut short by a crash, bytes changed), moved to FILE.bad with a warning."""
         if path is None or path == current_file:
             return current
         if os.path.exists(path) and not is_empty_file(path):
@@ -127,6 +128,9 @@ class History:
                 return load(path, self.fingerprint(), self._n_vocab())
             except ForeignStateError as exc:   # another model's (or version's): kept as it is
                 raise ForeignStateError(f"{exc}; name another history file (--pool) for this model") from None
+            except DamagedStateError as exc:   # refused at every start: nothing in it could be read back
+                set_aside(path, "history file", exc)
+                self._stamps[path] = None
         # a new file starts afresh where the state is another file's (one history per project); state
         # that no file holds yet is what this engine learned so far: the new file keeps it
         return current if current_file is None else None

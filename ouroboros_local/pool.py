@@ -28,8 +28,9 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from .errors import ParameterError, PoolError
-from .filestore import check_fingerprint, check_token_ids, mergeable, read_checked, write_atomic
+from .errors import ParameterError
+from .filestore import (DamagedStateError, check_fingerprint, check_token_ids, mergeable, read_checked,
+                        write_atomic)
 from .tree import TokenTree
 
 Phrase = tuple[int, ...]
@@ -278,12 +279,12 @@ class PhrasePool:
         payload = check_fingerprint(target, body, fp_len, fingerprint, "pool")
         expected = 4 * (n_keys * kl + n_keys + n_phrases + n_tok)
         if len(payload) != n_payload or n_payload != expected:
-            raise PoolError(f"{target} is truncated or corrupt ({len(payload)} payload bytes, "
+            raise DamagedStateError(f"{target} is truncated or corrupt ({len(payload)} payload bytes, "
                             f"expected {n_payload})")
         if zlib.crc32(payload) != crc:
-            raise PoolError(f"{target} is corrupt (checksum mismatch)")
+            raise DamagedStateError(f"{target} is corrupt (checksum mismatch)")
         if kl < 1 or plen < 1:
-            raise PoolError(f"{target} is corrupt (key_len {kl}, phrase_len {plen})")
+            raise DamagedStateError(f"{target} is corrupt (key_len {kl}, phrase_len {plen})")
         arr = np.frombuffer(payload, dtype="<i4")
         keys = arr[:n_keys * kl].reshape(n_keys, kl)
         counts = arr[n_keys * kl:n_keys * kl + n_keys]
@@ -291,7 +292,7 @@ class PhrasePool:
         toks = arr[n_keys * kl + n_keys + n_phrases:]
         if (counts < 1).any() or int(counts.sum()) != n_phrases or (lens < 1).any() \
                 or int(lens.sum()) != n_tok or (lens > plen).any():
-            raise PoolError(f"{target} is corrupt (inconsistent phrase table)")
+            raise DamagedStateError(f"{target} is corrupt (inconsistent phrase table)")
         check_token_ids(target, keys, n_vocab)
         check_token_ids(target, toks, n_vocab)
         pool = cls(key_len=int(kl), phrase_len=int(plen),

@@ -27,8 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .errors import PoolError
-from .filestore import check_fingerprint, check_token_ids, mergeable, read_checked, write_atomic
+from .filestore import DamagedStateError, check_fingerprint, check_token_ids, mergeable, read_checked, write_atomic
 
 TRIE_DEPTH = 16
 ROOT = 0
@@ -438,11 +437,11 @@ def read_documents(path: str | os.PathLike[str], fingerprint: str, n_vocab: int 
                                                                  "suffix history")
     payload = check_fingerprint(target, body, fp_len, fingerprint, "history")
     if len(payload) != 4 * (n_docs + n_tokens) or zlib.crc32(payload) != crc:
-        raise PoolError(f"{target} is truncated or corrupt")
+        raise DamagedStateError(f"{target} is truncated or corrupt")
     arr = np.frombuffer(payload, dtype="<i4")
     lengths = arr[:n_docs]
     if (lengths < 0).any() or int(lengths.sum()) != n_tokens:
-        raise PoolError(f"{target} is corrupt (inconsistent document lengths)")
+        raise DamagedStateError(f"{target} is corrupt (inconsistent document lengths)")
     check_token_ids(target, arr[n_docs:], n_vocab)
     tokens = arr[n_docs:].tolist()
     ends = np.cumsum(lengths).tolist()

@@ -549,25 +549,37 @@ def test_a_request_that_fails_names_no_file(engine, tmp_path: Path, method: str,
     engine.history.clear()
 
 
-def test_history_files_with_token_ids_outside_the_vocabulary_are_refused_and_empty_ones_start_afresh(
-        engine, tmp_path: Path) -> None:
+def test_damaged_history_files_are_set_aside_and_empty_ones_start_afresh(engine, tmp_path: Path, caplog) -> None:
     """A crafted file with the right fingerprint but ids past the vocabulary failed every generation inside
-    llama_decode; a file made by ``touch`` was refused as "bad header"."""
+    llama_decode, then was refused at every start, as a file cut short was; a file made by ``touch`` was
+    refused as "bad header"."""
     from ouroboros_local.pool import PhrasePool
 
     fingerprint, n_vocab = engine.history.fingerprint(), engine.target.n_vocab
     prompt = E2E_PROMPTS[1]
-    for method in ("suffix", "prompt-lookup"):
-        given = tmp_path / f"{method}.pool"
+    base = engine.generate(prompt, max_tokens=8)
+    for method, damage in itertools.product(("suffix", "prompt-lookup"), ("ids", "cut")):
+        given = tmp_path / f"{method}-{damage}.pool"
         crafted = SuffixCache()
-        crafted.add([1, 2, n_vocab + 5, 3])
+        crafted.add([1, 2, n_vocab + 5 if damage == "ids" else 4, 3])
         save_global(crafted, suffix_file(str(given)), fingerprint)
         pool = PhrasePool(key_len=1, phrase_len=4)
-        pool.add([engine.tokenize(prompt)[-1]], (n_vocab, 1, 2))
+        pool.add([engine.tokenize(prompt)[-1]], (n_vocab if damage == "ids" else 5, 1, 2))
         pool.save(given, fingerprint)
+        damaged = Path(suffix_file(str(given))) if method == "suffix" else given
+        if damage == "cut":
+            damaged.write_bytes(damaged.read_bytes()[:-6])
         engine.history.clear()
-        with pytest.raises(PoolError, match="outside the vocabulary"):
-            engine.generate(prompt, max_tokens=8, method=method, options={"pool": str(given)})
+        caplog.clear()
+        result = engine.generate(prompt, max_tokens=8, method=method, options={"pool": str(given)})
+        assert result.tokens == base.tokens
+        assert f"{damaged} is " in caplog.text and "moved to" in caplog.text
+        assert damaged.with_name(damaged.name + ".bad").is_file()
+    not_ours = tmp_path / "notes.txt"
+    not_ours.write_text("my notes\n" * 20)
+    with pytest.raises(PoolError, match="not a phrase pool file"):   # another kind of file: refused, untouched
+        engine.generate(prompt, max_tokens=8, method="prompt-lookup", options={"pool": str(not_ours)})
+    assert not_ours.read_text() == "my notes\n" * 20
     empty = tmp_path / "touched.pool"
     empty.touch()
     Path(suffix_file(str(empty))).touch()
