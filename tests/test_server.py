@@ -410,6 +410,17 @@ BAD_REQUESTS = [
     ("mirostat", "/v1/completions", {"prompt": "x", "mirostat": 2}, 400, "mirostat"),
     ("ignore_eos", "/v1/completions", {"prompt": "x", "ignore_eos": True}, 400, "ignore_eos"),
     ("grammar", "/v1/chat/completions", {"messages": CHAT, "grammar": "root ::= \"a\""}, 400, "grammar"),
+    # vLLM's and llama-server's fields that constrain or reorder were answered 200 and ignored
+    ("guided_choice", "/v1/chat/completions", {"messages": CHAT, "guided_choice": ["a", "b"]}, 400,
+     "guided_choice"),
+    ("min_tokens", "/v1/completions", {"prompt": "x", "min_tokens": 5}, 400, "min_tokens"),
+    ("bad_words", "/v1/completions", {"prompt": "x", "bad_words": ["the"]}, 400, "bad_words"),
+    ("stop_token_ids", "/v1/completions", {"prompt": "x", "stop_token_ids": [3]}, 400, "stop_token_ids"),
+    ("samplers reordered", "/v1/completions", {"prompt": "x", "samplers": ["temperature", "top_k", "top_p",
+                                                                         "min_p"]}, 400, "samplers"),
+    ("samplers without top_p", "/v1/completions", {"prompt": "x", "samplers": ["top_k", "min_p", "temperature"]},
+     400, "samplers"),
+    ("min_keep", "/v1/completions", {"prompt": "x", "min_keep": 5}, 400, "min_keep"),
     ("json mode on completions", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
      400, "response_format"),
     ("tools", "/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
@@ -436,7 +447,9 @@ BAD_REQUESTS = [
 
 def test_neutral_sampler_values_that_clients_send_are_taken(live, engine):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repeat_penalty": 1.0, "typical_p": 1,
-               "mirostat": False, "top_n_sigma": -1, "ignore_eos": False, "n_probs": 0, "logprobs": False}
+               "mirostat": False, "top_n_sigma": -1, "ignore_eos": False, "n_probs": 0, "logprobs": False,
+               "min_tokens": 0, "min_keep": 0, "top_k": -1, "bad_words": [],
+               "samplers": ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]}
     status, _, body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, **neutral})
     assert status == 200, body
     assert json.loads(body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text

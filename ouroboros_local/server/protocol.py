@@ -127,8 +127,10 @@ def sampling_params(body: dict[str, Any], base: SamplingParams) -> SamplingParam
     if not 0.0 < top_p <= 1.0:
         raise bad_request("top_p", f"top_p must be in (0, 1] (got {top_p})")
     top_k = number_field(body, "top_k", base.top_k, integer=True)
+    if top_k == -1:   # vLLM's clients say "off" so
+        top_k = 0
     if top_k < 0:
-        raise bad_request("top_k", f"top_k must be >= 0 (0 = off) (got {top_k})")
+        raise bad_request("top_k", f"top_k must be >= 0, or 0 or -1 for off (got {top_k})")
     min_p = number_field(body, "min_p", base.min_p)
     if not 0.0 <= min_p < 1.0:
         raise bad_request("min_p", f"min_p must be in [0, 1) (got {min_p})")
@@ -262,13 +264,18 @@ def _refuse_choices(body: dict[str, Any]) -> None:
 
 
 # samplers that change the target's distribution, by the value that leaves it alone: OpenAI's penalties,
-# and those of llama.cpp's server and other local servers that their clients send
+# and those of llama.cpp's server, vLLM and other local servers that their clients send
 _DISTRIBUTION_CHANGES = {"presence_penalty": 0, "frequency_penalty": 0, "repeat_penalty": 1,
                          "repetition_penalty": 1, "typical_p": 1, "tfs_z": 1, "top_a": 0, "mirostat": 0,
                          "dry_multiplier": 0, "xtc_probability": 0, "dynatemp_range": 0, "top_n_sigma": -1,
-                         "smoothing_factor": 0, "n_probs": 0, "ignore_eos": False}
-# constraints on the output: the text would no longer be the model's own
-_CONSTRAINTS = ("grammar", "json_schema")
+                         "smoothing_factor": 0, "n_probs": 0, "ignore_eos": False, "min_tokens": 0}
+# constraints on the output: the text would no longer be the model's own (vLLM's guided decoding, token
+# allow and ban lists, extra stop tokens)
+_CONSTRAINTS = ("grammar", "json_schema", "guided_json", "guided_choice", "guided_grammar", "guided_regex",
+                "guided_whitespace_pattern", "structured_outputs", "allowed_token_ids", "bad_words",
+                "stop_token_ids")
+# llama-server's sampler chain, as far as this server applies one: the order of ``sampling.support``
+_SAMPLER_ORDER = ["top_k", "top_p", "min_p", "temperature"]
 
 
 def _refuse_distribution_changes(body: dict[str, Any]) -> None:
@@ -281,6 +288,13 @@ def _refuse_distribution_changes(body: dict[str, Any]) -> None:
             raise bad_request(name, f"{name} must be {kind}", "invalid_type")
         if value != neutral:
             raise _refusal(name, "it would change the target's distribution; decoding is lossless")
+    if body.get("min_keep") not in (None, 0, 1):   # at least one token survives the cut-offs here
+        raise _refusal("min_keep", "it would change the target's distribution; decoding is lossless")
+    samplers = body.get("samplers")
+    if samplers is not None and (not isinstance(samplers, list)
+                                 or [x for x in samplers if x in _SAMPLER_ORDER] != _SAMPLER_ORDER):
+        raise _refusal("samplers", f"the samplers apply in llama.cpp's default order, {', '.join(_SAMPLER_ORDER)}; "
+                                   "a chain without one of them or in another order would change the distribution")
     for name in _CONSTRAINTS:
         if body.get(name):
             raise _refusal(name, "the output is the model's own, unconstrained")
