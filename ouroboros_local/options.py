@@ -127,7 +127,7 @@ MAX_NGRAM = Option("max_ngram", "int", 3, "prompt-lookup: longest n-gram matched
 MIN_NGRAM = Option("min_ngram", "int", 1, "prompt-lookup: shortest n-gram matched", 1, 64, flag=False)
 MAX_BRANCHES = Option("max_branches", "int", 1, "prompt-lookup: matches drafted as branches", 1, 16,
                       flag=False)
-P_MIN = Option("p_min", "float", 0.0, "stop drafting below this draft confidence", 0.0, 1.0)
+P_MIN = Option("p_min", "float", 0.0, "stop drafting where the draft's top probability is below this", 0.0, 1.0)
 POOL = Option("pool", "path", None, "history file: the phrase pool in FILE and, for auto and suffix, the "
               "suffix trie of earlier answers in FILE.suffix; loaded at start, saved after answers (history reuse)",
               per_request=False)

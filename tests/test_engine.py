@@ -332,21 +332,24 @@ def test_seeded_sampling_gives_seeded_vanillas_tokens(pair_engine: Engine, metho
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0),
                                     SamplingParams(temperature=1.5, top_k=0, top_p=0.9, min_p=0.02)])
-@pytest.mark.parametrize("adaedl", [False, True])
-def test_sampled_drafts_are_lossless(tiny_target, tiny_noisy_draft, params: SamplingParams, adaedl: bool) -> None:
+@pytest.mark.parametrize("stop", [None, "adaedl", "p_min"])
+def test_sampled_drafts_are_lossless(tiny_target, tiny_noisy_draft, params: SamplingParams, stop: str | None) -> None:
     """The rejection sampling an unseeded request runs: the draft samples its tokens (a seed makes it
     greedy, checked by sample-and-match, as in the tests above), each with its distribution q, and a
     rejection draws from the residual (p - q)+. A noisy draft rejects often enough for a wrong residual
-    to show; 4 tokens let the first two come from a draft of several."""
-    options = {"greedy_draft": False, "adaptive": False, "gamma": 4, "adaedl": adaedl,
-               **({"adaedl_lambda": 0.5} if adaedl else {})}
+    to show; 4 tokens let the first two come from a draft of several. Drafts stopped early (AdaEDL's
+    entropy, p_min's confidence: decided before the draw, as a token dropped for its own q would bias)."""
+    options = {"greedy_draft": False, "adaptive": False, "gamma": 4, "adaedl": stop == "adaedl",
+               **({"adaedl_lambda": 0.5} if stop == "adaedl" else {}), **({"p_min": 0.6} if stop == "p_min" else {})}
     with make_engine(tiny_target, tiny_noisy_draft) as engine:
         results = assert_first_pairs_follow_the_target(engine, tiny_target, PROMPTS[1], params, 1500,
                                                        max_tokens=4, method="speculative", options=options)
     drafted = sum(r.stats.drafted for r in results)
     assert 0.2 * drafted < sum(r.stats.accepted for r in results) < 0.9 * drafted   # both branches taken
-    if adaedl:
+    if stop == "adaedl":
         assert sum(r.stats.extra["adaedl_early_stops"] for r in results) > 0
+    if stop == "p_min":   # it was ignored for sampled drafts: ~2 drafted tokens a pass, as without it
+        assert drafted < 1.6 * sum(r.stats.target_passes for r in results)
 
 
 @pytest.mark.parametrize("method", ["vanilla", "speculative"])

@@ -228,6 +228,10 @@ class DraftModelProposer(Proposer):
                 if ada is not None and i > 0 and ada.should_stop(q.entropy()):
                     self.early_stops += 1
                     break
+                # judged on the distribution before the draw: a token dropped for its own q(x) would
+                # bias what is kept toward likelier drafts
+                if self.p_min > 0.0 and i > 0 and float(q.probs.max()) < self.p_min:
+                    break
                 token = q.sample(self.setup.rng)
                 conf = q.prob(token)
             node = tree.add(node, token, draft_probs=q, source="draft")
