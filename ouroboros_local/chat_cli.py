@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .sampling import SamplingParams
 
 PROMPT = ">>> "
+ANSWER_ROOM = 512   # tokens a turn keeps free for its answer, dropping the oldest turns (a quarter at most)
 MULTILINE = '"""'
 HELP = ('commands: /reset (forget the conversation), /stats (session totals), /help, /quit (or /exit, Ctrl-D); '
         '""" opens and closes a message of several lines; // starts a message with /; Ctrl-C stops an answer')
@@ -77,6 +78,12 @@ class ChatSession:
     def reset(self) -> None:
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
         self.context_used = 0
+        if self.messages:   # the system prompt's tokens (a template may refuse a system turn alone)
+            try:
+                self.context_used = self._tokens(self.messages)[2]
+            except OuroborosError:
+                pass
+        self.dropped = 0   # messages the last turn dropped from the conversation's start to fit the context
 
     def check_system(self) -> None:
         """ContextOverflowError where the system prompt leaves no room for a message and its answer (no
@@ -103,16 +110,24 @@ class ChatSession:
         answer too, as far as it got; not one stopped before its first token, during a long message's
         prefill, where the message was meant to be dropped). Raises ContextOverflowError when the
         conversation is full."""
-        messages = self.messages + [{"role": "user", "content": text}]
-        tokens, shown, n_tokens = self._tokens(messages)
+        turn = {"role": "user", "content": text}
+        first = int(bool(self.system))   # the messages before it are kept whatever is dropped
+        alone, shown, n_alone = self._tokens(self.messages[:first] + [turn])
+        if self.n_ctx - n_alone - 1 <= 0:   # nothing to drop would make room: the history stays as it is
+            raise ContextOverflowError(f"the message has {shown} tokens with the chat template and the "
+                                       f"context holds {self.n_ctx}: shorten it (or use a larger --ctx-size)")
+        # as chat apps do, the oldest turns make way for an answer (one answer that filled the context
+        # left every later message refused, the conversation lost to /reset)
+        wanted = min(self.max_tokens or ANSWER_ROOM, ANSWER_ROOM, self.n_ctx // 4)
+        history = self.messages[first:]
+        while True:
+            messages = self.messages[:first] + history + [turn]
+            tokens, shown, n_tokens = self._tokens(messages) if history else (alone, shown, n_alone)
+            if not history or self.n_ctx - n_tokens - 1 >= wanted:
+                break
+            history = history[2:] if history[0]["role"] == "user" and len(history) > 1 else history[1:]
+        self.dropped = len(self.messages) - first - len(history)
         room = self.n_ctx - n_tokens - 1
-        if room <= 0:
-            if len(self.messages) == bool(self.system):   # nothing to forget: /reset would not help
-                raise ContextOverflowError(f"the message has {shown} tokens with the chat template and the "
-                                           f"context holds {self.n_ctx}: shorten it (or use a larger --ctx-size)")
-            raise ContextOverflowError(
-                f"the conversation has {shown} tokens and the context holds {self.n_ctx}: "
-                "/reset to start over (or use a larger --ctx-size)")
         max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
         result = None
         for event in self.engine.stream(tokens, max_tokens=max_tokens, method=self.method,
@@ -129,9 +144,10 @@ class ChatSession:
         self.context_used = len(tokens) + result.stats.tokens
         return result
 
-    @staticmethod
-    def turn_line(result: "GenerationResult") -> str:
+    def turn_line(self, result: "GenerationResult") -> str:
         s = result.stats
+        if s.finish_reason == "cancelled" and not result.tokens:
+            return f"[{s.method}] stopped before the answer began: the message was not kept"
         parts = [f"[{s.method}] {s.tokens} tokens", f"{s.tokens_per_second:.1f} tok/s"]
         if s.target_passes:
             parts.append(f"{s.tokens_per_pass:.2f} tok/pass")
@@ -140,7 +156,12 @@ class ChatSession:
         if s.finish_reason == "cancelled":
             parts.append("stopped")
         elif s.finish_reason == "length":
-            parts.append("length limit")
+            full = self.context_used >= self.n_ctx - 1
+            parts.append(f"the context of {self.n_ctx} tokens is full (the next message drops the oldest turns)"
+                         if full else "length limit")
+        if self.dropped:
+            parts.append(f"the {self.dropped} oldest message{'s' if self.dropped > 1 else ''} dropped to fit the "
+                         "context")
         return ", ".join(parts)
 
     def summary(self) -> str:
@@ -163,8 +184,8 @@ class ChatSession:
 def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt: str = PROMPT,
              out: TextIO | None = None, err: TextIO | None = None) -> int:
     """The read-answer loop. Returns 0 on /quit, EOF or two Ctrl-C in a row at the prompt (one Ctrl-C
-    pressed a moment too late to stop an answer must not end the conversation). ``prompt``: "" where
-    none is shown (piped input)."""
+    pressed a moment too late to stop an answer must not end the conversation); 1 instead where piped
+    messages were refused, so that a script sees it. ``prompt``: "" where none is shown (piped input)."""
     out = out or sys.stdout
     err = err or sys.stderr
     main_thread = threading.current_thread() is threading.main_thread()
@@ -177,20 +198,24 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
         print(text, file=err, flush=True)
 
     interrupted = False
+    refused = 0   # messages refused: piped ones make the exit status 1, for a script to see
+
+    def finished() -> int:
+        return 1 if refused and not prompt else 0
     while True:
         try:
             line = read(prompt)
             line = line.removeprefix("\ufeff")   # a byte-order mark opening piped input is not text
             message, between_quotes = _message(line, read, prompt)
         except EOFError:
-            if prompt:
-                write("\n")
-            return 0
+            if prompt:   # the prompt's line, on stderr with the prompt (stdout may be a transcript)
+                say("")
+            return finished()
         except KeyboardInterrupt:
             if prompt:
-                write("\n")
+                say("")
             if interrupted:
-                return 0
+                return finished()
             interrupted = True
             say("(Ctrl-C again, Ctrl-D or /quit to leave)")
             continue
@@ -200,7 +225,7 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
         command = message.split()[0].lower() if not between_quotes else ""
         if command.startswith("/") and not command.startswith("//"):
             if command in ("/quit", "/exit", "/q"):
-                return 0
+                return finished()
             if command == "/reset":
                 session.reset()
                 say("(conversation cleared)")
@@ -210,6 +235,7 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
                 say(HELP)
             else:   # a question that began with a path was once dropped in silence
                 say(f"unknown command {command} (not sent; start the message with // to send it); {HELP}")
+                refused += 1
             continue
         if command.startswith("//"):
             message = message.replace("/", "", 1)   # "//etc" sends "/etc"
@@ -227,9 +253,10 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
         try:
             result = session.ask(message, on_text, cancel)
         except OuroborosError as exc:
-            if written or prompt:   # end the answer's line, or the prompt's
+            if written:   # end the answer's line (the message's own ended with its Enter)
                 write("\n")
             say(f"error: {exc}")
+            refused += 1
             continue
         finally:
             if main_thread:

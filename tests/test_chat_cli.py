@@ -72,7 +72,7 @@ def test_session_history_matches_template_over_whole_conversation(engine):
     assert "10 target passes (1.00 tok/pass)" in session.summary()
     t.tokens, t.target_passes, t.accepted = 30, 10, 21
     assert "10 target passes (3.10 tok/pass)" in session.summary()
-    assert STATS_LINE.match(ChatSession.turn_line(second))
+    assert STATS_LINE.match(session.turn_line(second))
 
     session.reset()
     assert session.messages == [{"role": "system", "content": SYSTEM}]
@@ -92,7 +92,7 @@ def test_session_cancel_keeps_partial_answer(engine):
     result = session.ask("hello", on_text, cancel)
     assert result.stats.finish_reason in ("cancelled", "stop")
     if result.stats.finish_reason == "cancelled":
-        assert "stopped" in ChatSession.turn_line(result)
+        assert "stopped" in session.turn_line(result)
     assert session.messages[-1] == {"role": "assistant", "content": result.text}
     # The engine is fine afterwards.
     assert session.ask("again").stats.finish_reason in ("stop", "length")
@@ -125,7 +125,9 @@ def test_repl_commands_without_a_terminal(engine):
     def eof(prompt: str) -> str:
         raise EOFError
 
-    assert run_repl(session, read=eof, out=io.StringIO(), err=io.StringIO()) == 0
+    transcript = io.StringIO()
+    assert run_repl(session, read=eof, out=transcript, err=io.StringIO()) == 0
+    assert transcript.getvalue() == ""   # the prompt's line ends where the prompt went, not in the answers
 
 
 def test_a_byte_order_mark_opening_piped_input_is_not_a_message(engine):
@@ -145,8 +147,10 @@ def test_a_message_that_can_never_fit_says_so_and_one_stopped_before_its_first_t
         session.ask("the sea " * 400)
     assert "/reset" not in str(exc.value)
     session.ask("hello")
-    with pytest.raises(ContextOverflowError, match="/reset to start over"):
+    kept = list(session.messages)
+    with pytest.raises(ContextOverflowError, match="the message has .* shorten it"):   # nothing dropped for it
         session.ask("the sea " * 400)
+    assert session.messages == kept
     with pytest.raises(ContextOverflowError, match="the system prompt has .* shorten --system"):
         ChatSession(engine, method="vanilla", system="the sea " * 400).check_system()
     ChatSession(engine, method="vanilla", system=SYSTEM).check_system()
@@ -156,6 +160,31 @@ def test_a_message_that_can_never_fit_says_so_and_one_stopped_before_its_first_t
     result = session.ask("a long paste", cancel=stopped)
     assert result.stats.finish_reason == "cancelled" and not result.tokens
     assert session.messages == before and session.totals.cancelled == 1
+    assert "the message was not kept" in session.turn_line(result)   # it said "0 tokens, stopped"
+
+
+def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(engine):
+    """An answer that filled the context left every later message refused ("/reset to start over")."""
+    from ouroboros_local import chat_cli
+
+    session = ChatSession(engine, method="vanilla", system=SYSTEM, max_tokens=8)
+    first = session.ask("Tell me about the sea.")
+    session.messages[-1]["content"] = "waves " * 300   # as if the answer had run until the context was full
+    session.context_used = session.n_ctx - 1
+    first.stats.finish_reason = "length"
+    assert "the context of 512 tokens is full" in session.turn_line(first)
+    second = session.ask("And the boats?")
+    assert session.dropped == 2 and "the 2 oldest messages dropped" in session.turn_line(second)
+    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And the boats?"}]
+    assert session.messages == history + [{"role": "assistant", "content": second.text}]
+    assert second.tokens == engine.generate(engine.chat_tokens(history), max_tokens=8).tokens
+    dropped = 0
+    for _ in range(30):   # short turns: the oldest go a turn at a time, the system prompt stays
+        session.ask("More, please.")
+        assert session.messages[0]["role"] == "system" and session.dropped % 2 == 0   # whole turns
+        assert session.context_used + min(8, chat_cli.ANSWER_ROOM) <= session.n_ctx + 8
+        dropped += session.dropped
+    assert dropped > 0
 
 
 def test_repl_unknown_commands_escapes_and_messages_of_several_lines(engine):
@@ -193,7 +222,7 @@ def test_piped_chat_shows_no_prompt_and_takes_bytes_that_are_not_utf8(tiny_targe
                           "-t", "1", "-n", "4", "--method", "vanilla"], input=b"Hello caf\xe9\nhi\n", env=env,
                          capture_output=True, timeout=120)
     err = run.stderr.decode()
-    assert run.returncode == 0 and "Traceback" not in err, err
+    assert run.returncode == 1 and "Traceback" not in err, err   # 1: a piped message was refused
     assert "error: the text is not valid Unicode: it holds the byte 0xe9" in err
     assert len(STATS_LINE.findall(err)) == 1 and PROMPT not in run.stdout.decode()
     bad = subprocess.run([sys.executable, "-m", "ouroboros_local.cli", "chat", "-m", str(tmp_path / "none.gguf"),
