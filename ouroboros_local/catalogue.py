@@ -16,6 +16,7 @@ The fetching itself (pip, wheel assembly, the hub) lives in ``download``.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import functools
 import hashlib
 import json
@@ -457,15 +458,29 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
             if text == AUTO_DRAFT:
                 raise ModelError(f"{AUTO_DRAFT!r} is not a model: as a draft (-d {AUTO_DRAFT}) it means the "
                                  "target's default draft, resolved with the target (resolve_draft_spec)")
-            raise ModelError(f"unknown model {text!r}: not a file and not a catalogue name "
-                             f"(known: {', '.join(sorted(cat))})")
+            near = _near_names(text, cat)
+            raise ModelError(f"unknown model {text!r}: not a file and not a catalogue name"
+                             + (f"; did you mean {' or '.join(map(repr, near))}?" if near else "")
+                             + f" (known: {', '.join(sorted(cat))})")
     path = Path(text).expanduser()
     if not path.exists():
-        raise ModelError(f"model file not found: {path}")
+        cat = load_catalogue() if catalogue is None else catalogue
+        near = [] if os.sep in text else _near_names(text, cat)   # 'NAME.gguf' for a cached catalogue model
+        raise ModelError(f"model file not found: {path}"
+                         + (f"; the catalogue name is {near[0]!r}" if near else ""))
     if path.is_dir():
         raise ModelError(f"{path} is a directory, not a GGUF file")
     validate_gguf(path)
     return path
+
+
+def _near_names(text: str, cat: Mapping[str, Any]) -> list[str]:
+    """Catalogue names ``text`` probably meant: another case, a '.gguf' added, a suffix left off, a typo."""
+    plain = text.lower().removesuffix(".gguf")
+    if plain in cat:
+        return [plain]
+    started = sorted(name for name in cat if name.startswith(plain))
+    return started[:2] or difflib.get_close_matches(plain, list(cat), n=2, cutoff=0.8)
 
 
 # =============================================================================================

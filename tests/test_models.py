@@ -12,6 +12,7 @@ import http.server
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -113,6 +114,16 @@ def test_tilde_path(gguf_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="model file not found: .*nope.gguf"):
         catalogue.resolve_model(str(tmp_path / "nope.gguf"))
+
+
+@pytest.mark.parametrize("typed, meant", [("SmolLM2-135M-Instruct", "smollm2-135m-instruct"),
+                                          ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b-instruct"),
+                                          ("smolm2-135m-instruct", "smollm2-135m-instruct"),
+                                          ("smollm2-135m-instruct.gguf", "smollm2-135m-instruct")])
+def test_a_near_miss_of_a_catalogue_name_is_pointed_to_it(typed: str, meant: str) -> None:
+    with pytest.raises(ModelError, match=f"'{re.escape(meant)}'") as caught:   # only the list of names was given
+        catalogue.resolve_model(typed)
+    assert "did you mean" in str(caught.value) or "the catalogue name is" in str(caught.value)
 
 
 def test_directory_is_refused(tmp_path: Path) -> None:
