@@ -326,14 +326,19 @@ def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, met
     if stats.finish_reason == "length" and stats.tokens < args.max_tokens:
         say(f"note: the answer stopped after {stats.tokens} of the {args.max_tokens} tokens asked: the context "
             f"of {engine.target_ctx.n_ctx} tokens is full (-c/--ctx-size sets its size)")
+    compared: dict[str, Any] | None = None
+    if args.compare and method == "vanilla":
+        say("note: --compare compares a method with plain decoding, and --method vanilla is plain decoding")
     if args.compare and method != "vanilla":
         say("running plain decoding to compare ...")
         base = engine.generate(prompt, method="vanilla", **kwargs)
         speedup = stats.tokens_per_second / base.stats.tokens_per_second if base.stats.tokens_per_second else 0
+        verdict = _same_output(engine, prompt, args, base, result)
         print(f"[{method}] {stats.tokens_per_second:.1f} tok/s vs [vanilla] "
               f"{base.stats.tokens_per_second:.1f} tok/s: {speedup:.2f}x, "
-              f"{stats.tokens_per_pass:.2f} tokens per target pass, "
-              f"{_same_output(engine, prompt, args, base, result)}", file=sys.stderr)
+              f"{stats.tokens_per_pass:.2f} tokens per target pass, {verdict}", file=sys.stderr)
+        compared = {"vanilla_tokens_per_second": base.stats.tokens_per_second, "speedup": speedup,
+                    "identical": base.tokens == result.tokens, "verdict": verdict}
     elif not args.json:
         print(f"[{stats.method}] {stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
               f"{stats.target_passes} target passes, {stats.tokens_per_pass:.2f} tokens/pass, "
@@ -344,6 +349,8 @@ def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, met
         full = stats.to_dict()
         payload = {"text": result.text, "tokens": result.tokens,
                    "stats": {**{k: full[k] for k in keys}, **{k: v for k, v in full.items() if k not in keys}}}
+        if compared is not None:
+            payload["compare"] = compared
         print_json(payload)
 
 

@@ -428,3 +428,20 @@ def test_a_window_the_context_cannot_hold_is_a_method_option_error(tiny_target, 
                 eng.generate("The", max_tokens=2, method=method)
     finally:
         eng.close()
+
+
+def test_compare_is_in_the_json_and_says_when_there_is_nothing_to_compare(tiny_target, tmp_path, monkeypatch,
+                                                                          capsys) -> None:
+    """--json left the speed-up and the verdict on stderr only; --compare with vanilla said nothing."""
+    import json
+
+    from ouroboros_local import cli
+
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(tmp_path / "c.json"))
+    monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", str(tmp_path / "e.json"))
+    common = ["generate", "-m", str(tiny_target), "-p", "abc abd abc", "-n", "6", "-t", "1", "-c", "256", "--compare"]
+    assert cli.main([*common, "--method", "prompt-lookup", "--json"]) == 0
+    compared = json.loads(capsys.readouterr().out.splitlines()[-1])["compare"]
+    assert compared["identical"] is True and compared["verdict"] == "identical output" and compared["speedup"] > 0
+    assert cli.main([*common, "--method", "vanilla"]) == 0
+    assert "--method vanilla is plain decoding" in capsys.readouterr().err
