@@ -347,7 +347,7 @@ BAD_REQUESTS = [
      "temperature"),
     ("top_p zero", "/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p"),
     ("top_p above one", "/v1/completions", {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
-    ("negative top_k", "/v1/completions", {"prompt": "x", "top_k": -1}, 400, "top_k"),
+    ("negative top_k (-1 is off)", "/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k"),
     ("min_p one", "/v1/completions", {"prompt": "x", "min_p": 1.0}, 400, "min_p"),
     ("negative seed", "/v1/completions", {"prompt": "x", "seed": -7}, 400, "seed"),
     ("stop wrong type", "/v1/completions", {"prompt": "x", "stop": 5}, 400, "stop"),
