@@ -8,7 +8,8 @@
 # llama-cpp-python's sdist vendors, so we and the peers run the same kernels.
 #
 # Here, before any device time:
-#   scripts/gpu_check.sh pack [GGUF...]  write .gpu/c1 .. .gpu/cN (ignored by git), each at most 60 MiB:
+#   scripts/gpu_check.sh pack [GGUF...]  write .gpu/c1 .. .gpu/cN (ignored by git), each at most 60 MiB
+#                                        and what the working tree leaves of a call's 64 (less 2 MiB):
 #                                        llama.cpp's sources and the llama_cpp package from the sdist,
 #                                        the gguf and diskcache wheels, the prompt sets of ../shared/bench,
 #                                        and the GGUFs cut into parts (default: SmolLM2-135M, then
@@ -16,7 +17,8 @@
 #                                        folders). Prints the device calls to make.
 #   scripts/gpu_check.sh rehearse        `next` on this CPU (cached models, 1 prompt a set, 8 tokens, a CUDA
 #                                        GPU's defaults forced): fails where a part of the plan would fail
-#                                        there (~2 minutes; run it before any device time)
+#                                        there (~2 minutes, ~6 with no cost curve cached; run it before
+#                                        any device time)
 # On the device machine (the `run` tool; each call carries one folder, timeout_s a little above need):
 #   scripts/gpu_check.sh start            carry .gpu/c1: unpack, start the CUDA build in the background
 #   scripts/gpu_check.sh stash .gpu/cK    carry .gpu/cK, K = 2..N: back to back while the build runs (an
@@ -98,8 +100,30 @@ SDIST_VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
 
 pack() {
   local pack_dir=.gpu work
+  local models=("$@")
+  if [ ${#models[@]} -eq 0 ]; then
+    local cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}/models"
+    models=("$cache/smollm2-135m-instruct.gguf" "$cache/qwen2.5-coder-0.5b-instruct.gguf"
+            "$cache/qwen2.5-coder-1.5b-instruct.gguf")
+  fi
+  local m   # what is missing is said before anything is downloaded or written
+  for m in "${models[@]}"; do
+    [ -f "$m" ] || { echo "pack: no model $m (ouroboros-local models fetch NAME, or name GGUFs)" >&2; exit 1; }
+  done
+  ls "${BENCH_DIR:-../shared/bench}"/*.jsonl > /dev/null 2>&1 \
+    || { echo "pack: no prompt sets in ${BENCH_DIR:-../shared/bench} (set BENCH_DIR)" >&2; exit 1; }
+  # each call carries the working tree beside its folder, 64 MiB in all: the folders get what the tree
+  # leaves, less 2 MiB for the tree's growth until the session (it was 3 MiB and grew 1.4 in 3 days)
+  local tree_bytes cap_mib
+  tree_bytes=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s 2>/dev/null \
+    | awk '{s += $1} END {print s + 0}')
+  cap_mib=$(( (64 * 1048576 - tree_bytes) / 1048576 - 2 ))
+  [ "$cap_mib" -gt "$CAP_MIB" ] && cap_mib=$CAP_MIB
+  [ "$cap_mib" -ge 16 ] || { echo "pack: the working tree takes $((tree_bytes >> 20)) MiB of the 64" >&2; exit 1; }
   work=$(mktemp -d)
   rm -rf "$pack_dir" && mkdir -p "$work/payload"
+  # no half-packed folders, no temporary copies (expanded now: the names are this function's)
+  trap "rm -rf '$work'; [ -f '$pack_dir/done' ] || rm -rf '$pack_dir'" EXIT
   # llama.cpp sources without what a CUDA build never reads (other backends, models, docs, web UI)
   local sdist
   sdist=$(ls "${SDIST:-$work}"/llama_cpp_python-"$SDIST_VERSION".tar.gz 2>/dev/null | head -1)
@@ -119,16 +143,9 @@ pack() {
   tar czf "$work/payload/llama-src.tgz" -C "$work/tree" . || exit 1
   # gguf for our GGUF reader, diskcache for llama_cpp's import: the image has neither
   $PY -m pip download -q --no-deps --only-binary=:all: gguf diskcache -d "$work/payload" || exit 1
-  cp "${BENCH_DIR:-../shared/bench}"/*.jsonl "$work/payload/" \
-    || { echo "no prompt sets in ${BENCH_DIR:-../shared/bench} (set BENCH_DIR)"; exit 1; }
-  local models=("$@")
-  if [ ${#models[@]} -eq 0 ]; then
-    local cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}/models"
-    models=("$cache/smollm2-135m-instruct.gguf" "$cache/qwen2.5-coder-0.5b-instruct.gguf"
-            "$cache/qwen2.5-coder-1.5b-instruct.gguf")
-  fi
+  cp "${BENCH_DIR:-../shared/bench}"/*.jsonl "$work/payload/" || exit 1
   # every model after the small files, cut so that each folder fills to the cap: fewest calls
-  $PY - "$pack_dir" "$CAP_MIB" "$work/payload" "${models[@]}" <<'EOF' || exit 1
+  $PY - "$pack_dir" "$cap_mib" "$work/payload" "${models[@]}" <<'EOF' || exit 1
 import hashlib, os, sys
 pack_dir, cap, payload, models = sys.argv[1], int(sys.argv[2]) << 20, sys.argv[3], sys.argv[4:]
 folder, used, part = 1, 0, 0
@@ -161,6 +178,7 @@ for k in range(2, folder + 1):
     print(f"  run: scripts/gpu_check.sh stash .gpu/c{k}    carry [.gpu/c{k}]")
 print("  run: scripts/gpu_check.sh bench qwen15     (then bench smol, bench qwen05, and with --round-size 4)")
 EOF
+  touch "$pack_dir/done"
   rm -rf "$work"
   grep -qx '/.gpu/' .gitignore 2>/dev/null || echo "note: add /.gpu/ to .gitignore"
 }
@@ -211,6 +229,11 @@ assemble() {
   done
 }
 
+known_set() {
+  case "$1" in smol|qwen05|qwen15) return 0 ;; esac
+  echo "unknown bench set $1 (smol, qwen05, qwen15)" >&2; return 1
+}
+
 # benchmark sets: what `bench NAME` runs (model, methods, peers, prompt sets)
 bench_set() {
   local S="$MODELS" bin="$LLAMA/build/bin"
@@ -230,7 +253,7 @@ bench_set() {
         --methods vanilla,prompt-lookup,speculative,auto \
         --peers llama.cpp:draft-simple,llama.cpp:ngram-mod \
         --prompts "$S/humaneval.jsonl,$S/codeedit.jsonl,$S/codeedit.jsonl,$S/gsm8k.jsonl" ;;
-    *) echo "unknown bench set $1 (smol, qwen05, qwen15)"; exit 2 ;;
+    *) echo "unknown bench set $1 (smol, qwen05, qwen15)"; return 2 ;;
   esac
   # BENCH_DEADLINE (epoch seconds): interrupt the bench then (SIGINT, as Ctrl-C: it reports the prompts
   # it finished), so that a call ends inside its time limit with something to bring back
@@ -270,8 +293,9 @@ case "${1:-}" in
   stash)
     stash "$2" ;;
   bench)
+    SET="${2:?bench NAME: smol, qwen05 or qwen15}"
+    known_set "$SET" || exit 2
     setup_env; wait_for_build; assemble
-    SET="${2:?bench NAME: smol or qwen05}"
     EXTRA=("${@:3}")             # more bench flags, e.g. --round-size 4
     NAME="${LABEL:-$SET}"
     bench_set "$SET" > "$OUT/$NAME.log" 2>&1
@@ -284,8 +308,9 @@ case "${1:-}" in
   ab)
     # two settings side by side, runs in the order A B B A A B ...: each arm's speed-ups per set, mean
     # (lowest-highest), printed and written to $OUT/NAME-ab.md (scripts/ab_summary.py)
-    setup_env; wait_for_build; assemble
     SET="${2:?ab NAME REPEATS 'FLAGS A' 'FLAGS B' [COMMON FLAGS...]}"
+    known_set "$SET" || exit 2
+    setup_env; wait_for_build; assemble
     REPEATS="${3:-2}"
     read -ra ARM_A <<< "${4:-}"
     read -ra ARM_B <<< "${5:-}"
@@ -303,9 +328,14 @@ case "${1:-}" in
     done
     AB="${AB_LABEL:-$SET}"
     echo "a: ${ARM_A[*]:-(defaults)}   b: ${ARM_B[*]:-(defaults)}   common: ${COMMON[*]:-}" | tee "$OUT/$AB-ab.md"
-    $PY scripts/ab_summary.py "$OUT" "${RUNS[@]}" | tee -a "$OUT/$AB-ab.md"
-    # one archive for the runs: at most 8 files come back from a call
-    tar czf "$OUT/$AB-runs.tgz" -C "$OUT" "${RUNS[@]}" && for r in "${RUNS[@]}"; do rm -rf "${OUT:?}/$r"; done
+    DONE=(); LOGS=()   # a run cut by the deadline before its bench began left only its log
+    for r in "${RUNS[@]}"; do
+      if [ -f "$OUT/$r/results.json" ]; then DONE+=("$r"); else LOGS+=("$r.log"); echo "$r: no results ($(tail -1 "$OUT/$r.log"))" | tee -a "$OUT/$AB-ab.md"; fi
+    done
+    [ ${#DONE[@]} -gt 0 ] && $PY scripts/ab_summary.py "$OUT" "${DONE[@]}" | tee -a "$OUT/$AB-ab.md"
+    # one archive for the runs and the logs of those without results: at most 8 files come back from a call
+    ( cd "$OUT" && tar czf "$AB-runs.tgz" $(for r in "${RUNS[@]}"; do [ -e "$r" ] && echo "$r"; done) "${LOGS[@]}" ) \
+      && for r in "${RUNS[@]}"; do rm -rf "${OUT:?}/$r"; done
     rm -f "$OUT"/"$AB"-[ab][0-9]*.log
     ;;
   next)
@@ -330,7 +360,7 @@ case "${1:-}" in
       --methods vanilla,auto --peers '' "${FORCE[@]}"
     BENCH_DEADLINE=$((end - 110)) LABEL=q15 "$0" bench qwen15 "${FORCE[@]}"
     BENCH_DEADLINE=$((end - 20)) LABEL=smol "$0" bench smol "${FORCE[@]}"
-    [ "$(date +%s)" -lt $((end - 60)) ] && "$0" profile > /dev/null
+    [ "$(date +%s)" -lt $((end - 60)) ] && PROFILE_FORCE="${FORCE[*]:+1}" "$0" profile > /dev/null
     ls "$OUT"
     ;;
   rehearse)
@@ -341,7 +371,8 @@ case "${1:-}" in
     # attention auto). A flag the CLI no longer takes, or a method failing under those defaults, then
     # shows here and not in a session's 15 minutes: the forty-sixth session found `speculative` raising
     # on every request in rounds of 4 this way (fixed), which would have cost the 1.5B's whole bench.
-    # ~2 minutes on 2 cores (118 s here); fails, with the lines that say why, where any part of `next` failed.
+    # ~2 minutes on 2 cores with the cost curves cached (118 s here), ~6 from an empty cache (they are
+    # measured first); fails, with the lines that say why, where any part of `next` failed.
     cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}"
     dir=$(mktemp -d)
     ln -s "$cache"/models/*.gguf "$dir"/ && ln -s "$(cd "${BENCH_DIR:-../shared/bench}" && pwd)"/*.jsonl "$dir"/ \
@@ -371,12 +402,15 @@ case "${1:-}" in
     # LIMIT prompts as this process's reference, then auto under cProfile on the same (its first answers
     # to them: nothing of them to copy yet).
     setup_env; wait_for_build; assemble
-    $PY - "$MODELS" "${LIMIT:-10}" "${TOKENS:-128}" "${GPU_LAYERS:-all}" <<'EOF' 2>&1 | tee "$OUT/profile.txt"
+    $PY - "$MODELS" "${LIMIT:-10}" "${TOKENS:-128}" "${GPU_LAYERS:-all}" "${PROFILE_FORCE:-}" <<'EOF' 2>&1 \
+      | tee "$OUT/profile.txt"
 import cProfile, collections, json, pstats, sys
 from ouroboros_local.engine import Engine
 models, limit, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 layers = -1 if sys.argv[4] == "all" else int(sys.argv[4])
-eng = Engine.load(f"{models}/smollm2-135m-instruct.gguf", progress=False, gpu_layers=layers)
+forced = {"round_size": 4, "flash_attn": "auto"} if sys.argv[5] else {}   # next's flags, where preflight failed
+eng = Engine.load(f"{models}/smollm2-135m-instruct.gguf", progress=False, gpu_layers=layers, **forced)
+eng.prepare("auto")   # the cost curve measured here, not inside the profile
 print("round size", eng.round_size)
 with open(f"{models}/mt_bench.jsonl") as f:
     prompts = [eng.apply_chat_template([{"role": "user", "content": json.loads(line)["turns"][0]}])
