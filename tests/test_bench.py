@@ -282,6 +282,16 @@ def test_llama_cpp_binary_peer_with_fake_binary(tmp_path: Path) -> None:
     missing.close()
 
 
+def test_llama_cpp_peers_without_any_binary_are_refused_before_the_model_loads(tmp_path: Path,
+                                                                                capsys: pytest.CaptureFixture) -> None:
+    """A wrong --llama-cpp-bin ran vanilla alone, said so after the warm-up, and exited 0 under --strict."""
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    assert main(["bench", "-m", str(tmp_path / "none.gguf"), "--prompts", str(pfile), "--methods", "vanilla",
+                 "--peers", "llama.cpp:vanilla,llama.cpp:ngram-mod", "--llama-cpp-bin", str(tmp_path),
+                 "--out", str(tmp_path / "out"), "--strict"]) == 2
+    assert "no llama.cpp binary (llama-lookup, llama-speculative-simple) in" in capsys.readouterr().err
+
+
 def test_llama_cpp_peers_decode_in_a_context_of_our_size(tiny_target: Path, tmp_path: Path) -> None:
     """llama.cpp's decode time depends on the context's size (SmolLM2 on 2 cores: 2-3% faster with 768
     cells than 4096), so a peer once given only what the prompts need was measured at other settings."""
@@ -519,7 +529,10 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     try:
         import llama_cpp  # noqa: F401
 
-        peer_args = ["--peers", "llama-cpp-python-pld,llama.cpp:lookup", "--llama-cpp-bin", str(tmp_path)]
+        # a llama.cpp peer whose binary is there, and one whose binary is not (skipped, with a note)
+        exe = fake_lookup_binary(tmp_path, FAKE_BINARY)
+        peer_args = ["--peers", "llama-cpp-python-pld,llama.cpp:vanilla,llama.cpp:lookahead", "--llama-cpp-bin",
+                     str(exe.parent)]
     except ImportError:
         pass
     rc = main(["bench", "-m", str(tiny_target), "-d", str(tiny_draft), "--prompts", str(pfile),
@@ -543,6 +556,7 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
         assert summary[lab]["tokens"] == summary["vanilla"]["tokens"]
     assert summary["lossy"]["all_identical"] is False and summary["lossy"]["mismatches"] == 2
     mism = data["mismatches"]
+    mism = [m for m in mism if m["label"] != "llama.cpp:vanilla"]   # the fake binary's text is its own
     assert {m["label"] for m in mism} == {"lossy"} and all(m["first_diff"] == 2 for m in mism)
     assert all(m["margin"] is not None for m in mism)
     assert len(data["records"]) == 2 * len(labels)
@@ -560,7 +574,8 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     if peer_args:
         assert summary["llama-cpp-python-pld"]["all_identical"] is True
         assert summary["llama-cpp-python-pld"]["baseline"] == "llama-cpp-python"
-        assert "llama.cpp:lookup" in data["skipped"]          # no binaries in tmp_path
+        assert "llama.cpp:lookahead" in data["skipped"]       # no llama-lookahead beside the fake llama-lookup
+        assert summary["llama.cpp:vanilla"]["baseline"] == "llama.cpp:vanilla"
     md = (out / "results.md").read_text()
     assert "| vanilla |" in md and "MISMATCH" in md and "## Outputs that differ from vanilla" in md
     assert summary["vanilla"]["draft_graphs"] is None          # no draft model decoded
@@ -694,9 +709,10 @@ def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts
     monkeypatch.setitem(runner.CUSTOM_METHODS, "stops", stops_at_p2)
     pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "p1", "turns": ["hello there"]},
                                                {"id": "p2", "turns": ["good night"]}])
+    later = write_jsonl(tmp_path / "later.jsonl", [{"id": "q1", "turns": ["good day"]}])
     out = tmp_path / "out"
-    common = ["bench", "-m", str(tiny_target), "--prompts", str(pfile), "-n", "4", "-t", "1", "--out", str(out),
-              "--no-progress", "--no-bandwidth", "--no-warmup", "--peers", ""]
+    common = ["bench", "-m", str(tiny_target), "--prompts", f"{pfile},{later}", "-n", "4", "-t", "1", "--out",
+              str(out), "--no-progress", "--no-bandwidth", "--no-warmup", "--peers", ""]
     assert main([*common, "--methods", "vanilla,broken", "--strict"]) == 3
     assert "| broken [2 errors] |" in (out / "results.md").read_text()
     out.mkdir(exist_ok=True)
@@ -705,6 +721,7 @@ def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts
     assert main([*common, "--methods", "vanilla,stops"]) == 130
     data = json.loads((out / "results.json").read_text())
     assert data["sets"][0]["prompts"] == 1 and "## p (raw, 1 prompts" in (out / "results.md").read_text()
+    assert "## later (raw, not run: stopped before its first prompt finished)" in (out / "results.md").read_text()
     assert not (out / "sweep.png").exists()
     assert not (out / "speedup.png").exists() or (out / "speedup.png").read_bytes() != b"an earlier run's chart"
     # the earlier run is kept aside, not wiped (a rerun stopped at once wrote an empty report over it)
@@ -716,6 +733,11 @@ def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts
     assert main([*common, "--methods", "vanilla,stops"]) == 130
     assert (out / "results.json").read_bytes() == before                    # nothing measured: nothing written
     assert "| broken [2 errors] |" in (previous / "results.md").read_text()
+    # a second stopped rerun: the finished run stays in previous/, the stopped one goes beside it
+    monkeypatch.setitem(runner.CUSTOM_METHODS, "stops", stops_at_p2)
+    assert main([*common, "--methods", "vanilla,stops"]) == 130
+    assert "| broken [2 errors] |" in (previous / "results.md").read_text()
+    assert (previous / "stopped" / "results.json").read_bytes() == before
 
 
 def test_each_contender_keeps_its_own_learned_state() -> None:

@@ -251,22 +251,36 @@ def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:
 
 
 CHARTS = ("speedup.png", "sweep.png")
+STOPPED_NOTE = "interrupted (Ctrl-C)"   # a stopped run's note (results.json "notes")
 
 
 def keep_earlier_run(out_dir: Path, log: Callable[[str], None]) -> None:
     """Move an earlier run's results and charts in ``out_dir`` to ``out_dir/previous/`` (replacing the one
-    kept there before): a rerun into the same folder, perhaps stopped early, must not wipe a finished run."""
+    kept there before): a rerun into the same folder, perhaps stopped early, must not wipe a finished run.
+    A stopped run goes to ``previous/stopped/`` where ``previous/`` holds a finished one: two stopped
+    reruns in a row replaced the finished run with the first of them."""
     names = ("results.json", "results.md", *CHARTS)
     earlier = [out_dir / name for name in names if (out_dir / name).is_file()]
     if not earlier:
         return
     kept = out_dir / "previous"
-    kept.mkdir(exist_ok=True)
+    if _was_stopped(out_dir) and (kept / "results.json").is_file() and not _was_stopped(kept):
+        kept = kept / "stopped"
+    kept.mkdir(parents=True, exist_ok=True)
     for name in names:
         (kept / name).unlink(missing_ok=True)
     for path in earlier:
         path.replace(kept / path.name)
     log(f"bench: the earlier run's results in {out_dir} moved to {kept}")
+
+
+def _was_stopped(run_dir: Path) -> bool:
+    """Whether the run whose results.json is in ``run_dir`` was stopped by Ctrl-C (its notes say so)."""
+    try:
+        notes = json.loads((run_dir / "results.json").read_text()).get("notes") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return any(str(note).startswith(STOPPED_NOTE) for note in notes)
 
 
 def write_charts(summary: dict[str, Any], sweep_info: dict[str, Any] | None, out_dir: Path, title: str,
@@ -337,6 +351,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     learn_sets = [dataclasses.replace(ps, items=ps.items[args.limit:]) for ps in sets] if learn_n else []
     sets = [dataclasses.replace(ps, items=ps.items[:args.limit]) for ps in sets] if learn_n else sets
     peer_labels = peers_mod.expand_peers(args.peers, has_draft=args.draft is not None)
+    peers_mod.check_some_binary(peer_labels, args.llama_cpp_bin)   # before a model loads
     base_opts = _method_options(args)
     planned = plan_contenders(methods, method_opts, base_opts, sweep, variants_from_args, args.reset_pool)
     check_unique_labels(planned)
@@ -461,7 +476,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 130
         with saving_first(log) as pressed:   # a second Ctrl-C must not lose a long run's measurements
             if run.interrupted:
-                notes.append("interrupted (Ctrl-C): only the prompts completed before it are included")
+                notes.append(f"{STOPPED_NOTE}: only the prompts completed before it are included")
             disturbed = runner.disturbed_note(run.records)
             if disturbed is not None:
                 notes.append(disturbed)

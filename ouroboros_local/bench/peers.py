@@ -233,6 +233,18 @@ class LlamaCppPythonPeer(Contender):
 
 
 # ---- llama.cpp binaries -----------------------------------------------------------------------
+def check_some_binary(labels: Sequence[str], bin_dir: str | Path | None) -> None:
+    """PeerUnavailable, before a model loads, where llama.cpp peers are asked for and none of their
+    binaries is in ``bin_dir`` (a wrong folder ran vanilla alone and said so only after the warm-up); one
+    binary of several missing is a note when its peer comes up (``--peers llama.cpp`` lists them all)."""
+    names = sorted({BIN_VARIANTS[label[len(BIN_PREFIX):]][0] for label in labels if label.startswith(BIN_PREFIX)
+                    and label[len(BIN_PREFIX):] in BIN_VARIANTS})
+    if names and not any(find_binary(bin_dir, name) for name in names):
+        where = bin_dir if bin_dir is not None else "PATH"
+        raise PeerUnavailable(f"no llama.cpp binary ({', '.join(names)}) in {where}: build them with "
+                              "scripts/build_llama_cpp.sh and pass --llama-cpp-bin DIR")
+
+
 def find_binary(bin_dir: str | Path | None, name: str) -> Path | None:
     """`name` in DIR, DIR/bin or DIR/build/bin; on PATH when no DIR is given."""
     exe = name + (".exe" if os.name == "nt" else "")

@@ -359,6 +359,11 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                          f"{_f(s.get('python_ms_per_round'), '{:.3f}')} | "
                          f"{_f(s.get('graph_rebuilds_per_100_passes'), '{:.1f}')} |")
         lines.append("")
+    summarized = set(payload.get("summary") or {})
+    for set_info in payload.get("sets", []):   # a stopped run's sets that no prompt of finished
+        if set_info.get("name") not in summarized:
+            lines += [f"## {set_info.get('name')} ({set_info.get('task')}, not run: stopped before its first "
+                      "prompt finished)", ""]
     lines += _time_split_lines(payload.get("summary") or {})
     lines += _draft_graph_lines(payload.get("summary") or {})
     mism = payload.get("mismatches") or []
