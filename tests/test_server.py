@@ -416,9 +416,11 @@ BAD_REQUESTS = [
     ("min_tokens", "/v1/completions", {"prompt": "x", "min_tokens": 5}, 400, "min_tokens"),
     ("bad_words", "/v1/completions", {"prompt": "x", "bad_words": ["the"]}, 400, "bad_words"),
     ("stop_token_ids", "/v1/completions", {"prompt": "x", "stop_token_ids": [3]}, 400, "stop_token_ids"),
-    ("samplers reordered", "/v1/completions", {"prompt": "x", "samplers": ["temperature", "top_k", "top_p",
-                                                                         "min_p"]}, 400, "samplers"),
-    ("samplers without top_p", "/v1/completions", {"prompt": "x", "samplers": ["top_k", "min_p", "temperature"]},
+    ("samplers reordered", "/v1/completions",
+     {"prompt": "x", "temperature": 0.8, "samplers": ["temperature", "top_k", "top_p", "min_p"]}, 400, "samplers"),
+    ("samplers without top_p", "/v1/completions", {"prompt": "x", "temperature": 0.8, "top_p": 0.9,
+                                                   "samplers": ["top_k", "min_p", "temperature"]}, 400, "samplers"),
+    ("samplers as letters, reordered", "/v1/completions", {"prompt": "x", "temperature": 0.8, "samplers": "tkpm"},
      400, "samplers"),
     ("min_keep", "/v1/completions", {"prompt": "x", "min_keep": 5}, 400, "min_keep"),
     ("json mode on completions", "/v1/completions", {"prompt": "x", "response_format": {"type": "json_object"}},
@@ -453,6 +455,21 @@ def test_neutral_sampler_values_that_clients_send_are_taken(live, engine):
     status, _, body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, **neutral})
     assert status == 200, body
     assert json.loads(body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
+
+
+def test_a_sampler_chain_that_applies_ours_as_we_do_is_taken(live):
+    """llama.cpp reads a chain's names in any case, kebab-case, without dashes, as aliases or as letters, and
+    a sampler whose value changes nothing may be left out: such chains were refused."""
+    sampled = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0.7, "seed": 3}
+    status, _, body = http(live.base, "/v1/completions", sampled)
+    assert status == 200, body
+    plain = json.loads(body)["choices"][0]["text"]
+    for chain, extra in ((["Top-K", "nucleus", "minp", "temp"], {}), ("kpmt", {}),
+                         (["top_p", "temperature"], {"top_k": 0, "min_p": 0})):
+        status, _, body = http(live.base, "/v1/completions", {**sampled, **extra, "samplers": chain})
+        assert status == 200, (chain, body)
+        if not extra:
+            assert json.loads(body)["choices"][0]["text"] == plain
 
 
 @pytest.mark.parametrize("name,path,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])

@@ -136,10 +136,12 @@ def sampling_params(body: dict[str, Any], base: SamplingParams) -> SamplingParam
         raise bad_request("min_p", f"min_p must be in [0, 1) (got {min_p})")
     seed = _seed(body, base.seed)
     try:
-        return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                              seed=seed).validated()
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                seed=seed).validated()
     except ParameterError as exc:  # pragma: no cover - the checks above are the same
         raise bad_request("temperature", str(exc)) from None
+    _check_sampler_chain(body.get("samplers"), params)
+    return params
 
 
 def _seed(body: dict[str, Any], default: int | None) -> int | None:
@@ -274,8 +276,33 @@ _DISTRIBUTION_CHANGES = {"presence_penalty": 0, "frequency_penalty": 0, "repeat_
 _CONSTRAINTS = ("grammar", "json_schema", "guided_json", "guided_choice", "guided_grammar", "guided_regex",
                 "guided_whitespace_pattern", "structured_outputs", "allowed_token_ids", "bad_words",
                 "stop_token_ids")
-# llama-server's sampler chain, as far as this server applies one: the order of ``sampling.support``
-_SAMPLER_ORDER = ["top_k", "top_p", "min_p", "temperature"]
+# llama-server's sampler chain, as far as this server applies one: the order of ``sampling.support``; a
+# chain's names as llama.cpp reads them (any case, kebab-case or no dash, a few aliases, or one letter each)
+_SAMPLER_ORDER = ("top_k", "top_p", "min_p", "temperature")
+_SAMPLER_ALIASES = {"nucleus": "top_p", "temp": "temperature", "topk": "top_k", "topp": "top_p", "minp": "min_p"}
+_SAMPLER_LETTERS = {"k": "top_k", "p": "top_p", "m": "min_p", "t": "temperature"}
+
+
+def _check_sampler_chain(samplers: Any, params: SamplingParams) -> None:
+    """A llama-server ``samplers`` chain is taken where it applies this server's samplers as it does: in
+    the order top-k, top-p, min-p, temperature, leaving out only those whose value changes nothing."""
+    if samplers is None or params.greedy:   # greedy: the chain changes nothing
+        return
+    if isinstance(samplers, str):
+        names = [_SAMPLER_LETTERS.get(c, c) for c in samplers]
+    elif isinstance(samplers, list) and all(isinstance(x, str) for x in samplers):
+        names = [_SAMPLER_ALIASES.get(x.lower(), x.lower().replace("-", "_")) for x in samplers]
+    else:
+        raise bad_request("samplers", "samplers must be a list of sampler names or a string of letters",
+                          "invalid_type")
+    chain = [n for n in names if n in _SAMPLER_ORDER]
+    neutral = {"top_k": params.top_k == 0, "top_p": params.top_p == 1.0, "min_p": params.min_p == 0.0,
+               "temperature": params.temperature == 1.0}
+    wanted = [n for n in _SAMPLER_ORDER if n in chain or not neutral[n]]
+    if chain != wanted:
+        raise _refusal("samplers", f"the samplers apply in llama.cpp's default order, {', '.join(_SAMPLER_ORDER)}; "
+                                   "a chain in another order, or without one whose value changes the distribution, "
+                                   "would change it")
 
 
 def _refuse_distribution_changes(body: dict[str, Any]) -> None:
@@ -290,11 +317,6 @@ def _refuse_distribution_changes(body: dict[str, Any]) -> None:
             raise _refusal(name, "it would change the target's distribution; decoding is lossless")
     if body.get("min_keep") not in (None, 0, 1):   # at least one token survives the cut-offs here
         raise _refusal("min_keep", "it would change the target's distribution; decoding is lossless")
-    samplers = body.get("samplers")
-    if samplers is not None and (not isinstance(samplers, list)
-                                 or [x for x in samplers if x in _SAMPLER_ORDER] != _SAMPLER_ORDER):
-        raise _refusal("samplers", f"the samplers apply in llama.cpp's default order, {', '.join(_SAMPLER_ORDER)}; "
-                                   "a chain without one of them or in another order would change the distribution")
     for name in _CONSTRAINTS:
         if body.get(name):
             raise _refusal(name, "the output is the model's own, unconstrained")
