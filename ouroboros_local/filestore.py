@@ -234,8 +234,10 @@ def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, heade
         data = target.read_bytes()
     except OSError as e:
         raise PoolError(f"cannot read the {what} {target}: {e}") from e
-    if len(data) < header.size or data[:len(magic)] != magic:
+    if data[:len(magic)] != magic:
         raise PoolError(f"{target} is not a {what} file (bad header)")
+    if len(data) < header.size:   # ours, cut short
+        raise DamagedStateError(f"{target} is truncated (a {what} file cut short in its header)")
     _, found, *fields = header.unpack_from(data)
     if found != version:
         raise ForeignStateError(f"{target}: unsupported {what} version {found} (expected {version})")
@@ -263,17 +265,22 @@ def check_token_ids(target: Path, tokens: "np.ndarray", n_vocab: int | None) -> 
         raise DamagedStateError(f"{target} is corrupt (token ids outside the vocabulary of {n_vocab})")
 
 
-def mergeable(read: Callable[[], T], what: str) -> T | None:
-    """What ``read`` reads of a file a save is about to merge with, or None when the file is damaged (it
-    holds nothing that could be kept: the save replaces it). PoolError, for a save to refuse, when it is
-    another tokenizer's or another version's file: replaced, its owner would lose it at every save."""
+def mergeable(read: Callable[[], T], what: str, path: str | os.PathLike[str]) -> T | None:
+    """What ``read`` reads of the file at ``path`` a save is about to merge with, or None where there is
+    nothing to keep: no file any more, or a damaged one (moved to FILE.bad with a warning, as at load).
+    PoolError, for a save to refuse, when it is another tokenizer's or another version's file, or no
+    state file at all (notes written over it): replaced, its owner would lose it at every save."""
+    if not os.path.lexists(path):
+        return None
     try:
         return read()
     except ForeignStateError as exc:
         raise ForeignStateError(f"{exc}; not overwritten: name another {what} file for this model") from exc
-    except PoolError as exc:
-        log.info("replacing a damaged %s: %s", what, exc)
+    except DamagedStateError as exc:
+        set_aside(path, what, exc)
         return None
+    except PoolError as exc:
+        raise PoolError(f"{exc}; not overwritten") from exc
 
 
 def set_aside(path: str | os.PathLike[str], what: str, exc: Exception) -> Path:

@@ -247,9 +247,10 @@ class PhrasePool:
     def save_merged(self, path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> None:
         """``save``, keeping the phrases another process saved to ``path`` meanwhile as the older ones
         (this pool's are the newest, and win where a key's list is full). This pool itself is left as it
-        is; a damaged file is replaced, another tokenizer's is refused with a PoolError (``mergeable``)."""
+        is; a damaged file is moved aside and replaced, another tokenizer's or another kind of file is
+        refused with a PoolError (``mergeable``)."""
         theirs = mergeable(lambda: PhrasePool.load(path, fingerprint, max_tokens=self.max_tokens,
-                                                   n_vocab=n_vocab), "phrase pool")
+                                                   n_vocab=n_vocab), "phrase pool", path)
         if theirs is None or theirs.key_len != self.key_len:
             self.save(path, fingerprint)
             return

@@ -398,9 +398,9 @@ class SuffixCache:
 
     def save_merged(self, path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> None:
         """``save``, keeping the documents another process saved to ``path`` meanwhile as the oldest (the
-        limits hold: the newest are kept). This trie itself is left as it is; a damaged file is replaced,
-        another tokenizer's is refused with a PoolError (``mergeable``)."""
-        theirs = mergeable(lambda: read_documents(path, fingerprint, n_vocab), "suffix history") or []
+        limits hold: the newest are kept). This trie itself is left as it is; a damaged file is moved aside
+        and replaced, another tokenizer's or another kind of file is refused with a PoolError (``mergeable``)."""
+        theirs = mergeable(lambda: read_documents(path, fingerprint, n_vocab), "suffix history", path) or []
         ours = self.documents()
         known = {tuple(doc) for doc in ours}
         docs = [doc for doc in theirs if tuple(doc) not in known] + ours

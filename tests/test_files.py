@@ -113,9 +113,19 @@ def test_merging_into_another_tokenizers_pool_refuses_and_keeps_it(tmp_path: Pat
     with pytest.raises(PoolError, match="another tokenizer.*not overwritten"):
         ours.save_merged(path, OURS)
     assert PhrasePool.load(path, THEIRS).lookup([1]) == [(2, 3)]
-    path.write_bytes(b"OUROPOOL damaged")       # a damaged file holds nothing to keep: replaced
+    ours.save(path, OURS)
+    whole = path.read_bytes()
+    path.write_bytes(whole[:-7])   # damaged (cut short): nothing to keep, moved to FILE.bad and replaced
     ours.save_merged(path, OURS)
     assert PhrasePool.load(path, OURS).lookup([4]) == [(5,)]
+    assert (tmp_path / "pool.bin.bad").read_bytes() == whole[:-7]
+    path.write_bytes(whole[:10])   # cut inside its header: damaged too
+    ours.save_merged(path, OURS)
+    assert (tmp_path / "pool.bin.bad").read_bytes() == whole[:10]
+    path.write_text("my notes\n" * 20)   # no pool at all: it was written over
+    with pytest.raises(PoolError, match="not a phrase pool file.*not overwritten"):
+        ours.save_merged(path, OURS)
+    assert path.read_text() == "my notes\n" * 20
 
 
 def test_merging_into_another_tokenizers_suffix_history_refuses_and_keeps_it(tmp_path: Path) -> None:
@@ -128,9 +138,14 @@ def test_merging_into_another_tokenizers_suffix_history_refuses_and_keeps_it(tmp
     with pytest.raises(PoolError, match="another tokenizer.*not overwritten"):
         ours.save_merged(path, OURS)
     assert read_documents(path, THEIRS) == [[1, 2, 3]]
-    path.write_bytes(b"damaged")
+    ours.save(path, OURS)
+    path.write_bytes(path.read_bytes()[:-3])   # damaged: moved aside and replaced
     ours.save_merged(path, OURS)
-    assert read_documents(path, OURS) == [[4, 5]]
+    assert read_documents(path, OURS) == [[4, 5]] and (tmp_path / "pool.bin.suffix.bad").is_file()
+    path.write_bytes(b"damaged")   # not a suffix history at all: kept
+    with pytest.raises(PoolError, match="not overwritten"):
+        ours.save_merged(path, OURS)
+    assert path.read_bytes() == b"damaged"
 
 
 def test_a_history_file_of_another_tokenizer_is_kept_and_the_other_files_still_saved(tmp_path: Path) -> None:
