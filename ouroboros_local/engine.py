@@ -34,7 +34,7 @@ from .llama.binding import decode_seconds as llama_decode_clock
 from .options import is_integer
 from .pairs import check_pair
 from .proposers import Method, create_method, method_names, needs_draft
-from .proposers.base import DraftingContext, ProposeSetup, Proposer
+from .proposers.base import DraftingContext, ProposeSetup, Proposer, checked_tree
 from .round_sizer import RoundSizer
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -1061,8 +1061,7 @@ class Engine:
 def _check_tree(proposer: Proposer, tree: TokenTree, root: int, budget: int, n_vocab: int) -> None:
     """A drafter's broken contract (a plug-in's) as one line naming it: else every pass decoded an
     oversized tree unnoticed, or llama.cpp failed without a word on a token outside the vocabulary."""
-    if not isinstance(tree, TokenTree):
-        raise OuroborosError(f"drafter {proposer.name!r}: propose() returned {type(tree).__name__}, not a TokenTree")
+    checked_tree(proposer, tree)
     if tree.tokens[0] != root:
         raise OuroborosError(f"drafter {proposer.name!r}: the tree's root is not the last committed token")
     if tree.n_candidates > budget:

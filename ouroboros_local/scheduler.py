@@ -72,6 +72,7 @@ from .acceptance import Acceptance, ConfidenceTable
 from .calibration import CostModel
 from .held import HeldDraft, HeldDrafts
 from .looks import Looks
+from .proposers.base import checked_tree
 from .round_costs import RoundCosts
 from .tree import TokenTree
 
@@ -256,7 +257,7 @@ class Scheduler:
         if behind >= CATCH_UP_MIN and not self.catch_up_pays(name, behind):
             return None
         t0 = time.perf_counter()
-        tree = proposer.propose(committed, k)
+        tree = checked_tree(proposer, proposer.propose(committed, k))
         self.note_draft(name, time.perf_counter() - t0, tree.n_candidates,
                         catch_up=proposer.catch_up_seconds, catch_up_tokens=behind)
         if tree.n_candidates:

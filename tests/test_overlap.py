@@ -111,8 +111,8 @@ def test_a_drafter_that_breaks_its_contract_is_named(tiny_target, monkeypatch, b
         return tree
 
     monkeypatch.setattr(PromptLookupProposer, "propose", propose)
-    for adaptive in (False, True):   # bare, and through the scheduler
-        with tiny_engine(tiny_target) as engine:
+    for adaptive in (False, True):   # bare, and through the scheduler (which read the tree first)
+        with tiny_engine(tiny_target, adaptive=True) as engine:
             with pytest.raises(OuroborosError, match=f"drafter 'prompt-lookup': {message}"):
                 engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup", options={"adaptive": adaptive})
 

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
+from ..errors import OuroborosError
 from ..tree import TokenTree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -170,3 +171,11 @@ class NoDraft(Proposer):
 
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
         return TokenTree.rooted_at(committed[-1])
+
+
+def checked_tree(proposer: "Proposer", tree: object) -> TokenTree:
+    """``tree``, where a drafter's ``propose`` returned one: else an error naming the drafter (a plug-in's
+    None was an AttributeError deep in the loop)."""
+    if not isinstance(tree, TokenTree):
+        raise OuroborosError(f"drafter {proposer.name!r}: propose() returned {type(tree).__name__}, not a TokenTree")
+    return tree
