@@ -33,6 +33,7 @@ def main(argv: list[str]) -> int:
 
     with Engine.load(args.target, args.draft, config=EngineConfig(n_ctx=2048), progress=False) as engine:
         method = default_method(engine.draft is not None)
+        engine.prepare(method)   # a first run's cost-curve measurement, before the answer's clock starts
         if args.timeout is not None:   # the answer's time, not the load's
             timer = threading.Timer(args.timeout, cancel.set)
             timer.daemon = True

@@ -108,8 +108,9 @@ class ChatSession:
             cancel: threading.Event | None = None) -> "GenerationResult":
         """Answer one user turn, streaming text to ``on_text``; the turn joins the history (a stopped
         answer too, as far as it got; not one stopped before its first token, during a long message's
-        prefill, where the message was meant to be dropped). Raises ContextOverflowError when the
-        conversation is full."""
+        prefill, where the message was meant to be dropped). The oldest turns make way where the
+        conversation outgrows the context (``dropped`` says how many messages went); ContextOverflowError
+        only where the message cannot fit beside the system prompt alone."""
         turn = {"role": "user", "content": text}
         first = int(bool(self.system))   # the messages before it are kept whatever is dropped
         alone, shown, n_alone = self._tokens(self.messages[:first] + [turn])

@@ -721,7 +721,7 @@ def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts
     assert main([*common, "--methods", "vanilla,stops"]) == 130
     data = json.loads((out / "results.json").read_text())
     assert data["sets"][0]["prompts"] == 1 and "## p (raw, 1 prompts" in (out / "results.md").read_text()
-    assert "## later (raw, not run: stopped before its first prompt finished)" in (out / "results.md").read_text()
+    assert "## later (raw: no prompt of it finished" in (out / "results.md").read_text()
     assert not (out / "sweep.png").exists()
     assert not (out / "speedup.png").exists() or (out / "speedup.png").read_bytes() != b"an earlier run's chart"
     # the earlier run is kept aside, not wiped (a rerun stopped at once wrote an empty report over it)

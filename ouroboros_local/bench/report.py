@@ -360,10 +360,10 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                          f"{_f(s.get('graph_rebuilds_per_100_passes'), '{:.1f}')} |")
         lines.append("")
     summarized = set(payload.get("summary") or {})
-    for set_info in payload.get("sets", []):   # a stopped run's sets that no prompt of finished
+    for set_info in payload.get("sets", []):   # sets no prompt of finished (a stopped run's, skipped prompts)
         if set_info.get("name") not in summarized:
-            lines += [f"## {set_info.get('name')} ({set_info.get('task')}, not run: stopped before its first "
-                      "prompt finished)", ""]
+            lines += [f"## {set_info.get('name')} ({set_info.get('task')}: no prompt of it finished; see "
+                      "Not run and Notes)", ""]
     lines += _time_split_lines(payload.get("summary") or {})
     lines += _draft_graph_lines(payload.get("summary") or {})
     mism = payload.get("mismatches") or []
