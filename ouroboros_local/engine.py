@@ -855,7 +855,7 @@ class Engine:
             # closed at a yield (GeneratorExit) has committed all it decoded: nothing to drop, and its
             # context may be gone already (a stream collected after its engine).
             if not isinstance(exc, GeneratorExit):
-                self.kv.discard_uncommitted()
+                self.kv.repair()
                 failed = True
             raise
         finally:
@@ -1024,7 +1024,7 @@ class Engine:
         """Drop the draft cache's cells past what it records: a Ctrl-C that Python raises just after a
         draft decode returns leaves them written but unrecorded, and every later draft decode failed."""
         if self._draft_kv is not None:
-            self._draft_kv.discard_uncommitted()
+            self._draft_kv.repair()
 
     def _propose_hidden(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                         room: int) -> TokenTree | None:

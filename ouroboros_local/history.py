@@ -162,7 +162,7 @@ class History:
         would throw away what the others learned, and re-shape up to ``max_tokens`` tokens per request
         where methods alternate. Naming ``path`` makes the engine save the pool there after each generation.
         """
-        return self.open_store("phrase pool", resolve_pool_path(path), self.phrase_pool_file is not None,
+        return self.open_store("phrase pool", resolve_pool_path(path), self.phrase_pool_file,
                                lambda file: self._pool(phrase_len, max_per_key, file))
 
     def _pool(self, phrase_len: int, max_per_key: int, path: str | None) -> PhrasePool:
@@ -181,17 +181,20 @@ class History:
         self.phrase_pool, self.phrase_pool_file = pool, file
         return pool
 
-    def open_store(self, store: str, path: str | None, has_file: bool, use: Callable[[str | None], T]) -> T:
+    def open_store(self, store: str, path: str | None, belongs_to: str | None,
+                   use: Callable[[str | None], T]) -> T:
         """``use(path)``, the opening of ``store`` with the file a ``pool`` option named (None: none), which
-        is from then on the named file. Without one, a store that has no file yet takes the named file
-        (saved beside it); where that file does not take it (another tokenizer's, a folder it cannot
-        write), the store stays in memory, with one warning. ``use`` raises before it changes anything."""
+        is from then on the named file. Without one, a store that belongs to no file yet, or to a file
+        named before the latest (``belongs_to``: the named file its own derives from), takes the named file
+        (saved beside it; it kept writing to the earlier file's); where that file does not take it
+        (another tokenizer's, a folder it cannot write), the store stays in memory, with one warning.
+        ``use`` raises before it changes anything."""
         if path is not None:
             check_history_folder(path)   # the named file and its FILE.suffix sibling, whichever store opens
             out = use(path)
             self.named_file = path
             return out
-        if has_file or self.named_file is None or (store, self.named_file) in self._refused:
+        if belongs_to == self.named_file or self.named_file is None or (store, self.named_file) in self._refused:
             return use(None)
         try:
             return use(self.named_file)

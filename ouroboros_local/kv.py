@@ -61,6 +61,14 @@ class KVCache:
         """Drop the cells a decode wrote past the committed tokens without committing any (a timing's)."""
         self.ctx.seq_rm(-1, self.n_past, -1)
 
+    def repair(self) -> None:
+        """After an exception (a Ctrl-C that Python raises just after a llama.cpp call returned): drop the
+        cells past the committed tokens, and those a sequence was copied but not yet recorded to hold."""
+        self.discard_uncommitted()
+        for s, synced in enumerate(self.synced):
+            if s and synced < self.n_past:
+                self.ctx.seq_rm(s, synced, -1)
+
     def feed(self, tokens: Sequence[int], logits_last: bool = False,
              stop: Callable[[], bool] | None = None) -> np.ndarray | None:
         """Append tokens to sequence 0 in n_batch chunks; returns the last token's logits row if asked.

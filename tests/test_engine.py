@@ -177,6 +177,25 @@ def test_a_ctrl_c_just_after_a_draft_decode_leaves_the_engine_whole(tiny_target,
             assert engine.generate(PROMPTS[0], max_tokens=24, method=method).tokens == want
 
 
+def test_a_ctrl_c_just_after_a_sequence_copy_leaves_the_cache_as_recorded(tiny_target, tiny_draft) -> None:
+    """A sequence copied but not yet recorded as holding the cells (``synced``) failed the KV invariant
+    at the next round."""
+    with make_engine(tiny_target, tiny_draft) as engine:
+        engine.check_kv = True
+        want = engine.generate(PROMPTS[0], max_tokens=24, method="speculative").tokens
+        copy = engine.target_ctx.seq_cp
+
+        def interrupted(*args) -> None:
+            copy(*args)
+            raise KeyboardInterrupt
+
+        engine.target_ctx.seq_cp = interrupted
+        with pytest.raises(KeyboardInterrupt):
+            engine.generate(PROMPTS[0], max_tokens=40, method="lookahead")
+        engine.target_ctx.seq_cp = copy
+        assert engine.generate(PROMPTS[0], max_tokens=24, method="speculative").tokens == want
+
+
 def test_a_cancel_stops_a_long_prefill_between_its_batches(tiny_target) -> None:
     """A client that hung up during a long prompt's prefill was heard only once all of it was decoded
     (minutes on a CPU for a long prompt)."""

@@ -266,6 +266,29 @@ def test_naming_another_history_file_leaves_the_first_as_it_was(tmp_path) -> Non
     assert sorted(history._files) == [b, b + ".suffix"]   # no file named before is kept, or written
 
 
+def test_a_store_follows_the_latest_named_file(tmp_path) -> None:
+    """After pool=B, a call naming no file kept the other store (the suffix trie after a pool call, the
+    phrase pool after a suffix call) in A, and wrote its answer there."""
+    from types import SimpleNamespace
+
+    from ouroboros_local.history import History
+    from ouroboros_local.proposers import check_options
+    from ouroboros_local.proposers.suffix import create
+
+    a, b = str(tmp_path / "a.pool"), str(tmp_path / "b.pool")
+    history = History(None)
+    ctx = SimpleNamespace(history=history)
+    history.pool(4, 8, a)
+    create(ctx, check_options("suffix", {}))   # no file named: beside the named one
+    assert history.suffix_file == a + ".suffix"
+    history.pool(4, 8, b)
+    create(ctx, check_options("suffix", {}))
+    assert history.suffix_file == b + ".suffix" and sorted(history._files) == [b, b + ".suffix"]
+    create(ctx, check_options("suffix", {"pool": a}))   # the mirror: the pool follows a suffix call's file
+    history.pool(4, 8, None)
+    assert history.phrase_pool_file == a and sorted(history._files) == [a, a + ".suffix"]
+
+
 def test_state_learned_before_any_file_is_named_goes_into_the_file(tmp_path) -> None:
     from ouroboros_local.history import History
 

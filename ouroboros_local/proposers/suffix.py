@@ -317,8 +317,9 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``; a ``pool`` file keeps the global trie in ``FILE.suffix``
     (the engine saves it after each answer, see History.save)."""
     history = ctx.history
+    belongs_to = history.suffix_file.removesuffix(".suffix") if history.suffix_file is not None else None
     cache = history.open_store(
-        "suffix trie", resolve_pool_path(options["pool"]), history.suffix_file is not None,
+        "suffix trie", resolve_pool_path(options["pool"]), belongs_to,
         lambda path: shared_cache(history, options["max_requests"], options["max_tokens"],
                                   suffix_file(path) if path is not None else None))
     return SuffixProposer(cache, max_depth=options["max_depth"], max_branches=options["max_branches"],
