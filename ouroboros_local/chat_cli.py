@@ -203,6 +203,7 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
 
     def finished() -> int:
         return 1 if refused and not prompt else 0
+
     while True:
         try:
             line = read(prompt)

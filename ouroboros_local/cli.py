@@ -273,7 +273,7 @@ def _sampling_from_args(args: argparse.Namespace):
     if args.seed is not None and args.seed < -1:   # SamplingParams' own message does not know -1
         raise ParameterError(f"--seed must be >= 0, or -1 for a random seed (got {args.seed})")
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=None if args.seed == -1 else args.seed).validated()
+                          min_p=args.min_p, seed=args.seed).validated()   # -1: random, as SamplingParams takes it
 
 
 def _read_prompt(args: argparse.Namespace) -> str:

@@ -642,10 +642,9 @@ class Engine:
         if not is_integer(max_tokens) or max_tokens < 0:
             raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
         max_tokens = int(max_tokens)
-        if isinstance(chat, np.bool_):
-            chat = bool(chat)
-        if chat is not True and chat is not False:   # "no" would be truthy: the template applied unasked
+        if not isinstance(chat, (bool, np.bool_)):   # "no" would be truthy: the template applied unasked
             raise ParameterError(f"chat must be True or False (got {chat!r})")
+        chat = bool(chat)
         if method not in method_names():
             raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
         tokens = self.prompt_tokens(prompt, chat=chat)

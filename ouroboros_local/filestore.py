@@ -213,10 +213,7 @@ def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: st
     with locked(path, what):
         data = _json_object(path)
         if data is None:   # another file, or one edited by hand into a syntax error: kept, not written over
-            aside = path.with_name(path.name + ".bad")
-            os.replace(path, aside)
-            log.warning("warning: %s is not a %s file (not a JSON object): moved to %s, a new one takes its place",
-                        path, what, aside)
+            set_aside(path, what, f"{path} is not a {what} file (not a JSON object)")
             data = {}
         data[key] = entry
         keep_newest(data, keep, stamp_key)
@@ -283,15 +280,16 @@ def mergeable(read: Callable[[], T], what: str, path: str | os.PathLike[str]) ->
         raise PoolError(f"{exc}; not overwritten") from exc
 
 
-def set_aside(path: str | os.PathLike[str], what: str, exc: Exception) -> Path:
-    """Move a damaged state file to FILE.bad (one earlier .bad is replaced), with a warning; its path."""
+def set_aside(path: str | os.PathLike[str], what: str, why: object) -> Path:
+    """Move a state file that cannot be read back (``why``: the error or words saying so) to FILE.bad
+    (one earlier .bad is replaced), with a warning; its path."""
     target = Path(path)
     aside = target.with_name(target.name + ".bad")
     try:
         os.replace(target, aside)
     except OSError as e:
-        raise PoolError(f"{exc}; and it cannot be moved aside to {aside}: {e}") from e
-    log.warning("warning: %s; moved to %s, a new %s takes its place", exc, aside, what)
+        raise PoolError(f"{why}; and it cannot be moved aside to {aside}: {e}") from e
+    log.warning("warning: %s; moved to %s, a new %s takes its place", why, aside, what)
     return aside
 
 

@@ -146,10 +146,8 @@ def sampling_params(body: dict[str, Any], base: SamplingParams) -> SamplingParam
 
 def _seed(body: dict[str, Any], default: int | None) -> int | None:
     seed = number_field(body, "seed", default, integer=True)
-    if seed is not None and seed < 0:
-        if seed != -1:
-            raise bad_request("seed", f"seed must be >= 0, or -1 for a random seed (got {seed})")
-        seed = None
+    if seed is not None and seed < -1:   # -1: random, as SamplingParams takes it
+        raise bad_request("seed", f"seed must be >= 0, or -1 for a random seed (got {seed})")
     return seed
 
 
