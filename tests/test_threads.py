@@ -152,6 +152,9 @@ def test_doctor_reports_the_load_and_the_thread_choice(monkeypatch) -> None:
     assert "1.0 of 2 usable cores busy" in lines[0]
     assert lines[1].startswith("threads: 1 by default, the idle cores")
     assert lines[2].startswith("OpenMP waiting: OMP_WAIT_POLICY=")
+    # -t was ignored: "1 by default ... -t N overrides" beside -t 8, and no word of the cores it oversubscribes
+    assert doctor.load_lines(2)[1].startswith("threads: 2 (-t; 1 by default") and "more than" not in lines[1]
+    assert "more than the 2 usable cores" in doctor.load_lines(8)[1]
 
 
 def test_doctor_says_how_many_tokens_a_round_decodes_and_whether_attention_is_flash(tiny_target, capsys) -> None:
