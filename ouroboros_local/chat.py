@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -83,7 +84,11 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
             content = "".join(_text_part(i, part) for part in content)
         if not isinstance(content, str):
             raise ParameterError(f"message {i} needs string 'content'")
-        out.append({"role": role, "content": content})
+        name = m.get("name")
+        if name is not None and not isinstance(name, str):
+            raise ParameterError(f"message {i}: 'name' must be a string")
+        # the name goes to the template, as llama-server and vLLM pass it (ChatML's leaves it out)
+        out.append({"role": role, "content": content} | ({"name": name} if name else {}))
     return out
 
 
@@ -104,12 +109,48 @@ def _text_part(i: int, part: Any) -> str:
 
 
 def render_chat(model: "Model", messages: Any, add_generation_prompt: bool = True,
-                template: str | None = None) -> str:
+                template: str | None = None, *, continue_final: bool = False,
+                template_kwargs: Mapping[str, Any] | None = None) -> str:
+    """The conversation as the model's template writes it. ``continue_final``: the text ends inside the
+    final (assistant) message, which the answer continues (a prefill), instead of after a closed one;
+    ``template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``, say)."""
     messages = validate_messages(messages)
+    extra = _template_kwargs(template_kwargs)
+    if not continue_final:
+        return _render(model, messages, add_generation_prompt, template, extra)
+    if messages[-1]["role"] != "assistant":
+        raise ParameterError(f"only an assistant message can be continued; the final message is the "
+                             f"{messages[-1]['role']}'s")
+    # The template closes the message (and may trim it): a mark after its text shows where to cut.
+    marked = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CUT}]
+    text = _render(model, marked, False, template, extra)
+    if text.count(_CUT) != 1:
+        raise ParameterError("this model's chat template does not write the final message as it is, so it "
+                             "cannot be continued")
+    return text[:text.index(_CUT)]
+
+
+_CUT = "\u2063<ouroboros-continue-here>\u2063"   # never in a message: cut away before tokenizing
+_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ParameterError("chat template variables must be a mapping of names to values")
+    taken = sorted(_RESERVED.intersection(kwargs))
+    if taken:
+        raise ParameterError(f"chat template variable {taken[0]!r} is set by the conversation itself")
+    return dict(kwargs)
+
+
+def _render(model: "Model", messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None,
+            extra: dict[str, Any]) -> str:
     source = template or model.chat_template() or CHATML
     try:
         compiled = _compiled(source)
-        return compiled.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return compiled.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
                                bos_token=model.token_text(model.bos) if model.bos >= 0 else "",
                                eos_token=model.token_text(model.eos) if model.eos >= 0 else "")
     except jinja2.exceptions.TemplateError as exc:

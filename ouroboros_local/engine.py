@@ -560,24 +560,32 @@ class Engine:
         if self._closed:
             raise OuroborosError("this engine is closed")
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+                            continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
+        """The conversation in the model's chat template. ``continue_final``: end inside the final assistant
+        message, for the answer to continue it; ``template_kwargs``: more variables for the template."""
         from .chat import render_chat
 
         self._check_open()
-        return render_chat(self.target, messages, add_generation_prompt=add_generation_prompt)
+        return render_chat(self.target, messages, add_generation_prompt=add_generation_prompt,
+                           continue_final=continue_final, template_kwargs=template_kwargs)
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The rendered chat as ``tokenize(text, add_special=True)`` takes it (llama-server's tokens)."""
+    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    **template_options: Any) -> str:
+        """The rendered chat as ``tokenize(text, add_special=True)`` takes it (llama-server's tokens);
+        ``template_options`` as ``apply_chat_template``'s."""
         from .chat import for_added_specials
 
-        return for_added_specials(self.target, self.apply_chat_template(messages, add_generation_prompt))
+        return for_added_specials(self.target, self.apply_chat_template(messages, add_generation_prompt,
+                                                                         **template_options))
 
     def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
-                    limit: int | None = None) -> list[int]:
+                    limit: int | None = None, **template_options: Any) -> list[int]:
         """The chat's prompt tokens as llama-server makes them: one BOS where the vocabulary asks for it,
-        whether the template writes it or not. ``limit`` as ``tokenize``'s."""
-        return self.tokenize(self.chat_prompt(messages, add_generation_prompt), add_special=True,
-                             parse_special=True, limit=limit)
+        whether the template writes it or not. ``limit`` as ``tokenize``'s; ``template_options`` as
+        ``apply_chat_template``'s."""
+        return self.tokenize(self.chat_prompt(messages, add_generation_prompt, **template_options),
+                             add_special=True, parse_special=True, limit=limit)
 
     def prompt_tokens(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """The prompt's tokens; ContextOverflowError where they leave no room in the context."""

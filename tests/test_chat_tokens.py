@@ -103,3 +103,96 @@ def test_a_conversation_or_chat_ids_as_the_prompt_say_what_to_do(bpe_engine: Eng
     ids = (t for t in bpe_engine.chat_tokens(CHAT))   # a generator is still taken once
     assert bpe_engine.generate(ids, max_tokens=2).tokens == \
         bpe_engine.generate(bpe_engine.chat_tokens(CHAT), max_tokens=2).tokens
+
+
+PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "My favourite is "}]
+
+
+@pytest.mark.parametrize("template", [None,   # the model's own (ChatML here)
+                                      "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>"
+                                      "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"])
+def test_a_final_assistant_message_can_be_continued(bpe_engine: Engine, template: str | None) -> None:
+    """A prefill: the text ends inside the final message, which the template would close (and may trim)."""
+    from ouroboros_local.chat import render_chat
+    from ouroboros_local.errors import ParameterError
+
+    model = bpe_engine.target
+    closed = render_chat(model, PREFILL, add_generation_prompt=False, template=template)
+    continued = render_chat(model, PREFILL, continue_final=True, template=template)
+    # the message's own text, verbatim (a trimming template's closed message loses its last space)
+    assert closed.startswith(continued.rstrip()) and continued.endswith("<assistant>My favourite is "
+                                                                        if template else "\nMy favourite is ")
+    assert len(continued) < len(closed)
+    # an empty final message continued is the generation prompt itself
+    empty = [PREFILL[0], {"role": "assistant", "content": ""}]
+    assert render_chat(model, empty, continue_final=True, template=template) == \
+        render_chat(model, PREFILL[:1], template=template)
+    # a word of the closing tag in the message ("end" in <|im_end|>) does not move the cut
+    ends = [PREFILL[0], {"role": "assistant", "content": "end"}]
+    assert render_chat(model, ends, continue_final=True, template=template).endswith("end")
+    with pytest.raises(ParameterError, match="only an assistant message can be continued; the final message is "
+                                             "the user's"):
+        render_chat(model, PREFILL[:1], continue_final=True, template=template)
+    with pytest.raises(ParameterError, match="does not write the final message as it is"):
+        render_chat(model, PREFILL, continue_final=True, template="{% for m in messages %}x{% endfor %}")
+    assert bpe_engine.chat_tokens(PREFILL, continue_final=True) == \
+        bpe_engine.tokenize(render_chat(model, PREFILL, continue_final=True), add_special=True, parse_special=True)
+
+
+def test_template_variables_and_message_names_reach_the_template(bpe_engine: Engine) -> None:
+    """chat_template_kwargs (Qwen3's enable_thinking) and a message's name were dropped."""
+    from ouroboros_local.chat import render_chat
+    from ouroboros_local.errors import ParameterError
+
+    template = ("{% if enable_thinking is defined and not enable_thinking %}[no think]{% endif %}"
+                "{% for m in messages %}{{ m.name | default('-') }}:{{ m.content }};{% endfor %}")
+    named = [{"role": "user", "content": "hi", "name": "ann"}, {"role": "user", "content": "yo"}]
+    model = bpe_engine.target
+    assert render_chat(model, named, template=template) == "ann:hi;-:yo;"
+    assert render_chat(model, named, template=template, template_kwargs={"enable_thinking": False}) == \
+        "[no think]ann:hi;-:yo;"
+    with pytest.raises(ParameterError, match="'messages' is set by the conversation itself"):
+        render_chat(model, named, template=template, template_kwargs={"messages": []})
+    with pytest.raises(ParameterError, match="'name' must be a string"):
+        render_chat(model, [{"role": "user", "content": "hi", "name": 3}], template=template)
+
+
+def test_the_server_continues_a_final_assistant_message_unless_told_otherwise(bpe_engine: Engine) -> None:
+    """It was closed and answered anew, and continue_final_message, add_generation_prompt, chat_template,
+    chat_template_kwargs, prefix and tool_choice without tools were all taken and ignored."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from ouroboros_local.server.app import ServerConfig, create_app
+
+    def prompt_tokens(**fields) -> int | str:
+        resp = client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 1, **fields})
+        body = json.loads(resp.text)
+        return body["usage"]["prompt_tokens"] if resp.status_code == 200 else body["error"]["param"]
+
+    def count(messages, **options) -> int:
+        return len(bpe_engine.chat_tokens(messages, **options))
+
+    user = PREFILL[:1]
+    with TestClient(create_app(bpe_engine, ServerConfig(model_id="tiny", method="vanilla"))) as client:
+        assert prompt_tokens(messages=PREFILL) == count(PREFILL, continue_final=True)
+        assert prompt_tokens(messages=PREFILL, continue_final_message=False) == count(PREFILL)
+        assert prompt_tokens(messages=PREFILL, add_generation_prompt=True) == count(PREFILL)
+        assert prompt_tokens(messages=PREFILL, add_generation_prompt=False) == \
+            count(PREFILL, add_generation_prompt=False)
+        prefixed = [PREFILL[0], {**PREFILL[1], "prefix": True}]
+        assert prompt_tokens(messages=prefixed, add_generation_prompt=True) == count(PREFILL, continue_final=True)
+        assert prompt_tokens(messages=user) == count(user)
+        assert prompt_tokens(messages=user, add_generation_prompt=False) == count(user, add_generation_prompt=False)
+        assert prompt_tokens(messages=user, chat_template_kwargs={"enable_thinking": False}) == count(user)
+        for refused in [dict(messages=user, continue_final_message=True),
+                        dict(messages=PREFILL, continue_final_message=True, add_generation_prompt=True),
+                        dict(messages=[{**user[0], "prefix": True}, PREFILL[1]]),
+                        dict(messages=user, add_generation_prompt="yes"),
+                        dict(messages=user, chat_template="{{ messages }}"),
+                        dict(messages=user, chat_template_kwargs=[1]),
+                        dict(messages=user, chat_template_kwargs={"add_generation_prompt": False}),
+                        dict(messages=user, tool_choice="required"),
+                        dict(messages=user, function_call={"name": "f"})]:
+            assert prompt_tokens(**refused) != count(user), refused
+        assert prompt_tokens(messages=user, tool_choice="none") == count(user)

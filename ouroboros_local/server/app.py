@@ -30,8 +30,8 @@ from ..sampling import SamplingParams
 from . import default_method
 from .gate import RequestGate
 from .metrics import CONTENT_TYPE, Metrics
-from .protocol import (DEFAULT_COMPLETION_TOKENS, ApiError, GenerationRequest, Reply, bad_request,
-                       chat_messages, check_model, completion_budget, completion_prompt, context_exceeded,
+from .protocol import (DEFAULT_COMPLETION_TOKENS, ApiError, ChatTemplateFields, GenerationRequest, Reply,
+                       bad_request, chat_messages, check_model, completion_budget, completion_prompt, context_exceeded,
                        engine_error, error_body, now, parse_generation, parse_json_body, require_json, sse)
 from .worker import Cancelled, ClientGone, GenerationWorker, Job, QueueFull, ShuttingDown
 
@@ -211,19 +211,20 @@ class _Service:
     async def _prompt_tokens(self, parsed: GenerationRequest) -> list[int]:
         make_tokens = self._chat_tokens if parsed.chat else self._completion_tokens
         try:
-            return await anyio.to_thread.run_sync(make_tokens, parsed.prompt)
+            return await anyio.to_thread.run_sync(make_tokens, parsed)
         except ContextOverflowError as exc:   # counted, never listed (a huge prompt's memory stays bounded)
             raise context_exceeded(exc.counted, self.engine.target_ctx.n_ctx, parsed.param) from None
         except OuroborosError as exc:
             raise bad_request(parsed.param, str(exc)) from None
 
-    def _completion_tokens(self, prompt: Any) -> list[int]:
-        return self.engine.prompt_tokens(completion_prompt(prompt))
+    def _completion_tokens(self, parsed: GenerationRequest) -> list[int]:
+        return self.engine.prompt_tokens(completion_prompt(parsed.prompt))
 
-    def _chat_tokens(self, messages: Any) -> list[int]:
-        clean = chat_messages(messages)
+    def _chat_tokens(self, parsed: GenerationRequest) -> list[int]:
+        clean = chat_messages(parsed.prompt)   # each message a dict with a role, once this returns
+        template = parsed.template or ChatTemplateFields(None, None, None)
         try:
-            text = self.engine.chat_prompt(clean)
+            text = self.engine.chat_prompt(clean, **template.options(parsed.prompt, clean))
         except ParameterError as exc:
             raise bad_request("messages", str(exc)) from None
         return self.engine.tokenize(text, add_special=True, parse_special=True, limit=self.n_ctx - 1)

@@ -327,6 +327,11 @@ def _refuse_chat_features(body: dict[str, Any]) -> None:
     for name in ("tools", "functions"):
         if body.get(name):
             raise _refusal(name, "no tool calling")
+    for name in ("tool_choice", "function_call"):   # "none" and "auto" ask nothing of a tool-less request
+        if body.get(name) not in (None, "none", "auto"):
+            raise _refusal(name, "no tool calling")
+    if body.get("chat_template") is not None:
+        raise _refusal("chat_template", "the model's own chat template only")
     if body.get("audio"):
         raise _refusal("audio", "text output only")
     modalities = body.get("modalities")
@@ -350,6 +355,7 @@ class GenerationRequest:
     user_options: bool          # the request gave method_options of its own
     max_tokens: int | None
     max_tokens_param: str = "max_tokens"   # or max_completion_tokens, the field the client sent
+    template: "ChatTemplateFields | None" = None   # chat only
 
     @property
     def param(self) -> str:
@@ -371,7 +377,53 @@ def parse_generation(body: dict[str, Any], chat: bool, sampling: SamplingParams,
     if param not in body:
         raise bad_request(param, f"{param} is required", "missing_required_parameter")
     return GenerationRequest(chat, body[param], stream, include_usage, params, stops, method, options,
-                             user_options, max_tokens, max_tokens_param)
+                             user_options, max_tokens, max_tokens_param,
+                             ChatTemplateFields.of(body) if chat else None)
+
+
+@dataclass(frozen=True)
+class ChatTemplateFields:
+    """How a chat request asks its prompt to be written (vLLM's fields; llama-server's default)."""
+
+    add_generation_prompt: bool | None
+    continue_final_message: bool | None
+    kwargs: dict[str, Any] | None
+
+    @classmethod
+    def of(cls, body: dict[str, Any]) -> "ChatTemplateFields":
+        flags = []
+        for name in ("add_generation_prompt", "continue_final_message"):
+            value = body.get(name)
+            if value is not None and not isinstance(value, bool):
+                raise bad_request(name, f"{name} must be true or false", "invalid_type")
+            flags.append(value)
+        if flags == [True, True]:
+            raise bad_request("continue_final_message", "continue_final_message and add_generation_prompt "
+                                                        "cannot both be true: a message is either continued "
+                                                        "or answered")
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise bad_request("chat_template_kwargs", "chat_template_kwargs must be an object", "invalid_type")
+        return cls(flags[0], flags[1], kwargs)
+
+    def options(self, messages: list[Any], clean: list[dict[str, Any]]) -> dict[str, Any]:
+        """``Engine.chat_prompt``'s options for these (raw, checked) messages. A final assistant message is
+        continued unless the request says otherwise (as llama-server does; Mistral's ``prefix: true`` says
+        so too); a message marked ``prefix`` elsewhere is refused."""
+        marked = [i for i, m in enumerate(messages) if m.get("prefix")]
+        if marked and marked != [len(messages) - 1]:
+            raise bad_request("messages", "only the final message can be marked 'prefix'")
+        if self.continue_final_message is not None:
+            continued = self.continue_final_message
+        elif marked:
+            continued = True
+        else:
+            continued = self.add_generation_prompt is None and clean[-1]["role"] == "assistant"
+        if continued and clean[-1]["role"] != "assistant":
+            raise bad_request("messages", f"only an assistant message can be continued; the final message is "
+                                          f"the {clean[-1]['role']}'s")
+        return {"add_generation_prompt": not continued and self.add_generation_prompt is not False,
+                "continue_final": continued, "template_kwargs": self.kwargs}
 
 
 def completion_prompt(prompt: Any) -> str | list[int]:
