@@ -196,11 +196,14 @@ def parse(method: str, declared: Iterable[Option], raw: Mapping[str, Any] | None
         for alias in option.aliases:
             by_name[alias] = option
     out: dict[str, Any] = {option.name: option.default for option in by_name.values()}
+    given: dict[str, str] = {}
     for key, value in (raw or {}).items():
         option = by_name.get(key)
         if option is None:
             known = ", ".join(sorted({o.name for o in by_name.values()})) or "none"
             raise MethodOptionError(f"{method} has no option {key!r} (its options: {known})")
+        if given.setdefault(option.name, key) != key:   # else the later one won, unsaid
+            raise MethodOptionError(f"{given[option.name]!r} and {key!r} are one option of {method}: give one")
         if per_request and not option.per_request:
             where = (f"it is set when the server starts (ouroboros-local serve {option.flag_name} ...)"
                      if option.flag_name else "it holds for every request the server answers")

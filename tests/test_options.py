@@ -445,3 +445,42 @@ def test_compare_is_in_the_json_and_says_when_there_is_nothing_to_compare(tiny_t
     assert compared["identical"] is True and compared["verdict"] == "identical output" and compared["speedup"] > 0
     assert cli.main([*common, "--method", "vanilla"]) == 0
     assert "--method vanilla is plain decoding" in capsys.readouterr().err
+
+
+def test_an_option_given_under_two_of_its_names_is_refused_and_a_request_overrides_by_either():
+    """{"level": 3, "ngram": 16} ran with whichever came last, unsaid; a request's alias then collided
+    with the server's own setting of the option."""
+    from ouroboros_local.bench.cli import plan_contenders
+    from ouroboros_local.proposers import overlaid
+    from ouroboros_local.server.protocol import method_and_options
+
+    for raw in ({"level": 3, "ngram": 16}, {"guess_set": 0, "guess": 64}):
+        first, second = raw
+        with pytest.raises(MethodOptionError, match=f"'{first}' and '{second}' are one option of lookahead"):
+            check_options("lookahead", raw)
+    assert overlaid("lookahead", {"level": 4, "gamma": 2}, {"ngram": 3}) == {"ngram": 3}
+    _, options, _ = method_and_options({"method": "lookahead", "method_options": {"ngram": 3}}, "auto", {"level": 5})
+    assert check_options("lookahead", options)["level"] == 3
+    planned = plan_contenders(["lookahead"], {"lookahead": {"ngram": 3}}, {"level": 5}, None, [], False)
+    assert check_options("lookahead", planned[0][2])["level"] == 3
+
+
+def test_ouroboros_without_a_draft_takes_window_0_with_fixed_hyperparameters(tiny_target, tiny_draft) -> None:
+    """Its help says "0 = no window", yet without a draft it said "lookahead window must be >= 1"; a draft
+    context cut small blamed --seqs and --batch-size."""
+    eng = Engine(Model(tiny_target), None, EngineConfig(n_ctx=256, n_batch=64, n_seq_max=8, threads=1,
+                                                        threads_batch=1, calibration="off", adaptive=False))
+    try:
+        eng.check_kv = True
+        plain = eng.generate(PROMPT, max_tokens=16, method="vanilla")
+        result = eng.generate(PROMPT, max_tokens=16, method="ouroboros", options={"window": 0})
+        assert result.tokens == plain.tokens and result.stats.extra["ouroboros_fallback"] == "prompt-lookup"
+    finally:
+        eng.close()
+    eng = Engine(Model(tiny_target), Model(tiny_draft), EngineConfig(n_ctx=256, n_batch=64, draft_n_ctx=2,
+                                                                     threads=1, threads_batch=1, calibration="off"))
+    try:
+        with pytest.raises(MethodOptionError, match=r"raise the draft's context \(draft_n_ctx=2\)"):
+            eng.generate("The", max_tokens=2, method="ouroboros", options={"adaptive": False})
+    finally:
+        eng.close()

@@ -153,21 +153,21 @@ def plan_contenders(methods: list[str], method_opts: dict[str, dict[str, Any]], 
     """(label, method, options, reset_pool) of each contender of ours: the command line's method flags go
     to the methods that have them, --method-options is per method, a swept method runs once per value,
     and each --variant with its own options."""
-    from ..proposers import applicable_options
+    from ..proposers import overlaid
     from .runner import sweep_label
 
     planned = []
     for m in methods:
-        opts = {**applicable_options(m, base_opts), **method_opts.get(m, {})}
+        opts = overlaid(m, base_opts, method_opts.get(m, {}))
         if sweep is not None and m in sweep[0]:
             _, name, values = sweep
-            planned += [(sweep_label(m, name, v), m, {**opts, name: v}, reset_pool) for v in values]
+            planned += [(sweep_label(m, name, v), m, overlaid(m, opts, {name: v}), reset_pool) for v in values]
         else:
             planned.append((m, m, opts, reset_pool))
     for label, m, o in variants:
         rest = {k: v for k, v in o.items() if k != "reset_pool"}
         reset = bool(o.get("reset_pool", reset_pool))
-        planned.append((label, m, {**applicable_options(m, base_opts), **rest}, reset))
+        planned.append((label, m, overlaid(m, base_opts, rest), reset))
     return planned
 
 

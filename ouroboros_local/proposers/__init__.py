@@ -71,6 +71,17 @@ def applicable_options(method: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k in names}
 
 
+def overlaid(method: str, under: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over`` on top of those of ``under`` that apply to ``method`` (the server's or the command line's
+    settings under a request's own): an option ``over`` gives under another of its names replaces
+    ``under``'s, which would otherwise be the same option given twice."""
+    canonical = ({alias: o.name for o in method_options(method) for alias in (o.name, *o.aliases)}
+                 if method in _METHODS else {})
+    named = {canonical.get(k, k) for k in over}
+    kept = {k: v for k, v in applicable_options(method, under).items() if canonical.get(k, k) not in named}
+    return {**kept, **over}
+
+
 def needs_draft(method: str) -> bool:
     """Does ``method`` run only with a draft model (its module sets ``NEEDS_DRAFT``)? Asked before the
     models load, so that a missing ``-d`` is refused before a large target takes minutes to load."""
@@ -138,4 +149,4 @@ def create_proposer(method: str, ctx: DraftingContext, options: dict[str, Any]) 
 
 
 __all__ = ["DraftingContext", "Method", "NoDraft", "ProposeSetup", "Proposer", "applicable_options", "check_options",
-           "create_method", "create_proposer", "method_names", "method_options", "register_method"]
+           "create_method", "create_proposer", "method_names", "method_options", "overlaid", "register_method"]

@@ -83,9 +83,12 @@ class OuroborosProposer(Proposer):
         self._check = check            # tests: assert the draft KV invariant after every round
         ctx = kv.ctx
         if self.window.W > ctx.n_seq_max:
+            asked = ctx.params.n_ctx
+            remedy = (f"raise the draft's context (draft_n_ctx={asked}), which llama.cpp cuts its batch to"
+                      if 0 < asked < ctx.params.n_batch else "raise --seqs and --batch-size")
             raise MethodOptionError(f"ouroboros window W={window} needs {window} sequence ids; the draft "
                                     f"context has {ctx.n_seq_max} (at most its batch of {ctx.n_batch} tokens): "
-                                    "lower the window, or raise --seqs and --batch-size")
+                                    f"lower the window, or {remedy}")
         if self.window.n_nodes + 1 > ctx.n_batch:
             raise MethodOptionError(f"ouroboros window W={window}, N={level} needs {self.window.n_nodes + 1} "
                                     f"batch tokens; the batch holds {ctx.n_batch}")
@@ -362,6 +365,9 @@ def scheduled(ctx: DraftingContext, drafter: Proposer, pool: PhrasePool, options
 def _fallback(ctx: DraftingContext, options: dict[str, Any], pool: PhrasePool) -> Proposer:
     """Without a draft model: phrases from the context and the pool, scheduled like prompt lookup
     (the lookahead window runs only with fixed hyperparameters: on a CPU it costs more than it saves)."""
+    if not ctx.adaptive and options["window"] == 0:   # no window: the pool's and the context's phrases
+        return _Fallback(PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True),
+                         "prompt-lookup", pool)
     if not ctx.adaptive:
         inner: Proposer = LookaheadProposer(
             window=options["window"], ngram=options["level"], guess=options["guess_set"], pool=pool,

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..chat import validate_messages
 from ..errors import ContextOverflowError, IncompatiblePairError, MethodOptionError, OuroborosError, ParameterError
-from ..proposers import applicable_options, check_options, method_names, needs_draft
+from ..proposers import check_options, method_names, needs_draft, overlaid
 from ..sampling import SamplingParams
 from .worker import ShuttingDown
 
@@ -222,7 +222,7 @@ def method_and_options(body: dict[str, Any], default: str, server_options: dict[
         raise bad_request("method_options", "method_options must be an object", "invalid_type")
     try:
         check_options(method, options, per_request=True)
-        merged = {**applicable_options(method, server_options), **options}
+        merged = overlaid(method, server_options, options)
         check_options(method, merged)
     except ParameterError as exc:
         raise bad_request("method_options", f"invalid method_options: {exc}") from None
