@@ -298,12 +298,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.max_tokens < 0:
         raise ParameterError("-n/--max-tokens must be >= 0")
     method, options = checked_method(args)
+    if not prompt and not args.chat:
+        _refuse_empty_prompt(args.model)
     engine = _engine_from_args(args)
     try:   # closing saves the learned estimates and history, Ctrl-C or not
         _generate_and_report(engine, args, prompt, method, options, sampling)
     finally:
         engine.close()
     return 0
+
+
+def _refuse_empty_prompt(model: str) -> None:
+    """An empty text is no prompt unless the vocabulary adds a BOS (then BOS is the prompt): said before
+    the model loads, from its metadata, rather than after (the engine checks the tokens all the same)."""
+    from .catalogue import resolve_model
+    from .gguf_file import validate_gguf
+
+    if not validate_gguf(resolve_model(model)).add_bos:
+        raise ParameterError("the prompt is empty")
 
 
 def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, method: str,

@@ -484,3 +484,26 @@ def test_ouroboros_without_a_draft_takes_window_0_with_fixed_hyperparameters(tin
             eng.generate("The", max_tokens=2, method="ouroboros", options={"adaptive": False})
     finally:
         eng.close()
+
+
+def test_an_empty_prompt_is_refused_before_the_model_loads_unless_bos_is_the_prompt(
+        tiny_target, tiny_sentencepiece, tmp_path, monkeypatch, capsys) -> None:
+    """It was refused only after the weights loaded; a vocabulary that adds BOS has BOS for a prompt."""
+    from ouroboros_local.cli import main
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    loads: list[str] = []
+    real_load = Engine.load.__func__
+
+    def counted_load(cls, target, *args, **kwargs):
+        loads.append(str(target))
+        return real_load(cls, target, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "load", classmethod(counted_load))
+    for prompt in (["-p", ""], ["-f", str(empty)]):
+        assert main(["generate", "-m", str(tiny_target), *prompt, "-n", "2", "-t", "1"]) == 2
+        assert "the prompt is empty" in capsys.readouterr().err and loads == []
+    assert main(["generate", "-m", str(tiny_sentencepiece), "-p", "", "-n", "2", "-t", "1",
+                 "--method", "vanilla"]) == 0
+    assert loads == [str(tiny_sentencepiece)]
