@@ -143,7 +143,8 @@ def test_limits_on_sequences_batch_and_branches() -> None:
 
 
 def test_factory_shares_a_pool_per_engine() -> None:
-    engine = SimpleNamespace(history=History(None))   # the part of a DraftingContext these factories use
+    # the part of a DraftingContext these factories use
+    engine = SimpleNamespace(history=History(None), target_context=SimpleNamespace(n_seq_max=16, n_batch=256))
     a = create(engine, check_options("lookahead", {"window": 5, "level": 4, "guess_set": 3}))
     b = create(engine, check_options("lookahead", {"window": 2, "ngram": 4, "guess": 3}))   # old names
     assert isinstance(a, LookaheadProposer) and (a.W, a.N, a.G) == (5, 4, 3)

@@ -507,3 +507,21 @@ def test_an_empty_prompt_is_refused_before_the_model_loads_unless_bos_is_the_pro
     assert main(["generate", "-m", str(tiny_sentencepiece), "-p", "", "-n", "2", "-t", "1",
                  "--method", "vanilla"]) == 0
     assert loads == [str(tiny_sentencepiece)]
+
+
+@pytest.mark.parametrize("method, options", [("lookahead", {}), ("ouroboros", {"adaptive": False})])
+def test_a_window_the_batch_cannot_hold_is_refused_before_the_prefill_and_the_history_file(
+        tiny_target, tmp_path, method, options) -> None:
+    """Said only after the prompt's prefill (minutes on a long prompt), and after the pool file was named."""
+    eng = Engine(Model(tiny_target), None,
+                 EngineConfig(n_ctx=256, n_batch=64, n_seq_max=2, threads=1, threads_batch=1, calibration="off"))
+    try:
+        prefills: list[int] = []
+        real_sync = eng.kv.sync_to
+        eng.kv.sync_to = lambda tokens, **kw: prefills.append(len(tokens)) or real_sync(tokens, **kw)
+        pool = tmp_path / "h.pool"
+        with pytest.raises(MethodOptionError, match="window W=4 needs 5 sequence ids"):
+            eng.generate(PROMPT, max_tokens=2, method=method, options={**options, "pool": str(pool)})
+        assert prefills == [] and eng.history.named_file is None and eng.history.phrase_pool_file is None
+    finally:
+        eng.close()

@@ -38,6 +38,23 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..verify import VerifyResult
 
 
+def check_window_fits(W: int, N: int, max_branches: int, max_tree_nodes: int) -> None:
+    """MethodOptionError where the target's batch cannot hold the window (``ProposeSetup``'s bounds; the
+    factories ask from the target's context before the prompt's prefill, minutes on a long prompt)."""
+    if max_branches < W + 1:
+        raise MethodOptionError(f"lookahead window W={W} needs {W + 1} sequence ids, the context has "
+                                f"{max_branches} (at most its batch of {max_tree_nodes + 1} tokens); lower the "
+                                "window, or raise --seqs and --batch-size")
+    n_extras = (W - 1) + W * (N - 2)   # LookaheadProposer.n_extras
+    if max_tree_nodes < n_extras:
+        raise MethodOptionError(f"lookahead window W={W}, N={N} needs {n_extras + 1} batch tokens, the batch "
+                                f"holds {max_tree_nodes + 1}")
+
+
+def check_window_fits_target(ctx: DraftingContext, W: int, N: int) -> None:
+    check_window_fits(W, N, ctx.target_context.n_seq_max, ctx.target_context.n_batch - 1)
+
+
 class LookaheadProposer(Proposer):
     name = "lookahead"
 
@@ -70,14 +87,7 @@ class LookaheadProposer(Proposer):
     # ---- generation lifecycle ---------------------------------------------------------------------
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
-        if setup.max_branches < self.W + 1:
-            raise MethodOptionError(f"lookahead window W={self.W} needs {self.W + 1} sequence ids, the "
-                                    f"context has {setup.max_branches} (at most its batch of "
-                                    f"{setup.max_tree_nodes + 1} tokens); lower the window, or raise --seqs "
-                                    "and --batch-size")
-        if setup.max_tree_nodes < self.n_extras:
-            raise MethodOptionError(f"lookahead window W={self.W}, N={self.N} needs {self.n_extras + 1} "
-                                    f"batch tokens, the batch holds {setup.max_tree_nodes + 1}")
+        check_window_fits(self.W, self.N, setup.max_branches, setup.max_tree_nodes)
         # Random prompt tokens (LADE) rather than llama.cpp's dummy ids: plausible tokens converge faster.
         self.window.reset(prompt, self.seed, level_by_level=True)
         self._pending = None
@@ -148,6 +158,7 @@ OPTIONS: tuple[opt.Option, ...] = (WINDOW, opt.LEVEL, opt.GUESS_SET, opt.POOL, o
 def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS`` (``level`` is N, ``guess_set`` is G)."""
     W, N, G = options["window"], options["level"], options["guess_set"]
+    check_window_fits_target(ctx, W, N)   # before a history file is named
     if options["pool"] is not None:   # the engine's history pool, persisted to that file
         pool: PhrasePool | None = ctx.history.pool(N - 1, max(G, 1), options["pool"])
     elif options["warm_start"]:

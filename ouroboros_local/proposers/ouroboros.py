@@ -44,7 +44,7 @@ from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_strategy, harvest_verification
 from ..tree import TokenTree, check_layout, layout
 from .base import CatchUp, DraftingContext, ProposeSetup, Proposer
-from .lookahead import LookaheadProposer
+from .lookahead import LookaheadProposer, check_window_fits_target
 from .pick import AutoProposer
 from .prompt_lookup import PromptLookupProposer
 
@@ -334,6 +334,8 @@ class _Fallback(Proposer):
 def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked by ``proposers.create_method`` against ``OPTIONS`` (defaults filled in)."""
     level, guess, topk = options["level"], options["guess_set"], options["topk"]
+    if ctx.draft is None and not ctx.adaptive and options["window"]:   # the lookahead window, checked before
+        check_window_fits_target(ctx, options["window"], level)       # a history file is named
     pool = ctx.history.pool(level - 1, max(guess, topk, 1), options["pool"])
     if ctx.draft is None:
         return _fallback(ctx, options, pool)
