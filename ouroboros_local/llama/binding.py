@@ -23,6 +23,7 @@ from ..errors import ContextOverflowError, ModelError, OuroborosError, Parameter
 from ..filestore import file_identity
 from ..text_input import utf8_bytes
 from . import huge_pages as huge_pages_mod
+from .interrupts import noted_ctrl_c
 
 try:
     from llama_cpp import llama_cpp as lc
@@ -267,14 +268,22 @@ class Model(_Native):
         self.main_gpu = int(params.main_gpu) if params.split_mode == lc.LLAMA_SPLIT_MODE_NONE else None
         self.n_gpu_layers = int(n_gpu_layers)
         advice = None
-        # only weights that stay on the CPU are read in, and only where they fit well (huge_pages.worth_it)
-        if (huge_pages and not vocab_only and (n_gpu_layers == 0 or not supports_gpu_offload())
-                and huge_pages_mod.worth_it(self.path.stat().st_size)):
-            advice = huge_pages_mod.WeightAdvice(lc.llama_progress_callback)
-            params.load_mode = lc.LLAMA_LOAD_MODE_NONE
-            params.progress_callback = advice.callback
         mark = _log_count
-        ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
+        with noted_ctrl_c() as ctrl_c:
+            # only weights that stay on the CPU are read in, and only where they fit well (huge_pages.worth_it)
+            if (huge_pages and not vocab_only and (n_gpu_layers == 0 or not supports_gpu_offload())
+                    and huge_pages_mod.worth_it(self.path.stat().st_size)):
+                advice = huge_pages_mod.WeightAdvice(lc.llama_progress_callback, ctrl_c.keep_going)
+                params.load_mode = lc.LLAMA_LOAD_MODE_NONE
+                progress = advice.callback
+            else:   # ours rather than llama.cpp's (dots in its log): a Ctrl-C stops the load
+                progress = lc.llama_progress_callback(ctrl_c.keep_going)
+            params.progress_callback = progress   # kept alive by ``progress`` while the load runs
+            ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
+        if ctrl_c.noted:
+            if ptr:
+                lc.llama_model_free(ptr)
+            raise KeyboardInterrupt
         # bytes of weight buffers advised into huge pages (0: mapped as llama.cpp does by default)
         self.huge_page_bytes = advice.advised if advice is not None else 0
         if not ptr:
@@ -687,7 +696,12 @@ class Context(_Native):
         cp.swa_full = params.swa_full
         cp.offload_kqv = params.offload_kqv
         cp.no_perf = True
-        ptr = lc.llama_init_from_model(model.ptr, cp)
+        with noted_ctrl_c() as ctrl_c:   # its buffers' allocation takes seconds for a large context
+            ptr = lc.llama_init_from_model(model.ptr, cp)
+        if ctrl_c.noted:
+            if ptr:
+                lc.llama_free(ptr)
+            raise KeyboardInterrupt
         if not ptr:
             detail = last_log_error()
             raise ModelError("llama.cpp could not create a context "

@@ -21,7 +21,7 @@ import ctypes
 import logging
 import sys
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 log = logging.getLogger("ouroboros_local")
 
@@ -110,10 +110,11 @@ class WeightAdvice:
     """A load's progress callback that advises the weight buffers at its first call (module docstring).
     Keep the object alive until the load returns: llama.cpp holds a pointer to ``callback``."""
 
-    def __init__(self, callback_type: type) -> None:
+    def __init__(self, callback_type: type, keep_going: Callable[[], bool] = lambda: True) -> None:
         self.before = anonymous_regions()
         self.advised = 0
         self._done = False
+        self._keep_going = keep_going   # False stops the load (a Ctrl-C, llama/interrupts.py)
         self.callback = callback_type(self._on_progress)
 
     def _on_progress(self, progress: float, user: ctypes.c_void_p) -> bool:
@@ -123,4 +124,4 @@ class WeightAdvice:
                 self.advised = advise(new_parts(anonymous_regions(), self.before))
             except (OSError, ValueError, AttributeError) as exc:   # advice only: the load goes on
                 log.debug("huge pages not advised: %s", exc)
-        return True    # False would abort the load
+        return self._keep_going()    # False aborts the load

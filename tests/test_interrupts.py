@@ -1,0 +1,71 @@
+"""Ctrl-C while llama.cpp loads a model or makes a context: it lands in our ctypes callbacks (its log, the
+load's progress), where ctypes printed "Exception ignored" and the load went on to the answer, or a lost
+return value stopped it with "llama.cpp could not load" a healthy file."""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+
+import pytest
+
+from ouroboros_local.llama import Context, ContextParams, Model, binding
+from ouroboros_local.llama.interrupts import CtrlC, noted_ctrl_c
+
+
+def test_a_ctrl_c_within_the_block_is_noted_not_raised() -> None:
+    with noted_ctrl_c() as ctrl_c:
+        signal.raise_signal(signal.SIGINT)
+        total = sum(range(1000))   # bytecode runs: Python's handler has had its turn
+    assert total and ctrl_c.noted and not ctrl_c.keep_going(0.5, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_programs_own_handler_is_left_in_place() -> None:
+    heard: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: heard.append(signum))
+    try:
+        with noted_ctrl_c() as ctrl_c:
+            signal.raise_signal(signal.SIGINT)
+            sum(range(1000))
+        assert heard and not ctrl_c.noted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@pytest.mark.parametrize("huge_pages", [False, True])
+def test_a_ctrl_c_during_a_load_stops_it_and_is_raised(tiny_target, monkeypatch, huge_pages) -> None:
+    @contextlib.contextmanager
+    def at_once():
+        ctrl_c = CtrlC()
+        ctrl_c.noted = True   # as if Ctrl-C came with the load's first bytes
+        yield ctrl_c
+
+    monkeypatch.setattr(binding, "noted_ctrl_c", at_once)
+    monkeypatch.setattr(binding.huge_pages_mod, "worth_it", lambda size: huge_pages)
+    freed: list[object] = []
+    real_free = binding.lc.llama_model_free
+    monkeypatch.setattr(binding.lc, "llama_model_free", lambda ptr: freed.append(ptr) or real_free(ptr))
+    with pytest.raises(KeyboardInterrupt):   # not "could not load", and not the load going on
+        Model(tiny_target, huge_pages=huge_pages)
+    assert len(freed) <= 1   # a load the callback did not stop is freed
+
+
+def test_a_ctrl_c_while_a_context_is_made_frees_it_and_is_raised(tiny_target, monkeypatch) -> None:
+    model = Model(tiny_target)
+    try:
+        @contextlib.contextmanager
+        def at_once():
+            ctrl_c = CtrlC()
+            yield ctrl_c
+            ctrl_c.noted = True
+
+        monkeypatch.setattr(binding, "noted_ctrl_c", at_once)
+        freed: list[object] = []
+        real_free = binding.lc.llama_free
+        monkeypatch.setattr(binding.lc, "llama_free", lambda ptr: freed.append(ptr) or real_free(ptr))
+        with pytest.raises(KeyboardInterrupt):
+            Context(model, ContextParams(n_ctx=256, n_batch=32, n_seq_max=1, n_threads=1))
+        assert len(freed) == 1
+    finally:
+        model.close()
