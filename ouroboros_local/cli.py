@@ -209,16 +209,22 @@ def refuse_without_draft(methods: Sequence[str]) -> None:
                              "DRAFT (-d auto: the target's same-family draft, where the catalogue names one)")
 
 
+def check_threads(threads: int | None) -> None:
+    from .engine import MAX_THREADS
+
+    if threads is not None and threads > MAX_THREADS:
+        raise ParameterError(f"-t/--threads must be at most {MAX_THREADS}")
+    if threads is not None and threads < 0:
+        raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
+
+
 def _engine_from_args(args: argparse.Namespace):
-    from .engine import MAX_CTX, MAX_SEQS, MAX_THREADS, Engine, EngineConfig
+    from .engine import MAX_CTX, MAX_SEQS, Engine, EngineConfig
 
     for name, high in (("ctx_size", MAX_CTX), ("batch_size", MAX_CTX), ("seqs", MAX_SEQS)):
         if not 1 <= getattr(args, name) <= high:
             raise ParameterError(f"--{name.replace('_', '-')} must be from 1 to {high}")
-    if args.threads is not None and args.threads > MAX_THREADS:
-        raise ParameterError(f"-t/--threads must be at most {MAX_THREADS}")
-    if args.threads is not None and args.threads < 0:
-        raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
+    check_threads(args.threads)
     round_size = _round_size(args.round_size, args.batch_size, args.ctx_size)
     config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
                           threads=args.threads, flash_attn=args.flash_attn,

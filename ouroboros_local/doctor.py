@@ -100,11 +100,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from . import __version__
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
+    from .cli import check_threads
     from .engine import has_cuda_gpu
     from .gguf_file import validate_gguf
     from .llama import Model, devices, huge_pages, offload_gpus, supports_gpu_offload, system_info
     from .pairs import check_pair
 
+    check_threads(args.threads)
     print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
           f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
     print(f"llama.cpp system info: {system_info().strip()}")

@@ -71,7 +71,8 @@ def _parse_hf_spec(spec: str) -> tuple[str, str, str | None]:
     repo, _, revision = parts[1].partition("@")
     if not repo or (_ and not revision):
         raise ModelError(f"bad model spec {spec!r}: empty repo name or revision")
-    return f"{parts[0]}/{repo}", "/".join(parts[2:]), revision or None
+    # a revision with slashes (refs/pr/1) comes percent-encoded: @refs%2Fpr%2F1
+    return f"{parts[0]}/{repo}", "/".join(parts[2:]), urllib.parse.unquote(revision) or None
 
 
 def _hf_download(repo: str, filename: str, revision: str | None, *, offline: bool, progress: bool) -> Path:

@@ -562,8 +562,8 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
                             continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
-        """The conversation in the model's chat template. ``continue_final``: end inside the final assistant
-        message, for the answer to continue it; ``template_kwargs``: more variables for the template."""
+        """The conversation in the model's chat template. ``continue_final``: the final assistant message
+        continued (a prefill, ``chat.render_chat``); ``template_kwargs``: more variables for the template."""
         from .chat import render_chat
 
         self._check_open()

@@ -112,31 +112,22 @@ PREFILL = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", 
                                       "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>"
                                       "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"])
 def test_a_final_assistant_message_can_be_continued(bpe_engine: Engine, template: str | None) -> None:
-    """A prefill: the text ends inside the final message, which the template would close (and may trim)."""
+    """A prefill, as llama-server writes it: the generation prompt, then the message's text as it is."""
     from ouroboros_local.chat import render_chat
     from ouroboros_local.errors import ParameterError
 
     model = bpe_engine.target
-    closed = render_chat(model, PREFILL, add_generation_prompt=False, template=template)
     continued = render_chat(model, PREFILL, continue_final=True, template=template)
-    # the message's own text, verbatim (a trimming template's closed message loses its last space)
-    assert closed.startswith(continued.rstrip()) and continued.endswith("<assistant>My favourite is "
-                                                                        if template else "\nMy favourite is ")
-    assert len(continued) < len(closed)
-    # an empty final message continued is the generation prompt itself
+    assert continued == render_chat(model, PREFILL[:1], template=template) + "My favourite is "
     empty = [PREFILL[0], {"role": "assistant", "content": ""}]
     assert render_chat(model, empty, continue_final=True, template=template) == \
         render_chat(model, PREFILL[:1], template=template)
-    # a word of the closing tag in the message ("end" in <|im_end|>) does not move the cut
-    ends = [PREFILL[0], {"role": "assistant", "content": "end"}]
-    assert render_chat(model, ends, continue_final=True, template=template).endswith("end")
     with pytest.raises(ParameterError, match="only an assistant message can be continued; the final message is "
                                              "the user's"):
         render_chat(model, PREFILL[:1], continue_final=True, template=template)
-    with pytest.raises(ParameterError, match="does not write the final message as it is"):
-        render_chat(model, PREFILL, continue_final=True, template="{% for m in messages %}x{% endfor %}")
+    own = render_chat(model, PREFILL, continue_final=True)   # the engine renders with the model's template
     assert bpe_engine.chat_tokens(PREFILL, continue_final=True) == \
-        bpe_engine.tokenize(render_chat(model, PREFILL, continue_final=True), add_special=True, parse_special=True)
+        bpe_engine.tokenize(own, add_special=True, parse_special=True)
 
 
 def test_template_variables_and_message_names_reach_the_template(bpe_engine: Engine) -> None:
@@ -151,8 +142,11 @@ def test_template_variables_and_message_names_reach_the_template(bpe_engine: Eng
     assert render_chat(model, named, template=template) == "ann:hi;-:yo;"
     assert render_chat(model, named, template=template, template_kwargs={"enable_thinking": False}) == \
         "[no think]ann:hi;-:yo;"
-    with pytest.raises(ParameterError, match="'messages' is set by the conversation itself"):
-        render_chat(model, named, template=template, template_kwargs={"messages": []})
+    for taken in ("messages", "self", "namespace", "raise_exception"):   # 'self' was a TypeError: a 500
+        with pytest.raises(ParameterError, match=f"'{taken}' is set by the conversation or the template engine"):
+            render_chat(model, named, template=template, template_kwargs={taken: 1})
+    with pytest.raises(ParameterError, match="chat template failed: TypeError: 'int' object is not iterable"):
+        render_chat(model, named, template="{% for t in tools %}{% endfor %}", template_kwargs={"tools": 5})
     with pytest.raises(ParameterError, match="'name' must be a string"):
         render_chat(model, [{"role": "user", "content": "hi", "name": 3}], template=template)
 
@@ -192,7 +186,12 @@ def test_the_server_continues_a_final_assistant_message_unless_told_otherwise(bp
                         dict(messages=user, chat_template="{{ messages }}"),
                         dict(messages=user, chat_template_kwargs=[1]),
                         dict(messages=user, chat_template_kwargs={"add_generation_prompt": False}),
+                        dict(messages=user, chat_template_kwargs={"self": 1}),
+                        dict(messages=user, chat_template_kwargs={"tools": [{"type": "function"}]}),
+                        dict(messages=[PREFILL[0], {**PREFILL[1], "prefix": "false"}], add_generation_prompt=True),
                         dict(messages=user, tool_choice="required"),
                         dict(messages=user, function_call={"name": "f"})]:
-            assert prompt_tokens(**refused) != count(user), refused
+            assert prompt_tokens(**refused) in ("messages", "continue_final_message", "add_generation_prompt",
+                                                "chat_template", "chat_template_kwargs", "tool_choice",
+                                                "function_call"), refused
         assert prompt_tokens(messages=user, tool_choice="none") == count(user)

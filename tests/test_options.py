@@ -475,6 +475,9 @@ def test_ouroboros_without_a_draft_takes_window_0_with_fixed_hyperparameters(tin
         plain = eng.generate(PROMPT, max_tokens=16, method="vanilla")
         result = eng.generate(PROMPT, max_tokens=16, method="ouroboros", options={"window": 0})
         assert result.tokens == plain.tokens and result.stats.extra["ouroboros_fallback"] == "prompt-lookup"
+        # its fixed gamma holds (8 were drafted for gamma 1, the scheduled path's floor)
+        one = eng.generate(PROMPT, max_tokens=16, method="ouroboros", options={"window": 0, "gamma": 1})
+        assert one.tokens == plain.tokens and 0 < one.stats.drafted <= one.stats.target_passes
     finally:
         eng.close()
     eng = Engine(Model(tiny_target), Model(tiny_draft), EngineConfig(n_ctx=256, n_batch=64, draft_n_ctx=2,
@@ -482,6 +485,15 @@ def test_ouroboros_without_a_draft_takes_window_0_with_fixed_hyperparameters(tin
     try:
         with pytest.raises(MethodOptionError, match=r"raise the draft's context \(draft_n_ctx=2\)"):
             eng.generate("The", max_tokens=2, method="ouroboros", options={"adaptive": False})
+    finally:
+        eng.close()
+    # where --seqs is the limit, a draft context that holds the window is not blamed
+    eng = Engine(Model(tiny_target), Model(tiny_draft), EngineConfig(n_ctx=256, n_batch=64, n_seq_max=4,
+                                                                     draft_n_ctx=32, threads=1, threads_batch=1,
+                                                                     calibration="off"))
+    try:
+        with pytest.raises(MethodOptionError, match="raise --seqs and --batch-size"):
+            eng.generate("The", max_tokens=2, method="ouroboros", options={"adaptive": False, "window": 8})
     finally:
         eng.close()
 

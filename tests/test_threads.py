@@ -157,6 +157,15 @@ def test_doctor_reports_the_load_and_the_thread_choice(monkeypatch) -> None:
     assert "more than the 2 usable cores" in doctor.load_lines(8)[1]
 
 
+@pytest.mark.parametrize("threads, message", [("-1", "must be >= 0"), ("100000", "must be at most")])
+def test_doctor_refuses_the_thread_counts_generate_refuses(tiny_target, capsys, threads, message) -> None:
+    from ouroboros_local import cli
+
+    assert cli.main(["doctor", "-m", str(tiny_target), "-t", threads]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and captured.out == ""
+
+
 def test_doctor_says_how_many_tokens_a_round_decodes_and_whether_attention_is_flash(tiny_target, capsys) -> None:
     """On this CPU build: each round its draft's size (rounds of one size are a CUDA GPU's default) and
     flash attention off (on a GPU, llama.cpp's auto)."""

@@ -83,9 +83,10 @@ class OuroborosProposer(Proposer):
         self._check = check            # tests: assert the draft KV invariant after every round
         ctx = kv.ctx
         if self.window.W > ctx.n_seq_max:
-            asked = ctx.params.n_ctx
+            asked = ctx.params.n_ctx   # llama.cpp cuts the batch to it, and the sequences to the batch
+            cut_by_context = 0 < asked < min(ctx.params.n_batch, window) and ctx.params.n_seq_max >= window
             remedy = (f"raise the draft's context (draft_n_ctx={asked}), which llama.cpp cuts its batch to"
-                      if 0 < asked < ctx.params.n_batch else "raise --seqs and --batch-size")
+                      if cut_by_context else "raise --seqs and --batch-size")
             raise MethodOptionError(f"ouroboros window W={window} needs {window} sequence ids; the draft "
                                     f"context has {ctx.n_seq_max} (at most its batch of {ctx.n_batch} tokens): "
                                     f"lower the window, or {remedy}")
@@ -368,7 +369,7 @@ def _fallback(ctx: DraftingContext, options: dict[str, Any], pool: PhrasePool) -
     """Without a draft model: phrases from the context and the pool, scheduled like prompt lookup
     (the lookahead window runs only with fixed hyperparameters: on a CPU it costs more than it saves)."""
     if not ctx.adaptive and options["window"] == 0:   # no window: the pool's and the context's phrases
-        return _Fallback(PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True),
+        return _Fallback(PromptLookupProposer(gamma=options["gamma"], pool=pool, feed_pool=True),
                          "prompt-lookup", pool)
     if not ctx.adaptive:
         inner: Proposer = LookaheadProposer(

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..chat import validate_messages
+from ..chat import template_variables, validate_messages
 from ..errors import ContextOverflowError, IncompatiblePairError, MethodOptionError, OuroborosError, ParameterError
 from ..proposers import check_options, method_names, needs_draft, overlaid
 from ..sampling import SamplingParams
@@ -404,12 +404,21 @@ class ChatTemplateFields:
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and not isinstance(kwargs, dict):
             raise bad_request("chat_template_kwargs", "chat_template_kwargs must be an object", "invalid_type")
+        for name in ("tools", "functions"):   # the template would write them in: tool calling by a side door
+            if kwargs and kwargs.get(name):
+                raise _refusal("chat_template_kwargs", f"no tool calling ({name!r})")
+        try:
+            template_variables(kwargs)
+        except ParameterError as exc:
+            raise bad_request("chat_template_kwargs", str(exc)) from None
         return cls(flags[0], flags[1], kwargs)
 
     def options(self, messages: list[Any], clean: list[dict[str, Any]]) -> dict[str, Any]:
         """``Engine.chat_prompt``'s options for these (raw, checked) messages. A final assistant message is
         continued unless the request says otherwise (as llama-server does; Mistral's ``prefix: true`` says
         so too); a message marked ``prefix`` elsewhere is refused."""
+        if any(not isinstance(m.get("prefix", False), bool) for m in messages):
+            raise bad_request("messages", "a message's 'prefix' must be true or false", "invalid_type")
         marked = [i for i, m in enumerate(messages) if m.get("prefix")]
         if marked and marked != [len(messages) - 1]:
             raise bad_request("messages", "only the final message can be marked 'prefix'")
