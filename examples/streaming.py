@@ -2,7 +2,7 @@
 
     python examples/streaming.py [TARGET] [DRAFT] [--prompt TEXT] [--max-tokens N] [--timeout SECONDS]
 
-Ctrl-C (or the timeout) sets the Event; the engine finishes the current round and ends the stream
+Once the answer starts, Ctrl-C (or the timeout) sets the Event; the engine finishes the current round and ends the stream
 cleanly (finish reason "cancelled"), keeping its KV cache consistent for the next call.
 """
 
@@ -29,11 +29,11 @@ def main(argv: list[str]) -> int:
     args = p.parse_args(argv)
 
     cancel = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: cancel.set())      # Ctrl-C stops the answer, not the program
-
     with Engine.load(args.target, args.draft, config=EngineConfig(n_ctx=2048), progress=False) as engine:
         method = default_method(engine.draft is not None)
         engine.prepare(method)   # a first run's cost-curve measurement, before the answer's clock starts
+        # from here Ctrl-C stops the answer, not the program (before, it stops the load, as usual)
+        signal.signal(signal.SIGINT, lambda *_: cancel.set())
         if args.timeout is not None:   # the answer's time, not the load's
             timer = threading.Timer(args.timeout, cancel.set)
             timer.daemon = True
@@ -58,4 +58,8 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(main(sys.argv[1:]))
+    except KeyboardInterrupt:   # during the load or the cost measurement
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Did a change alter what any method writes? Compare two `ouroboros-local bench --save-text` runs made
-with the same command before and after the change (docs/benchmarks.md#behaviour-check).
+with the same command before and after the change (docs/benchmarks.md, "behaviour check").
 
     python3 scripts/compare_runs.py BEFORE/results.json AFTER/results.json
 
@@ -29,7 +29,7 @@ def records(path: str) -> dict[tuple[str, str, str], dict]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
+        print("usage: " + __doc__.strip().splitlines()[3].strip(), file=sys.stderr)
         return 2
     before, after = records(argv[0]), records(argv[1])
     same: Counter[str] = Counter()

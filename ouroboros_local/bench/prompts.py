@@ -24,7 +24,6 @@ from typing import Any, Callable, Sequence
 
 from ..errors import ParameterError
 from ..text_input import read_text
-from .report import ALL_SETS
 
 TASKS = ("humaneval", "cnndm", "gsm8k", "mt_bench", "wmt", "raw")
 
@@ -147,6 +146,8 @@ def load_sets(spec: str | Sequence[str], task: str | None = None, limit: int | N
     if fewshot < 0:
         raise ParameterError("--fewshot must be >= 0")
     sets: list[PromptSet] = []
+    from .report import ALL_SETS   # here, not at import: `python -m ...bench.report` warned at every run
+
     names: set[str] = {ALL_SETS}   # the report's pooled row: a file all.jsonl becomes set "all-2"
     for path in paths:
         items = read_prompt_file(path)
