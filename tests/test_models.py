@@ -466,23 +466,8 @@ def test_missing_member_in_wheel(fake: FakeModel, quick_pip: None) -> None:
                            catalogue=fake.catalogue(pypi=catalogue.PyPISource(tuple(parts))))
 
 
-def test_installed_packages_are_used_offline(fake: FakeModel, tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    site = tmp_path / "site"
-    for part, piece in zip(fake.entry.pypi.parts, fake.pieces, strict=True):  # type: ignore[union-attr]
-        member = site / part.member
-        member.parent.mkdir(parents=True)
-        member.write_bytes(piece)
-        info = site / f"{part.name.replace('-', '_')}-{part.version}.dist-info"
-        info.mkdir()
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {part.name}\nVersion: {part.version}\n")
-    monkeypatch.syspath_prepend(str(site))
-    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
-                              offline=True, progress=False)
-    assert path.read_bytes() == fake.data
-
-
 def _install_parts(site: Path, fake: FakeModel, pieces: list[bytes]) -> None:
+    """The model's wheels as if pip had installed them into ``site`` (with these pieces as their files)."""
     for part, piece in zip(fake.entry.pypi.parts, pieces, strict=True):  # type: ignore[union-attr]
         member = site / part.member
         member.parent.mkdir(parents=True)
@@ -490,6 +475,15 @@ def _install_parts(site: Path, fake: FakeModel, pieces: list[bytes]) -> None:
         info = site / f"{part.name.replace('-', '_')}-{part.version}.dist-info"
         info.mkdir()
         (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {part.name}\nVersion: {part.version}\n")
+
+
+def test_installed_packages_are_used_offline(fake: FakeModel, tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    _install_parts(tmp_path / "site", fake, fake.pieces)
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+                              offline=True, progress=False)
+    assert path.read_bytes() == fake.data
 
 
 def test_damaged_installed_wheels_fall_back_to_pypi(fake: FakeModel, quick_pip: None, tmp_path: Path,
