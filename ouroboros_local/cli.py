@@ -7,7 +7,11 @@ import io
 import json
 import logging
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -474,13 +478,39 @@ def tolerate_console_encoding() -> None:
             stream.reconfigure(errors="replace")
 
 
+@contextmanager
+def _ending_cleanly_on_termination() -> Iterator[None]:
+    """SIGTERM (kill, a service manager) and SIGHUP (the terminal closed) end a command through its
+    ``finally`` blocks, as Ctrl-C does: the engine closes and saves what it learned (the default action
+    ended the process where it stood, and a chat lost its last answers' history). ``serve`` sets its own."""
+    signals = [getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.getsignal(sig) for sig in signals}
+    for sig, handler in previous.items():
+        if handler is signal.SIG_DFL:
+            signal.signal(sig, _exit_for)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is signal.SIG_DFL:
+                signal.signal(sig, handler)
+
+
+def _exit_for(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)   # not KeyboardInterrupt: chat takes that as "stop the answer"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     tolerate_console_encoding()
     try:
         parser = build_parser()   # imports every command's module: Ctrl-C there is heard as anywhere else
         args = parser.parse_args(argv)
         _show_progress(quiet=getattr(args, "json", False))
-        return int(args.func(args) or 0)
+        with _ending_cleanly_on_termination():
+            return int(args.func(args) or 0)
     except OuroborosError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -173,6 +173,17 @@ def _json_object(target: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _json_at_start(target: Path) -> bool:
+    """Does a file that is no JSON object start like JSON, a state file of ours damaged or edited by hand?"""
+    try:
+        if target.stat().st_size > MAX_JSON_STATE_BYTES:
+            return False
+        with open(target, "rb") as f:
+            return f.read(4096).lstrip().startswith((b"{", b"["))
+    except OSError:
+        return False
+
+
 def file_identity(path: str | os.PathLike[str]) -> list[Any]:
     """What a file's learned state belongs to: its resolved path, size and modification time (a file
     re-downloaded or edited starts afresh). Taken when a model loads: the file may go while it runs."""
@@ -209,10 +220,14 @@ def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: st
     """Set ``key`` of the JSON state file ``path`` to ``entry`` and keep its ``keep`` newest entries
     (``keep_newest``), under the file's lock: an entry another process saved meanwhile is kept.
     OSError or PoolError when the file cannot be written."""
+    if os.path.exists(path) and not os.path.isfile(path):   # /dev/null, a FIFO: replaced by a file, once
+        raise PoolError(f"{path} is not a regular file: nothing is saved there")
     make_folder(path.parent)
     with locked(path, what):
         data = _json_object(path)
-        if data is None:   # another file, or one edited by hand into a syntax error: kept, not written over
+        if data is None and not _json_at_start(path):   # a model or notes named by mistake: left alone
+            raise PoolError(f"{path} is not a {what} file: left as it is, and nothing saved there")
+        if data is None:   # ours, edited by hand into a syntax error or cut short: kept aside, not written over
             set_aside(path, what, f"{path} is not a {what} file (not a JSON object)")
             data = {}
         data[key] = entry

@@ -190,7 +190,8 @@ class History:
         (another tokenizer's, a folder it cannot write), the store stays in memory, with one warning.
         ``use`` raises before it changes anything."""
         if path is not None:
-            check_history_folder(path)   # the named file and its FILE.suffix sibling, whichever store opens
+            if path != self.named_file:   # when named: a folder made read-only later is a failed save's warning
+                check_history_folder(path)   # the named file and its FILE.suffix sibling, whichever store opens
             out = use(path)
             self.named_file = path
             return out
@@ -281,7 +282,7 @@ def _stamp(path: str) -> tuple[int, ...] | None:
 def check_history_folder(path: str | os.PathLike[str]) -> None:
     """PoolError unless the folder of ``path`` can take the file (and its ``.suffix`` sibling), and
     neither names something other than a file (a folder as FILE gave ``suffix`` a FILE.suffix beside it)."""
-    file = Path(path).expanduser().resolve()
+    file = Path(_resolved(path))
     if not file.parent.is_dir() or not os.access(file.parent, os.W_OK | os.X_OK):
         raise PoolError(f"cannot save history to {path}: {file.parent} is not a writable folder")
     for name in (file, file.with_name(file.name + ".suffix")):
@@ -290,7 +291,14 @@ def check_history_folder(path: str | os.PathLike[str]) -> None:
 
 
 def resolve_pool_path(path: str | os.PathLike[str] | None) -> str | None:
-    return None if path is None else str(Path(path).expanduser().resolve())
+    return None if path is None else _resolved(path)
+
+
+def _resolved(path: str | os.PathLike[str]) -> str:
+    try:
+        return str(Path(path).expanduser().resolve())
+    except (OSError, RuntimeError) as exc:   # RuntimeError: a symbolic link loop
+        raise PoolError(f"cannot use {path} as a history file: {exc}") from None
 
 
 __all__ = ["History", "Persistable", "check_history_folder", "resolve_pool_path"]

@@ -80,7 +80,8 @@ class LearnedEstimates:
                            keep=MAX_ENTRIES, stamp_key="saved_at", what="learned estimates")
         except (OSError, PoolError) as exc:
             warn_not_saved(self.path, "learned estimates", "OUROBOROS_ESTIMATES_FILE",
-                           "every start begins from the shipped priors", exc)
+                           "what this process learns is lost: the next start begins from what was saved "
+                           "before (or the shipped priors)", exc)
             raise
 
 

@@ -342,10 +342,12 @@ def test_a_deeply_nested_json_state_file_reads_as_empty(tmp_path: Path) -> None:
     assert read_json_object(path) == {}
 
 
-def test_a_state_file_that_holds_something_else_is_kept_aside_not_written_over(tmp_path: Path, monkeypatch,
-                                                                                caplog) -> None:
+def test_a_state_file_that_holds_something_else_is_left_or_kept_aside_never_written_over(
+        tmp_path: Path, monkeypatch, caplog) -> None:
     """OUROBOROS_CALIBRATION_FILE=notes.txt replaced the notes with JSON in silence, and one syntax error in a
-    hand-edited calibration.json lost every cached curve; both are now moved to FILE.bad, with a warning.
+    hand-edited calibration.json lost every cached curve. A file of ours that no longer reads is moved to
+    FILE.bad; another (notes, a model named by mistake: renamed, it no longer loaded; a device such as
+    /dev/null, which a save replaced by a file) is left as it is, and nothing saved there.
     ~ in the two variables is the home folder (it made a folder named ~ in the working directory)."""
     from ouroboros_local import learned
 
@@ -353,20 +355,30 @@ def test_a_state_file_that_holds_something_else_is_kept_aside_not_written_over(t
     notes.write_text("my notes, not a cost curve\n")
     curve = CostModel.flat()
     curve.key = "k"
-    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+    with pytest.raises(PoolError, match="notes.txt is not a cost curve file: left as it is"):
         CalibrationCache(notes).put(curve)
-    assert (tmp_path / "notes.txt.bad").read_text() == "my notes, not a cost curve\n"
-    assert set(read_json_object(notes)) == {"k"} and "notes.txt is not a cost curve file" in caplog.text
+    assert notes.read_text() == "my notes, not a cost curve\n" and not (tmp_path / "notes.txt.bad").exists()
     edited = tmp_path / "estimates.json"
-    edited.write_text('{"a": {"format": 1,}}')                    # a trailing comma
-    LearnedEstimates(edited).put("b", {})
+    edited.write_text('{"a": {"format": 1,}}')                    # a trailing comma: ours, damaged
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        LearnedEstimates(edited).put("b", {})
     assert (tmp_path / "estimates.json.bad").read_text() == '{"a": {"format": 1,}}'
-    big = tmp_path / "model.gguf"                                  # not read into memory: set aside
+    assert "estimates.json is not a learned estimates file" in caplog.text
+    big = tmp_path / "model.gguf"                                  # not read into memory, and left
     with big.open("wb") as f:
         f.truncate(filestore.MAX_JSON_STATE_BYTES + 1)
     assert read_json_object(big) == {}
-    CalibrationCache(big).put(curve)
-    assert (tmp_path / "model.gguf.bad").stat().st_size == filestore.MAX_JSON_STATE_BYTES + 1
+    with pytest.raises(PoolError, match="left as it is"):
+        CalibrationCache(big).put(curve)
+    assert big.stat().st_size == filestore.MAX_JSON_STATE_BYTES + 1
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for named in (fifo, tmp_path / "link-to-fifo"):
+        if named.name.startswith("link"):
+            named.symlink_to(fifo)
+        with pytest.raises(PoolError, match="is not a regular file: nothing is saved there"):
+            LearnedEstimates(named).put("b", {})
+        assert fifo.is_fifo()
     for empty in ("", "  \n"):                                     # nothing to keep: simply written
         edited.write_text(empty)
         LearnedEstimates(edited).put("b", {})
@@ -385,3 +397,24 @@ def test_a_lock_file_that_cannot_be_made_fails_at_once(tmp_path: Path) -> None:
     with pytest.raises(PoolError, match="cannot save the cost curve.*(lock file|Permission)"):
         CalibrationCache(Path("/proc/ouroboros-test-costs.json")).put(CostModel.flat())
     assert time.monotonic() - start < filestore.LOCK_WAIT_SECONDS / 4
+
+
+def test_a_history_folder_made_read_only_later_costs_a_save_not_the_answers(tmp_path: Path, monkeypatch) -> None:
+    """The folder was checked at every call: once it could not be written, every later chat message got no
+    answer ("cannot save history"), where a full disk costs only a warning. A symbolic link loop named as
+    the file was a RuntimeError traceback."""
+    from ouroboros_local import history as history_module
+
+    checked: list[str] = []
+    real_check = history_module.check_history_folder
+    monkeypatch.setattr(history_module, "check_history_folder", lambda path: checked.append(path) or real_check(path))
+    hist = History(None)
+    path = str(tmp_path / "h.pool")
+    hist.pool(2, 4, path)
+    named = len(checked)
+    hist.pool(2, 4, path)
+    assert named and len(checked) == named   # checked when named, not at each call
+    (tmp_path / "l1").symlink_to(tmp_path / "l2")
+    (tmp_path / "l2").symlink_to(tmp_path / "l1")
+    with pytest.raises(PoolError, match="cannot use .*l1 as a history file"):
+        hist.pool(2, 4, str(tmp_path / "l1"))

@@ -537,3 +537,30 @@ def test_a_window_the_batch_cannot_hold_is_refused_before_the_prefill_and_the_hi
         assert prefills == [] and eng.history.named_file is None and eng.history.phrase_pool_file is None
     finally:
         eng.close()
+
+
+def test_sigterm_and_sighup_end_a_command_through_its_finally_blocks(tiny_target, monkeypatch) -> None:
+    """Their default action ended the process where it stood: a chat's last answers never reached its
+    history file. They raise SystemExit (not KeyboardInterrupt, which chat takes as "stop the answer") only
+    while a command runs, and the handlers before are put back."""
+    import signal
+
+    from ouroboros_local import cli
+
+    seen: dict[str, object] = {}
+
+    def fake_generate(args) -> int:
+        seen["term"] = signal.getsignal(signal.SIGTERM)
+        try:
+            signal.raise_signal(signal.SIGTERM)
+            sum(range(1000))
+        finally:
+            seen["finally"] = True
+        return 0
+
+    monkeypatch.setattr(cli, "cmd_generate", fake_generate)
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["generate", "-m", str(tiny_target), "-p", "hi"])
+    assert ended.value.code == 128 + signal.SIGTERM and seen["finally"] is True
+    assert seen["term"] is cli._exit_for and signal.getsignal(signal.SIGTERM) is before
