@@ -730,7 +730,8 @@ class Engine:
         try:
             self.history.save(if_due=if_due)
         except PoolError as exc:
-            log.warning("warning: %s (the answer is kept; the history is saved again after the next one)", exc)
+            log.warning("warning: %s (the answer is kept; the save is tried again after the next answer, or at "
+                        "close)", exc)
             if stats is not None:
                 stats.extra["history_not_saved"] = str(exc)
 
