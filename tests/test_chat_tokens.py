@@ -195,3 +195,5 @@ def test_the_server_continues_a_final_assistant_message_unless_told_otherwise(bp
                                                 "chat_template", "chat_template_kwargs", "tool_choice",
                                                 "function_call"), refused
         assert prompt_tokens(messages=user, tool_choice="none") == count(user)
+        nulled = [PREFILL[0], {**PREFILL[1], "prefix": None}]   # JSON null: as if not given
+        assert prompt_tokens(messages=nulled, add_generation_prompt=True) == count(PREFILL)

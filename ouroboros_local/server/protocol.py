@@ -417,9 +417,10 @@ class ChatTemplateFields:
         """``Engine.chat_prompt``'s options for these (raw, checked) messages. A final assistant message is
         continued unless the request says otherwise (as llama-server does; Mistral's ``prefix: true`` says
         so too); a message marked ``prefix`` elsewhere is refused."""
-        if any(not isinstance(m.get("prefix", False), bool) for m in messages):
+        prefixes = [m.get("prefix") for m in messages]
+        if any(p is not None and not isinstance(p, bool) for p in prefixes):   # "false" is truthy
             raise bad_request("messages", "a message's 'prefix' must be true or false", "invalid_type")
-        marked = [i for i, m in enumerate(messages) if m.get("prefix")]
+        marked = [i for i, p in enumerate(prefixes) if p]
         if marked and marked != [len(messages) - 1]:
             raise bad_request("messages", "only the final message can be marked 'prefix'")
         if self.continue_final_message is not None:
