@@ -288,6 +288,20 @@ def check_history_folder(path: str | os.PathLike[str]) -> None:
     for name in (file, file.with_name(file.name + ".suffix")):
         if name.exists() and not name.is_file():
             raise PoolError(f"cannot save history to {path}: {name} is not a file")
+    longest = len(os.fsencode(file.name + ".suffix")) + _TEMP_NAME_EXTRA
+    if longest > _name_max(file.parent):   # FILE took, FILE.suffix's save failed after every answer
+        raise PoolError(f"cannot save history to {path}: its name is too long for the files saved beside it "
+                        f"(FILE.suffix and their temporary copies); shorten it by {longest - _name_max(file.parent)}")
+
+
+_TEMP_NAME_EXTRA = len(".") + len(".") + 8 + len(".tmp")   # filestore.write_atomic's ".NAME.XXXXXXXX.tmp"
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (AttributeError, OSError, ValueError):   # no pathconf (Windows): its usual limit
+        return 255
 
 
 def resolve_pool_path(path: str | os.PathLike[str] | None) -> str | None:

@@ -418,3 +418,15 @@ def test_a_history_folder_made_read_only_later_costs_a_save_not_the_answers(tmp_
     (tmp_path / "l2").symlink_to(tmp_path / "l1")
     with pytest.raises(PoolError, match="cannot use .*l1 as a history file"):
         hist.pool(2, 4, str(tmp_path / "l1"))
+
+
+def test_a_history_name_too_long_for_the_files_beside_it_is_refused_when_named(tmp_path: Path) -> None:
+    """A name of ~240 characters was taken, and FILE.suffix's temporary copy (".NAME.suffix.XXXXXXXX.tmp")
+    could never be written: every answer warned."""
+    from ouroboros_local.history import check_history_folder
+
+    longest = str(tmp_path / ("a" * 234))   # its suffix file's temporary copy: 255 bytes, the usual limit
+    check_history_folder(longest)
+    write_atomic(longest + ".suffix", b"x", "suffix history")
+    with pytest.raises(PoolError, match="its name is too long for the files saved beside it.*shorten it by 1"):
+        check_history_folder(str(tmp_path / ("a" * 235)))
