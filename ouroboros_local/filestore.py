@@ -43,6 +43,15 @@ class ForeignStateError(PoolError):
     Never merged into, nor replaced (its owner would lose it)."""
 
 
+_TEMP_SUFFIX = ".tmp"
+
+
+def temp_name_bytes(name: str) -> int:
+    """The length in bytes of the temporary copy's name ``write_atomic`` writes a file ``name`` through
+    (".NAME.XXXXXXXX.tmp": mkstemp's 8 random characters)."""
+    return len(os.fsencode(f".{name}.")) + 8 + len(_TEMP_SUFFIX)
+
+
 def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
     """Write ``data`` to ``path`` through a temp file and os.replace: a crash or error mid-save leaves
     any previous file intact. ``what`` names the content in the one-line error. A symbolic link is
@@ -52,7 +61,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
     _remove_stale_temps(directory, target.name)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=_TEMP_SUFFIX, dir=directory)
         if target.is_file():   # keep its permissions (mkstemp's 0600 made a group's shared pool unreadable)
             os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
         with os.fdopen(fd, "wb") as f:

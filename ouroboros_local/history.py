@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
 from .errors import PoolError
-from .filestore import DamagedStateError, ForeignStateError, is_empty_file, locked, set_aside
+from .filestore import DamagedStateError, ForeignStateError, is_empty_file, locked, set_aside, temp_name_bytes
 from .pool import PhrasePool
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -288,13 +288,10 @@ def check_history_folder(path: str | os.PathLike[str]) -> None:
     for name in (file, file.with_name(file.name + ".suffix")):
         if name.exists() and not name.is_file():
             raise PoolError(f"cannot save history to {path}: {name} is not a file")
-    longest = len(os.fsencode(file.name + ".suffix")) + _TEMP_NAME_EXTRA
-    if longest > _name_max(file.parent):   # FILE took, FILE.suffix's save failed after every answer
+    over = temp_name_bytes(file.name + ".suffix") - _name_max(file.parent)
+    if over > 0:   # FILE took, FILE.suffix's save failed after every answer
         raise PoolError(f"cannot save history to {path}: its name is too long for the files saved beside it "
-                        f"(FILE.suffix and their temporary copies); shorten it by {longest - _name_max(file.parent)}")
-
-
-_TEMP_NAME_EXTRA = len(".") + len(".") + 8 + len(".tmp")   # filestore.write_atomic's ".NAME.XXXXXXXX.tmp"
+                        f"(FILE.suffix and their temporary copies); shorten it by {over}")
 
 
 def _name_max(folder: Path) -> int:

@@ -280,10 +280,7 @@ class Model(_Native):
                 progress = lc.llama_progress_callback(ctrl_c.keep_going)
             params.progress_callback = progress   # kept alive by ``progress`` while the load runs
             ptr = lc.llama_model_load_from_file(os.fsencode(self.path), params)
-        if ctrl_c.noted:
-            if ptr:
-                lc.llama_model_free(ptr)
-            raise KeyboardInterrupt
+        ctrl_c.raise_if_noted(lambda: lc.llama_model_free(ptr) if ptr else None)
         # bytes of weight buffers advised into huge pages (0: mapped as llama.cpp does by default)
         self.huge_page_bytes = advice.advised if advice is not None else 0
         if not ptr:
@@ -698,10 +695,7 @@ class Context(_Native):
         cp.no_perf = True
         with noted_ctrl_c() as ctrl_c:   # its buffers' allocation takes seconds for a large context
             ptr = lc.llama_init_from_model(model.ptr, cp)
-        if ctrl_c.noted:
-            if ptr:
-                lc.llama_free(ptr)
-            raise KeyboardInterrupt
+        ctrl_c.raise_if_noted(lambda: lc.llama_free(ptr) if ptr else None)
         if not ptr:
             detail = last_log_error()
             raise ModelError("llama.cpp could not create a context "

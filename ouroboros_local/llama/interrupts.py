@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -24,6 +24,12 @@ class CtrlC:
 
     def note(self, signum: int, frame: object) -> None:
         self.noted = True
+
+    def raise_if_noted(self, undo: Callable[[], None]) -> None:
+        """KeyboardInterrupt where a Ctrl-C came, once ``undo`` has undone the call's work."""
+        if self.noted:
+            undo()
+            raise KeyboardInterrupt
 
     def keep_going(self, *_args: object) -> bool:
         """A progress callback's answer: False stops llama.cpp's load."""

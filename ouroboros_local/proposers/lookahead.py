@@ -38,6 +38,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..verify import VerifyResult
 
 
+def window_tokens(W: int, N: int) -> int:
+    """The tokens a W x N window adds to a verify batch: W-1 of level 0, W of each of the N-2 others."""
+    return (W - 1) + W * (N - 2)
+
+
 def check_window_fits(W: int, N: int, max_branches: int, max_tree_nodes: int) -> None:
     """MethodOptionError where the target's batch cannot hold the window (``ProposeSetup``'s bounds; the
     factories ask from the target's context before the prompt's prefill, minutes on a long prompt)."""
@@ -45,7 +50,7 @@ def check_window_fits(W: int, N: int, max_branches: int, max_tree_nodes: int) ->
         raise MethodOptionError(f"lookahead window W={W} needs {W + 1} sequence ids, the context has "
                                 f"{max_branches} (at most its batch of {max_tree_nodes + 1} tokens); lower the "
                                 "window, or raise --seqs and --batch-size")
-    n_extras = (W - 1) + W * (N - 2)   # LookaheadProposer.n_extras
+    n_extras = window_tokens(W, N)
     if max_tree_nodes < n_extras:
         raise MethodOptionError(f"lookahead window W={W}, N={N} needs {n_extras + 1} batch tokens, the batch "
                                 f"holds {max_tree_nodes + 1}")
@@ -77,7 +82,7 @@ class LookaheadProposer(Proposer):
         self._geometry: list[tuple[int, int, int, tuple[int, ...], bool]] = \
             [(0, i, i, tuple(range(i, W)), False) for i in range(1, W)]
         self._geometry += [(lev, i, lev + i, (i,), lev == N - 2) for lev in range(1, N - 1) for i in range(W)]
-        self.n_extras = len(self._geometry)          # (W-1) + W(N-2)
+        self.n_extras = len(self._geometry)          # window_tokens(W, N)
         self.window_depth = W - 1 + N - 2            # largest position offset of a window token
         self.window = JacobiWindow(window, ngram)
         self._pending: tuple[TokenTree, list[int]] | None = None

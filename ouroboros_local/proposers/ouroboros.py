@@ -334,12 +334,10 @@ class _Fallback(Proposer):
 
 def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked by ``proposers.create_method`` against ``OPTIONS`` (defaults filled in)."""
-    level, guess, topk = options["level"], options["guess_set"], options["topk"]
-    if ctx.draft is None and not ctx.adaptive and options["window"]:   # the lookahead window, checked before
-        check_window_fits_target(ctx, options["window"], level)       # a history file is named
-    pool = ctx.history.pool(level - 1, max(guess, topk, 1), options["pool"])
     if ctx.draft is None:
-        return _fallback(ctx, options, pool)
+        return _fallback(ctx, options)
+    level, guess, topk = options["level"], options["guess_set"], options["topk"]
+    pool = _history_pool(ctx, options)
     return scheduled(ctx, OuroborosProposer(
         ctx.draft_kv(), pool, ctx.target.n_vocab, gamma=options["gamma"], window=options["window"],
         level=level, guess_set=guess, topk=topk, harvest=options["harvest"],
@@ -365,13 +363,21 @@ def scheduled(ctx: DraftingContext, drafter: Proposer, pool: PhrasePool, options
     return AutoProposer(ctx.scheduler(), [phrases, drafter], name="ouroboros")
 
 
-def _fallback(ctx: DraftingContext, options: dict[str, Any], pool: PhrasePool) -> Proposer:
+def _history_pool(ctx: DraftingContext, options: dict[str, Any]) -> PhrasePool:
+    return ctx.history.pool(options["level"] - 1, max(options["guess_set"], options["topk"], 1), options["pool"])
+
+
+def _fallback(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """Without a draft model: phrases from the context and the pool, scheduled like prompt lookup
     (the lookahead window runs only with fixed hyperparameters: on a CPU it costs more than it saves)."""
-    if not ctx.adaptive and options["window"] == 0:   # no window: the pool's and the context's phrases
+    window = 0 if ctx.adaptive else options["window"]
+    if window:   # checked before a history file is named
+        check_window_fits_target(ctx, window, options["level"])
+    pool = _history_pool(ctx, options)
+    if not ctx.adaptive and not window:   # no window: the pool's and the context's phrases
         return _Fallback(PromptLookupProposer(gamma=options["gamma"], pool=pool, feed_pool=True),
                          "prompt-lookup", pool)
-    if not ctx.adaptive:
+    if window:
         inner: Proposer = LookaheadProposer(
             window=options["window"], ngram=options["level"], guess=options["guess_set"], pool=pool,
             pool_from_prompt=options["pool_from_prompt"], harvest=options["harvest"], seed=options["seed"])

@@ -429,9 +429,6 @@ class ChatTemplateFields:
             continued = True
         else:
             continued = self.add_generation_prompt is None and clean[-1]["role"] == "assistant"
-        if continued and clean[-1]["role"] != "assistant":
-            raise bad_request("messages", f"only an assistant message can be continued; the final message is "
-                                          f"the {clean[-1]['role']}'s")
         return {"add_generation_prompt": not continued and self.add_generation_prompt is not False,
                 "continue_final": continued, "template_kwargs": self.kwargs}
 
