@@ -29,11 +29,12 @@ openai = pytest.importorskip("openai")
 
 import uvicorn
 
-from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.engine import Engine, EngineConfig, GenerationResult, GenerationStats
 from ouroboros_local.calibration import CostModel
 from ouroboros_local.llama import Model
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.server.app import ServerConfig, create_app
+from ouroboros_local.server.protocol import stats_body
 from ouroboros_local.testing import write_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,6 +222,7 @@ def test_completion_matches_engine_greedy(client, engine):
     assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
     stats = resp.model_extra["stats"]
     assert stats["target_passes"] >= 1 and stats["method"]
+    assert stats["extra"]["python_ms_per_round"] >= 0 and "time_split" in stats["extra"]
     # Token-id prompts and the model alias work too.
     ids = engine.tokenize(PROMPT)
     resp2 = client.completions.create(model="tiny-alias", prompt=ids, max_tokens=24, temperature=0)
@@ -253,6 +255,12 @@ def test_chat_streaming_equals_non_streaming(client, engine):
     assert finish == full.choices[0].finish_reason
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
     assert usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_stats_carry_extra_but_not_the_servers_file_errors():
+    stats = GenerationStats(method="auto", extra={"time_split": {"draft": 0.1}, "history_not_saved": "/srv/x.pool"})
+    body = stats_body(GenerationResult("", [], stats))
+    assert body["extra"] == {"time_split": {"draft": 0.1}}
 
 
 def test_completion_streaming(client, engine):

@@ -514,7 +514,10 @@ def stats_body(result: "GenerationResult") -> dict[str, Any]:
             "target_passes": s.target_passes, "drafted": s.drafted, "accepted": s.accepted,
             "accepted_per_pass": round(s.accepted_per_pass, 4), "tokens_per_pass": round(s.tokens_per_pass, 4),
             "prefill_seconds": round(s.prefill_seconds, 6), "decode_seconds": round(s.decode_seconds, 6),
-            "finish_reason": s.finish_reason}
+            "finish_reason": s.finish_reason,
+            # the method's own counters and the decode's time split, as `generate --json` gives them; a
+            # failed history save is the operator's business (its message names the server's files)
+            "extra": {k: v for k, v in s.extra.items() if k != "history_not_saved"}}
 
 
 def usage_body(n_prompt: int, result: "GenerationResult") -> dict[str, int]:
