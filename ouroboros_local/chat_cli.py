@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import os
 import signal
 import sys
 import threading
@@ -332,7 +333,10 @@ def _terminal_reader() -> tuple[Callable[[str], str], str]:
     if sys.stdin is None:   # closed (<&-)
         raise ParameterError("stdin is closed: nothing to read the messages from")
     if isinstance(sys.stdin, io.TextIOWrapper):
-        sys.stdin.reconfigure(errors="surrogateescape")
+        # piped or redirected messages are UTF-8, as `generate -f -` reads them (Windows' code page made
+        # "Café" "CafÃ©"); a terminal's are in its own encoding, and PYTHONIOENCODING is the user's choice
+        utf8 = not sys.stdin.isatty() and not os.environ.get("PYTHONIOENCODING")
+        sys.stdin.reconfigure(errors="surrogateescape", **({"encoding": "utf-8"} if utf8 else {}))
     if not sys.stdin.isatty():
         return input, ""
     try:

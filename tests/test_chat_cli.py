@@ -231,6 +231,23 @@ def test_piped_chat_shows_no_prompt_and_takes_bytes_that_are_not_utf8(tiny_targe
     assert bad.returncode == 2 and b"--system: the text is not valid Unicode" in bad.stderr, bad.stderr
 
 
+def test_piped_messages_are_utf8_whatever_the_locale(tiny_target, tmp_path):
+    """Windows reads a pipe in its code page: `chat < questions.txt` sent "CafÃ©" for "Café" (here an
+    ASCII locale refused it); `generate -f -` reads the same bytes as UTF-8."""
+    import subprocess
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONIOENCODING", "PYTHONUTF8")}
+    env.update({"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "LC_ALL": "C",
+                "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0", "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "c.json"),
+                "OUROBOROS_ESTIMATES_FILE": str(tmp_path / "e.json")})
+    run = subprocess.run([sys.executable, "-m", "ouroboros_local.cli", "chat", "-m", str(tiny_target), "-c", "512",
+                          "-t", "1", "-n", "4", "--method", "vanilla"], input="Hello café ✓\n".encode(), env=env,
+                         capture_output=True, timeout=120)
+    err = run.stderr.decode()
+    assert run.returncode == 0 and "not valid Unicode" not in err, err
+    assert len(STATS_LINE.findall(err)) == 1
+
+
 # ---- the real CLI in a pseudo-terminal ----------------------------------------------------------
 try:
     import pexpect

@@ -1083,6 +1083,17 @@ def test_models_fetch_without_a_name_is_an_error(capsys) -> None:
     assert "the model name is empty" in capsys.readouterr().err
 
 
+def test_pip_arguments_split_as_this_systems_shell_splits_them() -> None:
+    """On Windows `--find-links C:\\Users\\me\\wheels` reached pip as `C:Usersmewheels` (POSIX rules)."""
+    from ouroboros_local.download import split_args
+
+    line = r'--find-links C:\Users\me\wheels --no-index --cert "C:\my certs\corp.pem"'
+    assert split_args(line, windows=True) == ["--find-links", r"C:\Users\me\wheels", "--no-index", "--cert",
+                                              r"C:\my certs\corp.pem"]
+    assert split_args("--find-links '/my wheels' --cert a\\ b", windows=False) == [
+        "--find-links", "/my wheels", "--cert", "a b"]
+
+
 def test_a_cache_or_pip_setting_that_cannot_work_is_one_line(tmp_path, monkeypatch) -> None:
     """A file as OUROBOROS_CACHE (or a read-only one) and an unclosed quote in OUROBOROS_PIP_ARGS were
     tracebacks."""

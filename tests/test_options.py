@@ -283,6 +283,49 @@ def test_a_console_in_another_encoding_gets_one_line_not_a_traceback(tmp_path) -
     assert console.buffer.getvalue().decode("ascii").strip() == '{"text": "\\u65e5\\u672c caf\\u00e9"}'
 
 
+def test_a_redirected_answer_is_utf8_whatever_the_code_page(monkeypatch) -> None:
+    """Windows gives a redirected stdout its code page: `generate > answer.txt` kept a '?' for every
+    character outside cp1252. A file or pipe now gets UTF-8 (as llama.cpp writes it); a terminal, or an
+    encoding the user set (PYTHONIOENCODING), keeps its encoding with '?' for what it cannot show."""
+    import io
+    import sys
+
+    from ouroboros_local import cli
+
+    class Terminal(io.BytesIO):
+        def isatty(self) -> bool:
+            return True
+
+    def printed(raw: io.BytesIO) -> bytes:
+        stream = io.TextIOWrapper(raw, encoding="cp1252")
+        monkeypatch.setattr(sys, "stdout", stream)
+        monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+        cli.tolerate_console_encoding()
+        print("α → β")
+        stream.flush()
+        return raw.getvalue()
+
+    monkeypatch.delenv("PYTHONIOENCODING", raising=False)
+    assert printed(io.BytesIO()) == "α → β\n".encode()
+    assert printed(Terminal()) == b"? ? ?\n"
+    monkeypatch.setenv("PYTHONIOENCODING", "cp1252")
+    assert printed(io.BytesIO()) == b"? ? ?\n"
+
+
+def test_windows_line_ends_in_a_prompt_are_read_as_newlines(tmp_path, monkeypatch) -> None:
+    """Notepad's CRLF reached the model as a "\r" token per line, and SmolLM2 answered in kind."""
+    import io
+    import sys
+
+    from ouroboros_local.text_input import read_stdin, read_text
+
+    crlf = tmp_path / "prompt.txt"
+    crlf.write_bytes(b"\xef\xbb\xbfdef f():\r\n    return 1\r\n")
+    assert read_text(crlf) == "def f():\n    return 1\n"
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"a\r\nb\rc")))
+    assert read_stdin() == "a\nb\rc"   # a lone carriage return is left as it is
+
+
 def test_context_flags_are_bounded_and_a_context_past_training_is_named(tiny_target, capsys) -> None:
     """-c 2**32+512 ran with 512 cells, -b 2**32+2 aborted in llama.cpp, --round-size past the context said
     'the context is full' for a one-token prompt; a context past the trained one went unmentioned."""

@@ -204,6 +204,18 @@ def test_doctor_counts_the_kv_cache_of_the_context_asked_for(tiny_target, capsys
     assert set(KV_TYPE_BYTES) == set(KV_CACHE_TYPES)   # every cache type the engine takes has its size
 
 
+def test_doctor_judges_the_memory_without_proc_meminfo(tiny_target, monkeypatch, capsys) -> None:
+    """macOS and Windows have no /proc/meminfo: doctor printed no memory line and no fit verdict at all.
+    llama.cpp's CPU device gives the figure there."""
+    from ouroboros_local import cli
+    from ouroboros_local.llama import huge_pages
+
+    monkeypatch.setattr(huge_pages, "memory_available", lambda: None)
+    assert cli.main(["doctor", "-m", str(tiny_target), "-c", "99999999"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB (llama.cpp's figure for the CPU device)" in out and "does NOT fit" in out
+
+
 def test_more_threads_than_cores_is_named_and_negative_refused(tiny_target, monkeypatch, capsys) -> None:
     """-t above the usable cores runs (llama.cpp allows it) but says why it may crawl: on 2 cores,
     -t 64 decoded SmolLM2 at 4 tok/s against 160; a negative count is a parameter error (status 2)."""

@@ -277,7 +277,7 @@ def keep_earlier_run(out_dir: Path, log: Callable[[str], None]) -> None:
 def _was_stopped(run_dir: Path) -> bool:
     """Whether the run whose results.json is in ``run_dir`` was stopped by Ctrl-C (its notes say so)."""
     try:
-        notes = json.loads((run_dir / "results.json").read_text()).get("notes") or []
+        notes = json.loads((run_dir / "results.json").read_text(encoding="utf-8")).get("notes") or []
     except (OSError, ValueError, AttributeError):
         return False
     return any(str(note).startswith(STOPPED_NOTE) for note in notes)
