@@ -12,10 +12,14 @@ all of its threads), in cores. Where /proc/stat is missing, the 1-minute load av
 
 from __future__ import annotations
 
+import functools
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import Callable, NamedTuple
 
 SAMPLE_SECONDS = 0.15       # long enough for ~15 clock ticks per CPU, short enough for every start
 MIN_TICKS = 8               # fewer clock ticks (all CPUs together) say too little about the load
@@ -31,6 +35,63 @@ def usable_cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - macOS / Windows
         return max(1, os.cpu_count() or 1)
+
+
+class MathCores(NamedTuple):
+    count: int
+    kind: str   # what was counted, for doctor: "physical cores", "performance cores" or "usable cores"
+
+
+@functools.lru_cache(maxsize=1)
+def math_cores() -> MathCores:
+    """The usable cores worth a llama.cpp thread, counted as llama.cpp's own default counts them: one
+    per physical core (a hyperthread shares its core's arithmetic units and memory bandwidth: decoding
+    gains nothing from it, and every thread waits for the slowest at each graph node), and on Apple
+    Silicon and Intel's hybrid CPUs only the performance cores. Windows: the usable cores."""
+    usable = max(1, usable_cores())
+    if sys.platform == "darwin":
+        for name, kind in (("hw.perflevel0.physicalcpu", "performance cores"), ("hw.physicalcpu", "physical cores")):
+            count = _sysctl_int(name)
+            if count:
+                return MathCores(min(count, usable), kind)
+        return MathCores(usable, "usable cores")
+    ids = _usable_cpu_ids()
+    return linux_math_cores(ids, Path("/sys/devices")) if ids else MathCores(usable, "usable cores")
+
+
+def linux_math_cores(cpu_ids: set[int], sysfs: Path) -> MathCores:
+    """``cpu_ids``' physical cores, from sysfs's sibling lists; the performance ones where the kernel
+    names an Intel hybrid CPU's (``cpu_core/cpus``). All of ``cpu_ids`` where sysfs says nothing."""
+    kind = "physical cores"
+    performance = _cpu_list(sysfs / "cpu_core" / "cpus") & cpu_ids
+    if performance and _cpu_list(sysfs / "cpu_atom" / "cpus") & cpu_ids:
+        cpu_ids, kind = performance, "performance cores"
+    siblings = {i: frozenset(_cpu_list(sysfs / "system" / "cpu" / f"cpu{i}" / "topology" / "thread_siblings_list"))
+                for i in cpu_ids}
+    if not any(siblings.values()):
+        return MathCores(max(1, len(cpu_ids)), "usable cores")
+    return MathCores(len({group or frozenset([i]) for i, group in siblings.items()}), kind)
+
+
+def _cpu_list(path: Path) -> set[int]:
+    """A kernel CPU list ("0-3,8,10-11") as numbers; empty where unreadable."""
+    try:
+        text = path.read_text(encoding="ascii").strip()
+        out: set[int] = set()
+        for part in filter(None, text.split(",")):
+            low, _, high = part.partition("-")
+            out.update(range(int(low), int(high or low) + 1))
+        return out
+    except (OSError, ValueError):
+        return set()
+
+
+def _sysctl_int(name: str) -> int | None:
+    try:
+        run = subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5)
+        return int(run.stdout.strip()) if run.returncode == 0 else None
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
 
 
 def _usable_cpu_ids() -> set[int] | None:
@@ -159,14 +220,16 @@ def busy_cores_now(seconds: float = SAMPLE_SECONDS, reuse: float = REUSE_SECONDS
     return busy
 
 
-def idle_threads(cores: int, busy: float | None) -> int:
-    """Threads for the cores left idle by ``busy`` other cores' worth of work, at least 1.
+def idle_threads(cores: int, busy: float | None, limit: int | None = None) -> int:
+    """Threads for the cores left idle by ``busy`` other cores' worth of work, at least 1, at most
+    ``limit`` (``math_cores``).
 
     A core counts as taken once others use more than half of it: a thread sharing a core with a busy
     process makes every other thread wait for it at each graph node."""
+    cap = min(cores, limit or cores)
     if busy is None:
-        return cores
-    return max(1, min(cores, cores - int(busy + 0.5)))
+        return cap
+    return max(1, min(cap, cores - int(busy + 0.5)))
 
 
 def contended(busy: float | None, cores: int, threads: int) -> bool:

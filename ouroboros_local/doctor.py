@@ -21,17 +21,21 @@ KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1
 
 def load_lines(asked: int | None = None) -> list[str]:
     """What the CPU's load is now and the thread count it makes the default (or -t's, ``asked``)."""
-    from .cpu_load import busy_cores_now, idle_threads, usable_cores
+    from .cpu_load import busy_cores_now, idle_threads, math_cores, usable_cores
 
-    cores, busy = usable_cores(), busy_cores_now(reuse=0.0)
+    cores, busy, math = usable_cores(), busy_cores_now(reuse=0.0), math_cores()
     try:
         average = "; load average " + " ".join(f"{x:.2f}" for x in os.getloadavg())
     except (AttributeError, OSError):  # pragma: no cover
         average = ""
-    threads = idle_threads(cores, busy)
+    threads = idle_threads(cores, busy, math.count)
     now = "unknown" if busy is None else f"other processes keep {busy:.1f} of {cores} usable cores busy now"
-    why = ("every usable core" if threads == cores
-           else "the idle cores (a thread on a busy core stalls the rest)")
+    if threads == cores:
+        why = "every usable core"
+    elif threads == math.count:   # as llama.cpp's own default
+        why = f"one per {math.kind[:-1]} ({math.count} of {cores}: a second thread on a core adds no speed)"
+    else:
+        why = "the idle cores (a thread on a busy core stalls the rest)"
     waits = ", ".join(f"{name}={os.environ.get(name, 'unset')}" for name in OMP_SETTINGS)
     default = f"{threads} by default, {why}; os.cpu_count() = {os.cpu_count()}"
     if not asked:   # None or 0: the default

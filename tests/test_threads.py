@@ -115,9 +115,62 @@ def test_default_threads_follow_the_load(two_cpus, monkeypatch, others, threads)
 
     proc = FakeProc(others)
     monkeypatch.setattr(binding, "usable_cores", lambda: 2)
+    monkeypatch.setattr(binding, "math_cores", lambda: cpu_load.MathCores(2, "physical cores"))
     monkeypatch.setattr(binding, "busy_cores_now",
                         lambda: busy_cores_now(reuse=0.0, read_stat=proc, sleep=lambda s: None))
     assert binding.default_threads() == threads
+
+
+def _sysfs(root, siblings: dict[int, str], core: str | None = None, atom: str | None = None):
+    for cpu, group in siblings.items():
+        topology = root / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        (topology / "thread_siblings_list").write_text(group + "\n")
+    for name, cpus in (("cpu_core", core), ("cpu_atom", atom)):
+        if cpus:
+            (root / name).mkdir()
+            (root / name / "cpus").write_text(cpus + "\n")
+    return root
+
+
+def test_threads_default_to_one_per_physical_core_as_llama_cpp(tmp_path, monkeypatch) -> None:
+    """An 8-core, 16-thread CPU ran 16 threads where llama.cpp runs 8: a hyperthread adds no decoding
+    speed, and llama.cpp's threads wait for the slowest at every graph node. Apple Silicon and Intel's
+    hybrid CPUs: the performance cores only, as llama.cpp counts them."""
+    from ouroboros_local.cpu_load import MathCores, linux_math_cores
+    from ouroboros_local.llama import binding
+
+    smt = _sysfs(tmp_path / "smt", {i: f"{i % 8},{i % 8 + 8}" for i in range(16)})
+    assert linux_math_cores(set(range(16)), smt) == MathCores(8, "physical cores")
+    assert linux_math_cores({0, 8, 1}, smt) == MathCores(2, "physical cores")   # an affinity mask
+    hybrid = _sysfs(tmp_path / "hybrid", {**{i: f"{i - i % 2}-{i - i % 2 + 1}" for i in range(8)},
+                                          **{i: str(i) for i in range(8, 16)}}, core="0-7", atom="8-15")
+    assert linux_math_cores(set(range(16)), hybrid) == MathCores(4, "performance cores")
+    assert linux_math_cores(set(range(8, 16)), hybrid) == MathCores(8, "physical cores")   # E-cores alone
+    assert linux_math_cores({0, 1}, tmp_path / "none") == MathCores(2, "usable cores")
+
+    monkeypatch.setattr(binding, "usable_cores", lambda: 16)
+    monkeypatch.setattr(binding, "math_cores", lambda: MathCores(8, "physical cores"))
+    for busy, threads in ((0.0, 8), (None, 8), (6.0, 8), (10.0, 6), (15.6, 1)):
+        monkeypatch.setattr(binding, "busy_cores_now", lambda busy=busy: busy)
+        assert binding.default_threads() == threads
+
+    from ouroboros_local import doctor
+
+    monkeypatch.setattr(cpu_load, "usable_cores", lambda: 16)
+    monkeypatch.setattr(cpu_load, "math_cores", lambda: MathCores(8, "physical cores"))
+    monkeypatch.setattr(cpu_load, "busy_cores_now", lambda reuse=0.0: 0.0)
+    assert doctor.load_lines()[1].startswith("threads: 8 by default, one per physical core (8 of 16")
+    monkeypatch.undo()
+
+    monkeypatch.setattr(cpu_load.sys, "platform", "darwin")
+    monkeypatch.setattr(cpu_load, "usable_cores", lambda: 10)
+    monkeypatch.setattr(cpu_load, "_sysctl_int", {"hw.perflevel0.physicalcpu": 4, "hw.physicalcpu": 10}.get)
+    cpu_load.math_cores.cache_clear()
+    try:
+        assert cpu_load.math_cores() == MathCores(4, "performance cores")
+    finally:
+        cpu_load.math_cores.cache_clear()
 
 
 def test_a_context_without_a_thread_setting_uses_the_idle_cores(tiny_target, monkeypatch) -> None:
@@ -126,6 +179,7 @@ def test_a_context_without_a_thread_setting_uses_the_idle_cores(tiny_target, mon
     from ouroboros_local.llama import Context, ContextParams, Model, binding
 
     monkeypatch.setattr(binding, "usable_cores", lambda: 2)
+    monkeypatch.setattr(binding, "math_cores", lambda: cpu_load.MathCores(2, "physical cores"))
     monkeypatch.setattr(binding, "busy_cores_now", lambda: 1.0)
     model = Model(tiny_target)
     try:
@@ -147,6 +201,7 @@ def test_doctor_reports_the_load_and_the_thread_choice(monkeypatch) -> None:
     from ouroboros_local import doctor
 
     monkeypatch.setattr(cpu_load, "usable_cores", lambda: 2)
+    monkeypatch.setattr(cpu_load, "math_cores", lambda: cpu_load.MathCores(2, "physical cores"))
     monkeypatch.setattr(cpu_load, "busy_cores_now", lambda reuse=0.0: 1.0)
     lines = doctor.load_lines()
     assert "1.0 of 2 usable cores busy" in lines[0]

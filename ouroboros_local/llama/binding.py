@@ -18,7 +18,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from ..cpu_load import busy_cores_now, idle_threads, usable_cores  # noqa: F401 (re-exported)
+from ..cpu_load import busy_cores_now, idle_threads, math_cores, usable_cores  # noqa: F401 (re-exported)
 from ..errors import ContextOverflowError, ModelError, OuroborosError, ParameterError
 from ..filestore import file_identity
 from ..text_input import utf8_bytes
@@ -91,14 +91,15 @@ def errors_since(mark: int) -> str:
 
 
 def default_threads() -> int:
-    """The usable cores that other processes leave idle now (sampled for ~0.15 s), at least 1.
+    """The usable cores that other processes leave idle now (sampled for ~0.15 s), at least 1, one per
+    physical core at most (``math_cores``: llama.cpp's own default).
 
     Not simply every core: llama.cpp's threads wait for each other at every graph node, so one thread
     sharing a core with a busy process stalls them all (SmolLM2-135M next to another decode loop: 0.3
     tok/s with 2 threads, 55 with 1). ``usable_cores()`` is the affinity count without the load."""
-    cores, busy = usable_cores(), busy_cores_now()
-    threads = idle_threads(cores, busy)
-    if threads < cores:
+    cores, busy, math = usable_cores(), busy_cores_now(), math_cores().count
+    threads = idle_threads(cores, busy, math)
+    if threads < min(cores, math):
         logging.getLogger("ouroboros_local").info(
             "other processes keep %.1f of %d cores busy: using %d thread(s) (-t N overrides)",
             busy, cores, threads)
