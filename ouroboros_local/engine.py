@@ -304,6 +304,10 @@ class Engine:
                                  "them from files")
         if not (config is None or isinstance(config, EngineConfig)):
             raise ParameterError(f"config must be an EngineConfig (got {type(config).__name__})")
+        for model in (target, draft):   # its first decode aborted the process (a GGML_ASSERT)
+            if model is not None and model.vocab_only:
+                raise ParameterError(f"{model.path.name} was loaded with vocab_only=True: it has no weights to "
+                                     "generate with (load it without)")
         self.config = config or EngineConfig()
         if self.config.round_size is None:
             self.config = replace(self.config, round_size=default_round_size(target, self.config.n_batch))
@@ -315,6 +319,8 @@ class Engine:
         self.target = target
         self.draft = draft
         self._closed = False
+        self._users = 0   # calls into the models outside the engine's lock (``_using_models``)
+        self._users_left = threading.Condition()
         self._streams: weakref.WeakSet[Iterator[StreamEvent]] = weakref.WeakSet()   # close() ends this thread's
         if draft is not None and pair_compatible is None:
             pair_reason = check_pair(target.path, draft.path).reason
@@ -505,10 +511,25 @@ class Engine:
             raise OuroborosError("this thread has a generation of this engine still open (a stream() not "
                                  "read to its end): read it to the end or close() it first")
 
+    @contextmanager
+    def _using_models(self) -> Iterator[None]:
+        """A call into the models outside the engine's lock (tokenizing, the chat template: the server
+        does that while another request generates). ``close`` waits for these before it frees the
+        models: it freed them under a tokenizing thread, which crashed the process."""
+        with self._users_left:
+            self._check_open()
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._users_left:
+                self._users -= 1
+                self._users_left.notify_all()
+
     def close(self) -> None:
         """Free the contexts, and the models no other engine holds. A stream this thread left open (a
         ``with`` block left mid-stream), or that a thread that has ended left open, is closed first; one
-        running in another thread is waited for."""
+        running in another thread is waited for, as are tokenizing calls."""
         if self._closed:
             return
         owner = self._lock_owner
@@ -527,7 +548,9 @@ class Engine:
                 if self.history.pending:   # the last answers' history, not yet due when they ended
                     self._save_history(None)
                 self.save_learned()
-                self._closed = True
+                with self._users_left:
+                    self._closed = True   # no new calls; those under way end first
+                    self._users_left.wait_for(lambda: self._users == 0)
                 for ctx in (self._draft_ctx, self.target_ctx):
                     if ctx is not None:
                         ctx.close()
@@ -549,12 +572,17 @@ class Engine:
         """``limit``: more tokens raise ContextOverflowError (with ``n_tokens``) before they are listed."""
         if not isinstance(text, str):
             raise ParameterError(f"tokenize takes a str (got {type(text).__name__})")
-        self._check_open()
-        return self.target.tokenize(text, add_special=add_special, parse_special=parse_special, limit=limit)
+        _check_flags(add_special=add_special, parse_special=parse_special)
+        if not (limit is None or (is_integer(limit) and limit >= 0)):
+            raise ParameterError(f"limit must be None or an integer >= 0 (got {limit!r})")
+        with self._using_models():
+            return self.target.tokenize(text, add_special=bool(add_special), parse_special=bool(parse_special),
+                                        limit=None if limit is None else int(limit))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
-        self._check_open()
-        return self.target.detokenize(_token_ids(tokens, "detokenize"))
+        ids = _token_ids(tokens, "detokenize")
+        with self._using_models():
+            return self.target.detokenize(ids)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -566,9 +594,10 @@ class Engine:
         continued (a prefill, ``chat.render_chat``); ``template_kwargs``: more variables for the template."""
         from .chat import render_chat
 
-        self._check_open()
-        return render_chat(self.target, messages, add_generation_prompt=add_generation_prompt,
-                           continue_final=continue_final, template_kwargs=template_kwargs)
+        _check_flags(add_generation_prompt=add_generation_prompt, continue_final=continue_final)
+        with self._using_models():
+            return render_chat(self.target, messages, add_generation_prompt=bool(add_generation_prompt),
+                               continue_final=bool(continue_final), template_kwargs=template_kwargs)
 
     def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     **template_options: Any) -> str:
@@ -576,8 +605,9 @@ class Engine:
         ``template_options`` as ``apply_chat_template``'s."""
         from .chat import for_added_specials
 
-        return for_added_specials(self.target, self.apply_chat_template(messages, add_generation_prompt,
-                                                                         **template_options))
+        text = self.apply_chat_template(messages, add_generation_prompt, **template_options)
+        with self._using_models():
+            return for_added_specials(self.target, text)
 
     def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
                     limit: int | None = None, **template_options: Any) -> list[int]:
@@ -652,8 +682,7 @@ class Engine:
         if not is_integer(max_tokens) or max_tokens < 0:
             raise ParameterError(f"max_tokens must be an integer >= 0 (got {max_tokens!r})")
         max_tokens = int(max_tokens)
-        if not isinstance(chat, (bool, np.bool_)):   # "no" would be truthy: the template applied unasked
-            raise ParameterError(f"chat must be True or False (got {chat!r})")
+        _check_flags(chat=chat)
         chat = bool(chat)
         if method not in method_names():
             raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
@@ -1273,6 +1302,13 @@ def _items(values: Any, what: str, expected: str) -> list[Any]:
         return list(values)
     except TypeError:
         raise ParameterError(f"{what} must be {expected} (got {type(values).__name__})") from None
+
+
+def _check_flags(**flags: Any) -> None:
+    """Each flag a bool: "no" is truthy (chat="no" applied the template unasked)."""
+    for name, value in flags.items():
+        if not isinstance(value, (bool, np.bool_)):
+            raise ParameterError(f"{name} must be True or False (got {value!r})")
 
 
 def _token_ids(tokens: Any, what: str) -> list[int]:

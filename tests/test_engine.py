@@ -563,6 +563,65 @@ def test_close_ends_a_stream_that_an_ended_thread_left_open(tiny_target) -> None
         engine.generate(PROMPTS[1], max_tokens=2)
 
 
+def test_close_waits_for_a_thread_that_is_tokenizing(tiny_target) -> None:
+    """close() freed the model under another thread's llama_tokenize (which runs without the GIL): the
+    process aborted or segfaulted. Tokenizing takes no engine lock (the server tokenizes a request while
+    another generates), so close() waits for such calls, and later ones find the engine closed."""
+    import threading
+    import time
+
+    engine = make_engine(tiny_target)
+    real, entered = engine.target.tokenize, threading.Event()
+
+    def slow_tokenize(*args: Any, **kwargs: Any) -> list[int]:
+        entered.set()
+        time.sleep(0.5)   # the model must still be there when the tokenizer runs
+        return real(*args, **kwargs)
+
+    engine.target.tokenize = slow_tokenize
+    got: list[Any] = []
+    worker = threading.Thread(target=lambda: got.append(_tokens_or_error(engine)))
+    worker.start()
+    assert entered.wait(30)
+    engine.close()
+    worker.join(30)
+    assert got and isinstance(got[0], list) and got[0], got
+    with pytest.raises(OuroborosError, match="engine is closed"):
+        engine.tokenize("hello")
+
+
+def _tokens_or_error(engine: Engine) -> Any:
+    try:
+        return engine.tokenize("hello world")
+    except Exception as exc:   # noqa: BLE001 - the test reports it
+        return exc
+
+
+def test_an_engine_refuses_a_vocabulary_only_model_and_flags_that_are_not_bools(tiny_target) -> None:
+    """A vocab_only model was taken and its first decode aborted the process (GGML_ASSERT); tokenize's
+    limit=2.5 or "3" was a TypeError, and add_special="no" or add_generation_prompt="no" counted as True."""
+    from ouroboros_local.llama import Model
+
+    words = Model(tiny_target, vocab_only=True)
+    try:
+        with pytest.raises(ParameterError, match="vocab_only=True: it has no weights"):
+            Engine(words)
+    finally:
+        words.close()
+    engine = make_engine(tiny_target)
+    try:
+        for limit in (2.5, "3", -1, True):
+            with pytest.raises(ParameterError, match="limit must be None or an integer >= 0"):
+                engine.tokenize("hello world", limit=limit)
+        assert engine.tokenize("hello world", limit=np.int64(100)) == engine.tokenize("hello world")
+        with pytest.raises(ParameterError, match="add_special must be True or False"):
+            engine.tokenize("hello", add_special="no")
+        with pytest.raises(ParameterError, match="add_generation_prompt must be True or False"):
+            engine.chat_tokens([{"role": "user", "content": "hi"}], add_generation_prompt="no")
+    finally:
+        engine.close()
+
+
 def test_engine_lifecycle_errors_are_one_line(tiny_target, tmp_path) -> None:
     """After close() every call raised a segfault (tokenize) or read freed memory (detokenize); an id
     outside the vocabulary aborted the process; two engines sharing a model freed it under the other."""

@@ -261,7 +261,7 @@ class Model(_Native):
         self.file_id = file_identity(self.path)   # learned state's key, whatever happens to the file later
         params = lc.llama_model_default_params()
         params.n_gpu_layers = int(n_gpu_layers)
-        params.vocab_only = bool(vocab_only)
+        params.vocab_only = self.vocab_only = bool(vocab_only)
         if main_gpu is not None and not vocab_only and _one_gpu(main_gpu) and n_gpu_layers != 0:
             # llama.cpp reads main_gpu only where the model is not split (LLAMA_SPLIT_MODE_NONE)
             params.split_mode = lc.LLAMA_SPLIT_MODE_NONE
