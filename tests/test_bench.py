@@ -159,6 +159,17 @@ def test_balanced_order(n: int) -> None:
     assert runner.balanced([], 3) == []
 
 
+def test_options_for_every_llama_cpp_peer_leave_the_baseline_undrafted() -> None:
+    """{"llama.cpp": {"n_max": 4}} reached llama.cpp:vanilla after its own --spec-draft-n-max 0: the
+    baseline drafted."""
+    from ouroboros_local.bench.cli import peer_options
+
+    opts = {"llama.cpp": {"n_max": 4, "args": ["-fa", "on"]}, "llama.cpp:lookup": {"n_min": 1}}
+    assert peer_options("llama.cpp:vanilla", opts) == {"args": ["-fa", "on"]}
+    assert peer_options("llama.cpp:lookup", opts) == {"n_max": 4, "args": ["-fa", "on"], "n_min": 1}
+    assert peer_options("llama-cpp-python", opts) == {}
+
+
 def test_peer_names() -> None:
     assert peers.expand_peers("llama-cpp-python-pld", has_draft=False) == ["llama-cpp-python",
                                                                           "llama-cpp-python-pld"]
@@ -331,6 +342,15 @@ def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: P
     (["--limit", "0", "--learn-first", "2"], "--limit must be >= 1"),   # once "no prompt fits" after loading
     (["--methods", "suffix,speculative,pearl"], "speculative, pearl need a draft model: -d DRAFT"),
     (["--sweep", "lookahead:window=2,2"], "share the label 'lookahead[window=2]'"),
+    # peers' options: llama-cpp-python-pld's misspelt one was ignored, llama.cpp's found after the load
+    (["--peers", "llama-cpp-python-pld", "--method-options", '{"llama-cpp-python-pld": {"num_pred": 3}}'],
+     "llama-cpp-python-pld: unknown option 'num_pred' (it takes num_pred_tokens, max_ngram_size)"),
+    (["--peers", "llama-cpp-python-pld", "--method-options", '{"llama-cpp-python-pld": {"num_pred_tokens": 0}}'],
+     "num_pred_tokens must be an integer >= 1"),
+    (["--method-options", '{"llama.cpp:lookup": {"nmax": 4}}'], "llama.cpp:lookup: unknown option 'nmax'"),
+    (["--method-options", '{"llama.cpp": {"n_mx": 4}}'], "llama.cpp: unknown option 'n_mx'"),
+    (["--method-options", '{"llama-cpp-python": {"num_pred_tokens": 4}}'], "llama-cpp-python: unknown option"),
+    (["--variant", 'x=lookahead:{"reset_pool": "false"}'], '"reset_pool" must be true or false (got "false")'),
 ])
 def test_a_misspelt_method_or_option_is_refused_before_a_model_loads(
         flags: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -820,3 +840,106 @@ def test_an_empty_turn_is_refused_with_its_line(tmp_path) -> None:
     path.write_text('{"id": "a", "turns": ["hi"]}\n{"id": "c", "turns": [""]}\n')
     with pytest.raises(ParameterError, match=r"p.jsonl:2: a turn is empty"):
         prompts.read_prompt_file(path)
+
+
+def test_an_empty_prompt_file_is_refused_when_read(tmp_path: Path) -> None:
+    """An empty .txt among the sets was found after the other sets were measured, and the run was lost."""
+    for text in ("", "\n"):
+        (tmp_path / "empty.txt").write_text(text)
+        with pytest.raises(ParameterError, match=r"empty.txt: the prompt file is empty"):
+            prompts.load_sets(str(tmp_path / "empty.txt"))
+
+
+def test_a_file_whose_lines_name_different_tasks_is_refused(tmp_path: Path) -> None:
+    """Every line was built with the first line's task and budget, in silence; a set is one task."""
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"id": "q", "task": "gsm8k", "turns": ["What is 2+3?"]},
+                                                   {"id": "h", "task": "humaneval", "turns": ["def add(a, b):"]}])
+    with pytest.raises(ParameterError, match="mixed.jsonl: prompt 'q' is a gsm8k prompt and 'h' a humaneval one"):
+        prompts.load_sets(str(mixed))
+    assert [s.task for s in prompts.load_sets(str(mixed), task="raw")] == ["raw"]   # --task forces one
+    alike = write_jsonl(tmp_path / "wmt.jsonl", [{"id": "a", "task": "wmt_de_en", "turns": ["x"]},
+                                                 {"id": "b", "task": "wmt_fr_en", "turns": ["y"]}])
+    assert [s.task for s in prompts.load_sets(str(alike))] == ["wmt"]
+
+
+@pytest.mark.parametrize("layout, message", [
+    ({"previous": "file"}, "previous is not a folder"),
+    ({"previous/stopped": "file"}, "stopped is not a folder"),
+    ({"results.json": "dir"}, "results.json is not a file"),
+    ({"previous/results.md": "dir"}, "results.md is not a file"),
+    ({"speedup.png": "dir"}, "speedup.png is not a file"),
+])
+def test_output_paths_that_cannot_take_the_results_are_refused_first(
+        layout: dict[str, str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A stray file OUT/previous or a folder OUT/results.json failed the run after everything was measured."""
+    out = tmp_path / "out"
+    for name, kind in layout.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).mkdir() if kind == "dir" else (out / name).write_text("x")
+    (out / "results.json").exists() or (out / "results.json").write_text("{}")   # an earlier run to keep
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello"]}])
+    assert main(["bench", "-m", str(tmp_path / "no-model.gguf"), "--prompts", str(pfile), "--methods", "vanilla",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "no-model.gguf" not in err
+
+
+def test_the_report_rerenders_files_of_one_folder_apart_and_says_why_it_cannot(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Two results files in one folder once wrote one results.md (the second over the first); a folder
+    named results.md gave a traceback, after results.json was rewritten."""
+    payload = {"records": [], "methods": [], "settings": {}, "sets": []}
+    for name in ("tiny.json", "smol.json"):
+        (tmp_path / name).write_text(json.dumps(payload))
+    assert report.main([str(tmp_path / "tiny.json"), str(tmp_path / "smol.json")]) == 0
+    assert (tmp_path / "tiny.md").is_file() and (tmp_path / "smol.md").is_file()
+    assert report.markdown_path(Path("r/results.json")) == Path("r/results.md")
+    blocked = tmp_path / "blocked"
+    (blocked / "results.md").mkdir(parents=True)
+    (blocked / "results.json").write_text(json.dumps(payload))
+    assert report.main([str(blocked / "results.json")]) == 2
+    assert f"cannot write {blocked / 'results.md'}: it is not a file" in capsys.readouterr().err
+    assert json.loads((blocked / "results.json").read_text()) == payload
+
+
+FAILING_BINARY = """#!{python}
+import sys
+sys.stderr.write("cannot load model\\n")
+sys.exit(1)
+"""
+
+
+def test_strict_fails_when_a_contender_asked_for_never_ran(tiny_target: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture) -> None:
+    """Every llama.cpp peer failed at the warm-up: no record to count, and --strict exited 0."""
+    exe = fake_lookup_binary(tmp_path, FAILING_BINARY)
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    common = ["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4", "-t", "1",
+              "--out", str(tmp_path / "out"), "--no-progress", "--no-bandwidth", "--peers", "llama.cpp:lookup",
+              "--llama-cpp-bin", str(exe.parent)]
+    assert main([*common, "--strict"]) == 3
+    assert "WARNING: 2 contender(s) did not run: llama.cpp:vanilla, llama.cpp:lookup" in capsys.readouterr().err
+    assert main(common) == 0
+
+
+def test_vanillas_error_mid_run_writes_what_was_measured(tiny_target: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture) -> None:
+    """A ParameterError from vanilla on a later prompt once threw the whole run away, nothing written."""
+    run = runner.EngineContender.run
+
+    def refuses_p2(self, prompt, max_tokens):
+        if prompt.id == "p2":
+            raise ParameterError("the prompt is empty")
+        return run(self, prompt, max_tokens)
+
+    monkeypatch.setattr(runner.EngineContender, "run", refuses_p2)
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "p1", "turns": ["hello there"]},
+                                               {"id": "p2", "turns": ["good night"]}])
+    out = tmp_path / "out"
+    assert main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+                 "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth", "--no-warmup"]) == 2
+    assert "bench: error: vanilla failed on p/p2: the prompt is empty" in capsys.readouterr().err
+    data = json.loads((out / "results.json").read_text())
+    assert [r["id"] for r in data["records"]] == ["p1"]
+    assert any(n.startswith("stopped early (vanilla failed on p/p2") for n in data["notes"])

@@ -10,6 +10,7 @@ import pytest
 from ouroboros_local.bench import charts, prompts, report, runner
 from ouroboros_local.bench.cli import resolve_methods
 from ouroboros_local.cli import build_parser
+from ouroboros_local.errors import ParameterError
 
 SPEED = {"0": 100.0, "1": 100.0, "2": 100.0, "3": 10.0}   # tokens per second; prompt 3 is slow
 
@@ -109,6 +110,16 @@ def test_a_peers_text_past_vanillas_end_counts_only_where_the_budget_stopped_van
     assert runner.compare_text("abc", "abX", 3, 3, "length") == 2
 
 
+def test_a_character_cut_by_the_budget_is_no_difference() -> None:
+    """-n cut vanilla's last emoji in its bytes ('\ufffd'); the binary's extra token completed it, and the
+    same tokens were reported a mismatch at that character."""
+    cut, whole = "\U0001f44d\U0001f31f\U0001f525\ufffd", "\U0001f44d\U0001f31f\U0001f525\U0001f44d"
+    assert runner.compare_text(cut, whole, 11, 12, "length") is None
+    assert runner.compare_text(cut, cut, 11, 11, "length") is None
+    assert runner.compare_text(cut, "\U0001f44d\U0001f31fX", 11, 12, "length") == 2   # a real difference stays
+    assert runner.compare_text(cut, whole, 11, 12, "stop") == 3      # vanilla ended by itself: no excuse
+
+
 def test_method_vanilla_is_vanilla_alone() -> None:
     args = build_parser().parse_args(["bench", "-m", "t.gguf", "--prompts", "a.jsonl", "--method", "vanilla"])
     assert resolve_methods(args, ["vanilla", "speculative", "auto"], []) == ["vanilla"]
@@ -146,3 +157,68 @@ def test_sweep_points_are_drawn_in_increasing_order(monkeypatch: pytest.MonkeyPa
     summary = {"s": {f"m[gamma={v}]": {"speedup": float(v)} for v in values}}
     assert charts.plot_sweep(summary, sweep, "unused.png")
     assert plt.ax.lines == [([1, 2, 4], [1.0, 2.0, 4.0])]
+
+
+def test_vanillas_error_mid_run_keeps_the_prompts_measured_before_it() -> None:
+    """A ParameterError from vanilla on one prompt (a configuration problem) once escaped the run and lost
+    every prompt measured before it; the run now stops there and says why."""
+    def vanilla(engine, prompt, max_tokens, sampling, options):
+        if prompt.id == "2":
+            raise ParameterError("the prompt is empty")
+        return _at_speed()(engine, prompt, max_tokens, sampling, options)
+
+    logs: list[str] = []
+    contenders = [runner.FnContender(None, "vanilla", vanilla, None),
+                  runner.FnContender(None, "same", _at_speed(), None)]
+    run = runner.run_benchmark(_prompts(), contenders, warmup=False, progress=False, log=logs.append)
+    assert run.failed == "vanilla failed on s/2: the prompt is empty" and not run.interrupted
+    assert sorted({r["id"] for r in run.records}) == ["0", "1"]
+    assert logs[-1] == "bench: error: vanilla failed on s/2: the prompt is empty; stopped after 2 prompt(s); " \
+                       "writing what was measured"
+
+
+def test_ctrl_c_before_any_prompt_does_not_promise_a_write() -> None:
+    """The log once said "interrupted after 0 prompts; writing what was measured", then "nothing written"."""
+    def stops(*args):
+        raise KeyboardInterrupt
+
+    logs: list[str] = []
+    run = runner.run_benchmark(_prompts(), [runner.FnContender(None, "vanilla", stops, None)], warmup=False,
+                               progress=False, log=logs.append)
+    assert run.interrupted and logs == ["bench: interrupted before any prompt was measured"]
+
+
+def test_the_progress_bar_names_a_generation_when_it_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The postfix was set without a refresh: during a long generation the bar named the one before it."""
+    shown: list[tuple[str, bool]] = []
+
+    class Bar:
+        def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+            shown.append((text, refresh))
+
+        def update(self, n: int) -> None:
+            pass
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(runner, "_progress", lambda total, enabled, desc="bench": Bar())
+    contenders = [runner.FnContender(None, "vanilla", _at_speed(), None)]
+    runner.run_benchmark(_prompts(("0", "1")), contenders, warmup=False, log=lambda msg: None)
+    assert shown == [("s/0 vanilla", True), ("s/1 vanilla", True)]
+
+
+def test_the_note_on_others_load_speaks_of_peers_only_where_peers_ran() -> None:
+    ours = [{"kind": "ours", "extra": {"others_busy_cores": 0.3}}]
+    assert runner.disturbed_note(ours).endswith("while our methods ran: their speeds may read low")
+    assert runner.disturbed_note(ours + [{"kind": "peer", "extra": {}}]).endswith("may lean against us")
+
+
+def test_each_row_records_whether_it_forgets_its_history() -> None:
+    """A --variant's reset_pool may differ from the run's --reset-pool; results.json said only the latter."""
+    from types import SimpleNamespace
+
+    engine = SimpleNamespace(target=None)
+    rows = [runner.EngineContender(engine, label, "suffix", {}, sampling=None, reset_shared=reset)
+            for label, reset in (("suffix", False), ("forgets", True))]
+    assert [(c.describe()["label"], c.describe()["reset_pool"]) for c in rows] == [("suffix", False), ("forgets", True)]

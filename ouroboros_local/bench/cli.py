@@ -101,7 +101,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g.add_argument("--peer-timeout", type=float, default=900.0, help="seconds per llama.cpp binary run")
     g.add_argument("--strict", action="store_true",
                    help="exit with status 3 if any output differs from vanilla's beyond the tie rule, or was "
-                        "not compared with it (an error, the method's or vanilla's)")
+                        "not compared with it (an error, the method's or vanilla's), or a contender asked for "
+                        "did not run")
     add_sampling_args(p)
     add_method_args(p)
     # --method is generate's flag (default auto); here it is only a shorthand when given explicitly
@@ -166,7 +167,7 @@ def plan_contenders(methods: list[str], method_opts: dict[str, dict[str, Any]], 
             planned.append((m, m, opts, reset_pool))
     for label, m, o in variants:
         rest = {k: v for k, v in o.items() if k != "reset_pool"}
-        reset = bool(o.get("reset_pool", reset_pool))
+        reset = o.get("reset_pool", reset_pool)
         planned.append((label, m, overlaid(m, base_opts, rest), reset))
     return planned
 
@@ -186,6 +187,42 @@ def check_contender_options(method_opts: dict[str, dict[str, Any]],
     for _, method, options, _ in planned:
         if method not in CUSTOM_METHODS:
             check_options(method, options)
+
+
+def peer_options(label: str, method_opts: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A peer's options from --method-options: a llama.cpp binary's own over those for all of them, of
+    which the baseline takes only raw flags: its draft length is 0, and `n_max` for all had it drafting."""
+    from .peers import BIN_PREFIX
+
+    own = dict(method_opts.get(label, {}))
+    if not label.startswith(BIN_PREFIX):
+        return own
+    shared = method_opts.get("llama.cpp", {})
+    if label == BIN_PREFIX + "vanilla":
+        shared = {key: value for key, value in shared.items() if key == "args"}
+    return {**shared, **own}
+
+
+def check_peers_options(peer_labels: list[str], method_opts: dict[str, dict[str, Any]]) -> None:
+    """Every peer's options checked before a model loads, as our methods' (check_contender_options): those
+    of each peer this run runs, and those --method-options gives a known peer that does not run."""
+    from .peers import check_peer_options, peer_names
+
+    for label in peer_labels:
+        check_peer_options(label, peer_options(label, method_opts))
+    for label in set(method_opts) & set(peer_names()) - set(peer_labels):
+        check_peer_options(label, method_opts[label])
+
+
+def unexpected_skips(skipped: dict[str, str], planned: list[tuple[str, str, dict[str, Any], bool]],
+                     has_draft: bool) -> list[str]:
+    """The contenders asked for that did not run; not the methods that need a draft model, which 'all'
+    lists without one (resolve_methods refuses them named)."""
+    from ..proposers import needs_draft
+
+    method_of = {label: method for label, method, *_ in planned}
+    return [label for label in skipped
+            if has_draft or label not in method_of or not needs_draft(method_of[label])]
 
 
 def check_unique_labels(planned: list[tuple[str, str, dict[str, Any], bool]]) -> None:
@@ -213,6 +250,9 @@ def parse_variant(spec: str, available: list[str]) -> tuple[str, str, dict[str, 
         raise ParameterError(f"--variant {label!r}: options are not valid JSON: {exc.msg}") from None
     if not isinstance(options, dict):
         raise ParameterError(f"--variant {label!r}: options must be a JSON object")
+    if not isinstance(options.get("reset_pool", False), bool):   # bool("false") is True
+        raise ParameterError(f"--variant {label!r}: \"reset_pool\" must be true or false "
+                             f"(got {json.dumps(options['reset_pool'])})")
     return label, method, options
 
 
@@ -251,7 +291,9 @@ def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:
 
 
 CHARTS = ("speedup.png", "sweep.png")
+OUTPUT_NAMES = ("results.json", "results.json.tmp", "results.md", *CHARTS)
 STOPPED_NOTE = "interrupted (Ctrl-C)"   # a stopped run's note (results.json "notes")
+FAILED_NOTE = "stopped early"           # a run vanilla's error stopped
 
 
 def keep_earlier_run(out_dir: Path, log: Callable[[str], None]) -> None:
@@ -275,12 +317,31 @@ def keep_earlier_run(out_dir: Path, log: Callable[[str], None]) -> None:
 
 
 def _was_stopped(run_dir: Path) -> bool:
-    """Whether the run whose results.json is in ``run_dir`` was stopped by Ctrl-C (its notes say so)."""
+    """Whether the run whose results.json is in ``run_dir`` stopped early (Ctrl-C, or vanilla's error; its
+    notes say so)."""
     try:
         notes = json.loads((run_dir / "results.json").read_text(encoding="utf-8")).get("notes") or []
     except (OSError, ValueError, AttributeError):
         return False
-    return any(str(note).startswith(STOPPED_NOTE) for note in notes)
+    return any(str(note).startswith((STOPPED_NOTE, FAILED_NOTE)) for note in notes)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """ParameterError before any model loads where the results could not be written at the end: a folder
+    that cannot be written, or a file where keep_earlier_run needs a folder, or a folder where a file goes."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-")
+        probe.close()
+    except OSError as exc:
+        raise ParameterError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
+    folders = (out_dir, out_dir / "previous", out_dir / "previous" / "stopped")
+    for folder in folders[1:]:
+        if folder.exists() and not folder.is_dir():
+            raise ParameterError(f"--out: {folder} is not a folder (an earlier run is kept there); move it away")
+    for path in (folder / name for folder in folders for name in OUTPUT_NAMES):
+        if path.exists() and not path.is_file():
+            raise ParameterError(f"--out: {path} is not a file (the results go there); move it away")
 
 
 def write_charts(summary: dict[str, Any], sweep_info: dict[str, Any] | None, out_dir: Path, title: str,
@@ -356,16 +417,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     planned = plan_contenders(methods, method_opts, base_opts, sweep, variants_from_args, args.reset_pool)
     check_unique_labels(planned)
     check_contender_options(method_opts, planned, known=method_names() + custom + peers_mod.peer_names())
+    check_peers_options(peer_labels, method_opts)
     notes: list[str] = []
     log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
 
     out_dir = Path(args.out)
-    try:   # before any model loads: a run must not end unable to write what it measured
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-")
-        probe.close()
-    except OSError as exc:
-        raise ParameterError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
+    check_out_dir(out_dir)
     if args.learned is None:   # a benchmark starts cold unless asked: its figures must not depend on earlier runs
         args.learned = False
     engine = _engine_from_args(args)
@@ -439,9 +496,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             peer_labels = []
         draft_path = engine.draft.path if engine.draft is not None else None
         for label in peer_labels:
-            opts = dict(method_opts.get(label, {}))
+            opts = peer_options(label, method_opts)
             if label.startswith(peers_mod.BIN_PREFIX):
-                opts = {**method_opts.get("llama.cpp", {}), **opts}
                 if label.endswith(":draft-simple") and "n_max" not in opts and "gamma" in base_opts:
                     opts["n_max"] = base_opts["gamma"]
                 contenders.append(peers_mod.LlamaCppBinPeer(
@@ -471,16 +527,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
                                    tolerance_margin=args.tolerance_margin, progress=not args.no_progress,
                                    save_text=args.save_text, log=log, learn_prompts=learn_built)
 
+        if run.failed and not run.records:
+            raise ParameterError(run.failed)
         if run.interrupted and not run.records:   # an earlier run's results there stay as they are
-            log(f"bench: interrupted before any prompt was measured: nothing written to {out_dir}")
+            log(f"bench: nothing written to {out_dir}")
             return 130
         with saving_first(log) as pressed:   # a second Ctrl-C must not lose a long run's measurements
             if run.interrupted:
                 notes.append(f"{STOPPED_NOTE}: only the prompts completed before it are included")
+            if run.failed:
+                notes.append(f"{FAILED_NOTE} ({run.failed}): only the prompts completed before it are included")
             disturbed = runner.disturbed_note(run.records)
             if disturbed is not None:
                 notes.append(disturbed)
-            machine = machine_info(measure_bandwidth=not (args.no_bandwidth or run.interrupted))
+            machine = machine_info(measure_bandwidth=not (args.no_bandwidth or run.interrupted or run.failed))
             model_bytes = target.size_bytes
             summary = report.summarize(run.records, run.contenders, model_bytes)
             set_entries = []
@@ -545,9 +605,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if n_ties:
             log(f"bench: {n_ties} output(s) part from vanilla at a near-tie (tie-flip: both tokens within "
                 f"{args.tolerance_margin} logits, allowed by the tie rule; see results.md)")
+        not_run = unexpected_skips(run.skipped, planned, has_draft=engine.draft is not None)
+        if not_run:   # a contender asked for that never ran has no record to count as unchecked
+            log(f"bench: WARNING: {len(not_run)} contender(s) did not run: {', '.join(not_run)} (see results.md)")
         if run.interrupted:
             return 130
-        return 3 if (args.strict and (n_bad or n_unchecked)) else 0
+        if run.failed:
+            log(f"bench: error: {run.failed}")
+            return 2
+        return 3 if (args.strict and (n_bad or n_unchecked or not_run)) else 0
     finally:
         for c in contenders:
             try:

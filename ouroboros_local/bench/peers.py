@@ -58,12 +58,52 @@ _BIN_OPTION_FLAGS = {
     "n_max": "--spec-draft-n-max", "n_min": "--spec-draft-n-min", "p_min": "--spec-draft-p-min",
     "ngram_mod_n_match": "--spec-ngram-mod-n-match", "ngram_mod_n_min": "--spec-ngram-mod-n-min",
     "ngram_mod_n_max": "--spec-ngram-mod-n-max",
-    "size_n": None, "size_m": None, "min_hits": None,   # per --spec-type: see _bin_option_args
+    "size_n": None, "size_m": None, "min_hits": None,   # per --spec-type: see bin_option_args
 }
+
+
+PLD_OPTIONS = ("num_pred_tokens", "max_ngram_size")   # LlamaPromptLookupDecoding's, positive integers
+_PER_SPEC_TYPE = ("size_n", "size_m", "min_hits")        # --spec-ngram-simple-size-n and the like
 
 
 class PeerUnavailable(ParameterError):
     """A peer that cannot run on this machine (not installed, not built)."""
+
+
+def check_peer_options(label: str, options: dict[str, Any]) -> None:
+    """ParameterError, before a model loads, for an option ``label`` does not take: a misspelt one was
+    ignored in silence (llama-cpp-python-pld) or found at the warm-up, after the model loaded."""
+    if label.startswith(BIN_PREFIX) or label == "llama.cpp":
+        bin_option_args(label, options)
+        return
+    allowed = PLD_OPTIONS if label == PY_PLD else ()
+    unknown = [key for key in options if key not in allowed]
+    if unknown:
+        takes = f"it takes {', '.join(allowed)}" if allowed else "it takes none"
+        raise ParameterError(f"{label}: unknown option {unknown[0]!r} ({takes})")
+    for key in PLD_OPTIONS:
+        value = options.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ParameterError(f"{label}: {key} must be an integer >= 1 (got {value!r})")
+
+
+def bin_option_args(label: str, options: dict[str, Any]) -> list[str]:
+    """A llama.cpp peer's options as the binary's flags (``label`` "llama.cpp": options for all of them)."""
+    spec_type = label[len(BIN_PREFIX):] if label.startswith(BIN_PREFIX) else None
+    args: list[str] = []
+    for key, value in options.items():
+        if key == "args":
+            args += [str(a) for a in (value if isinstance(value, list) else str(value).split())]
+        elif key in _PER_SPEC_TYPE and spec_type is None:
+            continue   # "llama.cpp": checked against each variant that runs
+        elif key in _PER_SPEC_TYPE and spec_type.startswith("ngram-") \
+                and spec_type not in ("ngram-mod", "ngram-cache"):
+            args += [f"--spec-{spec_type}-{key.replace('_', '-')}", str(value)]
+        elif _BIN_OPTION_FLAGS.get(key):
+            args += [_BIN_OPTION_FLAGS[key], str(value)]
+        else:
+            raise ParameterError(f"{label}: unknown option {key!r} (use 'args' for raw flags)")
+    return args
 
 
 def peer_names() -> list[str]:
@@ -335,21 +375,6 @@ class LlamaCppBinPeer(Contender):
         self._tmp = tempfile.TemporaryDirectory(prefix="ouroboros-bench-")
         self.binary = find_binary(bin_dir, self.binary_name)
 
-    def _bin_option_args(self) -> list[str]:
-        args: list[str] = []
-        spec_type = self.variant
-        for key, value in self.options.items():
-            if key == "args":
-                args += [str(a) for a in (value if isinstance(value, list) else str(value).split())]
-            elif key in ("size_n", "size_m", "min_hits") and spec_type.startswith("ngram-") \
-                    and spec_type not in ("ngram-mod", "ngram-cache"):
-                args += [f"--spec-{spec_type}-{key.replace('_', '-')}", str(value)]
-            elif _BIN_OPTION_FLAGS.get(key):
-                args += [_BIN_OPTION_FLAGS[key], str(value)]
-            else:
-                raise ParameterError(f"{self.label}: unknown option {key!r} (use 'args' for raw flags)")
-        return args
-
     def command(self, prompt_file: str | Path, max_tokens: int) -> list[str]:
         if self.binary is None:
             where = self.bin_dir if self.bin_dir is not None else "PATH"
@@ -367,7 +392,7 @@ class LlamaCppBinPeer(Contender):
                 raise PeerUnavailable("llama.cpp:draft-simple needs a draft model (-d)")
             cmd += ["-md", self.draft_path, "-ngld", _gpu_layers_flag(self.draft_gpu_layers),
                     "-td", str(self.threads), "-tbd", str(self.threads)]
-        cmd += self._bin_option_args()
+        cmd += bin_option_args(self.label, self.options)
         return cmd
 
     def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:

@@ -95,6 +95,8 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
     p = Path(path)
     text = read_text(p, "prompt file")
     if p.suffix.lower() not in (".jsonl", ".json"):
+        if not text.strip():   # checked here, as JSONL's empty turn: found mid-run, it discarded the run
+            raise ParameterError(f"{p}: the prompt file is empty (a non-JSON file is one prompt)")
         return [PromptItem(id=p.stem, task="raw", turns=[text], source=str(p))]
     items: list[PromptItem] = []
     seen: set[str] = set()
@@ -130,6 +132,18 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
     return items
 
 
+def set_task_of(path: str, items: Sequence[PromptItem]) -> str:
+    """The one task a file's lines name (a set is built, timed and reported as one task); a mix is refused:
+    every line was once built with the first line's task and budget, in silence."""
+    first = normalize_task(items[0].task)
+    other = next((i for i in items if normalize_task(i.task) != first), None)
+    if other is not None:
+        raise ParameterError(f"{path}: prompt {items[0].id!r} is a {first} prompt and {other.id!r} a "
+                             f"{normalize_task(other.task)} one: a file is one set of one task "
+                             "(split it, or force one with --task)")
+    return first
+
+
 def load_sets(spec: str | Sequence[str], task: str | None = None, limit: int | None = None,
               fewshot: int = 0) -> list[PromptSet]:
     """Read comma-separated prompt files; each file is one set. `limit` keeps the first N prompts of each.
@@ -155,7 +169,7 @@ def load_sets(spec: str | Sequence[str], task: str | None = None, limit: int | N
             logging.getLogger("ouroboros_local").info(
                 "bench: %s holds one prompt (a .txt file is one prompt, whatever its lines; a .jsonl file "
                 "holds one per line), so --limit %d keeps it whole", path, limit)
-        set_task = task or normalize_task(items[0].task)
+        set_task = task or set_task_of(path, items)
         name = Path(path).stem
         k = 2
         while name in names:

@@ -326,8 +326,9 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
                  "target passes per second; identical: outputs equal to vanilla's (unchecked: prompts where it or "
                  "vanilla failed); py ms/round: time per "
-                 "target pass outside llama.cpp's decoding and the wait for its logits (our Python); rebuilds/100: decodes for which "
-                 "llama.cpp built a new graph (a new batch shape; on a GPU, no CUDA graph) per 100 passes.")
+                 "target pass outside llama.cpp's decoding and the wait for its logits (our Python); "
+                 "rebuilds/100: decodes for which llama.cpp built a new graph (a new batch shape; on a GPU, "
+                 "no CUDA graph) per 100 passes.")
     lines.append("")
     for set_name, by_label in (payload.get("summary") or {}).items():
         set_info = next((s for s in payload.get("sets", []) if s.get("name") == set_name), {})
@@ -441,16 +442,29 @@ def _draft_graph_lines(summary: Mapping[str, Mapping[str, Mapping[str, Any]]]) -
 
 
 # ---- re-rendering -------------------------------------------------------------------------------
+def markdown_path(results: Path) -> Path:
+    """Where a results file's Markdown goes: results.json's results.md, NAME.json's NAME.md (two files
+    re-rendered in one folder once wrote one results.md, the second over the first)."""
+    if results.suffix.lower() == ".json":
+        return results.with_suffix(".md")
+    return results.with_name(results.name + ".md")
+
+
 def rerender(results: str | Path) -> Path:
     """Recompute a results.json's summary from its records (for columns added since it was written)
-    and rewrite it and the results.md beside it; returns the Markdown file's path."""
+    and rewrite it and the Markdown beside it (``markdown_path``); returns the Markdown file's path."""
     path = Path(results)
     payload = read_results(path)
+    md = markdown_path(path)
+    if md.exists() and not md.is_file():   # refused before the results file is rewritten
+        raise ParameterError(f"cannot write {md}: it is not a file")
     target = (payload.get("models") or {}).get("target") or {}
     payload["summary"] = summarize(payload["records"], payload["methods"], target.get("size_bytes"))
-    write_json(path, payload)
-    md = path.with_name("results.md")
-    md.write_text(render_markdown(payload), encoding="utf-8")
+    try:
+        write_json(path, payload)
+        md.write_text(render_markdown(payload), encoding="utf-8")
+    except OSError as exc:
+        raise ParameterError(f"cannot write {exc.filename or md}: {exc.strerror or exc}") from None
     return md
 
 

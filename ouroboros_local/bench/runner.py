@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 REFERENCE = "vanilla"
+CUT_CHARACTER = "\ufffd"   # what decoding leaves of a character whose bytes the token budget cut
 
 STAT_KEYS = ("method", "tokens", "timed_tokens", "prompt_tokens", "prefill_seconds", "decode_seconds",
              "tokens_per_second", "target_passes", "drafted", "accepted", "accepted_per_pass", "tokens_per_pass",
@@ -138,6 +139,9 @@ class EngineContender(Contender):
                     log.warning("warning: %s", exc)
         return Outcome.from_result(result)
 
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "reset_pool": self.reset_shared}   # a --variant's may differ from the run's
+
 
 class FnContender(Contender):
     """A method given as a Python callable (see CUSTOM_METHODS). It gets the engine as it is: such rows
@@ -171,9 +175,11 @@ def compare_text(ref: str, got: str, ref_tokens: int, got_tokens: int, ref_finis
                  ) -> int | None:
     """First differing character between texts (a length difference counts at the shorter length).
     llama.cpp binaries overshoot -n by a token: where the token budget stopped the reference (``ref_finish``
-    "length") a peer that generated at least as many tokens is compared up to the reference's length only.
-    Where the reference stopped by itself, text past its end is a difference."""
+    "length") a peer that generated at least as many tokens is compared up to the reference's length only,
+    less the replacement characters ending it: the budget may cut a character's bytes, which the peer's
+    extra token completes. Where the reference stopped by itself, text past its end is a difference."""
     if ref_finish == "length" and got_tokens >= ref_tokens:
+        ref = ref.rstrip(CUT_CHARACTER)
         got = got[:len(ref)]
     pos = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), None)
     if pos is None and len(ref) != len(got):
@@ -223,6 +229,11 @@ class BenchRun:
     contenders: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
     interrupted: bool = False     # Ctrl-C: the records hold the prompts completed before it
+    failed: str | None = None     # why the reference stopped the run early (the records: prompts before it)
+
+
+class ReferenceFailed(ParameterError):
+    """The reference refused a prompt (a configuration problem): the run stops there."""
 
 
 def _progress(total: int, enabled: bool, desc: str = "bench"):
@@ -315,8 +326,16 @@ def disturbed_note(records: Sequence[dict[str, Any]]) -> str | None:
              if r.get("kind") == "ours" and "others_busy_cores" in (r.get("extra") or {})]
     if not loads or sum(loads) / len(loads) <= DISTURBED_CORES:
         return None
+    against = ("ratios against peers may lean against us" if any(r.get("kind") == "peer" for r in records)
+               else "their speeds may read low")
     return (f"other processes or the host (steal) kept {sum(loads) / len(loads):.2f} cores busy on average "
-            f"(at most {max(loads):.2f}) while our methods ran: ratios against peers may lean against us")
+            f"(at most {max(loads):.2f}) while our methods ran: {against}")
+
+
+def _kept(records: Sequence[dict[str, Any]]) -> str:
+    """What a run stopped early keeps: the CLI writes nothing where no prompt was measured."""
+    done = len({(r["set"], r["id"]) for r in records})
+    return f" after {done} prompt(s); writing what was measured" if done else " before any prompt was measured"
 
 
 def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender], *,
@@ -365,8 +384,8 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                     continue
                 rec = _record(prompt, c, order)
                 order += 1
-                if bar is not None:
-                    bar.set_postfix_str(f"{prompt.set_name}/{prompt.id} {c.label}", refresh=False)
+                if bar is not None:   # shown now: a long generation must not show the one that finished
+                    bar.set_postfix_str(f"{prompt.set_name}/{prompt.id} {c.label}", refresh=True)
                 meter = LoadMeter()
                 try:
                     with meter:
@@ -374,7 +393,7 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
                 except ParameterError as exc:
                     # a configuration problem (e.g. no draft model): it would fail on every prompt
                     if c.label == REFERENCE:
-                        raise
+                        raise ReferenceFailed(f"{REFERENCE} failed on {prompt.set_name}/{prompt.id}: {exc}") from None
                     run.skipped[c.label] = f"{type(exc).__name__}: {exc}"
                     log(f"bench: skipping {c.label}: {exc}")
                     dropped.add(c.label)
@@ -408,8 +427,10 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
             run.records.extend(_classified(prompt, recs, outcomes, engine, greedy, tolerance_margin, log))
     except KeyboardInterrupt:
         run.interrupted = True
-        log(f"bench: interrupted after {len({(r['set'], r['id']) for r in run.records})} prompts; "
-            "writing what was measured")
+        log(f"bench: interrupted{_kept(run.records)}")
+    except ReferenceFailed as exc:
+        run.failed = str(exc)
+        log(f"bench: error: {exc}; stopped{_kept(run.records)}")
     finally:
         if bar is not None:
             bar.close()
