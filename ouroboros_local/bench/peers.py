@@ -395,6 +395,20 @@ class LlamaCppBinPeer(Contender):
         cmd += bin_option_args(self.label, self.options)
         return cmd
 
+    def _run_binary(self, cmd: list[str]) -> tuple[float, str, str]:
+        """Wall seconds, stdout and stderr of a run that exited cleanly."""
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, timeout=self.timeout, check=False)
+        except subprocess.TimeoutExpired:
+            raise OuroborosError(f"{self.label} timed out after {self.timeout:.0f}s") from None
+        wall = time.perf_counter() - t0
+        stderr = proc.stderr.decode("utf-8", "replace")
+        if proc.returncode != 0:
+            tail = " | ".join(ln for ln in stderr.strip().splitlines()[-3:])
+            raise OuroborosError(f"{self.label} exited with {proc.returncode}: {tail}")
+        return wall, proc.stdout.decode("utf-8", "replace"), stderr
+
     def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
         # the binary tokenizes with add_special=true, parse_special=true, as our tokens were made
         # (bench.prompts.build_prompts): the same tokens
@@ -403,20 +417,15 @@ class LlamaCppBinPeer(Contender):
         # `-f` drops one trailing newline of the file: add one so the prompt's own survives.
         pfile.write_bytes((text + "\n").encode("utf-8"))
         cmd = self.command(pfile, max_tokens)
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, capture_output=True, timeout=self.timeout, check=False)
-        except subprocess.TimeoutExpired:
-            raise OuroborosError(f"{self.label} timed out after {self.timeout:.0f}s") from None
-        wall = time.perf_counter() - t0
-        stdout = proc.stdout.decode("utf-8", "replace")
-        stderr = proc.stderr.decode("utf-8", "replace")
-        if proc.returncode != 0:
-            tail = " | ".join(ln for ln in stderr.strip().splitlines()[-3:])
-            raise OuroborosError(f"{self.label} exited with {proc.returncode}: {tail}")
-        nums = parse_llama_cpp_output(stderr)
-        if "decode_seconds" not in nums:
-            raise OuroborosError(f"{self.label}: could not find the timing lines in its output")
+        for attempt in (1, 2):
+            wall, stdout, stderr = self._run_binary(cmd)
+            nums = parse_llama_cpp_output(stderr)
+            if "decode_seconds" in nums:
+                break
+            if attempt == 2:   # llama.cpp's log thread can lose its last lines at exit (seen on a busy VM)
+                tail = " | ".join(stderr.strip().splitlines()[-2:])
+                raise OuroborosError(f"{self.label}: could not find the timing lines in its output, twice "
+                                     f"(it ended with: {tail})")
         n = nums.get("n_predict", nums.get("decoded", 0))
         acc = nums.get("n_accept", 0)
         if self.binary_name == "llama-speculative-simple":
