@@ -583,6 +583,30 @@ def test_bad_requests_through_the_openai_client(client):
     assert client.completions.create(model="tiny", prompt="x", max_tokens=3).choices[0].text is not None
 
 
+def test_a_refused_prompt_leaves_nothing_for_the_garbage_collector(live):
+    """The tokenizer's ContextOverflowError crossed anyio's future, and exception, traceback and future made
+    a cycle holding the request's body and prompt bytes until a full collection: a client resending an
+    over-long chat grew the server by gigabytes."""
+    import gc
+    import types
+
+    long_chat = {"messages": [{"role": "user", "content": "word " * N_CTX}], "max_tokens": 4}
+    long_prompt = {"prompt": "word " * (2 * N_CTX), "max_tokens": 4}
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        for path, body in [("/v1/chat/completions", long_chat), ("/v1/completions", long_prompt)] * 2:
+            status, _, reply = http(live.base, path, body)
+            assert status == 400 and b"context_length_exceeded" in reply
+        gc.collect()
+        ours = [o for o in gc.garbage if isinstance(o, BaseException)
+                or (isinstance(o, types.FrameType) and "ouroboros_local" in o.f_code.co_filename)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert not ours, ours
+
+
 def test_unknown_route_and_wrong_verb(live):
     status, _, body = http(live.base, "/v1/nothing")
     assert_error(status, body, 404)
@@ -944,10 +968,12 @@ def test_a_queued_request_hears_shutting_down_even_when_health_is_read_meanwhile
     assert isinstance(asyncio.run(scenario()), ShuttingDown)
 
 
+@pytest.mark.parametrize("stop", [signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)])
 def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(
-        slow_engine, tmp_path_factory, tmp_path):
+        slow_engine, tmp_path_factory, tmp_path, stop):
     """A running answer used to be cut by uvicorn's graceful timeout (a plain-text 500, a traceback in
-    the log) and a queued one started after the signal; both now end at once with a JSON 503."""
+    the log) and a queued one started after the signal; both now end at once with a JSON 503. SIGHUP (the
+    terminal closed) cut the stream off mid-chunk and answered the queued request a plain-text 500."""
     prompt = long_answer_prompt(slow_engine)
     messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": prompt}]
     port = free_port()
@@ -986,7 +1012,7 @@ def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(
         while json.loads(http(base, "/health")[2])["queue_depth"] != 1:
             time.sleep(0.02)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(stop)
         events = [line for line in resp.read().decode().splitlines() if line.startswith("data: ")]
         waiter.join(timeout=30)
         out, _ = proc.communicate(timeout=30)

@@ -58,6 +58,20 @@ class ServerConfig:
     disconnect_poll_seconds: float = 0.25
 
 
+def _returning_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` returning its exception, detached from the frames it passed through, instead of raising it
+    across anyio's future: the exception, its traceback (the awaiting frame) and the future form a cycle
+    that held a refused request's body, its rendered prompt and their bytes until a full collection
+    (a client resending an over-long chat grew the server by gigabytes)."""
+    def call(*args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:   # noqa: BLE001 - raised again by the caller
+            exc.__traceback__ = exc.__context__ = exc.__cause__ = None
+            return exc
+    return call
+
+
 def create_app(engine: "Engine", config: ServerConfig | None = None) -> FastAPI:
     """The ASGI application serving ``engine``. Its worker thread stops at lifespan shutdown."""
     service = _Service(engine, config or ServerConfig())
@@ -210,12 +224,17 @@ class _Service:
 
     async def _prompt_tokens(self, parsed: GenerationRequest) -> list[int]:
         make_tokens = self._chat_tokens if parsed.chat else self._completion_tokens
-        try:
-            return await anyio.to_thread.run_sync(make_tokens, parsed)
-        except ContextOverflowError as exc:   # counted, never listed (a huge prompt's memory stays bounded)
-            raise context_exceeded(exc.counted, self.engine.target_ctx.n_ctx, parsed.param) from None
-        except OuroborosError as exc:
-            raise bad_request(parsed.param, str(exc)) from None
+        outcome = await anyio.to_thread.run_sync(_returning_errors(make_tokens), parsed)
+        if isinstance(outcome, ContextOverflowError):   # counted, never listed (a huge prompt's memory stays bounded)
+            raise context_exceeded(outcome.counted, self.engine.target_ctx.n_ctx, parsed.param)
+        if isinstance(outcome, OuroborosError):
+            raise bad_request(parsed.param, str(outcome))
+        if isinstance(outcome, BaseException):
+            try:
+                raise outcome
+            finally:   # this frame must not hold the exception whose traceback holds this frame
+                outcome = None
+        return outcome
 
     def _completion_tokens(self, parsed: GenerationRequest) -> list[int]:
         return self.engine.prompt_tokens(completion_prompt(parsed.prompt))

@@ -98,16 +98,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                                  access_log=args.log_level in ("info", "debug", "trace")),
                          app.state.worker.shut_down)
         # uvicorn re-raises the Ctrl-C or SIGTERM it already served by shutting down; SIGTERM's default
-        # action (systemd's and docker's stop) would end the process before ``engine.close`` saves
+        # action (systemd's and docker's stop) would end the process before ``engine.close`` saves.
+        # SIGHUP (the terminal closed) stops the server as they do: uvicorn leaves it to the command's
+        # handler, whose SystemExit inside the event loop cut streams off and answered queued requests 500.
         in_main = threading.current_thread() is threading.main_thread()   # signals are the main thread's
-        previous = signal.signal(signal.SIGTERM, _interrupt) if in_main else None
+        previous = {}
+        if in_main:
+            previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _interrupt)
+            if hasattr(signal, "SIGHUP"):   # not on Windows
+                previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, server.handle_exit)
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:
             pass
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
     finally:
         sock.close()
         engine.close()
