@@ -171,11 +171,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
               "measure with `bench` before adopting it (docs/benchmarks.md)")
     if args.draft:
         report = check_pair(resolve_model(args.model), resolve_model(args.draft))
-        print("pair: " + ("same vocabulary (speculative, ouroboros, auto)" if report.compatible
-                          else f"different vocabularies: {report.reason}"))
-        if report.compatible:   # the curves do not depend on the context: a small one (-c 0 took 128k)
-            print(pair_speed_line(argparse.Namespace(**{**vars(args), "ctx_size": min(n_ctx or trained or 4096,
-                                                                                      4096)})))
+        print("pair: " + ("same vocabulary (speculative, ouroboros, pearl, auto)" if report.compatible
+                          else f"different vocabularies, drafts go through text (speculative, ouroboros, auto): "
+                               f"{report.reason}"))
+        # the curves do not depend on the context: a small one (-c 0 took 128k)
+        small = argparse.Namespace(**{**vars(args), "ctx_size": min(n_ctx or trained or 4096, 4096)})
+        print(pair_speed_line(small, through_text=not report.compatible))
     # weights, the KV cache of -c tokens (F16; once ignored: -c 99999999 "fit" and then failed to
     # allocate) and an allowance for llama.cpp's compute buffers
     compute = 512 * 2**20
@@ -192,19 +193,24 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-def pair_speed_line(args: argparse.Namespace) -> str:
-    """Can the draft pay here at all? Both models' calibrated curves (cached, else measured: seconds)."""
+def pair_speed_line(args: argparse.Namespace, through_text: bool = False) -> str:
+    """Can the draft pay here at all? Both models' calibrated curves (cached, else measured: seconds).
+    ``through_text``: the draft's vocabulary is another, each step's text at most MAX_TARGET_PER_DRAFT
+    target tokens (the scheduler's floor too)."""
     from .cli import _engine_from_args
+    from .proposers.cross_vocab import MAX_TARGET_PER_DRAFT
     from .scheduler import MIN_GAIN, draft_ceiling
 
     with _engine_from_args(args) as engine:
         target, draft = engine.cost_model(), engine.draft_cost_model()
     if draft is None:
         return "pair speed: not measured (calibration is off)"
-    ceiling = draft_ceiling(target, draft)
-    head = (f"pair speed: one draft step costs {draft.cost(1) / target.cost(1):.2f} target steps, verifying "
-            f"4 tokens {target.ratio(4):.2f} (calibrated); if every draft token were accepted, a draft "
-            f"model would reach {ceiling:.2f}x of plain decoding at best")
+    per_step = MAX_TARGET_PER_DRAFT if through_text else 1.0
+    ceiling = draft_ceiling(target, draft, tokens_per_step=per_step)
+    text = f" (its text {per_step:g} target tokens at most)" if through_text else ""
+    head = (f"pair speed: one draft step costs {draft.cost(1) / target.cost(1):.2f} target steps{text}, "
+            f"verifying 4 tokens {target.ratio(4):.2f} (calibrated); if every draft token were accepted, a "
+            f"draft model would reach {ceiling:.2f}x of plain decoding at best")
     if ceiling < 1.0:
         return head + ": it cannot pay on this machine, and auto leaves it idle"
     if ceiling < MIN_GAIN:   # the scheduler's bar: a ceiling this near 1 is lost to real acceptance

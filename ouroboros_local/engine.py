@@ -786,6 +786,7 @@ class Engine:
         if sched is not None:
             sched.begin_request()
             sched.enroll(proposer)
+            setup = replace(setup, retired=sched.hopeless(proposer.name))
         out = _Output(self.target, stops, eog, max_tokens)
         committed = list(prompt)
         target_before, draft_before = _graph_counts(self.target_ctx), _graph_counts(self._draft_ctx)

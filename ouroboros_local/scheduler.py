@@ -1002,10 +1002,10 @@ def best_case_speedup(round_seconds: np.ndarray, draft_cost: float) -> float:
     return float(rates[1:].max() / rates[0])
 
 
-def draft_ceiling(target: CostModel, draft: CostModel, max_length: int = 16) -> float:
-    """``best_case_speedup`` of a draft model drafting one step per token, on these calibrated curves
-    (``doctor``)."""
-    return best_case_speedup(target.table(max_length + 1), draft.cost(1))
+def draft_ceiling(target: CostModel, draft: CostModel, max_length: int = 16, tokens_per_step: float = 1.0) -> float:
+    """``best_case_speedup`` of a draft model drafting one step per ``tokens_per_step`` target tokens (a
+    draft of another vocabulary: its text's tokens, at most), on these calibrated curves (``doctor``)."""
+    return best_case_speedup(target.table(max_length + 1), draft.cost(1) / tokens_per_step)
 
 
 def _upper_envelope(a: Sequence[float], b: Sequence[float]) -> tuple[list[float], list[int]]:

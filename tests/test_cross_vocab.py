@@ -246,6 +246,35 @@ def test_auto_leaves_the_draft_model_idle_until_it_drafts(cross_engine: Engine) 
         assert drafter.catch_up_seconds == 0.0
 
 
+def test_a_draft_of_another_vocabulary_that_cannot_pay_never_reads_the_prompt(tiny_target, tiny_other_vocab) -> None:
+    """Its drafting cost had no floor before it was timed: SmolLM2-135M with Qwen-0.5B's draft (3 target
+    steps a draft token) read the prompt and drafted, at 0.52x of plain decoding. Planted curves of that
+    kind retire it at once, for speculative, ouroboros and auto; a cheap draft is still asked."""
+    from ouroboros_local.calibration import CostModel
+    from ouroboros_local.scheduler import Scheduler
+
+    target = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[0.020, 0.026, 0.032, 0.045, 0.070])
+    dear = CostModel(sizes=[1, 2, 4, 8, 16], seconds=[0.060, 0.070, 0.090, 0.120, 0.180])
+    engine = make_engine(tiny_target, tiny_other_vocab, adaptive=True)
+    try:
+        base = engine.generate(CROSS_PROMPTS[0], max_tokens=16)
+        for method in ("speculative", "ouroboros", "auto"):
+            engine._scheduler = Scheduler(target, draft_costs=dear)
+            engine._scheduler.observe_round = lambda n_tokens, seconds: None
+            engine.draft_kv().reset()
+            out = engine.generate(CROSS_PROMPTS[0], max_tokens=16, method=method)
+            assert out.tokens == base.tokens
+            assert engine.draft_kv().n_past == 0, (method, out.stats.extra)   # never read a token
+            assert out.stats.extra["draft_ceiling"], method
+        engine._scheduler = Scheduler(CostModel(sizes=[1, 16], seconds=[0.020, 0.021]),
+                                      draft_costs=CostModel(sizes=[1, 16], seconds=[0.001, 0.002]))
+        engine._scheduler.observe_round = lambda n_tokens, seconds: None
+        out = engine.generate(CROSS_PROMPTS[0], max_tokens=16, method="speculative")
+        assert out.tokens == base.tokens and "draft_ceiling" not in out.stats.extra and out.stats.drafted > 0
+    finally:
+        engine.close()
+
+
 def test_chat_prompt_with_specials(cross_engine: Engine) -> None:
     base = cross_engine.generate("Say hi.", chat=True, max_tokens=24, method="vanilla")
     for method in ("speculative", "ouroboros"):

@@ -255,8 +255,19 @@ def test_doctor_says_a_draft_under_the_schedulers_bar_stays_idle(monkeypatch) ->
     monkeypatch.setattr(cli, "_engine_from_args", lambda args: contextlib.nullcontext(engine))
     lines = {}
     for ceiling in (0.98, 1.02, 1.2):
-        monkeypatch.setattr(scheduler, "draft_ceiling", lambda target, draft: ceiling)
+        monkeypatch.setattr(scheduler, "draft_ceiling", lambda target, draft, **kw: ceiling)
         lines[ceiling] = doctor.pair_speed_line(argparse.Namespace())
     assert lines[0.98].endswith("cannot pay on this machine, and auto leaves it idle")
     assert lines[1.02].endswith(f"under the {scheduler.MIN_GAIN:.2f}x a draft must promise, so auto leaves it idle")
     assert lines[1.2].endswith("measure the real acceptance with `bench` (docs/benchmarks.md)")
+
+
+def test_doctor_prices_a_draft_of_another_vocabulary_too(tiny_target, tiny_other_vocab, capsys) -> None:
+    """doctor printed no pair speed for a draft of another vocabulary (SmolLM2-135M's target, Qwen-0.5B's
+    draft: 3 target steps a draft token), and said nothing of which methods take it."""
+    from ouroboros_local import cli
+
+    assert cli.main(["doctor", "-m", str(tiny_target), "-d", str(tiny_other_vocab), "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "pair: different vocabularies, drafts go through text (speculative, ouroboros, auto)" in out
+    assert "pair speed: one draft step costs" in out and "(its text 1.5 target tokens at most)" in out

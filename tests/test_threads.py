@@ -259,6 +259,20 @@ def test_doctor_counts_the_kv_cache_of_the_context_asked_for(tiny_target, capsys
     assert set(KV_TYPE_BYTES) == set(KV_CACHE_TYPES)   # every cache type the engine takes has its size
 
 
+def test_a_draft_the_method_never_runs_is_not_loaded(tiny_target, tmp_path, capsys) -> None:
+    """generate -d DRAFT --method vanilla (or prompt-lookup, lookahead, suffix) loaded the draft unsaid:
+    SmolLM2 with the 0.5B's draft took 808-877 MB where it needs 276 MB."""
+    from ouroboros_local import cli
+
+    missing = tmp_path / "no-such-draft.gguf"   # loading it would fail
+    for method in ("vanilla", "suffix"):
+        assert cli.main(["generate", "-m", str(tiny_target), "-d", str(missing), "--method", method, "-p", "hi",
+                         "-n", "2", "-t", "1", "--quiet"]) == 0
+        assert f"note: --method {method} runs no draft model: -d {missing} is not loaded" in capsys.readouterr().err
+    assert cli.main(["generate", "-m", str(tiny_target), "-d", str(missing), "--method", "auto", "-p", "hi",
+                     "-n", "2", "-t", "1", "--quiet"]) == 2   # auto may draft with it
+
+
 def test_doctor_judges_the_memory_without_proc_meminfo(tiny_target, monkeypatch, capsys) -> None:
     """macOS and Windows have no /proc/meminfo: doctor printed no memory line and no fit verdict at all.
     llama.cpp's CPU device gives the figure there."""

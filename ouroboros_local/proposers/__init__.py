@@ -82,6 +82,10 @@ def overlaid(method: str, under: dict[str, Any], over: dict[str, Any]) -> dict[s
     return {**kept, **over}
 
 
+# built-in methods that never run a draft model, given one or not
+DRAFT_FREE_METHODS = frozenset({"vanilla", "prompt-lookup", "lookahead", "suffix"})
+
+
 def needs_draft(method: str) -> bool:
     """Does ``method`` run only with a draft model (its module sets ``NEEDS_DRAFT``)? Asked before the
     models load, so that a missing ``-d`` is refused before a large target takes minutes to load."""

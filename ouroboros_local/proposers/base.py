@@ -68,6 +68,9 @@ class ProposeSetup:
     # every round decodes this many tokens (``EngineConfig.round_size``; 0: each its draft's size), so a
     # draft of up to round_size - 1 tokens costs what a round without one does
     round_size: int = 0
+    # the scheduler will not ask this proposer to draft (``Scheduler.hopeless``: it cannot pay here), so
+    # nothing is prepared for drafts (a draft model's read of the prompt)
+    retired: bool = False
 
 
 class Proposer(ABC):

@@ -59,9 +59,16 @@ from .draft_model import ADAEDL_OPTIONS, top_probability
 from .ouroboros import OuroborosProposer, scheduled
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..calibration import CostModel
     from ..kv import KVCache
     from ..llama import Model
     from ..verify import VerifyResult
+
+
+# target tokens one draft token becomes at most, for the drafting cost's floor before it is timed: the
+# text of a draft token is rarely more than one target token (1.1-1.3 from a larger vocabulary's draft
+# into a smaller one's target), and the last converted token is dropped each round
+MAX_TARGET_PER_DRAFT = 1.5
 
 
 class CrossVocabProposer(Proposer):
@@ -156,8 +163,17 @@ class CrossVocabProposer(Proposer):
         self._kv_equal = 0
         self._catch_up.start()
         n = len(self.view.tokens)
-        if self.prefill_in_begin and 1 < n < self.kv.ctx.n_ctx:
+        if self.prefill_in_begin and not setup.retired and 1 < n < self.kv.ctx.n_ctx:
             self._sync(n - 1, logits=False)   # draft prefill, counted as prefill by the engine
+
+    def draft_cost_floor(self, draft_costs: "CostModel") -> float | None:
+        """One draft decode per draft token, at most MAX_TARGET_PER_DRAFT target tokens each: without a
+        floor a draft that could not pay even if always right (SmolLM2-135M's target, Qwen-0.5B's draft:
+        3 target steps a token) read the prompt and drafted, at 0.52x of plain decoding."""
+        return self._draft_token_floor(draft_costs) / MAX_TARGET_PER_DRAFT
+
+    def _draft_token_floor(self, draft_costs: "CostModel") -> float:
+        return draft_costs.cost(1)
 
     def catch_up_tokens(self, committed: Sequence[int]) -> int:
         # target tokens the view has not converted yet count one draft token each (an estimate)
@@ -288,6 +304,10 @@ class CrossVocabOuroboros(CrossVocabProposer):
         self.suffix_nodes = 0
         self.suffix_accepted = 0
         self.verify_phrases = 0
+
+    def _draft_token_floor(self, draft_costs: "CostModel") -> float:
+        floor = self.inner.draft_cost_floor(draft_costs)   # a window's forward yields several draft tokens
+        return draft_costs.cost(1) if floor is None else floor
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         Proposer.begin(self, prompt, setup)
