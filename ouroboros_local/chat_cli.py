@@ -335,8 +335,9 @@ def _terminal_reader() -> tuple[Callable[[str], str], str]:
     if isinstance(sys.stdin, io.TextIOWrapper):
         # piped or redirected messages are UTF-8, as `generate -f -` reads them (Windows' code page made
         # "Café" "CafÃ©"); a terminal's are in its own encoding, and PYTHONIOENCODING is the user's choice
+        # newline=None: CRLF read as "\n" (POSIX stdin kept each "\r" for the model), as prompt files
         utf8 = not sys.stdin.isatty() and not os.environ.get("PYTHONIOENCODING")
-        sys.stdin.reconfigure(errors="surrogateescape", **({"encoding": "utf-8"} if utf8 else {}))
+        sys.stdin.reconfigure(errors="surrogateescape", newline=None, **({"encoding": "utf-8"} if utf8 else {}))
     if not sys.stdin.isatty():
         return input, ""
     try:

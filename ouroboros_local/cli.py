@@ -470,10 +470,15 @@ def _writes_utf8(stream: Any) -> bool:
     return (getattr(stream, "encoding", None) or "").lower().replace("-", "").replace("_", "") == "utf8"
 
 
+_ascii_json = False   # stdout was in another encoding (``tolerate_console_encoding``)
+
+
 def print_json(payload: Any) -> None:
     """One JSON line on stdout: as UTF-8 where stdout takes it, else with \\u escapes (same JSON, readable
-    by any parser) rather than characters a cp1252 console would turn into '?'."""
-    print(json.dumps(payload, ensure_ascii=not _writes_utf8(sys.stdout)))
+    by any parser) rather than characters a cp1252 console would turn into '?'. Where stdout's own
+    encoding was another (a pipe on Windows, now written as UTF-8), escapes too: the reader may decode
+    it in that encoding (PowerShell's ConvertFrom-Json)."""
+    print(json.dumps(payload, ensure_ascii=_ascii_json or not _writes_utf8(sys.stdout)))
 
 
 def tolerate_console_encoding() -> None:
@@ -482,16 +487,18 @@ def tolerate_console_encoding() -> None:
     or pipe gets UTF-8, as llama.cpp writes it: Windows gives them its code page, and `> answer.txt` kept
     a '?' for every character outside it. A closed stdout or stderr (``>&-``) is Python's None: what
     would go there goes nowhere."""
+    global _ascii_json
     if sys.stdout is None:
         sys.stdout = open(os.devnull, "w")
     if sys.stderr is None:
         sys.stderr = open(os.devnull, "w")
     for stream in (sys.stdout, sys.stderr):
         if isinstance(stream, io.TextIOWrapper) and not _writes_utf8(stream):
+            _ascii_json = _ascii_json or stream is sys.stdout
             if _is_terminal(stream) or os.environ.get("PYTHONIOENCODING"):   # (the user's own choice)
                 stream.reconfigure(errors="replace")
-            else:
-                stream.reconfigure(encoding="utf-8")
+            else:   # errors named: a new encoding alone made them strict, and a path's escaped byte fatal
+                stream.reconfigure(encoding="utf-8", errors="backslashreplace" if stream is sys.stderr else "replace")
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -173,12 +173,49 @@ def _pip_args_default() -> list[str]:
 
 
 def split_args(text: str, windows: bool = os.name == "nt") -> list[str]:
-    """Arguments as this system's shell splits them: on Windows a backslash is part of a path
-    (`--find-links C:\\wheels` lost its backslashes) and only double quotes group."""
-    if not windows:
-        return shlex.split(text)
-    return [arg[1:-1] if len(arg) > 1 and arg[0] == arg[-1] == '"' else arg
-            for arg in shlex.split(text, posix=False)]
+    """Arguments as this system splits a command line: on Windows a backslash is part of a path
+    (`--find-links C:\\wheels` lost its backslashes under POSIX rules) and only double quotes group."""
+    return _windows_split(text) if windows else shlex.split(text)
+
+
+def _windows_split(text: str) -> list[str]:
+    """A command line split as Windows programs split theirs (CommandLineToArgvW): whitespace outside
+    double quotes separates, quotes group and go (`--find-links="C:\\my wheels"` is one argument), and
+    backslashes are literal except before a quote (2n of them and a quote: n and a grouping quote;
+    2n + 1: n and a literal quote). ValueError for an unclosed quote, as shlex raises."""
+    args: list[str] = []
+    current: list[str] | None = None   # None: between arguments
+    quoted, i = False, 0
+    while i < len(text):
+        char = text[i]
+        if char in " \t\n" and not quoted:
+            if current is not None:
+                args.append("".join(current))
+                current = None
+            i += 1
+            continue
+        current = [] if current is None else current
+        if char == "\\":
+            n = len(text) - i - len(text[i:].lstrip("\\"))   # the run of backslashes
+            i += n
+            if i < len(text) and text[i] == '"':
+                current.append("\\" * (n // 2))
+                if n % 2:   # an escaped quote
+                    current.append('"')
+                    i += 1
+            else:
+                current.append("\\" * n)
+            continue
+        if char == '"':
+            quoted = not quoted
+        else:
+            current.append(char)
+        i += 1
+    if quoted:
+        raise ValueError("No closing quotation")
+    if current is not None:
+        args.append("".join(current))
+    return args
 
 
 def _pip_download(requirements: Sequence[str], dest: Path, pip_args: Sequence[str], progress: bool) -> None:

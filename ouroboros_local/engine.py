@@ -321,6 +321,7 @@ class Engine:
         self._closed = False
         self._users = 0   # calls into the models outside the engine's lock (``_using_models``)
         self._users_left = threading.Condition()
+        self._closing = False   # close() waits for those calls: no new ones
         self._streams: weakref.WeakSet[Iterator[StreamEvent]] = weakref.WeakSet()   # close() ends this thread's
         if draft is not None and pair_compatible is None:
             pair_reason = check_pair(target.path, draft.path).reason
@@ -549,8 +550,13 @@ class Engine:
                     self._save_history(None)
                 self.save_learned()
                 with self._users_left:
-                    self._closed = True   # no new calls; those under way end first
-                    self._users_left.wait_for(lambda: self._users == 0)
+                    self._closing = True   # no new calls; those under way end first
+                    try:
+                        self._users_left.wait_for(lambda: self._users == 0)
+                    except BaseException:   # Ctrl-C: open as it was, and a later close() frees it
+                        self._closing = False
+                        raise
+                self._closed = True   # (a second closer waits for the lock, then finds it closed)
                 for ctx in (self._draft_ctx, self.target_ctx):
                     if ctx is not None:
                         ctx.close()
@@ -585,7 +591,7 @@ class Engine:
             return self.target.detokenize(ids)
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise OuroborosError("this engine is closed")
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,

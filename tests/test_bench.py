@@ -307,6 +307,18 @@ if len(runs.read_text()) > {lost}:   # the first runs' last log lines lost, as l
 '''
 
 
+def test_a_warm_up_whose_timing_lines_were_lost_keeps_the_peer(tmp_path: Path) -> None:
+    """The warm-up's numbers are not used, yet its lost log lines dropped the peer from the whole run."""
+    fake_lookup_binary(tmp_path, FLAKY_LOG_BINARY, runs=str(tmp_path / "runs"), lost=2)
+    peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, _StubModel(), "t.gguf", n_ctx=512, threads=1)
+    bp = prompts.BuiltPrompt(set_name="s", id="1", task="raw", text="hi", tokens=[0, 1], chat=False, max_tokens=4)
+    try:
+        peer.warmup(bp)                         # the first run: lines lost, no matter
+        assert peer.run(bp, 4).text == "abc"    # the second lost too, the third has them
+    finally:
+        peer.close()
+
+
 @pytest.mark.parametrize("lost", [1, 2])
 def test_a_binary_run_whose_timing_lines_were_lost_is_run_again_once(tmp_path: Path, lost: int) -> None:
     """On a busy VM llama.cpp's asynchronous log lost its last lines in 6-10 of 30 runs (exit 0): the prompt

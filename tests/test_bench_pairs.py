@@ -118,6 +118,20 @@ def test_a_character_cut_by_the_budget_is_no_difference() -> None:
     assert runner.compare_text(cut, cut, 11, 11, "length") is None
     assert runner.compare_text(cut, "\U0001f44d\U0001f31fX", 11, 12, "length") == 2   # a real difference stays
     assert runner.compare_text(cut, whole, 11, 12, "stop") == 3      # vanilla ended by itself: no excuse
+    # a cut leaves one replacement character; those before it are the model's own text
+    assert runner.compare_text("ab\ufffd\ufffd\ufffd", "abQRS", 5, 6, "length") == 2
+
+
+def test_a_variant_or_sweep_row_that_never_ran_counts_though_its_method_needs_a_draft() -> None:
+    """--variant 'sp2=speculative:{...}' without -d was skipped and --strict passed: only the plain rows
+    'all' lists without a draft are exempt."""
+    from ouroboros_local.bench.cli import unexpected_skips
+
+    planned = [("speculative", "speculative", {}, False), ("sp2", "speculative", {"gamma": 3}, False),
+               ("speculative:gamma=2", "speculative", {"gamma": 2}, False), ("vanilla", "vanilla", {}, False)]
+    skipped = {"speculative": "no draft", "sp2": "no draft", "speculative:gamma=2": "no draft"}
+    assert unexpected_skips(skipped, planned, has_draft=False) == ["sp2", "speculative:gamma=2"]
+    assert unexpected_skips(skipped, planned, has_draft=True) == list(skipped)
 
 
 def test_method_vanilla_is_vanilla_alone() -> None:

@@ -231,6 +231,19 @@ def test_piped_chat_shows_no_prompt_and_takes_bytes_that_are_not_utf8(tiny_targe
     assert bad.returncode == 2 and b"--system: the text is not valid Unicode" in bad.stderr, bad.stderr
 
 
+def test_piped_messages_lose_their_windows_line_ends(monkeypatch) -> None:
+    """POSIX stdin kept each "\\r" of a CRLF file piped to chat, and it reached the model as a token."""
+    import io
+
+    from ouroboros_local import chat_cli
+
+    monkeypatch.delenv("PYTHONIOENCODING", raising=False)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Café\r\nsecond\r\n".encode()), encoding="ascii",
+                                                       newline="\n"))
+    read, prompt = chat_cli._terminal_reader()
+    assert prompt == "" and read(prompt) == "Café" and read(prompt) == "second"
+
+
 def test_piped_messages_are_utf8_whatever_the_locale(tiny_target, tmp_path):
     """Windows reads a pipe in its code page: `chat < questions.txt` sent "CafÃ©" for "Café" (here an
     ASCII locale refused it); `generate -f -` reads the same bytes as UTF-8."""

@@ -590,6 +590,48 @@ def test_close_waits_for_a_thread_that_is_tokenizing(tiny_target) -> None:
         engine.tokenize("hello")
 
 
+def test_a_second_closer_returns_only_once_the_engine_is_freed_and_ctrl_c_leaves_it_open(tiny_target) -> None:
+    """A second close() returned while the first still waited for a tokenizing thread, with the contexts
+    not yet freed; a Ctrl-C in that wait left the engine closed to calls with nothing freed, for good."""
+    import threading
+    import time
+
+    engine = make_engine(tiny_target)
+    real, entered = engine.target.tokenize, threading.Event()
+
+    def slow_tokenize(*args: Any, **kwargs: Any) -> list[int]:
+        entered.set()
+        time.sleep(0.6)
+        return real(*args, **kwargs)
+
+    engine.target.tokenize = slow_tokenize
+    worker = threading.Thread(target=lambda: _tokens_or_error(engine))
+    worker.start()
+    assert entered.wait(30)
+    first = threading.Thread(target=engine.close)
+    first.start()
+    time.sleep(0.1)   # the first closer waits for the tokenizing thread
+    engine.close()
+    assert engine.target_ctx._ptr is None   # freed by the time the second close() returns
+    first.join(30)
+    worker.join(30)
+
+    engine = make_engine(tiny_target)
+    engine._users = 1   # a call under way
+
+    def interrupted(predicate: Any) -> bool:
+        raise KeyboardInterrupt
+
+    engine._users_left.wait_for = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert engine.tokenize("hello")   # still open
+    engine._users = 0
+    del engine._users_left.wait_for
+    engine.close()
+    assert engine.target_ctx._ptr is None
+
+
 def _tokens_or_error(engine: Engine) -> Any:
     try:
         return engine.tokenize("hello world")

@@ -1109,6 +1109,11 @@ def test_pip_arguments_split_as_this_systems_shell_splits_them() -> None:
     line = r'--find-links C:\Users\me\wheels --no-index --cert "C:\my certs\corp.pem"'
     assert split_args(line, windows=True) == ["--find-links", r"C:\Users\me\wheels", "--no-index", "--cert",
                                               r"C:\my certs\corp.pem"]
+    assert split_args('--find-links="C:\\my wheels" \'x y\'', windows=True) == [r"--find-links=C:\my wheels",
+                                                                          "'x", "y'"]
+    assert split_args(r'a\\"b c" d\"e', windows=True) == ["a\\b c", 'd"e']   # backslashes before quotes
+    with pytest.raises(ValueError):
+        split_args('"open', windows=True)
     assert split_args("--find-links '/my wheels' --cert a\\ b", windows=False) == [
         "--find-links", "/my wheels", "--cert", "a b"]
 

@@ -305,11 +305,26 @@ def test_a_redirected_answer_is_utf8_whatever_the_code_page(monkeypatch) -> None
         stream.flush()
         return raw.getvalue()
 
+    monkeypatch.setattr(cli, "_ascii_json", False)
     monkeypatch.delenv("PYTHONIOENCODING", raising=False)
     assert printed(io.BytesIO()) == "α → β\n".encode()
     assert printed(Terminal()) == b"? ? ?\n"
     monkeypatch.setenv("PYTHONIOENCODING", "cp1252")
     assert printed(io.BytesIO()) == b"? ? ?\n"
+    # the JSON line keeps its escapes (a reader may decode the pipe in the code page), and a path's
+    # undecodable byte (a surrogate escape) is shown, not fatal: a new encoding alone made errors strict
+    monkeypatch.delenv("PYTHONIOENCODING")
+    monkeypatch.setattr(cli, "_ascii_json", False)
+    out, err = io.BytesIO(), io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, encoding="ascii"))
+    monkeypatch.setattr(sys, "stderr", io.TextIOWrapper(err, encoding="ascii", errors="backslashreplace"))
+    cli.tolerate_console_encoding()
+    cli.print_json({"text": "ñ"})
+    print("error: not found: /tmp/x\udce9.txt", file=sys.stderr)
+    print("x\udce9", flush=True)
+    sys.stderr.flush()
+    assert out.getvalue() == b'{"text": "\\u00f1"}\nx?\n'
+    assert err.getvalue() == b"error: not found: /tmp/x\\udce9.txt\n"
 
 
 def test_windows_line_ends_in_a_prompt_are_read_as_newlines(tmp_path, monkeypatch) -> None:

@@ -607,6 +607,25 @@ def test_a_refused_prompt_leaves_nothing_for_the_garbage_collector(live):
     assert not ours, ours
 
 
+def test_only_the_errors_answered_as_400s_lose_their_traceback() -> None:
+    """An unexpected error (a 500) lost the frames it was raised in, so its logged traceback ended at
+    ``raise outcome``."""
+    from ouroboros_local.errors import ParameterError
+    from ouroboros_local.server.app import _returning_errors
+
+    def refuse() -> None:
+        raise ParameterError("bad")
+
+    def crash() -> None:
+        raise RuntimeError("bug")
+
+    refused = _returning_errors(refuse)()
+    assert isinstance(refused, ParameterError) and refused.__traceback__ is None
+    with pytest.raises(RuntimeError) as info:
+        _returning_errors(crash)()
+    assert any(entry.name == "crash" for entry in info.traceback)
+
+
 def test_unknown_route_and_wrong_verb(live):
     status, _, body = http(live.base, "/v1/nothing")
     assert_error(status, body, 404)

@@ -363,8 +363,12 @@ def test_the_tiny_model_writer_runs_as_a_module_without_warnings(tmp_path: Path)
 
     assert sorted(testing.__all__) == sorted(tiny_models.__all__)
     out = tmp_path / "t.gguf"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, "-W", "error", "-m", "ouroboros_local.testing.tiny_models", str(out)],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                             [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])})
+                         capture_output=True, text=True, timeout=120, env=env)
     assert run.returncode == 0 and run.stderr == "" and out.is_file(), run.stderr
+    # the module is the package's attribute before anything imported it
+    run = subprocess.run([sys.executable, "-c", "import ouroboros_local.testing as t; print(t.tiny_models.__name__)"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert run.stdout.strip() == "ouroboros_local.testing.tiny_models", run.stderr

@@ -216,13 +216,14 @@ def check_peers_options(peer_labels: list[str], method_opts: dict[str, dict[str,
 
 def unexpected_skips(skipped: dict[str, str], planned: list[tuple[str, str, dict[str, Any], bool]],
                      has_draft: bool) -> list[str]:
-    """The contenders asked for that did not run; not the methods that need a draft model, which 'all'
-    lists without one (resolve_methods refuses them named)."""
+    """The contenders asked for that did not run; not the plain rows of methods that need a draft model,
+    which 'all' lists without one (resolve_methods refuses them named). A variant's or a sweep's row of
+    such a method was asked for by its own flag."""
     from ..proposers import needs_draft
 
     method_of = {label: method for label, method, *_ in planned}
     return [label for label in skipped
-            if has_draft or label not in method_of or not needs_draft(method_of[label])]
+            if has_draft or method_of.get(label) != label or not needs_draft(label)]
 
 
 def check_unique_labels(planned: list[tuple[str, str, dict[str, Any], bool]]) -> None:

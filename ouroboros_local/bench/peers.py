@@ -467,7 +467,11 @@ class LlamaCppBinPeer(Contender):
         return text[:i], after
 
     def warmup(self, prompt: BuiltPrompt) -> None:
-        self.run(prompt, 4)   # also pulls the model into the page cache
+        """A run that pulls the model into the page cache; its numbers are not used, so its log need not
+        hold the timing lines (a warm-up's lost lines once dropped the peer from the whole run)."""
+        pfile = Path(self._tmp.name) / "prompt.txt"
+        pfile.write_bytes((prompt.text + "\n").encode("utf-8"))
+        self._run_binary(self.command(pfile, 4))
 
     def close(self) -> None:
         self._tmp.cleanup()

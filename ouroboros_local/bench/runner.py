@@ -179,7 +179,7 @@ def compare_text(ref: str, got: str, ref_tokens: int, got_tokens: int, ref_finis
     less the replacement characters ending it: the budget may cut a character's bytes, which the peer's
     extra token completes. Where the reference stopped by itself, text past its end is a difference."""
     if ref_finish == "length" and got_tokens >= ref_tokens:
-        ref = ref.rstrip(CUT_CHARACTER)
+        ref = ref.removesuffix(CUT_CHARACTER)   # one: the cut character; others are the model's
         got = got[:len(ref)]
     pos = next((i for i, (x, y) in enumerate(zip(ref, got)) if x != y), None)
     if pos is None and len(ref) != len(got):

@@ -59,14 +59,15 @@ class ServerConfig:
 
 
 def _returning_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` returning its exception, detached from the frames it passed through, instead of raising it
-    across anyio's future: the exception, its traceback (the awaiting frame) and the future form a cycle
-    that held a refused request's body, its rendered prompt and their bytes until a full collection
-    (a client resending an over-long chat grew the server by gigabytes)."""
+    """``fn`` returning the errors answered as 400s, detached from the frames they passed through, instead
+    of raising them across anyio's future (others, a 500's, keep their traceback for the log): the
+    exception, its traceback (the awaiting frame) and the future form a cycle that held a refused
+    request's body, its rendered prompt and their bytes until a full collection (a client resending an
+    over-long chat grew the server by gigabytes)."""
     def call(*args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as exc:   # noqa: BLE001 - raised again by the caller
+        except (OuroborosError, ApiError) as exc:   # answered as a 400: no one reads where it came from
             exc.__traceback__ = exc.__context__ = exc.__cause__ = None
             return exc
     return call

@@ -3,6 +3,7 @@
 The names are looked up when first used: importing ``tiny_models`` here made
 ``python -m ouroboros_local.testing.tiny_models`` run a module already imported, and runpy warned."""
 
+from importlib import import_module
 from typing import Any
 
 __all__ = ["CHATML_TEMPLATE", "ENDOFTEXT", "IM_END", "IM_START", "TinyVocab", "corrupt_copies", "tiny_vocab",
@@ -10,8 +11,7 @@ __all__ = ["CHATML_TEMPLATE", "ENDOFTEXT", "IM_END", "IM_START", "TinyVocab", "c
 
 
 def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from . import tiny_models
-
-        return getattr(tiny_models, name)
+    if name in __all__ or name == "tiny_models":
+        tiny_models = import_module(f"{__name__}.tiny_models")   # not `from . import`: it asks this again
+        return tiny_models if name == "tiny_models" else getattr(tiny_models, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
