@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from .catalogue import default_cache_dir
-from .cpu_load import LoadMeter, contended, usable_cores
+from .cpu_load import LoadMeter, busy_cores_now, contended, usable_cores
 from .errors import PoolError
 from .filestore import put_json_entry, read_json_object, warn_not_saved
 from .tree import TokenTree, layout
@@ -261,13 +261,20 @@ def check_step(kv: "KVCache", decodes: int = CHECK_DECODES, prefix_len: int = CH
         _random_prefix(kv, rng, n_vocab, prefix_len)
         times = [_timed_decode(kv, rng, n_vocab, 1) for _ in range(decodes + 1)]
     kv.reset()
-    return StepCheck(seconds=float(np.median(times[1:])), busy_cores=meter.busy_cores,
-                     contended=contended(meter.busy_cores, usable_cores(), kv.ctx.n_threads))
+    # a check shorter than the load meter's clock ticks (a small model's) samples the load on its own:
+    # an unknown load read as a quiet machine, and a busy one re-measured its curve at every start
+    busy = meter.busy_cores if meter.busy_cores is not None else busy_cores_now(reuse=0.0)
+    return StepCheck(seconds=float(np.median(times[1:])), busy_cores=busy,
+                     contended=contended(busy, usable_cores(), kv.ctx.n_threads))
 
 
 def stale_reason(cached: CostModel, check: StepCheck) -> str | None:
-    """Why a cached curve must be measured again given the check, or None to keep it."""
-    if cached.provisional and not check.contended:
+    """Why a cached curve must be measured again given the check, or None to keep it. A check that
+    others' work slowed down keeps the curve: one busy start measured a busy curve over a quiet one
+    (minutes, on 2 cores), and the next quiet start measured it back."""
+    if check.contended:
+        return None
+    if cached.provisional and check.busy_cores is not None:
         return "it was measured while other processes were busy, and the machine is quiet now"
     step = cached.seconds[0]
     if abs(check.seconds - step) <= CHECK_NOISE_SECONDS:

@@ -233,5 +233,7 @@ def idle_threads(cores: int, busy: float | None, limit: int | None = None) -> in
 
 
 def contended(busy: float | None, cores: int, threads: int) -> bool:
-    """Whether ``threads`` of ours had to share cores with others' ``busy`` cores of work."""
-    return busy is not None and busy > cores - threads + 0.5
+    """Whether ``threads`` of ours had to share cores with others' ``busy`` cores of work (threads past
+    the cores share them with each other, not with others: a curve of -t 3 on 2 cores was provisional
+    for good, waiting for a quiet machine that could never come)."""
+    return busy is not None and busy > cores - min(threads, cores) + 0.5

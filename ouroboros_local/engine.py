@@ -402,12 +402,17 @@ class Engine:
         model = self.draft if draft else self.target
         # the model's own layers: an engine built on a loaded Model may hold other numbers in its config
         settings = {"gpu_layers": model.n_gpu_layers, "threads": ctx.n_threads,
-                    "n_batch": ctx.n_batch, "flash_attn": cfg.flash_attn,
+                    "n_batch": ctx.n_batch, "flash_attn": self._draft_flash_attn if draft else cfg.flash_attn,
                     "huge_pages": model.huge_page_bytes > 0,
                     "type_k": cfg.draft_type_k if draft else cfg.type_k,
                     "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info()}
-        if model.main_gpu is not None:   # one GPU of several (the key of every other curve left as it was)
+        # the rest only where set, so that every other curve keeps its key: one GPU of several; batches
+        # (every decode of more than a token) on other threads than single steps, which the start-up
+        # check times alone (a curve of 2 batch threads priced verification 2x too cheap at 1)
+        if model.main_gpu is not None:
             settings["main_gpu"] = model.main_gpu
+        if ctx.n_threads_batch != ctx.n_threads:
+            settings["threads_batch"] = ctx.n_threads_batch
         return settings
 
     def cost_model(self, refresh: bool = False) -> CostModel:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import glob
 import json
 import logging
+import math
 import os
 import stat
 import struct
@@ -201,11 +202,14 @@ def file_identity(path: str | os.PathLike[str]) -> list[Any]:
     return [str(target.resolve()), st.st_size, st.st_mtime_ns]
 
 
-def keep_newest(data: dict[str, Any], keep: int, stamp_key: str) -> None:
+def keep_newest(data: dict[str, Any], keep: int, stamp_key: str, fresh: str | None = None) -> None:
     """Drop from ``data`` all but the ``keep`` entries with the latest ``stamp_key`` (a time.time()); an
-    entry without a numeric stamp counts as the oldest. Keeps a state file bounded however many models,
-    devices and settings are tried."""
+    entry without a numeric stamp counts as the oldest, and ``fresh`` (the one just written) as the
+    newest: entries stamped by a clock ahead of this one evicted it as soon as it was written. Keeps a
+    state file bounded however many models, devices and settings are tried."""
     def stamp(key: str) -> float:
+        if key == fresh:
+            return math.inf
         entry = data[key]
         value = entry.get(stamp_key) if isinstance(entry, dict) else None
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
@@ -240,7 +244,7 @@ def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: st
             set_aside(path, what, f"{path} is not a {what} file (not a JSON object)")
             data = {}
         data[key] = entry
-        keep_newest(data, keep, stamp_key)
+        keep_newest(data, keep, stamp_key, fresh=key)
         write_atomic(path, json.dumps(data, indent=indent).encode(), what)
 
 

@@ -11,6 +11,7 @@ from ouroboros_local.calibration import (CalibrationCache, CostModel, StepCheck,
                                          check_step, measure_costs, stale_reason)
 from ouroboros_local.engine import Engine, EngineConfig
 from ouroboros_local.llama import Model
+from ouroboros_local.testing.engines import tiny_engine as make_engine
 
 
 @pytest.fixture
@@ -115,6 +116,56 @@ def test_stale_reason_tolerates_noise_but_not_a_wide_margin() -> None:
     assert stale_reason(tiny, at(1.5e-5)) is None            # 7.5x, but within the scheduling jitter
 
 
+def test_a_check_others_slowed_down_keeps_the_curve_and_an_unknown_load_is_not_quiet(tiny_target, monkeypatch) -> None:
+    """One busy start measured a busy curve over a quiet one (112 s on 2 cores) and the next quiet start
+    measured it back; a check too short for the load meter read as a quiet machine, so a busy one
+    re-measured its provisional curve at every start."""
+    from ouroboros_local import calibration
+
+    quiet = CostModel(sizes=[1, 4], seconds=[0.02, 0.05])
+    assert stale_reason(quiet, StepCheck(seconds=0.18, busy_cores=6.0, contended=True)) is None
+    provisional = CostModel(sizes=[1, 4], seconds=[0.14, 0.3], busy_cores=6.0, provisional=True)
+    assert stale_reason(provisional, StepCheck(seconds=0.13, busy_cores=None, contended=False)) is None
+    assert "quiet now" in stale_reason(provisional, StepCheck(seconds=0.13, busy_cores=0.0, contended=False))
+
+    class Unreadable:   # fewer clock ticks than the meter needs
+        busy_cores = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+    monkeypatch.setattr(calibration, "LoadMeter", Unreadable)
+    monkeypatch.setattr(calibration, "busy_cores_now", lambda reuse=0.0: 2.0)
+    monkeypatch.setattr(calibration, "usable_cores", lambda: 2)
+    engine = make_engine(tiny_target, n_ctx=256)
+    try:
+        check = check_step(engine.kv)
+    finally:
+        engine.close()
+    assert check.busy_cores == 2.0 and check.contended
+
+
+def test_a_curve_is_keyed_by_what_its_batches_run_with(tiny_target, tiny_draft) -> None:
+    """Batches run on threads_batch threads, which the key left out (a curve of 2 priced verification 2x
+    too cheap at 1); the draft's key named the target's flash attention, not the draft's own."""
+    engine = make_engine(tiny_target, tiny_draft, n_ctx=256, threads=1, threads_batch=2)
+    try:
+        assert engine.calibration_settings()["threads_batch"] == 2
+        engine.draft_kv()   # the draft's context
+        engine._draft_flash_attn = "on" if engine.config.flash_attn != "on" else "off"
+        assert engine.calibration_settings(draft=True)["flash_attn"] == engine._draft_flash_attn
+    finally:
+        engine.close()
+    engine = make_engine(tiny_target, n_ctx=256, threads=1)
+    try:   # the same threads for both: the key every curve had
+        assert "threads_batch" not in engine.calibration_settings()
+    finally:
+        engine.close()
+
+
 def test_old_and_broken_cache_entries(tmp_path) -> None:
     cache = CalibrationCache(tmp_path / "cal.json")
     cache.put(CostModel(sizes=[1], seconds=[0.05], key="ok"))
@@ -152,6 +203,12 @@ def test_the_cache_keeps_the_most_recently_measured_curves(tmp_path, monkeypatch
     assert [k for k in ("k0", "k1", "k2", "k3") if cache.get(k) is not None] == ["k0", "k2", "k3"]
     cache.put(CostModel(sizes=[1], seconds=[0.05], key="k4"))   # now: the oldest left (k3, 2.0) goes
     assert [k for k in ("k0", "k2", "k3", "k4") if cache.get(k) is not None] == ["k0", "k2", "k4"]
+    # curves stamped by a clock an hour ahead: the one just measured vanished as soon as it was written
+    ahead = time.time() + 3600
+    for key in ("k0", "k2", "k4"):
+        cache.put(CostModel(sizes=[1], seconds=[0.05], key=key, measured_at=ahead))
+    cache.put(CostModel(sizes=[1], seconds=[0.06], key="k5"))
+    assert cache.get("k5") is not None
 
 
 class FakeClock:

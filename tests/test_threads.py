@@ -64,6 +64,7 @@ def test_contended_when_our_threads_share_cores_with_others() -> None:
     assert contended(1.0, 2, 2)
     assert not contended(1.0, 2, 1)        # one busy core, one thread of ours on the other
     assert not contended(2.0, 16, 8)
+    assert not contended(0.0, 2, 3) and contended(1.0, 2, 3)   # our own threads past the cores are no load
 
 
 class FakeProc:

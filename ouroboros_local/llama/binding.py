@@ -683,7 +683,7 @@ class Context(_Native):
         outputs = params.n_batch if params.n_ctx <= 0 else min(params.n_batch, params.n_ctx)   # 0: trained size
         cp.n_seq_max = max(1, min(params.n_seq_max, outputs))
         cp.n_threads = threads
-        cp.n_threads_batch = params.n_threads_batch or threads
+        cp.n_threads_batch = self.n_threads_batch = params.n_threads_batch or threads
         try:
             cp.flash_attn_type = _FLASH[params.flash_attn]
             cp.type_k = KV_CACHE_TYPES[params.type_k]
