@@ -501,7 +501,12 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
                              + (f"; did you mean {' or '.join(map(repr, near))}?" if near else "")
                              + f" (known: {', '.join(sorted(cat))})")
     path = Path(text).expanduser()
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:   # a name longer than the system takes: a raw OS error, and status 1
+        raise ModelError(f"cannot use the model file {text[:80]}{'...' if len(text) > 80 else ''}: "
+                         f"{exc.strerror or exc}") from None
+    if not exists:
         cat = load_catalogue() if catalogue is None else catalogue
         near = [] if os.sep in text else _near_names(text, cat)   # 'NAME.gguf' for a cached catalogue model
         raise ModelError(f"model file not found: {path}"

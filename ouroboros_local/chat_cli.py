@@ -359,7 +359,9 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     p = subparsers.add_parser("chat", help="interactive chat with streaming output",
                               description="Chat with a model in the terminal. " + HELP + ".")
     add_model_args(p)
-    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--system", default=None,
+                   help="system prompt (none or '': no system message, and the chat template's own default "
+                        "where it has one)")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help="longest answer in tokens (default: until the model stops or the context is full)")
     p.add_argument("--stop", action="append", help="stop string (repeatable)")

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from .cpu_load import usable_cores
 from .errors import OuroborosError, ParameterError
@@ -171,6 +171,8 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
     from .proposers import applicable_options, check_options, method_names
     from .server import default_method
 
+    if args.method is not None and not args.method.strip():   # it ran the default method
+        raise ParameterError(f"--method is empty; choose one of {', '.join(method_names())}")
     method = args.method or default_method(args.draft is not None)
     if method not in method_names():
         raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
@@ -183,9 +185,23 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
     else:
         _refuse_flags_not_of(method, options)
         check_options(method, options)
+        if args.draft is None:
+            _refuse_draft_flags_without_draft(method, options)
     if options.get("pool") is not None:
         check_history_folder(options["pool"])
     return method, options
+
+
+def _refuse_draft_flags_without_draft(method: str, options: dict[str, Any]) -> None:
+    """auto takes speculative's flags for its draft model: without one they did nothing, unsaid."""
+    from .proposers import draft_model, method_options, prompt_lookup
+
+    drafts_only = ({o.name for o in draft_model.OPTIONS} - {o.name for o in prompt_lookup.OPTIONS}) & {
+        o.name for o in method_options(method)}
+    stray = [o.flag_name for o in FLAGGED_OPTIONS if o.name in options and o.name in drafts_only]
+    if stray:
+        raise ParameterError(f"{', '.join(stray)} set{'s' if len(stray) == 1 else ''} how a draft model drafts, "
+                             f"and --method {method} has none here: give one with -d")
 
 
 def _refuse_flags_not_of(method: str, options: dict[str, Any]) -> None:
@@ -222,25 +238,34 @@ def check_threads(threads: int | None) -> None:
         raise ParameterError("-t/--threads must be >= 0 (0: the idle cores)")
 
 
-def _engine_from_args(args: argparse.Namespace):
-    from .engine import MAX_CTX, MAX_SEQS, Engine, EngineConfig
+def engine_config_from_args(args: argparse.Namespace) -> Any:
+    """The EngineConfig of the model flags, every one checked (doctor checks them as generate does)."""
+    from .engine import MAX_CTX, MAX_SEQS, EngineConfig
 
     for name, high in (("ctx_size", MAX_CTX), ("batch_size", MAX_CTX), ("seqs", MAX_SEQS)):
         if not 1 <= getattr(args, name) <= high:
             raise ParameterError(f"--{name.replace('_', '-')} must be from 1 to {high}")
     check_threads(args.threads)
+    if args.main_gpu is not None and args.main_gpu < 0:   # it was refused in EngineConfig's words
+        raise ParameterError(f"--main-gpu must be >= 0: a GPU's index, as doctor lists them (got {args.main_gpu})")
     round_size = _round_size(args.round_size, args.batch_size, args.ctx_size)
-    config = EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
-                          threads=args.threads, flash_attn=args.flash_attn,
-                          gpu_layers=_gpu_layers(args.gpu_layers),
-                          draft_gpu_layers=_gpu_layers(args.draft_gpu_layers, "--draft-gpu-layers"),
-                          main_gpu=args.main_gpu,
-                          type_k=args.cache_type_k, type_v=args.cache_type_v,
-                          draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
-                          learned=args.learned is not False, round_size=round_size,
-                          huge_pages=args.huge_pages,
-                          overlap={"auto": None, "on": True, "off": False}[args.overlap],
-                          round_switch=args.round_switch == "on")
+    return EngineConfig(n_ctx=args.ctx_size, n_batch=args.batch_size, n_seq_max=args.seqs,
+                        threads=args.threads, flash_attn=args.flash_attn,
+                        gpu_layers=_gpu_layers(args.gpu_layers),
+                        draft_gpu_layers=_gpu_layers(args.draft_gpu_layers, "--draft-gpu-layers"),
+                        main_gpu=args.main_gpu,
+                        type_k=args.cache_type_k, type_v=args.cache_type_v,
+                        draft_type_k=args.draft_cache_type_k, draft_type_v=args.draft_cache_type_v,
+                        learned=args.learned is not False, round_size=round_size,
+                        huge_pages=args.huge_pages,
+                        overlap={"auto": None, "on": True, "off": False}[args.overlap],
+                        round_switch=args.round_switch == "on")
+
+
+def _engine_from_args(args: argparse.Namespace):
+    from .engine import Engine
+
+    config = engine_config_from_args(args)
     if args.threads and args.threads > (cores := usable_cores()):
         say(f"note: -t {args.threads} is more threads than the {cores} cores this process may use: llama.cpp's "
             "threads wait for each other at every step, so threads sharing a core slow decoding down, "
@@ -420,11 +445,23 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line usage error (status 2, as every other error; the usage block made
+    `--temperature 0,5` 24 lines) and no abbreviated flags (`bench --warm` meant --warm-prefill, and
+    `--te` was "ambiguous" between two names of one flag). Its subcommands' parsers are of this class."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = argparse.ArgumentParser(prog="ouroboros-local",
-                                     description="Lossless speculative decoding for local GGUF models")
+    parser = _Parser(prog="ouroboros-local", description="Lossless speculative decoding for local GGUF models")
     parser.add_argument("--version", action="version", version=f"ouroboros-local {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

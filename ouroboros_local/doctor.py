@@ -106,13 +106,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from . import __version__
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
-    from .cli import check_threads
+    from .cli import engine_config_from_args
+    from .engine import MAX_CTX
     from .engine import has_cuda_gpu
     from .gguf_file import validate_gguf
     from .llama import Model, devices, huge_pages, offload_gpus, supports_gpu_offload, system_info
     from .pairs import check_pair
 
-    check_threads(args.threads)
+    if args.ctx_size < 0:
+        raise ParameterError("-c/--ctx-size must be >= 0 (0: the model's trained context)")
+    # the flags checked as generate checks them (a --main-gpu -1 or -b -1 got a clean report)
+    # (-c past what generate takes is left to the memory verdict below)
+    engine_config_from_args(argparse.Namespace(**{**vars(args), "ctx_size": min(args.ctx_size or 4096, MAX_CTX)}))
     print(f"ouroboros-local {__version__}, llama-cpp-python {llama_cpp.__version__}, "
           f"Python {platform.python_version()} on {platform.system()} {platform.machine()}")
     print(f"llama.cpp system info: {system_info().strip()}")
@@ -140,8 +145,6 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(f"memory available: {available / 2**30:.1f} GiB{source}")
     total = kv = 0
     n_ctx = args.ctx_size   # 0: each model's trained context
-    if n_ctx < 0:
-        raise ParameterError("-c/--ctx-size must be >= 0 (0: the model's trained context)")
     # bytes per cached element of the -ctk/-ctv types against F16's 2 (keys and values taken as alike)
     kv_scale = (KV_TYPE_BYTES[args.cache_type_k] + KV_TYPE_BYTES[args.cache_type_v]) / 4
     args.draft = resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft

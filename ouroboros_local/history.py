@@ -283,11 +283,14 @@ def check_history_folder(path: str | os.PathLike[str]) -> None:
     """PoolError unless the folder of ``path`` can take the file (and its ``.suffix`` sibling), and
     neither names something other than a file (a folder as FILE gave ``suffix`` a FILE.suffix beside it)."""
     file = Path(_resolved(path))
-    if not file.parent.is_dir() or not os.access(file.parent, os.W_OK | os.X_OK):
-        raise PoolError(f"cannot save history to {path}: {file.parent} is not a writable folder")
-    for name in (file, file.with_name(file.name + ".suffix")):
-        if name.exists() and not name.is_file():
-            raise PoolError(f"cannot save history to {path}: {name} is not a file")
+    try:
+        if not file.parent.is_dir() or not os.access(file.parent, os.W_OK | os.X_OK):
+            raise PoolError(f"cannot save history to {path}: {file.parent} is not a writable folder")
+        for name in (file, file.with_name(file.name + ".suffix")):
+            if name.exists() and not name.is_file():
+                raise PoolError(f"cannot save history to {path}: {name} is not a file")
+    except OSError as exc:   # a name longer than the system takes: a raw OS error, and status 1
+        raise PoolError(f"cannot save history to {str(path)[:80]}...: {exc.strerror or exc}") from None
     over = temp_name_bytes(file.name + ".suffix") - _name_max(file.parent)
     if over > 0:   # FILE took, FILE.suffix's save failed after every answer
         raise PoolError(f"cannot save history to {path}: its name is too long for the files saved beside it "

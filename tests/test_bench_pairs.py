@@ -139,6 +139,17 @@ def test_method_vanilla_is_vanilla_alone() -> None:
     assert resolve_methods(args, ["vanilla", "speculative", "auto"], []) == ["vanilla"]
 
 
+@pytest.mark.parametrize("flags, message", [(["--methods", "all", "--method", "vanilla"], "not both"),
+                                            (["--methods", " , "], "--methods is empty"),
+                                            (["--method", ""], "--method is empty")])
+def test_methods_given_twice_or_empty_are_refused(flags, message) -> None:
+    """`--methods all --method vanilla` dropped --methods unsaid (all was its default); an empty one ran
+    every method."""
+    args = build_parser().parse_args(["bench", "-m", "t.gguf", "--prompts", "a.jsonl", *flags])
+    with pytest.raises(ParameterError, match=message):
+        resolve_methods(args, ["vanilla", "speculative", "auto"], [])
+
+
 class _FakeAxes:
     def __init__(self) -> None:
         self.lines: list[tuple[list[Any], list[float]]] = []

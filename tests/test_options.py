@@ -327,6 +327,36 @@ def test_a_redirected_answer_is_utf8_whatever_the_code_page(monkeypatch) -> None
     assert err.getvalue() == b"error: not found: /tmp/x\\udce9.txt\n"
 
 
+def test_command_line_mistakes_are_one_line_and_status_2(tiny_target, tmp_path, capsys) -> None:
+    """A usage error printed argparse's usage block (24 lines); abbreviations resolved in surprising ways
+    (`bench --warm` was --warm-prefill); an empty --method ran the default; auto's draft flags without a
+    draft did nothing; a file name past the system's limit was a raw OS error with status 1; doctor
+    took values generate refuses; --main-gpu -1 was refused in EngineConfig's words."""
+    from ouroboros_local import cli
+
+    def refused(argv: list[str]) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            status = cli.main(argv)
+            raise SystemExit(status)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and "Traceback" not in err, err
+        return err
+
+    base = ["generate", "-m", str(tiny_target), "-p", "hi", "-n", "2", "-t", "1"]
+    err = refused(base + ["--temperature", "0,5"])
+    assert err.count("\n") == 1 and "invalid float value: '0,5' (see ouroboros-local generate --help)" in err
+    assert "unrecognized arguments: --temper" in refused(base + ["--temper", "0.5"])
+    assert "--method is empty" in refused(base + ["--method", ""])
+    assert "--adaedl sets how a draft model drafts, and --method auto has none here" in refused(base + ["--adaedl"])
+    long_name = str(tmp_path / ("m" * 300 + ".gguf"))
+    assert "File name too long" in refused(["generate", "-m", long_name, "-p", "hi"])
+    assert "File name too long" in refused(base + ["--pool", str(tmp_path / ("p" * 300))])
+    doctor = ["doctor", "-m", str(tiny_target)]
+    assert "--batch-size must be from 1" in refused(doctor + ["-b", "-1"])
+    assert "--main-gpu must be >= 0: a GPU's index" in refused(doctor + ["--main-gpu", "-1"])
+    assert "--round-size must be" in refused(doctor + ["--round-size", "1"])
+
+
 def test_windows_line_ends_in_a_prompt_are_read_as_newlines(tmp_path, monkeypatch) -> None:
     """Notepad's CRLF reached the model as a "\r" token per line, and SmolLM2 answered in kind."""
     import io

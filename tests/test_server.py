@@ -1048,6 +1048,16 @@ def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(
     assert elapsed < 4, f"stopping took {elapsed:.1f}s"
 
 
+def test_serve_refuses_an_empty_host_or_name(tiny_target, capsys):
+    """--host '' listened on every interface (and printed http://:PORT); --model-name '' fell back to the
+    file's name unsaid."""
+    from ouroboros_local import cli
+
+    for flags, message in ((["--host", ""], "--host is empty"), (["--model-name", ""], "--model-name is empty")):
+        assert cli.main(["serve", "-m", str(tiny_target), "--port", "0", *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_serve_cli_errors_without_loading(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     bad = subprocess.run([sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tmp_path / "none.gguf"),

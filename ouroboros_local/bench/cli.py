@@ -46,7 +46,7 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
                         "a non-JSON file is one raw prompt)")
     g.add_argument("--task", choices=TASKS, default=None,
                    help="how to build prompts (default: from each file's task field; raw = first turn as is)")
-    g.add_argument("--methods", default=DEFAULT_METHODS,
+    g.add_argument("--methods", default=None,
                    help="comma-separated methods, or 'all' (default): every available method; vanilla is "
                         "always run as the reference")
     g.add_argument("--peers", default=None,
@@ -273,12 +273,14 @@ def resolve_methods(args: argparse.Namespace, available: list[str], custom: list
     alone). A method named that needs a draft model is refused when none is given."""
     from ..cli import refuse_without_draft
 
-    spec = args.methods
+    spec = args.methods if args.methods is not None else DEFAULT_METHODS   # (None: not given)
     if getattr(args, "method", None) is not None:
-        if spec != DEFAULT_METHODS:   # one of the two was ignored in silence
+        if args.methods is not None:   # one of the two was ignored in silence (`--methods all` too)
             raise ParameterError(f"give --methods or --method, not both (--method {args.method} is "
                                  "--methods vanilla," + args.method + ")")
         spec = args.method
+    if not spec.replace(",", "").strip():   # it ran every method
+        raise ParameterError(f"--method{'s' if args.methods is not None else ''} is empty: name methods, or 'all'")
     methods = parse_methods(spec, available, custom)
     # 'all' without a draft lists them under "Not run"; a method named without one is a mistake
     if args.draft is None and [m.strip() for m in spec.split(",")] != ["all"]:

@@ -61,6 +61,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .. import cli
     from ..proposers import applicable_options
 
+    if not args.host.strip():   # bind('') is every interface, and the lines printed "http://:8080"
+        raise ParameterError("--host is empty: give an address (127.0.0.1; 0.0.0.0 for every interface)")
+    if not args.model_name and args.model_name is not None:
+        raise ParameterError("--model-name is empty: give a name, or leave it out for the file's")
     if not 0 <= args.port <= 65535:
         raise ParameterError(f"--port must be in 0..65535 (got {args.port})")
     if args.max_queue < 0:
@@ -87,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if not is_loopback_name(args.host) and not api_key:
             print(f"warning: listening on {args.host} without --api-key: anyone who can reach this port "
                   "can use the model", file=sys.stderr)
-        shown = f"[{args.host}]" if ":" in args.host else args.host
+        shown = f"[{args.host}]" if ":" in args.host and not args.host.startswith("[") else args.host
         port = sock.getsockname()[1]
         print(f"serving {model_id} on http://{shown}:{port}/v1 (method {method}, "
               f"context {engine.target_ctx.n_ctx}, queue {args.max_queue}"
