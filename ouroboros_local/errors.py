@@ -31,6 +31,12 @@ def counted(n_tokens: int, at_least: bool = False) -> str:
     return f"{'at least ' if at_least else ''}{n_tokens}"
 
 
+def clipped(text: str, limit: int = 80) -> str:
+    """``text`` for a one-line message: its first ``limit`` characters, and "..." where it goes on (a
+    file name past the system's limit is thousands of characters)."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class ParameterError(OuroborosError):
     """A generation or configuration parameter is out of range."""
 

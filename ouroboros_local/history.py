@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, TypeVar
 
-from .errors import PoolError
+from .errors import PoolError, clipped
 from .filestore import DamagedStateError, ForeignStateError, is_empty_file, locked, set_aside, temp_name_bytes
 from .pool import PhrasePool
 
@@ -290,7 +290,7 @@ def check_history_folder(path: str | os.PathLike[str]) -> None:
             if name.exists() and not name.is_file():
                 raise PoolError(f"cannot save history to {path}: {name} is not a file")
     except OSError as exc:   # a name longer than the system takes: a raw OS error, and status 1
-        raise PoolError(f"cannot save history to {str(path)[:80]}...: {exc.strerror or exc}") from None
+        raise PoolError(f"cannot save history to {clipped(str(path))}: {exc.strerror or exc}") from None
     over = temp_name_bytes(file.name + ".suffix") - _name_max(file.parent)
     if over > 0:   # FILE took, FILE.suffix's save failed after every answer
         raise PoolError(f"cannot save history to {path}: its name is too long for the files saved beside it "

@@ -568,17 +568,9 @@ def test_close_waits_for_a_thread_that_is_tokenizing(tiny_target) -> None:
     process aborted or segfaulted. Tokenizing takes no engine lock (the server tokenizes a request while
     another generates), so close() waits for such calls, and later ones find the engine closed."""
     import threading
-    import time
 
     engine = make_engine(tiny_target)
-    real, entered = engine.target.tokenize, threading.Event()
-
-    def slow_tokenize(*args: Any, **kwargs: Any) -> list[int]:
-        entered.set()
-        time.sleep(0.5)   # the model must still be there when the tokenizer runs
-        return real(*args, **kwargs)
-
-    engine.target.tokenize = slow_tokenize
+    entered = _slow_tokenizer(engine, 0.5)   # the model must still be there when the tokenizer runs
     got: list[Any] = []
     worker = threading.Thread(target=lambda: got.append(_tokens_or_error(engine)))
     worker.start()
@@ -597,14 +589,7 @@ def test_a_second_closer_returns_only_once_the_engine_is_freed_and_ctrl_c_leaves
     import time
 
     engine = make_engine(tiny_target)
-    real, entered = engine.target.tokenize, threading.Event()
-
-    def slow_tokenize(*args: Any, **kwargs: Any) -> list[int]:
-        entered.set()
-        time.sleep(0.6)
-        return real(*args, **kwargs)
-
-    engine.target.tokenize = slow_tokenize
+    entered = _slow_tokenizer(engine, 0.6)
     worker = threading.Thread(target=lambda: _tokens_or_error(engine))
     worker.start()
     assert entered.wait(30)
@@ -630,6 +615,22 @@ def test_a_second_closer_returns_only_once_the_engine_is_freed_and_ctrl_c_leaves
     del engine._users_left.wait_for
     engine.close()
     assert engine.target_ctx._ptr is None
+
+
+def _slow_tokenizer(engine: Engine, seconds: float) -> Any:
+    """Make the engine's tokenizer take ``seconds`` more; the event returned is set when a call starts."""
+    import threading
+    import time
+
+    real, entered = engine.target.tokenize, threading.Event()
+
+    def slow_tokenize(*args: Any, **kwargs: Any) -> list[int]:
+        entered.set()
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    engine.target.tokenize = slow_tokenize
+    return entered
 
 
 def _tokens_or_error(engine: Engine) -> Any:

@@ -409,14 +409,18 @@ class LlamaCppBinPeer(Contender):
             raise OuroborosError(f"{self.label} exited with {proc.returncode}: {tail}")
         return wall, proc.stdout.decode("utf-8", "replace"), stderr
 
-    def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
-        # the binary tokenizes with add_special=true, parse_special=true, as our tokens were made
-        # (bench.prompts.build_prompts): the same tokens
-        text = prompt.text
+    def _prompt_command(self, prompt: BuiltPrompt, max_tokens: int) -> list[str]:
+        """The command generating after ``prompt``, its text written to the file it reads. The binary
+        tokenizes with add_special=true, parse_special=true, as our tokens were made
+        (bench.prompts.build_prompts): the same tokens."""
         pfile = Path(self._tmp.name) / "prompt.txt"
         # `-f` drops one trailing newline of the file: add one so the prompt's own survives.
-        pfile.write_bytes((text + "\n").encode("utf-8"))
-        cmd = self.command(pfile, max_tokens)
+        pfile.write_bytes((prompt.text + "\n").encode("utf-8"))
+        return self.command(pfile, max_tokens)
+
+    def run(self, prompt: BuiltPrompt, max_tokens: int) -> Outcome:
+        text = prompt.text
+        cmd = self._prompt_command(prompt, max_tokens)
         for attempt in (1, 2):
             wall, stdout, stderr = self._run_binary(cmd)
             nums = parse_llama_cpp_output(stderr)
@@ -469,9 +473,7 @@ class LlamaCppBinPeer(Contender):
     def warmup(self, prompt: BuiltPrompt) -> None:
         """A run that pulls the model into the page cache; its numbers are not used, so its log need not
         hold the timing lines (a warm-up's lost lines once dropped the peer from the whole run)."""
-        pfile = Path(self._tmp.name) / "prompt.txt"
-        pfile.write_bytes((prompt.text + "\n").encode("utf-8"))
-        self._run_binary(self.command(pfile, 4))
+        self._run_binary(self._prompt_command(prompt, 4))
 
     def close(self) -> None:
         self._tmp.cleanup()

@@ -176,7 +176,7 @@ def compare_text(ref: str, got: str, ref_tokens: int, got_tokens: int, ref_finis
     """First differing character between texts (a length difference counts at the shorter length).
     llama.cpp binaries overshoot -n by a token: where the token budget stopped the reference (``ref_finish``
     "length") a peer that generated at least as many tokens is compared up to the reference's length only,
-    less the replacement characters ending it: the budget may cut a character's bytes, which the peer's
+    less the replacement character ending it: the budget may cut a character's bytes, which the peer's
     extra token completes. Where the reference stopped by itself, text past its end is a difference."""
     if ref_finish == "length" and got_tokens >= ref_tokens:
         ref = ref.removesuffix(CUT_CHARACTER)   # one: the cut character; others are the model's
