@@ -17,6 +17,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ouroboros_local.errors import OuroborosError
+
 
 def setting(run: str) -> str:
     """The setting a run belongs to: NAME-a1 -> NAME-a."""
@@ -30,12 +32,33 @@ def speedups(summary: dict) -> dict[tuple[str, str], float]:
             for label, row in rows.items() if label != "vanilla" and row.get("speedup") is not None}
 
 
+def load_summary(root: Path, run: str) -> dict[str, dict[str, dict]]:
+    """The summary of ``root/run/results.json`` (set -> method -> row); a run without one is an
+    OuroborosError naming the file."""
+    path = root / run / "results.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
+    except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
+        raise OuroborosError(f"{path}: not a results file ({exc})") from None
+    summary = data.get("summary") if isinstance(data, dict) else None
+    if not isinstance(summary, dict) or not all(
+            isinstance(rows, dict) and all(isinstance(row, dict) for row in rows.values())
+            for rows in summary.values()):
+        raise OuroborosError(f"{path}: not a bench results.json (no summary of sets and methods)")
+    return summary
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2:
+    if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
+        return 0
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
         return 2
     root, runs = Path(argv[0]), argv[1:]
-    summaries = {run: json.loads((root / run / "results.json").read_text())["summary"] for run in runs}
+    summaries = {run: load_summary(root, run) for run in runs}
     per_arm: dict[str, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     sets: list[str] = []
     for run, summary in summaries.items():
@@ -83,4 +106,6 @@ def print_time_split(summaries: dict[str, dict]) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main, sys.argv[1:]))

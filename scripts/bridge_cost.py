@@ -15,6 +15,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,9 +42,9 @@ def main() -> None:
     ap.add_argument("-f", "--file", required=True, help="the text to commit")
     ap.add_argument("--bytes", type=int, default=30_000, help="the file's first BYTES bytes (default 30000)")
     args = ap.parse_args()
+    text = Path(args.file).read_bytes()[:args.bytes].decode("utf-8", "ignore")   # before the models load
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = _model(args.model, tmp), _model(args.draft, tmp)
-        text = Path(args.file).read_bytes()[:args.bytes].decode("utf-8", "ignore")
         tokens = target.tokenize(text, add_special=False, parse_special=False)
         view = DraftView(target, draft)
         print(f"{len(tokens)} target tokens; the draft puts a space before its text: {view.adds_space}")
@@ -62,4 +63,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

@@ -90,6 +90,9 @@ def compare(before: dict[Key, dict[str, Any]], after: dict[Key, dict[str, Any]])
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__.strip())
+        return 0
     if len(argv) != 2:
         print("usage: " + __doc__.strip().splitlines()[3].strip(), file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ Usage:
 from __future__ import annotations
 
 import argparse
+import sys
 
 import numpy as np
 from tqdm import tqdm
@@ -19,6 +20,19 @@ from tqdm import tqdm
 from ouroboros_local.bench import prompts as prompts_mod
 from ouroboros_local.bench.runner import balanced
 from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.errors import ParameterError
+
+
+def context_sizes(spec: str) -> list[int]:
+    """``--sizes`` as whole numbers of tokens; anything else is a ParameterError."""
+    try:
+        sizes = [int(s) for s in spec.split(",")]
+    except ValueError:
+        raise ParameterError(f"--sizes {spec}: not comma-separated whole numbers of tokens (e.g. 4096,768)"
+                             ) from None
+    if any(n < 1 for n in sizes):
+        raise ParameterError(f"--sizes {spec}: a context holds at least one token")
+    return sizes
 
 
 def main() -> None:
@@ -30,11 +44,11 @@ def main() -> None:
     ap.add_argument("-n", "--max-tokens", type=int, default=128)
     ap.add_argument("--passes", type=int, default=2)
     args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = context_sizes(args.sizes)
+    sets = prompts_mod.load_sets(args.prompts, limit=args.limit)   # a bad file fails before the engines load
     engines = {n: Engine.load(args.model, config=EngineConfig(learned=False, n_ctx=n), progress=False)
                for n in sizes}
     first = engines[sizes[0]]
-    sets = prompts_mod.load_sets(args.prompts, limit=args.limit)
     built = prompts_mod.build_prompts(
         sets, lambda text: first.tokenize(text, add_special=True, parse_special=True), True,
         lambda messages: first.chat_prompt(messages, add_generation_prompt=True), args.max_tokens)
@@ -55,4 +69,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

@@ -1,7 +1,8 @@
 """How much could copying drafts (prompt lookup, phrase pools) speed up greedy decoding here, at best?
 
-Generates the target's greedy answers to a prompt set (or reads them back with --outputs), then replays
-each answer against the measured verify-cost curve c(n) of this machine:
+Generates the target's greedy answers to a prompt set (or reads them back with --outputs, which records
+each answer's token budget -n for replay_auto.py), then replays each answer against the measured
+verify-cost curve c(n) of this machine:
 
 * oracle: a draft copied from the longest earlier match of the context, verified only when, and only
   as far as, it is right (no scheduler can do better with these drafts);
@@ -25,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
+
+from ouroboros_local.errors import OuroborosError
 
 BUCKETS = (1, 2, 3, 5, 9, 17)   # match lengths 1, 2, 3-4, 5-8, 9-16, 17+
 MAX_DRAFT = 8    # the longest draft (--max-draft): the 1.5B's curve dips at 16 tokens, so 15 tells more there
@@ -91,34 +94,57 @@ def fit(answers: list[list[tuple[int, int]]], ratio, max_draft: int = MAX_DRAFT)
     return policy
 
 
+def read_answers(path: Path) -> list[dict]:
+    """The answers an earlier run wrote to ``--outputs`` (each {"set", "id", "prompt", "answer"} and,
+    since it was recorded, "max_tokens"); a file that is not such a list is an OuroborosError."""
+    try:
+        answers = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
+    except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
+        raise OuroborosError(f"{path}: not an answers file ({exc})") from None
+    if not isinstance(answers, list) or not answers or not all(
+            isinstance(a, dict) and {"set", "prompt", "answer"} <= a.keys() for a in answers):
+        raise OuroborosError(f"{path}: not an answers file written by --outputs (a non-empty list of "
+                             "answers with a set, a prompt and an answer)")
+    return answers
+
+
+def greedy_answers(engine, built) -> list[dict]:
+    """The target's greedy answer to each built prompt, with the token budget it had (replay_auto.py
+    replays the answers at that budget)."""
+    answers = []
+    for b in tqdm(built, desc="greedy answers", file=sys.stderr):
+        result = engine.generate(list(b.tokens), max_tokens=b.max_tokens, method="vanilla")
+        answers.append({"set": b.set_name, "id": b.id, "prompt": list(b.tokens), "answer": result.tokens,
+                        "max_tokens": b.max_tokens})
+    return answers
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--prompts", required=True)
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("-n", "--max-tokens", type=int, default=128)
-    ap.add_argument("--outputs", help="JSON file of greedy answers: read if it exists, else written")
+    ap.add_argument("--outputs", help="JSON file of greedy answers: read if it exists, else written (with -n)")
     ap.add_argument("--max-draft", type=int, default=MAX_DRAFT, help="longest draft (default: %(default)s)")
     args = ap.parse_args()
 
     from ouroboros_local.bench import prompts as prompts_mod
     from ouroboros_local.engine import Engine
 
+    path = Path(args.outputs) if args.outputs else None
+    answers = read_answers(path) if path is not None and path.is_file() else None
+    sets = prompts_mod.load_sets(args.prompts, limit=args.limit) if answers is None else []
     engine = Engine.load(args.model)
     costs = engine.cost_model()
     ratio = lambda n: costs.ratio(n)  # noqa: E731
-    path = Path(args.outputs) if args.outputs else None
-    if path is not None and path.is_file():
-        answers = json.loads(path.read_text())
-    else:
-        sets = prompts_mod.load_sets(args.prompts, limit=args.limit)
+    if answers is None:
         built = prompts_mod.build_prompts(
             sets, lambda text: engine.tokenize(text, add_special=True, parse_special=True), True,
             lambda messages: engine.chat_prompt(messages, add_generation_prompt=True), args.max_tokens)
-        answers = []
-        for b in tqdm(built, desc="greedy answers", file=sys.stderr):
-            result = engine.generate(list(b.tokens), max_tokens=b.max_tokens, method="vanilla")
-            answers.append({"set": b.set_name, "id": b.id, "prompt": list(b.tokens), "answer": result.tokens})
+        answers = greedy_answers(engine, built)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(answers))
@@ -144,4 +170,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

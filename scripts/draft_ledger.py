@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Each verified draft of a real run, netted against the plain steps around it: a ledger of drafting.
 
-    python3 scripts/draft_ledger.py -m MODEL --prompts A.jsonl,B.jsonl [--limit 16] [-n 128]
+    python3 scripts/draft_ledger.py -m MODEL [-d DRAFT] --prompts A.jsonl,B.jsonl [--limit 16] [-n 128]
                                     [--method auto] [--estimates FILE] [--out ledger.json]
 
 A benchmark's speed-up moves by 1-2% between runs on a small CPU, while each of the scheduler's choices
@@ -32,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from ouroboros_local.errors import OuroborosError
 
 NEIGHBOURS = 3   # plain steps on each side of a drafted round that price it
 GAIN_BUCKETS = ((0.0, 1.0), (1.0, 1.05), (1.05, 1.2), (1.2, 1.5), (1.5, float("inf")))
@@ -154,6 +156,22 @@ def print_report(ledger: dict[str, Any]) -> None:
             print(f"| {name} | {kind} | {n} | {accepted} | {expected:.1f} | {net:+.1f}{share} |")
 
 
+def copy_estimates(path: str, folder: Path) -> Path:
+    """A copy of the estimates file ``path`` in ``folder``. One that is missing or not a JSON object is an
+    OuroborosError: the engine would start from nothing learned, and the ledger compare nothing alike."""
+    copy = folder / "estimates.json"
+    try:
+        shutil.copyfile(path, copy)
+        estimates = json.loads(copy.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise OuroborosError(f"--estimates {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
+        raise OuroborosError(f"--estimates {path}: not an estimates file ({exc})") from None
+    if not isinstance(estimates, dict):
+        raise OuroborosError(f"--estimates {path}: not an estimates file (not a JSON object)")
+    return copy
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", required=True)
@@ -168,9 +186,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.estimates:   # read at load; the engine's saves go to the copy
-            copy = Path(tmp) / "estimates.json"
-            shutil.copyfile(args.estimates, copy)
-            os.environ["OUROBOROS_ESTIMATES_FILE"] = str(copy)
+            os.environ["OUROBOROS_ESTIMATES_FILE"] = str(copy_estimates(args.estimates, Path(tmp)))
         from ouroboros_local.bench import prompts as prompts_mod
         from ouroboros_local.engine import Engine
 
@@ -188,4 +204,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -133,6 +134,7 @@ def batch_fill() -> list[tuple[str, float]]:
 
 
 def engine(args: argparse.Namespace) -> None:
+    prompt = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
     from ouroboros_local import Engine, EngineConfig, SamplingParams
     from ouroboros_local.llama import binding
 
@@ -148,7 +150,6 @@ def engine(args: argparse.Namespace) -> None:
             finally:
                 calls.append((t0, time.perf_counter() - t0))
         binding.Context.decode = timed
-    prompt = open(args.prompt_file).read() if args.prompt_file else args.prompt
     sampling = SamplingParams(temperature=0.8, seed=1) if args.sampling else SamplingParams()
     with Engine.load(args.model, config=EngineConfig(n_ctx=2048, calibration="off"), progress=False) as eng:
         print(f"target {args.model}: vocabulary {eng.target.n_vocab}, "
@@ -192,4 +193,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

@@ -31,6 +31,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from ouroboros_local.errors import OuroborosError, ParameterError
 from ouroboros_local.learned import PRIOR_SOURCES, PRIORS_FILE
 
 
@@ -59,6 +60,11 @@ def merge(total: dict[str, Any], learned: dict[str, Any]) -> None:
                 out["classes"][kind][cls] = out["classes"][kind].get(cls, 0.0) + n
 
 
+def observed(total: dict[str, Any]) -> bool:
+    """Whether ``total`` holds a verified draft (else the priors would be written empty)."""
+    return any(e["acceptance"]["successes"] + e["acceptance"]["failures"] > 0 for e in total.values())
+
+
 def rounded(total: dict[str, Any]) -> dict[str, Any]:
     """Counts to 3 decimals (the file is read at every start; its size is what is parsed)."""
     def r(x: Any) -> Any:
@@ -73,12 +79,50 @@ def rounded(total: dict[str, Any]) -> dict[str, Any]:
 
 
 def slices(spec: str) -> list[tuple[str, int, int]]:
+    """``FILE:START:END,...`` as (file, start, end); a part that is not one is a ParameterError."""
     out = []
     for part in filter(None, (p.strip() for p in spec.split(","))):
         path, _, rest = part.partition(":")
         start, _, end = rest.partition(":")
-        out.append((path, int(start or 0), int(end) if end else 10**9))
+        try:
+            out.append((path, int(start or 0), int(end) if end else 10**9))
+        except ValueError:
+            raise ParameterError(f"--prompts {part}: not FILE:START:END (START and END whole numbers, "
+                                 "either left out for the file's start or end)") from None
+    if not out:
+        raise ParameterError("--prompts names no file")
     return out
+
+
+def load_slices(spec: str) -> list[tuple[Any, str]]:
+    """Each slice's prompt set, cut to the slice, and how the report names it; a slice that selects no
+    prompt is a ParameterError (it would learn nothing, and the priors file would be written empty)."""
+    from ouroboros_local.bench import prompts as prompts_mod
+
+    out = []
+    for path, start, end in slices(spec):
+        (prompt_set,) = prompts_mod.load_sets(path)
+        total = len(prompt_set.items)
+        prompt_set.items = prompt_set.items[start:end]
+        if not prompt_set.items:
+            raise ParameterError(f"--prompts {path}:{start}:{end if end < 10**9 else ''} selects no prompt "
+                                 f"({path} holds {total})")
+        out.append((prompt_set, f"{prompt_set.name}[{start}:{start + len(prompt_set.items)}]"))
+    return out
+
+
+def learn(model: str, prompt_set: Any, max_tokens: int) -> dict[str, Any]:
+    """What ``auto`` learned answering ``prompt_set`` with ``model`` from the generic priors."""
+    from ouroboros_local.bench import prompts as prompts_mod
+    from ouroboros_local.engine import Engine, EngineConfig
+
+    with Engine.load(model, config=EngineConfig(learned=False)) as engine:
+        built = prompts_mod.build_prompts(
+            [prompt_set], lambda text: engine.tokenize(text, add_special=True, parse_special=True),
+            True, lambda messages: engine.chat_prompt(messages, add_generation_prompt=True), max_tokens)
+        for b in tqdm(built, desc=f"{Path(model).stem} {prompt_set.name}", file=sys.stderr):
+            engine.generate(list(b.tokens), max_tokens=b.max_tokens, method="auto")
+        return engine.scheduler().estimates()
 
 
 def main() -> int:
@@ -89,26 +133,19 @@ def main() -> int:
     ap.add_argument("--out", default=str(PRIORS_FILE), help="where to write (default: %(default)s)")
     args = ap.parse_args()
 
+    chosen = load_slices(args.prompts)   # before any model loads: a bad slice fails at once
     from ouroboros_local import engine as engine_mod
-    from ouroboros_local.bench import prompts as prompts_mod
-    from ouroboros_local.engine import Engine, EngineConfig
 
     engine_mod.copy_priors = lambda: {}   # learn from the generic priors, not from the file being replaced
     total: dict[str, Any] = {}
     runs = []
     for model in args.model:
-        for path, start, end in slices(args.prompts):
-            (prompt_set,) = prompts_mod.load_sets(path)
-            prompt_set.items = prompt_set.items[start:end]
-            with Engine.load(model, config=EngineConfig(learned=False)) as engine:
-                built = prompts_mod.build_prompts(
-                    [prompt_set], lambda text: engine.tokenize(text, add_special=True, parse_special=True),
-                    True, lambda messages: engine.chat_prompt(messages, add_generation_prompt=True),
-                    args.max_tokens)
-                for b in tqdm(built, desc=f"{Path(model).stem} {prompt_set.name}", file=sys.stderr):
-                    engine.generate(list(b.tokens), max_tokens=b.max_tokens, method="auto")
-                merge(total, engine.scheduler().estimates())
-            runs.append(f"{model} {prompt_set.name}[{start}:{min(end, start + len(prompt_set.items))}]")
+        for prompt_set, named in chosen:
+            merge(total, learn(model, prompt_set, args.max_tokens))
+            runs.append(f"{model} {named}")
+    if not observed(total):
+        raise OuroborosError(f"no drafter of {', '.join(PRIOR_SOURCES)} was tried on these prompts: "
+                             f"{args.out} not written")
     payload = {"learned_by": "scripts/learn_copy_priors.py", "runs": runs, "max_tokens": args.max_tokens,
                "estimates": rounded(total)}
     Path(args.out).write_text(json.dumps(payload, indent=1) + "\n")
@@ -122,4 +159,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

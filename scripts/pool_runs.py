@@ -14,12 +14,31 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import defaultdict
+
+from ouroboros_local.errors import OuroborosError
 
 
 def load(path: str) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)["records"]
+    """A bench results.json's records; a file that is not one is an OuroborosError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
+    except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
+        raise OuroborosError(f"{path}: not a results file ({exc})") from None
+    records = data.get("records") if isinstance(data, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "set" in r and "label" in r
+                                                for r in records):
+        raise OuroborosError(f"{path}: not a bench results.json (no records with a set and a label)")
+    return records
+
+
+def timed(rec: dict) -> bool:
+    """A record with a decode time to pool (failed generations have none)."""
+    return not rec.get("error") and bool(rec.get("decode_seconds"))
 
 
 def main() -> int:
@@ -31,10 +50,12 @@ def main() -> int:
     sums: dict[tuple[str, str], list[list[float]]] = defaultdict(lambda: [[0.0, 0.0] for _ in args.runs])
     sets: list[str] = []
     labels: list[str] = []
+    used: list[int] = []   # the runs with a timed record
     for i, path in enumerate(args.runs):
-        for rec in load(path):
-            if rec.get("error") or not rec.get("decode_seconds"):
-                continue
+        records = [rec for rec in load(path) if timed(rec)]
+        if records:
+            used.append(i)
+        for rec in records:
             cell = sums[(rec["set"], rec["label"])][i]
             cell[0] += rec.get("timed_tokens") or rec["tokens"]
             cell[1] += rec["decode_seconds"]
@@ -42,9 +63,15 @@ def main() -> int:
                 sets.append(rec["set"])
             if rec["label"] not in labels:
                 labels.append(rec["label"])
+    if not used:
+        raise OuroborosError("no run has a timed record (every generation failed, or none was made)")
+    if args.reference not in labels:
+        raise OuroborosError(f"--reference {args.reference}: no run has it; the runs have "
+                             + ", ".join(labels))
+    dropped = [f"run {i + 1} ({path})" for i, path in enumerate(args.runs) if i not in used]
     others = [label for label in labels if label != args.reference]
-    runs = " / ".join(f"run {i + 1}" for i in range(len(args.runs)))
-    print(f"| set | " + " | ".join(others) + " |")
+    runs = " / ".join(f"run {i + 1}" for i in used)
+    print("| set | " + " | ".join(others) + " |")
     print("|---|" + "---:|" * len(others))
     worst: dict[str, float] = {}
     for name in sets:
@@ -58,16 +85,24 @@ def main() -> int:
                 cells.append("–")
                 continue
             both = [(g, r) for g, r in zip(got, ref) if g[1] > 0 and r[1] > 0]
+            if not both:   # the method and the reference were timed in different runs only
+                cells.append("–")
+                continue
             each = [(g[0] / g[1]) / (r[0] / r[1]) for g, r in both]
             pooled = (sum(g[0] for g, _ in both) / sum(g[1] for g, _ in both)) / \
                      (sum(r[0] for _, r in both) / sum(r[1] for _, r in both))
             worst[label] = min(worst.get(label, pooled), pooled)
             cells.append(f"{pooled:.2f}x ({' / '.join(f'{x:.2f}' for x in each)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print(f"\npooled over {len(args.runs)} runs (in brackets: {runs}); lowest pooled set per method: " +
+    pooled_over = f"{len(used)} run{'s' if len(used) > 1 else ''}"
+    print(f"\npooled over {pooled_over} (in brackets: {runs}); lowest pooled set per method: " +
           ", ".join(f"{label} {value:.2f}x" for label, value in worst.items()))
+    if dropped:
+        print("left out, no timed record: " + ", ".join(dropped))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

@@ -23,7 +23,7 @@ Python for copies found at the 1-2% level. Twice (docs/benchmarks.md, twenty-sec
 predicted gains that alternating benchmark runs did not show: rarer looks, and ``auto`` without the
 per-request suffix trie. Confirm such changes with the benchmark.
 
-Usage (the answers from copy_bound.py's ``--outputs``):
+Usage (the answers from copy_bound.py's ``--outputs``, replayed at the budget -n it recorded there):
     python3 scripts/copy_bound.py -m qwen2.5-coder-1.5b-instruct --limit 16 -n 128 \\
         --prompts ../shared/bench/gsm8k.jsonl,../shared/bench/codeedit.jsonl --outputs answers.json
     python3 scripts/replay_auto.py -m qwen2.5-coder-1.5b-instruct --answers answers.json \\
@@ -52,6 +52,7 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 
 from ouroboros_local.calibration import CostModel
+from ouroboros_local.errors import OuroborosError
 from ouroboros_local.history import History
 from ouroboros_local.learned import PRIOR_WEIGHT, RESTORE_WEIGHT, copy_priors
 from ouroboros_local.proposers import DraftingContext, create_method
@@ -59,6 +60,8 @@ from ouroboros_local.scheduler import Scheduler
 from ouroboros_local.testing.sim import make_setup
 from ouroboros_local.tree import BatchLayout
 from ouroboros_local.verify import verify_round
+
+DEFAULT_MAX_TOKENS = 128   # copy_bound.py's default -n
 
 
 def answer_decoder(answer: Sequence[int], committed: list[int], prompt_len: int, vocab: int):
@@ -238,6 +241,40 @@ def replay(answers: list[dict[str, Any]], order: list[str], curve: CostModel, no
     return out
 
 
+def load_answers(paths: str) -> list[dict[str, Any]]:
+    """The answers of the comma-separated ``paths`` (copy_bound.py's ``--outputs``); a file that is not
+    one is an OuroborosError naming it."""
+    answers = []
+    for path in paths.split(","):
+        try:
+            with open(path, encoding="utf-8") as f:
+                got = json.load(f)
+        except OSError as exc:
+            raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
+        except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
+            raise OuroborosError(f"{path}: not an answers file ({exc})") from None
+        if not isinstance(got, list) or not got or not all(
+                isinstance(a, dict) and {"set", "id", "prompt", "answer"} <= a.keys() for a in got):
+            raise OuroborosError(f"{path}: not an answers file written by copy_bound.py --outputs (a non-empty "
+                                 "list of answers with a set, an id, a prompt and an answer)")
+        answers += got
+    return answers
+
+
+def answers_budget(answers: list[dict[str, Any]], asked: int | None) -> int:
+    """The token budget to replay at: the one copy_bound.py recorded in the answers (files written before
+    it recorded one: ``asked``, else DEFAULT_MAX_TOKENS). An answer ends at its end-of-generation token
+    or at its budget, so another budget would replay rounds the real run could not have had."""
+    recorded = sorted({a["max_tokens"] for a in answers if a.get("max_tokens") is not None})
+    if len(recorded) > 1:
+        raise OuroborosError("the answers were generated with different budgets (-n "
+                             + ", ".join(map(str, recorded)) + "): replay the files of one budget at a time")
+    if recorded and asked is not None and asked != recorded[0]:
+        raise OuroborosError(f"-n {asked}: the answers were generated with -n {recorded[0]} (copy_bound.py); "
+                             "replay them at that budget (leave -n out)")
+    return recorded[0] if recorded else asked if asked is not None else DEFAULT_MAX_TOKENS
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("-m", "--model", required=True, help="the target whose cached cost curve is the clock")
@@ -247,7 +284,9 @@ def main() -> int:
                                     "SET:1 and SET:2 are alternate answers of SET)")
     ap.add_argument("--method", default="auto", help="a draft-free method (default: auto)")
     ap.add_argument("--limit", type=int, default=16, help="answers per set")
-    ap.add_argument("-n", "--max-tokens", type=int, default=128, help="the token budget the answers had")
+    ap.add_argument("-n", "--max-tokens", type=int,
+                    help="the token budget the answers had (default: the one copy_bound.py recorded in them; "
+                         f"in files written before it did, {DEFAULT_MAX_TOKENS})")
     ap.add_argument("--seeds", type=int, default=10, help="replays, each with its own round-cost noise")
     ap.add_argument("--noise", type=float, default=0.15, help="log-normal sigma of a round's cost (mean 1)")
     ap.add_argument("--python-scale", type=float, default=1.0, metavar="K",
@@ -278,12 +317,13 @@ def main() -> int:
 
     from ouroboros_local.engine import Engine
 
-    answers = [a for path in args.answers.split(",") for a in json.loads(open(path).read())]
+    answers = load_answers(args.answers)
+    max_tokens = answers_budget(answers, args.max_tokens)
     order = args.order.split(",") if args.order else list(dict.fromkeys(a["set"] for a in answers))
     earlier = args.learned_from.split(",") if args.learned_from else []
     missing = sorted({n.partition(":")[0] for n in order + earlier} - {a["set"] for a in answers})
     if missing:
-        ap.error(f"no answers for {', '.join(missing)} in {args.answers}")
+        raise OuroborosError(f"no answers for {', '.join(missing)} in {args.answers}")
     engine = Engine.load(args.model)
     curve, max_draft = engine.cost_model(), engine.config.max_draft
     engine.close()
@@ -292,7 +332,7 @@ def main() -> int:
     with stand_in_clock(args.clock_step) if args.clock_step else nullcontext():
         for seed in range(args.seeds):
             session = partial(replay, answers, curve=curve, noise=args.noise, seed=seed, limit=args.limit,
-                              max_tokens=args.max_tokens, max_draft=max_draft, method=args.method,
+                              max_tokens=max_tokens, max_draft=max_draft, method=args.method,
                               learned={} if earlier else None, python_scale=args.python_scale,
                               charge_python=args.charge_python,
                               gpu=gpu, priors=args.prior_weight, fresh_each=args.fresh_each)
@@ -311,4 +351,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))

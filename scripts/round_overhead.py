@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Our own CPU time per round, with llama.cpp's decode taken out (issue #18).
 
-    python3 scripts/round_overhead.py [METHOD ...] [-m MODEL] [-n ROUNDS] [--temperature T]
+    python3 scripts/round_overhead.py [METHOD ...] [-m MODEL] [-n TOKENS] [--temperature T]
                                       [--chain N] [--cold] [--idle] [--round-size K] [--overlap] [--profile K]
 
 Loads MODEL, generates a few tokens for real, then replaces the target's decode with a no-op that keeps
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
 import time
 from typing import Any, Sequence
 
@@ -38,7 +39,7 @@ from ouroboros_local.engine import Engine
 from ouroboros_local.llama import binding
 from ouroboros_local.proposers import DraftingContext, Proposer, register_method
 from ouroboros_local.sampling import SamplingParams
-from ouroboros_local.tree import TokenTree
+from ouroboros_local.tree import TokenTree, layout
 
 PROMPT = "Write a long story about a dragon who learns to code in Python. Once upon a time"
 _CHAIN = {"length": 8, "token": 0}
@@ -91,6 +92,20 @@ def _stub_decode(cold: bool, idle: bool, avoid: frozenset[int]):
     return decode
 
 
+def _frozen_rows(engine: Engine) -> np.ndarray:
+    """Logits rows for every row a round may read (a batch's), each predicting one token: one real decode of
+    a whole batch first, so that llama.cpp's output buffer holds them all (writing rows past the last
+    decode's wrote past the buffer: a segfault at --chain 32), and no round reads a stale row."""
+    n = engine.target_ctx.n_batch
+    tree = TokenTree.rooted_at(engine.tokenize(PROMPT)[-1])
+    tree.add_path(0, tree.tokens * (n - 1))
+    engine.kv.reset()
+    rows = engine.kv.decode_layout(layout(tree))
+    rows[1:] = rows[0]
+    engine.kv.reset()
+    return rows
+
+
 def _time_hidden_work() -> list[float]:
     """Count the seconds spent drafting and observing during a round's decode (``--overlap``)."""
     total = [0.0]
@@ -122,9 +137,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("methods", nargs="*", default=["vanilla", "prompt-lookup", "suffix", "auto"])
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("-n", "--rounds", type=int, default=2000)
+    ap.add_argument("-n", "--max-tokens", dest="rounds", type=int, default=2000,
+                    help="tokens each method generates (default 2000; a round writes one or more)")
     ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--chain", type=int, default=0, metavar="N", help="add chain-hit and chain-miss (N tokens)")
+    ap.add_argument("--chain", type=int, default=0, metavar="N",
+                    help="add chain-hit and chain-miss (N tokens, below the batch size)")
     ap.add_argument("--cold", action="store_true", help="evict the CPU caches before every round")
     ap.add_argument("--idle", action="store_true", help="a new random token every round: nothing to copy")
     ap.add_argument("--round-size", type=int, default=None, metavar="K",
@@ -144,9 +161,8 @@ def main() -> None:
     engine = Engine.load(args.model, progress=False, round_size=args.round_size,
                          overlap=True if args.overlap else None, round_switch=not args.fixed_rounds)
     for method in methods:
-        engine.generate(PROMPT, max_tokens=32, method=method, sampling=sampling)   # logits to freeze
-    rows = engine.target_ctx.logits(args.chain + 1)   # chain-miss, run last, decoded that many rows
-    rows[1:] = rows[0]                                # every row predicts the same token
+        engine.generate(PROMPT, max_tokens=32, method=method, sampling=sampling)
+    rows = _frozen_rows(engine)
     _CHAIN["token"] = int(rows[0].argmax())
     hidden = _time_hidden_work() if args.overlap else None
     real = binding.Context.decode
@@ -174,4 +190,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main))
