@@ -1,8 +1,9 @@
 """`ouroboros-local chat`: an interactive, streaming chat in the terminal.
 
 The whole conversation is rendered with the model's chat template on every turn; the engine reuses
-the KV cache for the common prefix, so only the new turn is prefilled. Commands: /reset, /stats,
-/help, /quit; three double quotes open and close a message of several lines. Ctrl-C stops the
+the KV cache for the common prefix, so only the new turn is prefilled (where the conversation outgrows
+the context, its oldest turns make way until half the context is free: then all of it is read again).
+Commands: /reset, /stats, /help, /quit; three double quotes open and close a message of several lines. Ctrl-C stops the
 current answer (the prompt comes back; stopped before its first token, the message is dropped);
 Ctrl-C twice at the prompt, or Ctrl-D (EOF), quits. After each answer a compact line on stderr shows
 speed and draft acceptance. The ">>> " prompt is shown only where stdin is a terminal (on stderr
@@ -122,12 +123,10 @@ class ChatSession:
         # left every later message refused, the conversation lost to /reset)
         wanted = min(self.max_tokens or ANSWER_ROOM, ANSWER_ROOM, self.n_ctx // 4)
         history = self.messages[first:]
-        while True:
-            messages = self.messages[:first] + history + [turn]
-            tokens, shown, n_tokens = self._tokens(messages) if history else (alone, shown, n_alone)
-            if not history or self.n_ctx - n_tokens - 1 >= wanted:
-                break
-            history = history[2:] if history[0]["role"] == "user" and len(history) > 1 else history[1:]
+        messages = self.messages[:first] + history + [turn]
+        tokens, shown, n_tokens = self._tokens(messages) if history else (alone, shown, n_alone)
+        if history and self.n_ctx - n_tokens - 1 < wanted:
+            history, messages, tokens, n_tokens = self._make_room(first, history, turn, (alone, n_alone), cancel)
         self.dropped = len(self.messages) - first - len(history)
         room = self.n_ctx - n_tokens - 1
         max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
@@ -142,9 +141,50 @@ class ChatSession:
         self.totals.add(result)
         if result.stats.finish_reason == "cancelled" and not result.tokens:
             return result
-        self.messages = messages + [{"role": "assistant", "content": result.text}]
+        # an answer cut inside a character (-n) ends in U+FFFD: the model wrote no such character, and
+        # every later prompt would carry it
+        text = result.text if result.stats.finish_reason == "stop" else result.text.rstrip("\ufffd")
+        self.messages = messages + [{"role": "assistant", "content": text}]
         self.context_used = len(tokens) + result.stats.tokens
         return result
+
+    def _make_room(self, first: int, history: list[dict[str, str]], turn: dict[str, str],
+                   alone: tuple[list[int], int], cancel: threading.Event | None
+                   ) -> tuple[list[dict[str, str]], list[dict[str, str]], list[int], int]:
+        """The history with its oldest turns dropped, a user turn and its answer at a time, until half the
+        context is free (as llama.cpp's context shift frees half): every drop changes the prompt's start,
+        so the whole conversation is read again, and freeing only the next answer's room made every
+        later turn do so (10-18 s a turn, SmolLM2 at 512). The cut is found by bisection: one render per
+        try (one per dropped turn took 38 s at 16384 tokens); a cancel stops the search at the last cut
+        that fits (the answer is then stopped before it begins)."""
+        cuts = [0]   # history[cut:] kept: whole turns (a user message with its answer) from the oldest on
+        while cuts[-1] < len(history):
+            at = cuts[-1]
+            cuts.append(at + (2 if history[at]["role"] == "user" and at + 1 < len(history) else 1))
+        wanted = min(self.max_tokens or ANSWER_ROOM, ANSWER_ROOM, self.n_ctx // 4)
+        everything = ([], self.messages[:first] + [turn], *alone)   # fits: the message alone was checked
+        found = everything
+        for free in (max(self.n_ctx // 2, wanted), wanted):   # half the context, else the answer's room
+            found = self._first_cut(first, history, turn, cuts, free, everything, cancel)
+            if found is not everything:
+                break
+        return found
+
+    def _first_cut(self, first: int, history: list[dict[str, str]], turn: dict[str, str], cuts: list[int],
+                   free: int, everything: tuple, cancel: threading.Event | None) -> tuple:
+        """The fewest turns dropped that leave ``free`` tokens (bisection over ``cuts``)."""
+        best = everything
+        lo, hi = 1, len(cuts) - 1
+        while lo < hi and not (cancel is not None and cancel.is_set()):
+            mid = (lo + hi) // 2
+            kept = history[cuts[mid]:]
+            messages = self.messages[:first] + kept + [turn]
+            tokens, _, n_tokens = self._tokens(messages)
+            if self.n_ctx - n_tokens - 1 >= free:
+                hi, best = mid, (kept, messages, tokens, n_tokens)
+            else:
+                lo = mid + 1
+        return best
 
     def turn_line(self, result: "GenerationResult") -> str:
         s = result.stats

@@ -24,7 +24,8 @@ import numpy as np
 
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
-from .errors import ContextOverflowError, MethodOptionError, OuroborosError, ParameterError, PoolError, counted
+from .errors import (ContextOverflowError, DrafterError, MethodOptionError, OuroborosError, ParameterError,
+                     PoolError, counted)
 from .gguf_file import validate_gguf
 from .history import History
 from .kv import KVCache
@@ -40,7 +41,7 @@ from .round_sizer import RoundSizer
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .time_split import TimeSplit
-from .tree import BatchLayout, TokenTree
+from .tree import BatchLayout, TokenTree, tree_problem
 from .verify import VerifyResult, is_plain_step, joined, judged, verify_round, verify_step, walked
 
 
@@ -401,7 +402,9 @@ class Engine:
         assert ctx is not None
         model = self.draft if draft else self.target
         # the model's own layers: an engine built on a loaded Model may hold other numbers in its config
-        settings = {"gpu_layers": model.n_gpu_layers, "threads": ctx.n_threads,
+        # on a build without GPU offload every --gpu-layers runs the same: one curve, not one per value
+        layers = model.n_gpu_layers if supports_gpu_offload() else 0
+        settings = {"gpu_layers": layers, "threads": ctx.n_threads,
                     "n_batch": ctx.n_batch, "flash_attn": self._draft_flash_attn if draft else cfg.flash_attn,
                     "huge_pages": model.huge_page_bytes > 0,
                     "type_k": cfg.draft_type_k if draft else cfg.type_k,
@@ -638,12 +641,14 @@ class Engine:
             except ContextOverflowError as exc:
                 raise self._overflow(exc.n_tokens or 0, exc.at_least) from None
         items = _items(prompt, "the prompt", "a str or a sequence of token ids")
-        if any(isinstance(m, dict) for m in items):
+        if any(isinstance(m, dict) for m in items[:self.target_ctx.n_ctx]):   # (a list far too long: counted)
             raise ParameterError("the prompt is a str or token ids; a conversation (a list of messages) goes "
                                  "through engine.chat_tokens(messages), whose tokens are the prompt")
         if chat:   # it was ignored: the ids were taken as they are
             raise ParameterError("chat=True wraps a text prompt in the chat template; token ids are taken as "
                                  "they are (chat=False)")
+        if len(items) >= self.target_ctx.n_ctx:   # counted before each id is checked (4M ids took 17 s)
+            raise self._overflow(len(items))
         tokens = _token_ids(items, "the prompt")
         n_vocab = self.target.n_vocab
         if tokens and not 0 <= min(tokens) <= max(tokens) < n_vocab:   # llama.cpp says only "failed to decode"
@@ -817,7 +822,7 @@ class Engine:
         try:
             proposer.begin(committed, setup)
         except BaseException:   # Ctrl-C in a draft's prefill: what it began (PEARL's threads) is undone
-            proposer.end()
+            _end_drafting(proposer, raising=True)
             self._drop_draft_cells()
             raise
         t1 = time.perf_counter()
@@ -838,7 +843,7 @@ class Engine:
         observe_later: Callable[[], None] | None = None
         ahead_drafts = ahead_carried = 0   # drafts made during a plain step, and those it accepted a token of
         split = TimeSplit()
-        failed = False
+        failed = raising = False
         try:
             while out.finish is None:
                 if is_cancelled():
@@ -874,7 +879,8 @@ class Engine:
                 stats.target_passes += 1
                 if self.check_kv:
                     self.kv.check()
-                stats.drafted += step.drafted
+                # the guesses a round filled in count as drafted: they are verified, and accepted, as drafts
+                stats.drafted += step.drafted + step.filled
                 committed.extend(result.tokens)
                 before = len(out.tokens)
                 event = out.take(result.tokens)
@@ -905,15 +911,16 @@ class Engine:
             # committed, and the next request on this engine would decode on top of them. A stream
             # closed at a yield (GeneratorExit) has committed all it decoded: nothing to drop, and its
             # context may be gone already (a stream collected after its engine).
+            raising = True
             if not isinstance(exc, GeneratorExit):
                 self.kv.repair()
                 failed = True
             raise
         finally:
-            proposer.end()
+            _end_drafting(proposer, raising)
             if failed:   # once its drafting has stopped (PEARL's thread)
                 self._drop_draft_cells()
-            stats.extra.update(proposer.stats())
+            stats.extra.update(_drafter_stats(proposer))
             if overlap:
                 stats.extra["overlap"] = {"drafts": ahead_drafts, "carried": ahead_carried}
             if sizer is not None:
@@ -972,7 +979,8 @@ class Engine:
             result, lay = verify_round(tree, decode_and_draft, sampling, rng)
             self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         seen = result if tree is root else _as_proposed(result, root)
-        step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None, stand_in=stand_in)
+        step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None, stand_in=stand_in,
+                      filled=max(tree.n_candidates - len(guesses), 0))   # the guesses were the last draft's
         if draft is not None and draft.n_candidates:
             step.drafted = draft.n_candidates
             if round_size > 1:
@@ -1010,7 +1018,8 @@ class Engine:
         if carried is not None:
             seen = joined(whole, node, seen)
         return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full,
-                      propose_seconds=t0 - t_start, plain=is_plain_step(proposed))
+                      propose_seconds=t0 - t_start, plain=is_plain_step(proposed),
+                      filled=tree.n_candidates - proposed.n_candidates)
 
     def _round_tokens(self, round_size: int, room: int) -> int:
         """What a round of one size decodes: ``round_size`` tokens, the last rounds of an answer too
@@ -1098,7 +1107,7 @@ class Engine:
             tree = sched.draft(proposer, committed, budget) if sched else proposer.propose(committed, budget)
         except ContextOverflowError:
             return None
-        _check_tree(proposer, tree, committed[-1], budget, self.target.n_vocab)
+        _check_tree(proposer, tree, committed[-1], budget, self.target.n_vocab, self.target_ctx.n_seq_max)
         return tree if tree.batch_size <= room + 1 else None
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
@@ -1109,19 +1118,45 @@ class Engine:
         return result
 
 
-def _check_tree(proposer: Proposer, tree: TokenTree, root: int, budget: int, n_vocab: int) -> None:
+def _end_drafting(proposer: Proposer, raising: bool) -> None:
+    """``proposer.end()``; where the generation is already failing, an error of its own is logged, not
+    raised: it would hide the one that stopped the generation (a plug-in's)."""
+    try:
+        proposer.end()
+    except Exception as exc:
+        if not raising:
+            raise
+        log.warning("drafter %r: end() failed too, after the generation's own error: %s: %s", proposer.name,
+                    type(exc).__name__, exc)
+
+
+def _drafter_stats(proposer: Proposer) -> dict[str, Any]:
+    """The drafter's own numbers for the stats: a plug-in's that fail are left out with a warning, not the
+    finished answer with them."""
+    try:
+        extra = proposer.stats()
+        if not isinstance(extra, dict):
+            raise TypeError(f"stats() returned {type(extra).__name__}, not a dict")
+        return extra
+    except Exception as exc:
+        log.warning("drafter %r: its stats are left out: %s: %s", proposer.name, type(exc).__name__, exc)
+        return {}
+
+
+def _check_tree(proposer: Proposer, tree: TokenTree, root: int, budget: int, n_vocab: int, max_seqs: int) -> None:
     """A drafter's broken contract (a plug-in's) as one line naming it: else every pass decoded an
-    oversized tree unnoticed, or llama.cpp failed without a word on a token outside the vocabulary."""
+    oversized tree unnoticed, llama.cpp failed without a word on a token outside the vocabulary, or a
+    malformed tree changed the text (``tree_problem``)."""
     checked_tree(proposer, tree)
     if tree.tokens[0] != root:
-        raise OuroborosError(f"drafter {proposer.name!r}: the tree's root is not the last committed token")
+        raise DrafterError(f"drafter {proposer.name!r}: the tree's root is not the last committed token"
+                           " (committed is the engine's list: a drafter reads it, never changes it)")
     if tree.n_candidates > budget:
-        raise OuroborosError(f"drafter {proposer.name!r}: {tree.n_candidates} drafted tokens for a budget "
-                             f"of {budget}")
-    if tree.n_candidates and not 0 <= min(tree.tokens) <= max(tree.tokens) < n_vocab:
-        bad = next(t for t in tree.tokens if not 0 <= t < n_vocab)
-        raise OuroborosError(f"drafter {proposer.name!r}: drafted token {bad} is not in the vocabulary "
-                             f"(0..{n_vocab - 1})")
+        raise DrafterError(f"drafter {proposer.name!r}: {tree.n_candidates} drafted tokens for a budget "
+                           f"of {budget}")
+    problem = tree_problem(tree, n_vocab, max_seqs)
+    if problem is not None:
+        raise DrafterError(f"drafter {proposer.name!r}: {problem}")
 
 
 @dataclass
@@ -1135,6 +1170,7 @@ class _Round:
     seen: VerifyResult | None
     seconds: float                 # the decode and verification (a plain step's: with the work done during it)
     drafted: int = 0               # candidates proposed this round
+    filled: int = 0                # candidates ``filled`` added to the round (rounds of one size)
     context_full: bool = False
     carried: tuple[TokenTree, int] | None = None   # a draft and the node this round's written tokens reached
     propose_seconds: float = 0.0   # the proposal before the decode, in the open (a plain step's is in ``seconds``)

@@ -45,5 +45,10 @@ class MethodOptionError(ParameterError):
     """A method's option (gamma, window, ...) is invalid for that method."""
 
 
+class DrafterError(OuroborosError):
+    """A drafter (a plug-in's) broke its contract with the engine: the drafter's to fix, not the request's
+    (the server answers 500 and logs it)."""
+
+
 class PoolError(OuroborosError):
     """A saved phrase pool is corrupt or belongs to another tokenizer."""

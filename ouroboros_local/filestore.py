@@ -256,13 +256,16 @@ def read_checked(path: str | os.PathLike[str], magic: bytes, version: int, heade
     if target.exists() and not target.is_file():   # a FIFO would block the read forever
         raise PoolError(f"the {what} {target} is not a regular file")
     try:
-        data = target.read_bytes()
+        with open(target, "rb") as f:
+            data = f.read(header.size)
+            # a file of another kind (a model named by mistake: gigabytes) is refused before it is read
+            if data[:len(magic)] != magic and not (0 < len(data) < len(magic) and magic.startswith(data)):
+                raise PoolError(f"{target} is not a {what} file (bad header)")
+            if len(data) < header.size:   # ours, cut short (inside its magic too)
+                raise DamagedStateError(f"{target} is truncated (a {what} file cut short in its header)")
+            data += f.read()
     except OSError as e:
         raise PoolError(f"cannot read the {what} {target}: {e}") from e
-    if data[:len(magic)] != magic:
-        raise PoolError(f"{target} is not a {what} file (bad header)")
-    if len(data) < header.size:   # ours, cut short
-        raise DamagedStateError(f"{target} is truncated (a {what} file cut short in its header)")
     _, found, *fields = header.unpack_from(data)
     if found != version:
         raise ForeignStateError(f"{target}: unsupported {what} version {found} (expected {version})")

@@ -220,6 +220,51 @@ class TokenTree:
         return [self.classes.get(i, "") for i in range(1, len(self.tokens))]
 
 
+def tree_problem(tree: TokenTree, n_vocab: int, max_seqs: int) -> str | None:
+    """What makes ``tree`` unfit for one decode, in words (None: nothing). Every token in the vocabulary;
+    parents before their children, depths one below them; the leaf paths and extra sequences within
+    ``max_seqs`` sequence ids; extras after the root on declared sequences; a draft distribution only on
+    candidates, of the vocabulary's size, giving its node's token a chance. O(nodes + extras): a plug-in's
+    malformed tree decoded anyway verified a view no token had (an extra on an undeclared sequence left a
+    cell behind, and later text changed)."""
+    tokens, parents, depths = tree.tokens, tree.parents, tree.depths
+    n = len(tokens)
+    if n == 0 or len(parents) != n or len(depths) != n:
+        return f"tokens, parents and depths have {n}, {len(parents)} and {len(depths)} entries (a root at least)"
+    if parents[0] != -1 or depths[0] != 0:
+        return "node 0 (the root) has a parent or a depth"
+    if not 0 <= min(tokens) <= max(tokens) < n_vocab:
+        bad = next(t for t in tokens if not 0 <= t < n_vocab)
+        return f"drafted token {bad} is not in the vocabulary (0..{n_vocab - 1})"
+    if tree.is_chain():
+        if depths != list(range(n)):
+            return "a chain's depths must be 0, 1, 2, ..."
+    else:
+        for i in range(1, n):
+            p = parents[i]
+            if not 0 <= p < i or depths[i] != depths[p] + 1:
+                return f"node {i}: its parent {p} must come before it and its depth be the parent's + 1"
+    n_extra_seqs = tree.n_extra_seqs
+    n_seqs = n - len(set(parents[1:])) + n_extra_seqs   # a sequence per leaf path, then the extras'
+    if n_extra_seqs < 0 or n_seqs > max_seqs:
+        return (f"the tree needs {n_seqs} sequence ids ({n_seqs - n_extra_seqs} leaf paths, {n_extra_seqs} "
+                f"extra sequences), the context has {max_seqs} (ProposeSetup.max_branches)")
+    for extra in tree.extras:
+        if not 0 <= extra.token < n_vocab or extra.pos_offset < 1 or not extra.seqs:
+            return f"extra token {extra}: in the vocabulary, after the root (pos_offset >= 1), on a sequence"
+        if not 0 <= min(extra.seqs) <= max(extra.seqs) < n_extra_seqs:
+            return f"extra token {extra}: its sequences must be below n_extra_seqs ({n_extra_seqs})"
+    for node, probs in tree.draft_probs.items():
+        if not 1 <= node < n:
+            return f"a draft distribution for node {node}, which is no candidate"
+        chance = probs.prob(tokens[node]) if hasattr(probs, "prob") else (
+            float(probs[tokens[node]]) if len(probs) == n_vocab else -1.0)
+        if not 0 < chance <= 1:   # NaN too
+            return (f"node {node}'s draft distribution gives its token {tokens[node]} probability {chance} "
+                    f"(a vector of {n_vocab}, or a Sparse, that its token was drawn from)")
+    return None
+
+
 @dataclass
 class BatchLayout:
     """Where every token of a tree (+ extras) goes in one llama.cpp batch."""

@@ -802,6 +802,16 @@ def test_unchecked_outputs_fail_strict_and_an_interrupted_run_counts_its_prompts
     assert "| broken [2 errors] |" in (previous / "results.md").read_text()
     assert (previous / "stopped" / "results.json").read_bytes() == before
 
+    def terminated_at_p2(engine, prompt, max_tokens, sampling, options):   # SIGTERM, as cli.main ends it
+        if prompt.id == "p2":
+            raise SystemExit(143)
+        return lossy(engine, prompt, max_tokens, sampling, options)
+
+    monkeypatch.setitem(runner.CUSTOM_METHODS, "stops", terminated_at_p2)
+    assert main([*common, "--methods", "vanilla,stops"]) == 143   # (`timeout`'s SIGTERM) wrote nothing
+    data = json.loads((out / "results.json").read_text())
+    assert data["sets"][0]["prompts"] == 1 and "interrupted (exit status 143: a signal)" in data["notes"][-1]
+
 
 def test_each_contender_keeps_its_own_learned_state() -> None:
     """One method's history (say, the suffix trie holding its answer to this prompt) must not reach the

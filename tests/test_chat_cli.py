@@ -93,7 +93,7 @@ def test_session_cancel_keeps_partial_answer(engine):
     assert result.stats.finish_reason in ("cancelled", "stop")
     if result.stats.finish_reason == "cancelled":
         assert "stopped" in session.turn_line(result)
-    assert session.messages[-1] == {"role": "assistant", "content": result.text}
+    assert session.messages[-1] == {"role": "assistant", "content": result.text.rstrip("\ufffd")}
     # The engine is fine afterwards.
     assert session.ask("again").stats.finish_reason in ("stop", "length")
 
@@ -176,15 +176,43 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(engine)
     second = session.ask("And the boats?")
     assert session.dropped == 2 and "the 2 oldest messages dropped" in session.turn_line(second)
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And the boats?"}]
-    assert session.messages == history + [{"role": "assistant", "content": second.text}]
+    assert session.messages == history + [{"role": "assistant", "content": second.text.rstrip("\ufffd")}]
     assert second.tokens == engine.generate(engine.chat_tokens(history), max_tokens=8).tokens
-    dropped = 0
-    for _ in range(30):   # short turns: the oldest go a turn at a time, the system prompt stays
-        session.ask("More, please.")
+    drops = 0
+    for _ in range(40):   # short turns: whole turns go, the system prompt stays
+        answer = session.ask("More, please.")
         assert session.messages[0]["role"] == "system" and session.dropped % 2 == 0   # whole turns
         assert session.context_used + min(8, chat_cli.ANSWER_ROOM) <= session.n_ctx + 8
-        dropped += session.dropped
-    assert dropped > 0
+        if session.dropped:   # half the context freed: the turns after it read only themselves again
+            drops += 1
+            assert session.context_used - answer.stats.tokens <= session.n_ctx - 1 - session.n_ctx // 2
+    # freeing just the next answer's room made every later turn read the whole conversation again
+    # (10-18 s a turn, SmolLM2 at 512)
+    assert 0 < drops <= 5   # of 40 turns (it was 30)
+
+
+def test_dropping_turns_renders_the_conversation_a_few_times_and_heeds_a_cancel(engine, monkeypatch):
+    """One render per dropped turn: 38 s at 16384 tokens, and Ctrl-C waited for it. A cut answer's
+    trailing U+FFFD (no character the model wrote) stayed in every later prompt."""
+    session = ChatSession(engine, method="vanilla", max_tokens=4)
+    session.messages = [{"role": role, "content": "ab"} for _ in range(200) for role in ("user", "assistant")]
+    renders = []
+    tokens = session._tokens
+    monkeypatch.setattr(session, "_tokens", lambda messages: renders.append(1) or tokens(messages))
+    session.ask("cd")
+    assert 0 < session.dropped < 400 and len(renders) <= 2 + 2 * 9   # two bisections of 201 cuts
+    session.messages = [{"role": role, "content": "ab"} for _ in range(200) for role in ("user", "assistant")]
+    before, renders[:] = list(session.messages), []
+    stop = threading.Event()
+    monkeypatch.setattr(session, "_tokens", lambda messages: renders.append(stop.set()) or tokens(messages))
+    result = session.ask("cd", cancel=stop)
+    assert result.stats.finish_reason == "cancelled" and session.messages == before and len(renders) <= 3
+    session.messages = []
+    result = session.ask("cd")
+    result.stats.finish_reason, result.text = "length", "ok\ufffd"
+    monkeypatch.setattr(engine, "stream", lambda *a, **k: iter([type("E", (), {"text": "", "result": result})]))
+    session.ask("ef")
+    assert session.messages[-1]["content"] == "ok"
 
 
 def test_repl_unknown_commands_escapes_and_messages_of_several_lines(engine):

@@ -250,6 +250,15 @@ def test_bad_parameters_raise_clear_errors(pair_engine: Engine) -> None:
     for bad in (n_vocab, -1):
         with pytest.raises(ParameterError, match=f"prompt token {bad} is not in the vocabulary"):
             pair_engine.generate([1, 2, bad], max_tokens=2)
+    # ids far past the context are counted, not each checked first (4M ids took 17 s of a server's CPU)
+    import ouroboros_local.engine as engine_mod
+
+    checked = []
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_mod, "is_integer", lambda t: checked.append(t) or True)
+        with pytest.raises(ContextOverflowError, match="the prompt has 1000000 tokens"):
+            pair_engine.generate([5] * 10**6, max_tokens=2)
+    assert len(checked) < 10   # max_tokens, not a million ids
     # sampling as a dict of SamplingParams' fields (once an AttributeError)
     as_dict = pair_engine.generate("x y", max_tokens=4, sampling={"temperature": 0.8, "seed": 3})
     assert as_dict.tokens == pair_engine.generate("x y", max_tokens=4,
@@ -337,7 +346,7 @@ def test_sampling_is_lossless(pair_engine: Engine, tiny_target, method: str) -> 
     most, and had none accepted)."""
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
     results = assert_first_pairs_follow_the_target(pair_engine, tiny_target, copyable(pair_engine, PROMPTS[1]),
-                                                   params, 600, max_tokens=4, method=method)
+                                                   params, 1500, max_tokens=4, method=method)
     assert sum(r.stats.accepted for r in results) > 50
 
 
@@ -858,3 +867,4 @@ def test_the_package_imports_lightly_and_lists_its_lazy_names() -> None:
             "{'Engine', 'EngineConfig', 'SamplingParams'} <= set(dir(o)))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]   # the names load on first use, and dir() (tab completion) sees them
+

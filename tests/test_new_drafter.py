@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from ouroboros_local import options as opt
 from ouroboros_local import proposers
-from ouroboros_local.errors import ParameterError
+from ouroboros_local.errors import DrafterError, MethodOptionError, ParameterError
+from ouroboros_local.proposers.base import Proposer
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.lossless import assert_first_pairs_follow_the_target
+from ouroboros_local.tree import TokenTree
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
@@ -51,7 +54,7 @@ def test_registered_method_is_greedy_lossless_and_scheduled(bigram, engine) -> N
 
 def test_registered_method_is_sampling_lossless(bigram, engine, tiny_target) -> None:
     params = SamplingParams(temperature=1.0, top_k=6, top_p=1.0, min_p=0.0)
-    assert_first_pairs_follow_the_target(engine, tiny_target, PROMPTS[1], params, 400, method="bigram")
+    assert_first_pairs_follow_the_target(engine, tiny_target, PROMPTS[1], params, 1200, method="bigram")
 
 
 def test_registered_method_options_are_typed(bigram, engine) -> None:
@@ -101,3 +104,107 @@ def test_registered_method_is_listed_in_help(bigram, capsys) -> None:
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--help"])
         assert "| bigram" in " ".join(capsys.readouterr().out.split())
+
+
+# ---- a plug-in that breaks the rules: the engine names it, keeps the text exact and the answer whole ----
+class _Odd(Proposer):
+    """Drafts the bigram's chain; ``how`` picks a misdeed (set per test)."""
+
+    how = ""
+    budgets: list[int] = []
+
+    def propose(self, committed, budget):
+        _Odd.budgets.append(budget)
+        if _Odd.how == "value_error":
+            raise ValueError("the drafter's own bug")
+        tree = TokenTree.rooted_at(committed[-1])
+        if budget:
+            tree.add(0, committed[-1])
+        return tree
+
+    def end(self):
+        if _Odd.how in ("end_error", "value_error"):
+            raise RuntimeError("end failed")
+
+    def stats(self):
+        if _Odd.how == "stats_error":
+            raise KeyError("stats failed")
+        return {"odd": 1}
+
+
+OPTIONS = (opt.GAMMA,)   # the options of this module's plug-ins
+
+
+def create_odd(ctx, options):   # no name of its own: it goes by the method's
+    return _Odd()
+
+
+def create_picky(ctx, options):   # a factory that checks an option itself
+    raise ValueError("gamma must be even")
+
+
+@pytest.fixture
+def odd(monkeypatch):
+    monkeypatch.setattr(proposers, "_METHODS", dict(proposers._METHODS))
+    monkeypatch.setattr(_Odd, "budgets", [])
+    proposers.register_method("odd", f"{__name__}:create_odd")
+    proposers.register_method("picky", f"{__name__}:create_picky")
+    return _Odd
+
+
+@pytest.mark.parametrize("name, message", [
+    ("vanilla", "is a built-in method's"),   # was taken: plain decoding then drafted with the plug-in
+    ("auto", "is a built-in method's"),
+    ("", "letters, digits"), ("a,b", "letters, digits"),   # unusable in --methods a,b
+    (42, "letters, digits"),   # was taken, and every later "unknown method" message a TypeError
+])
+def test_a_plugin_name_must_be_new_and_usable(odd, name, message) -> None:
+    with pytest.raises(ParameterError, match=message):
+        proposers.register_method(name, f"{__name__}:create_odd")
+    assert "odd" in proposers.method_names() and proposers._METHODS["vanilla"].startswith("ouroboros_local")
+
+
+def test_a_plugin_is_named_by_its_method(odd, engine) -> None:
+    res = engine.generate(PROMPTS[0], max_tokens=8, method="odd", options={})
+    assert res.stats.method == "odd"   # was "base", shared by every unnamed plug-in (and its estimates)
+    assert res.stats.extra["odd"] == 1 and odd.budgets
+
+
+def test_a_plugins_failing_end_or_stats_neither_hides_an_error_nor_loses_the_answer(odd, engine, caplog) -> None:
+    odd.how = "value_error"
+    with pytest.raises(ValueError, match="the drafter's own bug"):   # not end()'s RuntimeError
+        engine.generate(PROMPTS[0], max_tokens=8, method="odd")
+    assert "end() failed too" in caplog.text
+    odd.how = "stats_error"
+    base = engine.generate(PROMPTS[0], max_tokens=8)
+    res = engine.generate(PROMPTS[0], max_tokens=8, method="odd")   # was: the KeyError, the answer lost
+    assert res.tokens == base.tokens and "odd" not in res.stats.extra
+    assert "its stats are left out: KeyError" in caplog.text
+
+
+def test_a_factory_refusing_its_options_is_the_requests_fault_a_drafter_error_the_servers(odd, engine) -> None:
+    from fastapi.testclient import TestClient
+
+    from ouroboros_local.server import create_app
+
+    with pytest.raises(MethodOptionError, match="'picky' refused its options: gamma must be even"):
+        engine.generate("x", max_tokens=2, method="picky", options={"gamma": 3})
+    odd.how = "value_error"
+    with TestClient(create_app(engine)) as client:
+        for options in ({}, {"gamma": 4}):   # a ValueError mid-generation was blamed on the options
+            body = {"prompt": PROMPTS[0], "max_tokens": 4, "method": "odd", "method_options": options}
+            answer = client.post("/v1/completions", json=body)
+            assert answer.status_code == 500, answer.text
+        odd.how = ""
+        assert client.post("/v1/completions", json={**body, "method_options": {}}).status_code == 200
+    from ouroboros_local.server.protocol import engine_error
+
+    assert engine_error(DrafterError("drafter 'x': broke"), user_options=True).status == 500
+
+
+def test_rounds_of_one_size_count_their_filled_guesses_as_drafted(tiny_target) -> None:
+    with tiny_engine(tiny_target, round_size=4) as engine:   # each round filled to 4 tokens with guesses
+        for prompt in PROMPTS:
+            stats = engine.generate(prompt, max_tokens=24, method="suffix").stats
+            assert stats.accepted <= stats.drafted   # was accepted 13 of 12 drafted (108%)
+            assert stats.drafted >= 3 * (stats.target_passes - 1)

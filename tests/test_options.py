@@ -64,6 +64,8 @@ def test_numpy_numbers_are_options_as_they_are_counts():
     ("lookahead", {"window": 2.5}, "'window' must be an integer"),
     ("lookahead", {"window": True}, "'window' must be an integer"),
     ("prompt-lookup", {"max_ngram": 10**9}, "'max_ngram' must be between"),
+    # every size up to it is indexed at every position; 64 took 400 MB more on a 16k-token prompt
+    ("prompt-lookup", {"max_ngram": 17}, "'max_ngram' must be between 1 and 16"),
     ("prompt-lookup", {"windoww": 3}, "prompt-lookup has no option 'windoww'"),
     ("speculative", {"p_min": math.nan}, "'p_min' must be a finite number"),
     ("speculative", {"gamma": "many"}, "'gamma' must be an integer"),

@@ -558,7 +558,7 @@ def test_damaged_history_files_are_set_aside_and_empty_ones_start_afresh(engine,
     fingerprint, n_vocab = engine.history.fingerprint(), engine.target.n_vocab
     prompt = E2E_PROMPTS[1]
     base = engine.generate(prompt, max_tokens=8)
-    for method, damage in itertools.product(("suffix", "prompt-lookup"), ("ids", "cut")):
+    for method, damage in itertools.product(("suffix", "prompt-lookup"), ("ids", "cut", "magic")):
         given = tmp_path / f"{method}-{damage}.pool"
         crafted = SuffixCache()
         crafted.add([1, 2, n_vocab + 5 if damage == "ids" else 4, 3])
@@ -567,8 +567,8 @@ def test_damaged_history_files_are_set_aside_and_empty_ones_start_afresh(engine,
         pool.add([engine.tokenize(prompt)[-1]], (n_vocab if damage == "ids" else 5, 1, 2))
         pool.save(given, fingerprint)
         damaged = Path(suffix_file(str(given))) if method == "suffix" else given
-        if damage == "cut":
-            damaged.write_bytes(damaged.read_bytes()[:-6])
+        if damage != "ids":   # cut short, inside its magic too (that one was refused as another kind of file)
+            damaged.write_bytes(damaged.read_bytes()[:4] if damage == "magic" else damaged.read_bytes()[:-6])
         engine.history.clear()
         caplog.clear()
         result = engine.generate(prompt, max_tokens=8, method=method, options={"pool": str(given)})
@@ -580,6 +580,17 @@ def test_damaged_history_files_are_set_aside_and_empty_ones_start_afresh(engine,
     with pytest.raises(PoolError, match="not a phrase pool file"):   # another kind of file: refused, untouched
         engine.generate(prompt, max_tokens=8, method="prompt-lookup", options={"pool": str(not_ours)})
     assert not_ours.read_text() == "my notes\n" * 20
+    model = tmp_path / "model.gguf"   # --pool and -m swapped: refused from its header, not read whole (1.1 GB)
+    with open(model, "wb") as f:
+        f.write(b"GGUF")
+        f.truncate(64 * 2**20)
+    tracemalloc.start()
+    try:
+        with pytest.raises(PoolError, match="not a phrase pool file"):
+            engine.generate(prompt, max_tokens=8, method="prompt-lookup", options={"pool": str(model)})
+        assert tracemalloc.get_traced_memory()[1] < 8 * 2**20
+    finally:
+        tracemalloc.stop()
     empty = tmp_path / "touched.pool"
     empty.touch()
     Path(suffix_file(str(empty))).touch()

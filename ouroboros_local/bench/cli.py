@@ -114,8 +114,9 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
 
 @contextlib.contextmanager
 def saving_first(log: Callable[[str], None]) -> Iterator[list[bool]]:
-    """While the results are summarized and written, Ctrl-C is noted (the list it yields fills) instead
-    of raised: the user who pressed it once to stop a long run and again while it saved lost everything."""
+    """While the results are summarized and written, Ctrl-C (SIGTERM, SIGHUP) is noted (the list it yields
+    fills) instead of raised: the user who pressed it once to stop a long run and again while it saved lost
+    everything."""
     pressed: list[bool] = []
     if threading.current_thread() is not threading.main_thread():
         yield pressed
@@ -126,11 +127,13 @@ def saving_first(log: Callable[[str], None]) -> Iterator[list[bool]]:
             log("bench: saving what was measured first, then stopping")
         pressed.append(True)
 
-    previous = signal.signal(signal.SIGINT, note)
+    signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
+    previous = {sig: signal.signal(sig, note) for sig in signals}   # a timeout's SIGTERM too
     try:
         yield pressed
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def parse_method_options(text: str | None) -> dict[str, dict[str, Any]]:
@@ -295,7 +298,7 @@ def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:
 
 CHARTS = ("speedup.png", "sweep.png")
 OUTPUT_NAMES = ("results.json", "results.json.tmp", "results.md", *CHARTS)
-STOPPED_NOTE = "interrupted (Ctrl-C)"   # a stopped run's note (results.json "notes")
+STOPPED_NOTE = "interrupted"   # a stopped run's note begins so (results.json "notes")
 FAILED_NOTE = "stopped early"           # a run vanilla's error stopped
 
 
@@ -534,10 +537,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             raise ParameterError(run.failed)
         if run.interrupted and not run.records:   # an earlier run's results there stay as they are
             log(f"bench: nothing written to {out_dir}")
-            return 130
+            return run.exit_status
         with saving_first(log) as pressed:   # a second Ctrl-C must not lose a long run's measurements
             if run.interrupted:
-                notes.append(f"{STOPPED_NOTE}: only the prompts completed before it are included")
+                how = "Ctrl-C" if run.exit_status == 130 else f"exit status {run.exit_status}: a signal"
+                notes.append(f"{STOPPED_NOTE} ({how}): only the prompts completed before it are included")
             if run.failed:
                 notes.append(f"{FAILED_NOTE} ({run.failed}): only the prompts completed before it are included")
             disturbed = runner.disturbed_note(run.records)
@@ -612,7 +616,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if not_run:   # a contender asked for that never ran has no record to count as unchecked
             log(f"bench: WARNING: {len(not_run)} contender(s) did not run: {', '.join(not_run)} (see results.md)")
         if run.interrupted:
-            return 130
+            return run.exit_status
         if run.failed:
             log(f"bench: error: {run.failed}")
             return 2

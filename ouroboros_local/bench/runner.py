@@ -229,6 +229,9 @@ class BenchRun:
     contenders: list[dict[str, Any]] = field(default_factory=list)
     wall_seconds: float = 0.0
     interrupted: bool = False     # Ctrl-C: the records hold the prompts completed before it
+    # how the run was stopped, as its exit status: 130 Ctrl-C, 128 + N the signal N (SIGTERM, SIGHUP:
+    # the command line ends a command with SystemExit on them)
+    exit_status: int = 130
     failed: str | None = None     # why the reference stopped the run early (the records: prompts before it)
 
 
@@ -425,8 +428,10 @@ def run_benchmark(prompts: Sequence[BuiltPrompt], contenders: Sequence[Contender
             # all of a prompt's records or none: Ctrl-C during its classification (the tie rule's replay
             # is long) must not leave it measured for some contenders only
             run.records.extend(_classified(prompt, recs, outcomes, engine, greedy, tolerance_margin, log))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit) as exc:   # SIGTERM (timeout, kill) wrote nothing, Ctrl-C did
         run.interrupted = True
+        if isinstance(exc, SystemExit):
+            run.exit_status = exc.code if isinstance(exc.code, int) else 1
         log(f"bench: interrupted{_kept(run.records)}")
     except ReferenceFailed as exc:
         run.failed = str(exc)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from importlib import import_module
 from typing import Any, Callable, Mapping
 
-from ..errors import IncompatiblePairError, MethodOptionError, ParameterError
+from ..errors import DrafterError, IncompatiblePairError, MethodOptionError, ParameterError
 from ..options import Option
 from ..options import parse as parse_options
 from .base import DraftingContext, NoDraft, ProposeSetup, Proposer
@@ -36,10 +37,19 @@ _CROSS_VOCAB_METHODS: dict[str, str] = {
 OPTIONS: tuple[Option, ...] = ()   # vanilla's
 
 
+_BUILT_IN = frozenset(_METHODS)
+
+
 def register_method(name: str, factory: str) -> None:
     """Add a method from outside the package: ``factory`` is "module:function" (the module declares its
-    ``OPTIONS``), e.g. ``register_method("bigram", "bigram_drafter:create")`` (examples/bigram_drafter.py)."""
-    module, _, attr = factory.partition(":")
+    ``OPTIONS``), e.g. ``register_method("bigram", "bigram_drafter:create")`` (examples/bigram_drafter.py).
+    ``name`` is letters, digits, '-' and '_' (it goes in ``--methods a,b`` lists), and not a built-in's:
+    a plug-in registered as "vanilla" made plain decoding draft. Registering a name again replaces it."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]*", name):
+        raise ParameterError(f"method name {name!r}: letters, digits, '-' and '_', starting with a letter or digit")
+    if name in _BUILT_IN:
+        raise ParameterError(f"method name {name!r} is a built-in method's; choose another")
+    module, _, attr = factory.partition(":") if isinstance(factory, str) else ("", "", "")
     if not attr or not hasattr(import_module(module), attr):
         raise ParameterError(f"method {name!r}: {factory!r} names no factory function (module:function)")
     _METHODS[name] = factory
@@ -144,7 +154,16 @@ def create_method(method: str, ctx: DraftingContext, options: dict[str, Any]) ->
     ctx = replace(ctx, adaptive=ctx.adaptive and checked.get("adaptive") is not False)
     module, _, attr = target.partition(":")
     factory: Factory = getattr(import_module(module), attr)
-    proposer = factory(ctx, checked)
+    try:
+        proposer = factory(ctx, checked)
+    except (ValueError, TypeError) as exc:   # a plug-in's factory that checks its options itself
+        if not options:
+            raise
+        raise MethodOptionError(f"method {method!r} refused its options: {exc}") from exc
+    if not isinstance(proposer, Proposer):
+        raise DrafterError(f"method {method!r}: its factory returned {type(proposer).__name__}, not a Proposer")
+    if proposer.name == Proposer.name:   # a plug-in that named itself not: its stats and estimates go by
+        proposer.name = method            # the method's name, not every such plug-in's shared "base"
     return Method(proposer, scheduled=ctx.adaptive and proposer.adaptive)
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from ..errors import OuroborosError
+from ..errors import DrafterError
 from ..tree import TokenTree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,7 +102,8 @@ class Proposer(ABC):
 
     @abstractmethod
     def propose(self, committed: Sequence[int], budget: int) -> TokenTree:
-        """Return a tree rooted at ``committed[-1]`` with at most ``budget`` candidate nodes."""
+        """Return a tree rooted at ``committed[-1]`` with at most ``budget`` candidate nodes (``budget`` may be
+        0: the answer's last token; ``committed`` is the engine's list, to read, not to change)."""
 
     def first_class(self, committed: Sequence[int]) -> str | None:
         """The confidence class the first node of a proposal after ``committed`` would have, where that is
@@ -180,5 +181,5 @@ def checked_tree(proposer: "Proposer", tree: object) -> TokenTree:
     """``tree``, where a drafter's ``propose`` returned one: else an error naming the drafter (a plug-in's
     None was an AttributeError deep in the loop)."""
     if not isinstance(tree, TokenTree):
-        raise OuroborosError(f"drafter {proposer.name!r}: propose() returned {type(tree).__name__}, not a TokenTree")
+        raise DrafterError(f"drafter {proposer.name!r}: propose() returned {type(tree).__name__}, not a TokenTree")
     return tree

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..chat import template_variables, validate_messages
-from ..errors import ContextOverflowError, IncompatiblePairError, MethodOptionError, OuroborosError, ParameterError
+from ..errors import (ContextOverflowError, DrafterError, IncompatiblePairError, MethodOptionError, OuroborosError,
+                      ParameterError)
 from ..proposers import check_options, method_names, needs_draft, overlaid
 from ..sampling import SamplingParams
 from .worker import ShuttingDown
@@ -60,10 +61,10 @@ def engine_error(exc: BaseException, user_options: bool) -> ApiError:
         return bad_request("method_options", f"invalid method_options: {exc}")
     if isinstance(exc, IncompatiblePairError):   # a method this server's draft cannot run
         return bad_request("method", str(exc))
+    if isinstance(exc, DrafterError):   # the server's drafter failed, not the request
+        return ApiError(500, str(exc), type="server_error", code="drafter_error")
     if isinstance(exc, OuroborosError):
         return ApiError(400, str(exc), code="invalid_value")
-    if isinstance(exc, (ValueError, TypeError)) and user_options:
-        return bad_request("method_options", f"invalid method_options: {exc}")
     return ApiError(500, f"generation failed: {type(exc).__name__}: {exc}", type="server_error",
                     code="internal_error")
 

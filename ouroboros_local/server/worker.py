@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, AsyncIterator, Awaitable, Callable
 
-from ..errors import OuroborosError
+from ..errors import DrafterError, OuroborosError
 from .metrics import Metrics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,6 +35,11 @@ class ClientGone(Exception):
 
 class Cancelled(Exception):
     """The job was cancelled before the worker started it."""
+
+
+def is_server_fault(exc: BaseException) -> bool:
+    """Is ``exc`` the server's to fix (answered 500, its traceback logged), not the request's?"""
+    return isinstance(exc, DrafterError) or not isinstance(exc, OuroborosError)
 
 
 class ShuttingDown(OuroborosError):
@@ -225,7 +230,7 @@ class GenerationWorker:
                         break
                 job.emit("event", event)
         except Exception as exc:  # reported to the client; the engine keeps its KV consistent
-            if not isinstance(exc, (OuroborosError, ValueError, TypeError)):
+            if is_server_fault(exc):   # the client hears one line; the log keeps the traceback
                 log.exception("generation failed")
             job.emit("error", exc)
         finally:
