@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -342,7 +343,7 @@ class Engine:
         # the thread holding it (_exclusive); the object, not its ident, which a new thread may reuse
         self._lock_owner: threading.Thread | None = None
         self._planning = False   # its holder plans a generation (_plan): cost measurements take no second hold
-        self.history = History(target)      # state kept across requests (phrase pool, suffix tries, ...)
+        self.history = History(target, guard=self._queued)   # state kept across requests (phrase pool, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
         self._sizers: dict[str, RoundSizer] = {}   # per method (round_sizer.py)
@@ -514,6 +515,16 @@ class Engine:
             finally:
                 self._lock_owner = None
 
+    @contextmanager
+    def _queued(self) -> Iterator[None]:
+        """The engine's lock for a call from outside the engine (``engine.history.clear()``): it waits for a
+        generation in another thread, as ``generate`` does; nothing where this thread holds the lock."""
+        if self._lock_owner is threading.current_thread():
+            yield
+            return
+        with self._lock:
+            yield
+
     def _refuse_reentry(self) -> None:
         self._check_open()
         if self._lock_owner is threading.current_thread():
@@ -542,7 +553,7 @@ class Engine:
         if self._closed:
             return
         owner = self._lock_owner
-        if owner is threading.current_thread() or (owner is not None and not owner.is_alive()):
+        if owner is threading.current_thread() or (owner is not None and not _running(owner)):
             # this thread's open stream, or one whose reader ended without closing it: no one else will
             for stream in list(self._streams):
                 if inspect.getgeneratorstate(stream) == inspect.GEN_SUSPENDED:   # the one holding the lock
@@ -1116,6 +1127,12 @@ class Engine:
         result, lay = verify_round(tree, self.kv.decode_layout, sampling, rng)
         self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         return result
+
+
+def _running(thread: threading.Thread) -> bool:
+    """Is ``thread`` still running? ``is_alive()`` says False for one whose ``join()`` a Ctrl-C interrupted
+    (CPython 3.11): ``close`` then closed that thread's stream under it, its answer cut off unsaid."""
+    return thread.is_alive() or thread.ident in sys._current_frames()
 
 
 def _end_drafting(proposer: Proposer, raising: bool) -> None:

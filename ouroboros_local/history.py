@@ -15,9 +15,9 @@ import hashlib
 import logging
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterator, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Hashable, Iterator, Protocol, TypeVar
 
 from .errors import PoolError, clipped
 from .filestore import DamagedStateError, ForeignStateError, is_empty_file, locked, set_aside, temp_name_bytes
@@ -44,13 +44,21 @@ MAX_METHOD_STATES = 8   # settings whose own state (``History.kept``) stays in m
 class History:
     """An engine's cross-request state. One per engine; the benchmark gives each contender its own."""
 
-    def __init__(self, target: "Model | None" = None):
+    def __init__(self, target: "Model | None" = None,
+                 guard: "Callable[[], ContextManager[None]]" = nullcontext):
         self.target = target
-        self.clear()
+        self._guard = guard   # the engine's: ``clear`` from another thread waits for a generation
+        self._forget()
 
     def clear(self) -> None:
         """Forget everything learned (files named so far are no longer written), once the answers whose
-        save was not yet due (``pending``) are in their files: they were promised to them."""
+        save was not yet due (``pending``) are in their files: they were promised to them. Called from
+        another thread while the engine generates, it waits for the generation (it raised "dictionary
+        keys changed during iteration", having cleared nothing)."""
+        with self._guard():
+            self._forget()
+
+    def _forget(self) -> None:
         if getattr(self, "pending", False):
             try:
                 self.save()

@@ -130,7 +130,7 @@ MIN_NGRAM = Option("min_ngram", "int", 1, "prompt-lookup: shortest n-gram matche
 MAX_BRANCHES = Option("max_branches", "int", 1, "prompt-lookup: matches drafted as branches", 1, 16,
                       flag=False)
 P_MIN = Option("p_min", "float", 0.0, "stop drafting where the draft's top probability is below this", 0.0, 1.0)
-POOL = Option("pool", "path", None, "history file: the phrase pool in FILE and, for auto and suffix, the "
+POOL = Option("pool", "path", None, "history file: the phrase pool in FILE and, for auto, suffix and ouroboros, the "
               "suffix trie of earlier answers in FILE.suffix; loaded at start, saved after answers (history reuse)",
               per_request=False)
 FEED_POOL = Option("feed_pool", "bool", True, "prompt-lookup: add the text's phrases to the pool", flag=False)

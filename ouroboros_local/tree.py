@@ -233,6 +233,8 @@ def tree_problem(tree: TokenTree, n_vocab: int, max_seqs: int) -> str | None:
         return f"tokens, parents and depths have {n}, {len(parents)} and {len(depths)} entries (a root at least)"
     if parents[0] != -1 or depths[0] != 0:
         return "node 0 (the root) has a parent or a depth"
+    if n == 1 and not tree.extras and not tree.n_extra_seqs and not tree.draft_probs:
+        return None   # a plain step's root (the last committed token): most rounds, at no cost
     if not 0 <= min(tokens) <= max(tokens) < n_vocab:
         bad = next(t for t in tokens if not 0 <= t < n_vocab)
         return f"drafted token {bad} is not in the vocabulary (0..{n_vocab - 1})"

@@ -572,6 +572,53 @@ def test_close_ends_a_stream_that_an_ended_thread_left_open(tiny_target) -> None
         engine.generate(PROMPTS[1], max_tokens=2)
 
 
+def test_close_waits_for_a_stream_whose_thread_is_alive_says_has_ended(tiny_target) -> None:
+    """After a Ctrl-C interrupted the main thread's join() of a worker, CPython 3.11's is_alive() said
+    False for the running worker: close() closed its stream under it, the answer cut off without a word."""
+    import threading
+    import time
+
+    engine = make_engine(tiny_target)
+    reading, results = threading.Event(), []
+
+    def read() -> None:
+        for event in engine.stream(PROMPTS[0], max_tokens=40):
+            reading.set()
+            time.sleep(0.002)
+            if event.result is not None:
+                results.append(event.result)
+
+    worker = threading.Thread(target=read)
+    worker.start()
+    assert reading.wait(30)
+    worker.is_alive = lambda: False   # what the interrupted join() left it saying
+    engine.close()
+    worker.join(30)
+    assert results and results[0].stats.finish_reason in ("length", "stop")
+
+
+def test_history_clear_from_another_thread_waits_for_the_generation(tiny_target, tmp_path) -> None:
+    """It raised "dictionary keys changed during iteration" beside a generation naming a pool file, and
+    cleared nothing: like every call, it queues."""
+    import threading
+
+    engine = make_engine(tiny_target)
+    try:
+        stream = engine.stream(PROMPTS[0], max_tokens=8, method="suffix", options={"pool": str(tmp_path / "h")})
+        next(stream)   # this thread holds the engine until the stream ends
+        clearer = threading.Thread(target=engine.history.clear)
+        clearer.start()
+        clearer.join(0.3)
+        assert clearer.is_alive()   # waits for the generation
+        assert list(stream)[-1].result is not None
+        clearer.join(30)
+        assert not clearer.is_alive() and engine.history.named_file is None
+        assert (tmp_path / "h.suffix").is_file()   # the answer's history reached its file first
+        engine.history.clear()   # this thread, holding nothing: at once
+    finally:
+        engine.close()
+
+
 def test_close_waits_for_a_thread_that_is_tokenizing(tiny_target) -> None:
     """close() freed the model under another thread's llama_tokenize (which runs without the GIL): the
     process aborted or segfaulted. Tokenizing takes no engine lock (the server tokenizes a request while

@@ -388,7 +388,7 @@ def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_
     try:
         proposer = create_proposer("ouroboros", engine.drafting_context(), {})
         assert isinstance(proposer, AutoProposer) and proposer.name == "ouroboros"
-        assert [p.name for p in proposer.candidates] == ["prompt-lookup", "ouroboros"]
+        assert [p.name for p in proposer.candidates] == ["suffix", "prompt-lookup", "ouroboros"]
         rounds: dict[str, int] = {}
         for prompt in PROMPTS:
             base = engine.generate(prompt, max_tokens=40, method="vanilla")
@@ -396,7 +396,22 @@ def test_scheduled_ouroboros_mixes_free_phrases_and_the_draft(tiny_target, tiny_
             assert res.tokens == base.tokens, prompt
             for key, n in res.stats.extra["auto_rounds"].items():
                 rounds[key] = rounds.get(key, 0) + n
-        assert rounds.get("prompt-lookup", 0) > 0 and rounds.get("ouroboros", 0) > 0, rounds
+        assert rounds.get("prompt-lookup", 0) + rounds.get("suffix", 0) > 0 and rounds.get("ouroboros", 0) > 0, rounds
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_ouroboros_drafts_an_answer_asked_again_from_its_history(tiny_target, tiny_draft, draft: bool) -> None:
+    """History reuse: a question asked again drafted next to nothing from the pool's 2-token phrases (62
+    of 64 plain steps on SmolLM2; auto, with the suffix tries of earlier answers, 5)."""
+    engine = make_engine(tiny_target, tiny_draft if draft else None, adaptive=True)
+    try:
+        base = engine.generate(PROMPTS[1], max_tokens=40, method="vanilla")
+        first = engine.generate(PROMPTS[1], max_tokens=40, method="ouroboros")
+        again = engine.generate(PROMPTS[1], max_tokens=40, method="ouroboros")
+        assert first.tokens == again.tokens == base.tokens
+        assert again.stats.target_passes <= base.stats.target_passes // 3, again.stats.extra
     finally:
         engine.close()
 

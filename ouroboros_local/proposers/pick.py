@@ -32,8 +32,11 @@ class AutoProposer(Proposer):
         sched.begin_request()
         super().begin(prompt, setup)
         for proposer in self.candidates:
-            proposer.begin(prompt, setup)
             sched.enroll(proposer)
+            # a drafter that cannot pay here is retired now, and said so in the stats: asked only where no
+            # free draft was in hand, it went unreported (and unprepared-for) only by chance
+            retired = not proposer.free_drafts and sched.hopeless(proposer.name)
+            proposer.begin(prompt, replace(setup, retired=retired))
         self.rounds = {}
         self.round_size = setup.round_size
 
