@@ -1118,7 +1118,8 @@ class Engine:
             tree = sched.draft(proposer, committed, budget) if sched else proposer.propose(committed, budget)
         except ContextOverflowError:
             return None
-        _check_tree(proposer, tree, committed[-1], budget, self.target.n_vocab, self.target_ctx.n_seq_max)
+        _check_tree(proposer, tree, committed[-1], budget, self.target.n_vocab, self.target_ctx.n_seq_max,
+                    self.target_ctx.n_batch)
         return tree if tree.batch_size <= room + 1 else None
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
@@ -1160,18 +1161,21 @@ def _drafter_stats(proposer: Proposer) -> dict[str, Any]:
         return {}
 
 
-def _check_tree(proposer: Proposer, tree: TokenTree, root: int, budget: int, n_vocab: int, max_seqs: int) -> None:
+def _check_tree(proposer: Proposer, tree: TokenTree, root: int, budget: int, n_vocab: int, max_seqs: int,
+                max_batch: int) -> None:
     """A drafter's broken contract (a plug-in's) as one line naming it: else every pass decoded an
     oversized tree unnoticed, llama.cpp failed without a word on a token outside the vocabulary, or a
     malformed tree changed the text (``tree_problem``)."""
     checked_tree(proposer, tree)
+    if not len(tree.tokens):
+        raise DrafterError(f"drafter {proposer.name!r}: an empty tree (a tree holds its root at least)")
     if tree.tokens[0] != root:
         raise DrafterError(f"drafter {proposer.name!r}: the tree's root is not the last committed token"
                            " (committed is the engine's list: a drafter reads it, never changes it)")
     if tree.n_candidates > budget:
         raise DrafterError(f"drafter {proposer.name!r}: {tree.n_candidates} drafted tokens for a budget "
                            f"of {budget}")
-    problem = tree_problem(tree, n_vocab, max_seqs)
+    problem = tree_problem(tree, n_vocab, max_seqs, max_batch)
     if problem is not None:
         raise DrafterError(f"drafter {proposer.name!r}: {problem}")
 

@@ -220,13 +220,14 @@ class TokenTree:
         return [self.classes.get(i, "") for i in range(1, len(self.tokens))]
 
 
-def tree_problem(tree: TokenTree, n_vocab: int, max_seqs: int) -> str | None:
+def tree_problem(tree: TokenTree, n_vocab: int, max_seqs: int, max_batch: int) -> str | None:
     """What makes ``tree`` unfit for one decode, in words (None: nothing). Every token in the vocabulary;
     parents before their children, depths one below them; the leaf paths and extra sequences within
-    ``max_seqs`` sequence ids; extras after the root on declared sequences; a draft distribution only on
-    candidates, of the vocabulary's size, giving its node's token a chance. O(nodes + extras): a plug-in's
-    malformed tree decoded anyway verified a view no token had (an extra on an undeclared sequence left a
-    cell behind, and later text changed)."""
+    ``max_seqs`` sequence ids, nodes and extras within ``max_batch``; extras on declared sequences, each
+    sequence's positions 1, 2, 3, ... in batch order (``check_layout``'s rule); a draft distribution only on
+    candidates, giving its node's token a chance. O(nodes + extras): a plug-in's malformed tree decoded
+    anyway verified a view no token had (an extra on an undeclared sequence left a cell behind, and later
+    text changed), or failed in llama.cpp, blamed on the request."""
     tokens, parents, depths = tree.tokens, tree.parents, tree.depths
     n = len(tokens)
     if n == 0 or len(parents) != n or len(depths) != n:
@@ -238,8 +239,10 @@ def tree_problem(tree: TokenTree, n_vocab: int, max_seqs: int) -> str | None:
     if not 0 <= min(tokens) <= max(tokens) < n_vocab:
         bad = next(t for t in tokens if not 0 <= t < n_vocab)
         return f"drafted token {bad} is not in the vocabulary (0..{n_vocab - 1})"
+    if len(tree.extras) + n > max_batch:
+        return f"{n} nodes and {len(tree.extras)} extra tokens: a batch holds {max_batch}"
     if tree.is_chain():
-        if depths != list(range(n)):
+        if list(depths) != list(range(n)):   # (numpy arrays and tuples are lists here)
             return "a chain's depths must be 0, 1, 2, ..."
     else:
         for i in range(1, n):
@@ -251,19 +254,26 @@ def tree_problem(tree: TokenTree, n_vocab: int, max_seqs: int) -> str | None:
     if n_extra_seqs < 0 or n_seqs > max_seqs:
         return (f"the tree needs {n_seqs} sequence ids ({n_seqs - n_extra_seqs} leaf paths, {n_extra_seqs} "
                 f"extra sequences), the context has {max_seqs} (ProposeSetup.max_branches)")
+    last: dict[int, int] = {}   # an extra sequence's last position so far (the root's: 0)
     for extra in tree.extras:
         if not 0 <= extra.token < n_vocab or extra.pos_offset < 1 or not extra.seqs:
             return f"extra token {extra}: in the vocabulary, after the root (pos_offset >= 1), on a sequence"
         if not 0 <= min(extra.seqs) <= max(extra.seqs) < n_extra_seqs:
             return f"extra token {extra}: its sequences must be below n_extra_seqs ({n_extra_seqs})"
+        for seq in extra.seqs:
+            if extra.pos_offset != last.get(seq, 0) + 1:
+                return (f"extra token {extra}: sequence {seq}'s positions must go 1, 2, 3, ... in batch order "
+                        f"(its last was {last.get(seq, 0)})")
+            last[seq] = extra.pos_offset
     for node, probs in tree.draft_probs.items():
         if not 1 <= node < n:
             return f"a draft distribution for node {node}, which is no candidate"
-        chance = probs.prob(tokens[node]) if hasattr(probs, "prob") else (
-            float(probs[tokens[node]]) if len(probs) == n_vocab else -1.0)
+        # a dense vector may be the draft's vocabulary's length (pairs.py allows a few ids of difference)
+        token = tokens[node]
+        chance = probs.prob(token) if hasattr(probs, "prob") else float(probs[token]) if token < len(probs) else 0.0
         if not 0 < chance <= 1:   # NaN too
-            return (f"node {node}'s draft distribution gives its token {tokens[node]} probability {chance} "
-                    f"(a vector of {n_vocab}, or a Sparse, that its token was drawn from)")
+            return (f"node {node}'s draft distribution gives its token {token} probability {chance} "
+                    f"(a vector, or a Sparse, that its token was drawn from)")
     return None
 
 

@@ -32,8 +32,10 @@ def describe(exc: BaseException) -> str | None:
     if isinstance(exc, OSError):   # a file missing or unreadable
         where = f"{exc.filename}: " if exc.filename else ""
         return where + (exc.strerror or str(exc))
-    if isinstance(exc, (json.JSONDecodeError, UnicodeDecodeError)):   # a file that is not the JSON asked for
+    if isinstance(exc, json.JSONDecodeError):   # a file that is not the JSON asked for
         return f"not a JSON file ({exc})"
+    if isinstance(exc, UnicodeDecodeError):   # a binary file where text was asked for
+        return f"a file is not UTF-8 text ({exc})"
     return None
 
 

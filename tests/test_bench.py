@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import stat
 import sys
 from collections import Counter
@@ -996,3 +997,19 @@ def test_vanillas_error_mid_run_writes_what_was_measured(tiny_target: Path, tmp_
     data = json.loads((out / "results.json").read_text())
     assert [r["id"] for r in data["records"]] == ["p1"]
     assert any(n.startswith("stopped early (vanilla failed on p/p2") for n in data["notes"])
+
+
+def test_a_signal_during_the_save_is_noted_and_named_by_the_exit_status(monkeypatch) -> None:
+    """SIGTERM (``timeout``) and SIGHUP while the results were written exited 130, Ctrl-C's status."""
+    import os
+    import signal
+
+    from ouroboros_local.bench.cli import saving_first
+
+    said: list[str] = []
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        with saving_first(said.append) as pressed:
+            os.kill(os.getpid(), sig)
+            signal.pthread_kill(threading.main_thread().ident, 0)   # (delivered by now)
+        assert pressed == [sig] and 128 + pressed[0] == {signal.SIGTERM: 143, signal.SIGHUP: 129}.get(sig, 130)
+    assert said and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -139,8 +139,10 @@ def create_odd(ctx, options):   # no name of its own: it goes by the method's
     return _Odd()
 
 
-def create_picky(ctx, options):   # a factory that checks an option itself
-    raise ValueError("gamma must be even")
+def create_picky(ctx, options):   # a factory that checks an option itself, and one with a bug
+    if options["gamma"] == 3:
+        raise MethodOptionError("gamma must be even")
+    raise ValueError("the factory's own bug")
 
 
 @pytest.fixture
@@ -186,11 +188,18 @@ def test_a_factory_refusing_its_options_is_the_requests_fault_a_drafter_error_th
     from fastapi.testclient import TestClient
 
     from ouroboros_local.server import create_app
+    from ouroboros_local.server.app import ServerConfig
 
-    with pytest.raises(MethodOptionError, match="'picky' refused its options: gamma must be even"):
+    with pytest.raises(MethodOptionError, match="gamma must be even"):
         engine.generate("x", max_tokens=2, method="picky", options={"gamma": 3})
     odd.how = "value_error"
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine, ServerConfig(method_options={"gamma": 4}))) as client:
+        refused = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "method": "picky",
+                                                       "method_options": {"gamma": 3}})
+        assert refused.status_code == 400 and "gamma must be even" in refused.text
+        # the factory's bug on a server started with options of its own was blamed on the request
+        buggy = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "method": "picky"})
+        assert buggy.status_code == 500, buggy.text
         for options in ({}, {"gamma": 4}):   # a ValueError mid-generation was blamed on the options
             body = {"prompt": PROMPTS[0], "max_tokens": 4, "method": "odd", "method_options": options}
             answer = client.post("/v1/completions", json=body)

@@ -104,6 +104,10 @@ def test_a_tree_rooted_elsewhere_is_refused_in_both_kinds_of_round(tiny_target, 
     ("many_leaves", "the tree needs 6 sequence ids \\(6 leaf paths.* the context has 4"),   # was ValueError from kv.py
     ("bad_parent", "node 2: its parent 5 must come before it"),   # was an IndexError in the layout
     ("nan_draft", "node 1's draft distribution gives its token 7 probability nan"),   # was an IndexError
+    ("empty", "an empty tree"),   # was an IndexError
+    # both failed inside llama_decode, answered as the request's fault
+    ("extra_gap", "extra token .*: sequence 0's positions must go 1, 2, 3, ... in batch order \\(its last was 0\\)"),
+    ("many_extras", "1 nodes and 70 extra tokens: a batch holds 64"),
 ])
 def test_a_drafter_that_breaks_its_contract_is_named(tiny_target, monkeypatch, broken: str, message: str) -> None:
     from ouroboros_local.proposers.prompt_lookup import PromptLookupProposer
@@ -119,6 +123,12 @@ def test_a_drafter_that_breaks_its_contract_is_named(tiny_target, monkeypatch, b
         elif broken == "many_leaves":
             for token in range(6):
                 tree.add(0, token)
+        elif broken == "empty":
+            tree.tokens, tree.parents, tree.depths = [], [], []
+        elif broken in ("extra_gap", "many_extras"):
+            tree.n_extra_seqs = 1
+            tree.extras = ([ExtraToken(token=7, pos_offset=3, seqs=(0,))] if broken == "extra_gap" else
+                           [ExtraToken(token=7, pos_offset=1 + i, seqs=(0,)) for i in range(70)])
         elif broken == "bad_parent":
             tree.add_path(0, [7, 8])
             tree.parents[2] = 5
@@ -131,6 +141,38 @@ def test_a_drafter_that_breaks_its_contract_is_named(tiny_target, monkeypatch, b
         with tiny_engine(tiny_target, adaptive=True, n_seq_max=4) as engine:
             with pytest.raises(DrafterError, match=f"drafter 'prompt-lookup': {message}"):
                 engine.generate(PROMPTS[0], max_tokens=8, method="prompt-lookup", options={"adaptive": adaptive})
+
+
+@pytest.mark.parametrize("kind", ["numpy", "tuple", "short_dense_probs"])
+def test_a_drafters_tree_of_other_sequence_types_is_taken(tiny_target, monkeypatch, kind: str) -> None:
+    """A chain of numpy arrays or tuples ran before the whole tree was checked, and must still (it failed
+    with numpy's "truth value ... ambiguous", or a false "depths must be 0, 1, 2"); so must a dense draft
+    vector of a draft vocabulary a few ids shorter than the target's."""
+    from ouroboros_local.proposers.prompt_lookup import PromptLookupProposer
+
+    def propose(self, committed, budget):
+        tokens = [committed[-1], *committed[-3:-1]][:budget + 1]
+        if kind == "short_dense_probs":
+            tree = TokenTree.rooted_at(committed[-1])
+            if not budget:
+                return tree
+            probs = np.zeros(506)
+            probs[tokens[1]] = 1.0
+            tree.add(0, tokens[1], draft_probs=probs)
+            return tree
+        seq = np.asarray if kind == "numpy" else tuple
+        return TokenTree(tokens=seq(tokens), parents=seq(range(-1, len(tokens) - 1)), depths=seq(range(len(tokens))))
+
+    monkeypatch.setattr(PromptLookupProposer, "propose", propose)
+    with tiny_engine(tiny_target) as engine:
+        for sampling in (None, SamplingParams(temperature=1.0, seed=3)):
+            base = engine.generate(PROMPTS[0], max_tokens=12, sampling=sampling)
+            res = engine.generate(PROMPTS[0], max_tokens=12, method="prompt-lookup", sampling=sampling,
+                                  options={"adaptive": False})
+            assert res.stats.drafted > 0
+            # a drawn draft is verified by rejection sampling: the target's distribution, not seeded plain
+            # decoding's very tokens
+            assert res.tokens == base.tokens or (sampling and kind == "short_dense_probs")
 
 
 def test_overlap_is_off_on_a_cpu_and_for_proposers_with_extras(tiny_target) -> None:

@@ -113,11 +113,11 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
 
 
 @contextlib.contextmanager
-def saving_first(log: Callable[[str], None]) -> Iterator[list[bool]]:
+def saving_first(log: Callable[[str], None]) -> Iterator[list[int]]:
     """While the results are summarized and written, Ctrl-C (SIGTERM, SIGHUP) is noted (the list it yields
     fills) instead of raised: the user who pressed it once to stop a long run and again while it saved lost
     everything."""
-    pressed: list[bool] = []
+    pressed: list[int] = []   # the signals heard
     if threading.current_thread() is not threading.main_thread():
         yield pressed
         return
@@ -125,7 +125,7 @@ def saving_first(log: Callable[[str], None]) -> Iterator[list[bool]]:
     def note(signum: int, frame: Any) -> None:
         if not pressed:
             log("bench: saving what was measured first, then stopping")
-        pressed.append(True)
+        pressed.append(signum)
 
     signals = [getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name)]
     previous = {sig: signal.signal(sig, note) for sig in signals}   # a timeout's SIGTERM too
@@ -598,7 +598,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
             where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
             write_charts(summary, sweep_info, out_dir, f"{Path(target.path).name} on {where}", log)
-        run.interrupted = run.interrupted or bool(pressed)
+        if pressed and not run.interrupted:   # its exit status: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
+            run.interrupted, run.exit_status = True, 128 + pressed[0]
         print(md)
         log(f"bench: wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
         n_bad = sum(1 for m in payload["mismatches"] if m["match"] == "mismatch")

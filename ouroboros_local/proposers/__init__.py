@@ -154,12 +154,7 @@ def create_method(method: str, ctx: DraftingContext, options: dict[str, Any]) ->
     ctx = replace(ctx, adaptive=ctx.adaptive and checked.get("adaptive") is not False)
     module, _, attr = target.partition(":")
     factory: Factory = getattr(import_module(module), attr)
-    try:
-        proposer = factory(ctx, checked)
-    except (ValueError, TypeError) as exc:   # a plug-in's factory that checks its options itself
-        if not options:
-            raise
-        raise MethodOptionError(f"method {method!r} refused its options: {exc}") from exc
+    proposer = factory(ctx, checked)   # one that refuses its options raises MethodOptionError (a bug: any other)
     if not isinstance(proposer, Proposer):
         raise DrafterError(f"method {method!r}: its factory returned {type(proposer).__name__}, not a Proposer")
     if proposer.name == Proposer.name:   # a plug-in that named itself not: its stats and estimates go by
