@@ -4,6 +4,7 @@ terminal in another encoding, a JSON string holding half of a UTF-16 pair)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,16 @@ def read_text(path: str | Path, what: str = "file") -> str:
     except OSError as exc:
         raise ParameterError(f"cannot read {path}: {exc.strerror or exc}") from None
     return decode_utf8(data, str(path))
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """A JSON file's contents; one that is missing, unreadable or not UTF-8 JSON is a ParameterError
+    naming it (``what``: what it should be, e.g. "bench results.json")."""
+    text = read_text(path, what)
+    try:
+        return json.loads(text)
+    except ValueError as exc:   # empty, truncated, not JSON
+        raise ParameterError(f"{path}: not a {what} ({exc})") from None
 
 
 def read_stdin() -> str:

@@ -10,7 +10,6 @@ process)."""
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import sys
@@ -18,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from ouroboros_local.errors import OuroborosError
+from ouroboros_local.text_input import read_json
 
 
 def setting(run: str) -> str:
@@ -36,12 +36,7 @@ def load_summary(root: Path, run: str) -> dict[str, dict[str, dict]]:
     """The summary of ``root/run/results.json`` (set -> method -> row); a run without one is an
     OuroborosError naming the file."""
     path = root / run / "results.json"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
-    except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
-        raise OuroborosError(f"{path}: not a results file ({exc})") from None
+    data = read_json(path, "bench results.json")
     summary = data.get("summary") if isinstance(data, dict) else None
     if not isinstance(summary, dict) or not all(
             isinstance(rows, dict) and all(isinstance(row, dict) for row in rows.values())

@@ -28,6 +28,7 @@ import numpy as np
 from tqdm import tqdm
 
 from ouroboros_local.errors import OuroborosError
+from ouroboros_local.text_input import read_json
 
 BUCKETS = (1, 2, 3, 5, 9, 17)   # match lengths 1, 2, 3-4, 5-8, 9-16, 17+
 MAX_DRAFT = 8    # the longest draft (--max-draft): the 1.5B's curve dips at 16 tokens, so 15 tells more there
@@ -97,12 +98,7 @@ def fit(answers: list[list[tuple[int, int]]], ratio, max_draft: int = MAX_DRAFT)
 def read_answers(path: Path) -> list[dict]:
     """The answers an earlier run wrote to ``--outputs`` (each {"set", "id", "prompt", "answer"} and,
     since it was recorded, "max_tokens"); a file that is not such a list is an OuroborosError."""
-    try:
-        answers = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
-    except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
-        raise OuroborosError(f"{path}: not an answers file ({exc})") from None
+    answers = read_json(path, "answers file")
     if not isinstance(answers, list) or not answers or not all(
             isinstance(a, dict) and {"set", "prompt", "answer"} <= a.keys() for a in answers):
         raise OuroborosError(f"{path}: not an answers file written by --outputs (a non-empty list of "

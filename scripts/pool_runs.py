@@ -13,22 +13,16 @@ runs' prompts (each run's reference timing pairs with that run's method timing).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 
 from ouroboros_local.errors import OuroborosError
+from ouroboros_local.text_input import read_json
 
 
 def load(path: str) -> list[dict]:
     """A bench results.json's records; a file that is not one is an OuroborosError naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
-    except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
-        raise OuroborosError(f"{path}: not a results file ({exc})") from None
+    data = read_json(path, "bench results.json")
     records = data.get("records") if isinstance(data, dict) else None
     if not isinstance(records, list) or not all(isinstance(r, dict) and "set" in r and "label" in r
                                                 for r in records):

@@ -53,6 +53,7 @@ import numpy as np
 
 from ouroboros_local.calibration import CostModel
 from ouroboros_local.errors import OuroborosError
+from ouroboros_local.text_input import read_json
 from ouroboros_local.history import History
 from ouroboros_local.learned import PRIOR_WEIGHT, RESTORE_WEIGHT, copy_priors
 from ouroboros_local.proposers import DraftingContext, create_method
@@ -246,13 +247,7 @@ def load_answers(paths: str) -> list[dict[str, Any]]:
     one is an OuroborosError naming it."""
     answers = []
     for path in paths.split(","):
-        try:
-            with open(path, encoding="utf-8") as f:
-                got = json.load(f)
-        except OSError as exc:
-            raise OuroborosError(f"{path}: {exc.strerror or exc}") from None
-        except ValueError as exc:   # empty, truncated, not JSON or not UTF-8
-            raise OuroborosError(f"{path}: not an answers file ({exc})") from None
+        got = read_json(path, "answers file")
         if not isinstance(got, list) or not got or not all(
                 isinstance(a, dict) and {"set", "id", "prompt", "answer"} <= a.keys() for a in got):
             raise OuroborosError(f"{path}: not an answers file written by copy_bound.py --outputs (a non-empty "
