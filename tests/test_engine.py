@@ -107,6 +107,32 @@ def test_stop_matcher_holds_back_partial_matches() -> None:
     assert m.flush() == ""
 
 
+@pytest.mark.parametrize("prefix_set", [True, False])
+def test_stop_matcher_releases_all_but_what_may_begin_a_stop_string(prefix_set: bool, monkeypatch) -> None:
+    """One search over every stop string, and their prefixes in a set (1,000 stop strings: 2.4 ms a token,
+    16: 49 µs; long ones keep the loop): the text released after each piece is the text so far up to its
+    first stop string, less its longest end that begins one."""
+    import random
+
+    import ouroboros_local.engine as engine_mod
+
+    if not prefix_set:
+        monkeypatch.setattr(engine_mod, "PREFIX_SET_CHARS", 0)
+    rng = random.Random(0)
+    for _ in range(3000):
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 5))]
+        m, text, released = StopMatcher(stops), "", ""
+        for _ in range(rng.randint(1, 12)):
+            text += "".join(rng.choice("ab\n") for _ in range(rng.randint(1, 3)))
+            released += m.push(text[len(m.text) + len(m.pending) if not m.stopped else len(text):])
+            hits = [text.find(s) for s in stops if s and s in text]
+            if hits:
+                assert m.stopped and released == text[:min(hits)]
+                break
+            hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            assert released == text[:len(text) - hold] and not m.stopped
+
+
 def test_streaming_yields_the_same_text(pair_engine: Engine) -> None:
     pieces = []
     result = None
