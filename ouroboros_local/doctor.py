@@ -45,6 +45,9 @@ def load_lines(asked: int | None = None) -> list[str]:
         if asked > cores:
             chosen += (f": more than the {cores} usable cores, so threads share cores and wait for each other "
                        "at every step, slowing decoding down")
+        elif asked > math.count:
+            chosen += (f": more than the {math.count} {math.kind}, so some threads share a core's arithmetic "
+                       "units with another, which adds no speed and makes every step wait for the slowest")
     return [f"load: {now}{average}",
             chosen,
             f"OpenMP waiting: {waits} (PASSIVE: no stalls beside another llama.cpp process, but a "

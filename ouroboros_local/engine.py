@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import re
 import sys
 import threading
@@ -362,6 +363,8 @@ class Engine:
         # the thread holding it (_exclusive); the object, not its ident, which a new thread may reuse
         self._lock_owner: threading.Thread | None = None
         self._planning = False   # its holder plans a generation (_plan): cost measurements take no second hold
+        self._forked_busy = False   # a fork's copy of an engine another thread was using (_after_fork)
+        _ENGINES.add(self)
         self.history = History(target, guard=self._queued)   # state kept across requests (phrase pool, ...)
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
@@ -571,6 +574,9 @@ class Engine:
         running in another thread is waited for, as are tokenizing calls."""
         if self._closed:
             return
+        if self._forked_busy:   # nothing here is in a known state (a decode's threads): the process's exit frees it
+            self._closed = True
+            return
         owner = self._lock_owner
         if owner is threading.current_thread() or (owner is not None and not _running(owner)):
             # this thread's open stream, or one whose reader ended without closing it: no one else will
@@ -631,6 +637,16 @@ class Engine:
     def _check_open(self) -> None:
         if self._closed or self._closing:
             raise OuroborosError("this engine is closed")
+        if self._forked_busy:
+            raise OuroborosError("this process was forked while another thread used this engine: its state "
+                                 "here is unknown; load a new engine in this process")
+
+    def _after_fork(self) -> None:
+        """In a forked child: the lock another thread held (a generation mid-round) would be waited for
+        forever, the child having no such thread; the engine is refused in one line instead."""
+        if self._lock.locked() and self._lock_owner is not threading.current_thread():
+            self._lock = threading.Lock()
+            self._forked_busy = True
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
                             continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
@@ -1147,6 +1163,18 @@ class Engine:
         result, lay = verify_round(tree, self.kv.decode_layout, sampling, rng)
         self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         return result
+
+
+_ENGINES: "weakref.WeakSet[Engine]" = weakref.WeakSet()   # the live engines, for a fork's child
+
+
+def _after_fork_in_child() -> None:
+    for engine in list(_ENGINES):
+        engine._after_fork()
+
+
+if hasattr(os, "register_at_fork"):   # not on Windows
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _running(thread: threading.Thread) -> bool:

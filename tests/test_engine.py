@@ -941,3 +941,56 @@ def test_the_package_imports_lightly_and_lists_its_lazy_names() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "True"]   # the names load on first use, and dir() (tab completion) sees them
 
+
+
+def test_a_child_forked_while_another_thread_generated_is_refused_not_hung(tiny_target) -> None:
+    """The engine's lock, held by the parent's generating thread, was waited for forever in the child."""
+    import os
+    import threading
+    import time
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    engine = make_engine(tiny_target)
+    opened, done = threading.Event(), threading.Event()
+
+    def hold() -> None:   # a stream open in another thread holds the engine
+        stream = engine.stream(PROMPTS[0], max_tokens=8)
+        next(stream)
+        opened.set()
+        done.wait(30)
+        stream.close()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert opened.wait(30)
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:   # the child: one line, then out (no pytest teardown here)
+            try:
+                engine.generate(PROMPTS[1], max_tokens=2)
+                os.write(write, b"generated")
+            except OuroborosError as exc:
+                os.write(write, str(exc).encode()[:200])
+            except BaseException:
+                os.write(write, b"other error")
+            finally:
+                engine.close()
+                os._exit(0)
+        os.close(write)
+        for _ in range(300):   # the child hung on the lock: ended after 30 s, the test failed
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        said = os.read(read, 300).decode()
+        os.close(read)
+        assert status == 0 and "forked while another thread used this engine" in said, said
+    finally:
+        done.set()
+        holder.join(30)
+        engine.close()

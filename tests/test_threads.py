@@ -162,6 +162,8 @@ def test_threads_default_to_one_per_physical_core_as_llama_cpp(tmp_path, monkeyp
     monkeypatch.setattr(cpu_load, "math_cores", lambda: MathCores(8, "physical cores"))
     monkeypatch.setattr(cpu_load, "busy_cores_now", lambda reuse=0.0: 0.0)
     assert doctor.load_lines()[1].startswith("threads: 8 by default, one per physical core (8 of 16")
+    assert "more than the 8 physical cores, so some threads share" in doctor.load_lines(12)[1]   # was silent
+    assert "more than" not in doctor.load_lines(8)[1]
     monkeypatch.undo()
 
     monkeypatch.setattr(cpu_load.sys, "platform", "darwin")
