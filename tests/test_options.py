@@ -654,3 +654,14 @@ def test_sigterm_and_sighup_end_a_command_through_its_finally_blocks(tiny_target
         cli.main(["generate", "-m", str(tiny_target), "-p", "hi"])
     assert ended.value.code == 128 + signal.SIGTERM and seen["finally"] is True
     assert seen["term"] is cli._exit_for and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_lookahead_window_past_the_sequence_ids_is_refused_before_the_model_loads(tmp_path, capsys) -> None:
+    """Said only once the target had loaded (minutes for a large one)."""
+    from ouroboros_local.cli import main
+
+    never_loaded = tmp_path / "absent.gguf"   # a load would fail first, naming the file
+    assert main(["generate", "-m", str(never_loaded), "-p", "x", "--method", "lookahead", "--window", "8",
+                 "--seqs", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "window W=8 needs 9 sequence ids, the context has 4" in err and "absent.gguf" not in err
