@@ -181,18 +181,17 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
     options = _method_options(args)
     if for_any_method:
         parse_options("serve", ALL_OPTIONS, options)
-        check_options(method, applicable_options(method, options))
+        checked = check_options(method, applicable_options(method, options))
     else:
         _refuse_flags_not_of(method, options)
-        check_options(method, options)
+        checked = check_options(method, options)
         if args.draft is None:
             _refuse_draft_flags_without_draft(method, options)
     if method == "lookahead" and getattr(args, "seqs", None) and getattr(args, "batch_size", None):
         from .proposers.lookahead import check_window_fits
 
         # before a large target's minutes of loading (its batch may come out smaller: checked again then)
-        window = check_options(method, applicable_options(method, options))
-        check_window_fits(window["window"], window["level"], args.seqs, args.batch_size - 1)
+        check_window_fits(checked["window"], checked["level"], args.seqs, args.batch_size - 1)
     if options.get("pool") is not None:
         check_history_folder(options["pool"])
     return method, options

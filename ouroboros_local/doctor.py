@@ -110,8 +110,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import __version__
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
     from .cli import engine_config_from_args
-    from .engine import MAX_CTX
-    from .engine import has_cuda_gpu
+    from .engine import MAX_CTX, has_cuda_gpu
     from .gguf_file import validate_gguf
     from .llama import Model, devices, huge_pages, offload_gpus, supports_gpu_offload, system_info
     from .pairs import check_pair

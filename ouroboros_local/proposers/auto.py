@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import options as opt
-from . import check_options, cross_vocab, draft_model, prompt_lookup, suffix
+from . import cross_vocab, draft_model, prompt_lookup, suffix
 from .base import DraftingContext, Proposer
 from .pick import AutoProposer
 
@@ -45,10 +45,8 @@ OPTIONS: tuple[opt.Option, ...] = tuple(o for o in opt.merge(prompt_lookup.OPTIO
 def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """``options``: checked against ``OPTIONS``."""
     # free drafts first: the context's n-grams, then the suffix tries (this request and earlier answers,
-    # asked when their measured acceptance promises more than the prompt-lookup draft in hand); one
-    # branch, so the scheduler trims it by confidence class like any chain (a tree it cannot trim lost
-    # up to 12% on a fast target, SmolLM2 on 2 cores)
-    history = suffix.create(ctx, check_options("suffix", {"pool": options["pool"], "max_branches": 1}))
+    # asked when their measured acceptance promises more than the prompt-lookup draft in hand)
+    history = suffix.earlier_answers(ctx, options["pool"])
     # a history file named by an earlier call keeps the phrase pool as it keeps the suffix trie (README)
     candidates: list[Proposer] = [prompt_lookup.create(ctx, options, named_history=True), history]
     if ctx.draft is not None:

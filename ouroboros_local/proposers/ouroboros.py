@@ -43,7 +43,7 @@ from ..errors import MethodOptionError, ParameterError
 from ..kv import common_prefix
 from ..pool import PhrasePool, harvest_strategy, harvest_verification
 from ..tree import TokenTree, check_layout, layout
-from . import check_options, suffix
+from . import suffix
 from .base import CatchUp, DraftingContext, ProposeSetup, Proposer
 from .lookahead import LookaheadProposer, check_window_fits_target
 from .pick import AutoProposer
@@ -365,11 +365,11 @@ def scheduled(ctx: DraftingContext, drafter: Proposer, pool: PhrasePool, options
 
 
 def _earlier_answers(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
-    """The suffix tries of this request and earlier answers (as ``auto`` has them), kept with the history
-    file, asked before the pool's phrases: those are ``level - 1`` tokens long, and with them alone (or
-    first, in hand whenever the tries would have drafted) a question asked again drafted next to nothing
-    (62 of 64 plain steps, SmolLM2; 7 with the tries first, ``auto`` 5)."""
-    return suffix.create(ctx, check_options("suffix", {"pool": options["pool"], "max_branches": 1}))
+    """The suffix tries of this request and earlier answers (``auto``'s), asked before the pool's phrases:
+    those are ``level - 1`` tokens long, and with them alone (or first, in hand whenever the tries would
+    have drafted) a question asked again drafted next to nothing (62 of 64 plain steps, SmolLM2; 7 with
+    the tries first, ``auto`` 5)."""
+    return suffix.earlier_answers(ctx, options["pool"])
 
 
 def _history_pool(ctx: DraftingContext, options: dict[str, Any]) -> PhrasePool:
