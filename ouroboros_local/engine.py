@@ -10,6 +10,7 @@ decode, emit the accepted tokens, let the proposer learn. Only the proposer diff
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import os
@@ -1175,6 +1176,26 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):   # not on Windows
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_at_exit() -> None:
+    """At interpreter exit, close the engines a script left open: a stream left suspended would otherwise
+    run its save while the modules are torn down (a traceback, the answer's history lost), and the answers
+    whose save was not yet due would never reach their files. An engine that another thread is still
+    generating with is left: waiting for it would hold the exit for as long as that answer takes."""
+    for engine in list(_ENGINES):
+        owner = engine._lock_owner
+        if owner is not None and owner is not threading.current_thread() and _running(owner):
+            log.warning("warning: a generation was still running in thread %r at exit: what it learned is "
+                        "not saved (close() the engine before exiting)", owner.name)
+            continue
+        try:
+            engine.close()
+        except Exception as exc:   # the exit goes on; the others are still closed
+            log.warning("warning: closing an engine at exit failed: %s: %s", type(exc).__name__, exc)
+
+
+atexit.register(_close_at_exit)   # after numpy's own (atexit runs the last registered first)
 
 
 def _running(thread: threading.Thread) -> bool:

@@ -943,6 +943,65 @@ def test_the_package_imports_lightly_and_lists_its_lazy_names() -> None:
 
 
 
+EXIT_SCRIPT = """
+import sys, threading, time
+from ouroboros_local.testing.engines import tiny_engine
+target, pool, mode = sys.argv[1:4]
+engine = tiny_engine(target, n_ctx=256)
+options = {"pool": pool}
+if mode in ("pending", "closed"):   # answers quicker than a save: the last ones wait for close()
+    for prompt in ("one two three one two", "four five six four", "seven eight nine seven"):
+        engine.generate(prompt, max_tokens=24, method="auto", options=options)
+    print("pending", engine.history.pending)
+    if mode == "closed":
+        engine.close()
+elif mode == "stream":   # left open mid-answer
+    stream = engine.stream("one two three one two", max_tokens=24, method="auto", options=options)
+    next(stream)
+elif mode == "thread":   # a daemon thread still generating (its cancel check never returns)
+    started = threading.Event()
+    def stuck() -> bool:
+        started.set()
+        time.sleep(120)
+        return False
+    threading.Thread(target=engine.generate, args=("one two three",), daemon=True,
+                     kwargs={"max_tokens": 24, "method": "auto", "options": options, "cancel": stuck}).start()
+    started.wait(60)
+"""
+
+
+def _exit_run(tiny_target, pool, mode: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tiny_target), str(pool), mode],
+                          capture_output=True, text=True, timeout=100)
+
+
+def test_a_script_that_exits_without_close_saves_its_history(tiny_target, tmp_path) -> None:
+    """Answers whose save was not yet due were saved only by close(): a script that never called it lost
+    them; an open stream's own save ran while the interpreter tore its modules down (a traceback)."""
+    closed = _exit_run(tiny_target, tmp_path / "closed.pool", "closed")
+    left = _exit_run(tiny_target, tmp_path / "left.pool", "pending")
+    assert closed.returncode == left.returncode == 0, left.stderr[-2000:]
+    assert "pending True" in left.stdout   # else this test would not test the exit's save
+    for suffix in ("", ".suffix"):
+        assert (tmp_path / f"left.pool{suffix}").read_bytes() == (tmp_path / f"closed.pool{suffix}").read_bytes()
+    stream = _exit_run(tiny_target, tmp_path / "stream.pool", "stream")
+    assert stream.returncode == 0 and stream.stderr == "", stream.stderr[-2000:]
+    assert (tmp_path / "stream.pool").stat().st_size > 0 and (tmp_path / "stream.pool.suffix").stat().st_size > 0
+
+
+def test_an_exit_does_not_wait_for_a_generation_in_another_thread(tiny_target, tmp_path) -> None:
+    """The exit's close skips an engine a daemon thread still generates with, and says so."""
+    import time
+
+    started = time.monotonic()
+    run = _exit_run(tiny_target, tmp_path / "thread.pool", "thread")
+    assert run.returncode == 0 and time.monotonic() - started < 60, run.stderr[-2000:]
+    assert "still running in thread" in run.stderr and "not saved" in run.stderr
+
+
 def test_a_child_forked_while_another_thread_generated_is_refused_not_hung(tiny_target) -> None:
     """The engine's lock, held by the parent's generating thread, was waited for forever in the child."""
     import os
