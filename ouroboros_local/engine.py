@@ -1389,12 +1389,17 @@ def resolve_and_check(target: str | Path, draft: str | Path | None, progress: bo
     """
     from . import models
 
-    target_path = models.resolve_model(str(target), progress=progress)
+    for what, spec in (("target", target), ("draft", draft)):
+        if not (spec is None and what == "draft" or isinstance(spec, (str, os.PathLike))):
+            raise ParameterError(f"the {what} must be a GGUF path, hf://OWNER/REPO/FILE.gguf or a catalogue name "
+                                 f"(got {type(spec).__name__})")
+    # a Path stays one: Path("gemma3-270m") is a file here, never the catalogue's name
+    target_path = models.resolve_model(target, progress=progress)
     models.validate_gguf(target_path)
-    draft = models.resolve_draft_spec(str(target), None if draft is None else str(draft))   # -d auto
+    draft = models.resolve_draft_spec(target, draft)   # -d auto
     if draft is None:
         return target_path, None, None, None
-    draft_path = models.resolve_model(str(draft), progress=progress)
+    draft_path = models.resolve_model(draft, progress=progress)
     models.validate_gguf(draft_path)
     report = models.check_pair(target_path, draft_path)
     return target_path, draft_path, report.compatible, report.reason

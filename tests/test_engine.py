@@ -1053,3 +1053,22 @@ def test_a_child_forked_while_another_thread_generated_is_refused_not_hung(tiny_
         done.set()
         holder.join(30)
         engine.close()
+
+
+def test_a_path_names_a_file_never_a_catalogue_model(tiny_target, tmp_path, monkeypatch) -> None:
+    """Engine.load turned a Path into a str, so Path("smollm2-135m-instruct") went to the catalogue (a
+    download, online) and a draft Path("auto") meant the target's default draft, not the file ./auto."""
+    import shutil
+    from pathlib import Path
+
+    from ouroboros_local.errors import ModelError
+
+    monkeypatch.setenv("OUROBOROS_OFFLINE", "1")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="model file not found"):
+        Engine.load(Path("smollm2-135m-instruct"))
+    shutil.copy(tiny_target, tmp_path / "auto")
+    with Engine.load(tiny_target, Path("auto"), n_ctx=64, calibration="off", threads=1) as engine:
+        assert engine.draft is not None
+    with pytest.raises(ParameterError, match="the target must be a GGUF path"):
+        Engine.load(42)
