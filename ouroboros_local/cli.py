@@ -83,7 +83,7 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens (0 or -1: off)")
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--min-p", type=float, default=0.05)
     g.add_argument("--seed", type=int, default=None,
@@ -405,7 +405,8 @@ def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, met
     elif not args.json:
         print(f"[{stats.method}] {stats.tokens} tokens, {stats.tokens_per_second:.1f} tok/s, "
               f"{stats.target_passes} target passes, {stats.tokens_per_pass:.2f} tokens/pass, "
-              f"prefill {stats.prefill_seconds:.2f}s", file=sys.stderr)
+              f"prefill {stats.prefill_seconds:.2f}s" + ("" if stats.seed is None else f", seed {stats.seed}"),
+              file=sys.stderr)
     if args.json:
         keys = ("method", "tokens", "prefill_seconds", "decode_seconds", "tokens_per_second",
                 "target_passes", "drafted", "accepted", "accepted_per_pass")

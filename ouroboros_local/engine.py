@@ -15,6 +15,7 @@ import inspect
 import logging
 import os
 import re
+import secrets
 import sys
 import threading
 import time
@@ -205,6 +206,7 @@ class GenerationStats:
     accepted_per_pass: float = 0.0    # accepted draft tokens per target pass (bonus excluded)
     tokens_per_pass: float = 0.0      # tokens the target produced per pass: accepted_per_pass + 1 (the bonus)
     finish_reason: str = ""
+    seed: int | None = None           # a sampled answer's seed, drawn here where none was given: it repeats it
     extra: dict[str, Any] = field(default_factory=dict)
 
     def finalize(self) -> None:
@@ -833,7 +835,10 @@ class Engine:
         """``sched``: prices the proposer's drafts (None: they run as proposed; ``auto`` and scheduled
         Ouroboros price their candidates themselves). ``sizer``: plain steps or rounds of one size, where
         those draft while they decode (``_round_sizer``)."""
-        stats = GenerationStats(method=proposer.name, prompt_tokens=len(prompt))
+        if not sampling.greedy and sampling.seed is None:   # said in the stats: a good sample can be had again
+            sampling = replace(sampling, seed=secrets.randbits(32))
+        stats = GenerationStats(method=proposer.name, prompt_tokens=len(prompt),
+                                seed=None if sampling.greedy else sampling.seed)
         rng = sampling.rng()
         eog = self.target.eog_tokens
         cfg = self.config

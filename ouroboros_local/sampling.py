@@ -34,11 +34,12 @@ class SamplingParams:
 
     def validated(self) -> "SamplingParams":
         def bad(name: str, value: object, rule: str) -> ParameterError:
-            return ParameterError(f"{name} must be {rule} (got {value!r})")
+            said = repr(value)
+            return ParameterError(f"{name} must be {rule} (got {said if len(said) <= 40 else said[:37] + '...'})")
 
         for name in ("temperature", "top_p", "min_p"):
             value = getattr(self, name)
-            if not is_real(value) or not math.isfinite(value):
+            if not is_real(value) or not _finite(value):
                 raise bad(name, value, "a finite number")
         if self.temperature < 0:
             raise bad("temperature", self.temperature, ">= 0")
@@ -46,18 +47,26 @@ class SamplingParams:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not 0.0 <= self.min_p < 1.0:
             raise bad("min_p", self.min_p, "in [0, 1)")
-        if not is_integer(self.top_k) or self.top_k < 0:
-            raise bad("top_k", self.top_k, "an integer >= 0")
+        if not is_integer(self.top_k) or self.top_k < -1:
+            raise bad("top_k", self.top_k, "an integer >= 0, or 0 or -1 for off")
         if self.seed is not None and (not is_integer(self.seed) or self.seed < -1):
             raise bad("seed", self.seed, "an integer >= 0, or None or -1 for a random one")
         # numpy's numbers as Python's: a seed of np.uint32 and a top_k of np.int64 behave as their ints;
         # -1 is random, as on the command line and the server (llama.cpp's default seed)
         return replace(self, temperature=float(self.temperature), top_p=float(self.top_p),
-                       min_p=float(self.min_p), top_k=int(self.top_k),
+                       min_p=float(self.min_p), top_k=max(0, int(self.top_k)),   # -1: off, as vLLM's
                        seed=None if self.seed is None or self.seed == -1 else int(self.seed))
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)
+
+
+def _finite(value: float) -> bool:
+    """math.isfinite, where an int too large for a float (10**400) is not finite, not an OverflowError."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 # Vocabularies at least this large find their top-k through column maxima (``top_k_by_value``);

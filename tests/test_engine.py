@@ -424,6 +424,16 @@ def test_seeded_sampling_is_reproducible(pair_engine: Engine) -> None:
     assert a.tokens == b.tokens
 
 
+def test_an_unseeded_sample_says_its_seed_and_that_seed_repeats_it(pair_engine: Engine) -> None:
+    """No seed given: the one drawn was nowhere, so a good sample could not be had again."""
+    first = pair_engine.generate(PROMPTS[0], max_tokens=12, sampling=SamplingParams(temperature=1.0))
+    seed = first.stats.seed
+    assert isinstance(seed, int) and first.stats.to_dict()["seed"] == seed
+    again = pair_engine.generate(PROMPTS[0], max_tokens=12, sampling=SamplingParams(temperature=1.0, seed=seed))
+    assert again.tokens == first.tokens and again.stats.seed == seed
+    assert pair_engine.generate(PROMPTS[0], max_tokens=4).stats.seed is None   # greedy draws nothing
+
+
 def test_seeded_speculative_repeats_whatever_its_draft_lengths(pair_engine: Engine) -> None:
     # A sampled draft uses as many uniforms as its (timing-scheduled) length: a seeded request drafts
     # greedily instead, so its text is plain seeded decoding's however long the drafts were.

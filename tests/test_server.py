@@ -452,17 +452,48 @@ BAD_REQUESTS = [
      400, "max_completion_tokens"),
     ("max_completion_tokens too large", "/v1/chat/completions",
      {"messages": CHAT, "max_completion_tokens": N_CTX}, 400, "max_completion_tokens"),
+    # two length limits that disagree: max_completion_tokens was dropped silently
+    ("two length limits", "/v1/chat/completions", {"messages": CHAT, "max_tokens": 24, "max_completion_tokens": 3},
+     400, "max_completion_tokens"),
+    ("n_predict below -1", "/v1/completions", {"prompt": "x", "n_predict": -2}, 400, "n_predict"),
+    # vLLM's fields that change what is returned were answered 200 and ignored
+    ("include_stop_str_in_output", "/v1/completions", {"prompt": "x", "stop": ",", "include_stop_str_in_output": True},
+     400, "include_stop_str_in_output"),
+    ("truncate_prompt_tokens", "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 2}, 400,
+     "truncate_prompt_tokens"),
+    ("prompt_logprobs", "/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("skip_special_tokens false", "/v1/chat/completions", {"messages": CHAT, "skip_special_tokens": False}, 400,
+     "skip_special_tokens"),
+    ("beam search", "/v1/completions", {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    # a number no float holds was a 500 (OverflowError)
+    ("temperature 10**400", "/v1/completions", b'{"prompt": "x", "temperature": 1' + b"0" * 400 + b"}", 400,
+     "temperature"),
 ]
 
 
 def test_neutral_sampler_values_that_clients_send_are_taken(live, engine):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "repeat_penalty": 1.0, "typical_p": 1,
                "mirostat": False, "top_n_sigma": -1, "ignore_eos": False, "n_probs": 0, "logprobs": False,
-               "min_tokens": 0, "min_keep": 0, "top_k": -1, "bad_words": [],
+               "min_tokens": 0, "min_keep": 0, "top_k": -1, "bad_words": [], "skip_special_tokens": True,
+               "include_stop_str_in_output": False, "use_beam_search": False, "truncate_prompt_tokens": None,
                "samplers": ["penalties", "dry", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]}
     status, _, body = http(live.base, "/v1/completions", {"prompt": PROMPT, "max_tokens": 6, **neutral})
     assert status == 200, body
     assert json.loads(body)["choices"][0]["text"] == greedy(engine, PROMPT, 6).text
+
+
+def test_llama_servers_n_predict_is_the_length_limit(live, engine):
+    """n_predict, llama-server's own length field, was ignored: 16 tokens came back for 3."""
+    status, _, body = http(live.base, "/v1/completions", {"prompt": PROMPT, "n_predict": 3})
+    assert status == 200, body
+    assert json.loads(body)["choices"][0]["text"] == greedy(engine, PROMPT, 3).text
+    status, _, body = http(live.base, "/v1/completions", {"prompt": PROMPT, "n_predict": 3, "max_tokens": 3})
+    assert status == 200, body   # two that agree
+    status, _, body = http(live.base, "/v1/completions", {"prompt": PROMPT, "n_predict": -1})
+    assert status == 200, body   # until the context is full: past the default 16 unless the answer ends
+    answer = json.loads(body)
+    full = greedy(engine, PROMPT, N_CTX - len(engine.tokenize(PROMPT)))
+    assert answer["choices"][0]["text"] == full.text and answer["choices"][0]["finish_reason"] == full.finish_reason
 
 
 def test_a_sampler_chain_that_applies_ours_as_we_do_is_taken(live):

@@ -124,10 +124,13 @@ def test_greedy_verify_with_nothing_accepted_returns_the_bonus() -> None:
 
 def test_sampling_params_validation() -> None:
     for bad in (dict(temperature=-1), dict(temperature=float("nan")), dict(top_p=0.0), dict(top_p=1.5),
-                dict(min_p=1.0), dict(top_k=-3), dict(seed="x"), dict(seed=-2)):
+                dict(min_p=1.0), dict(top_k=-3), dict(top_k=-2), dict(seed="x"), dict(seed=-2),
+                # ints no float holds raised a bare OverflowError
+                dict(temperature=10**400), dict(top_p=10**400), dict(min_p=-10**400)):
         with pytest.raises(ParameterError):
             SamplingParams(**bad).validated()
     assert SamplingParams(seed=-1).validated().seed is None   # random, as the command line and server take it
+    assert SamplingParams(top_k=-1).validated().top_k == 0     # off, as the server (and vLLM) take it
     assert SamplingParams(temperature=1).validated().temperature == 1.0
 
 

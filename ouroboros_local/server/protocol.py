@@ -139,7 +139,7 @@ def sampling_params(body: dict[str, Any], base: SamplingParams) -> SamplingParam
     try:
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 seed=seed).validated()
-    except ParameterError as exc:  # pragma: no cover - the checks above are the same
+    except ParameterError as exc:   # a value no float holds (10**400)
         raise bad_request("temperature", str(exc)) from None
     _check_sampler_chain(body.get("samplers"), params)
     return params
@@ -166,16 +166,23 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
 
 
 def max_tokens_field(body: dict[str, Any], chat: bool) -> tuple[int | None, str]:
-    """max_tokens (chat also takes max_completion_tokens), None when the request gives neither, and the
-    field it came from (errors name the field the client sent)."""
-    name = "max_tokens"
-    max_tokens = number_field(body, name, None, integer=True)
-    if chat and max_tokens is None:
-        name = "max_completion_tokens"
-        max_tokens = number_field(body, name, None, integer=True)
-    if max_tokens is not None and max_tokens < 0:
-        raise bad_request(name, f"{name} must be >= 0 (got {max_tokens})")
-    return max_tokens, name
+    """The completion's length limit, None when the request gives none, and the field it came from
+    (errors name the field the client sent). OpenAI's ``max_tokens``, its newer ``max_completion_tokens``
+    and llama-server's ``n_predict`` (-1: until the context is full, returned as -1) are one limit: a
+    request that gives two that disagree is refused (one of them was silently dropped)."""
+    given = []
+    for name in ("max_tokens", "max_completion_tokens", "n_predict"):
+        value = number_field(body, name, None, integer=True)
+        if value is None:
+            continue
+        if value < 0 and not (name == "n_predict" and value == -1):
+            rule = ">= 0, or -1 for the room left in the context" if name == "n_predict" else ">= 0"
+            raise bad_request(name, f"{name} must be {rule} (got {value})")
+        given.append((name, value))
+    if len({value for _, value in given}) > 1:
+        said = " and ".join(f"{name}={value}" for name, value in given)
+        raise bad_request(given[-1][0], f"{said} disagree: give one length limit")
+    return (given[0][1], given[0][0]) if given else (None, "max_tokens")
 
 
 def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
@@ -304,7 +311,15 @@ def _check_sampler_chain(samplers: Any, params: SamplingParams) -> None:
                                    "would change it")
 
 
+# fields of vLLM's that change what is returned, by the value that leaves it as it is here
+_OUTPUT_CHANGES = {"include_stop_str_in_output": False, "skip_special_tokens": True, "use_beam_search": False,
+                   "truncate_prompt_tokens": None, "prompt_logprobs": None, "return_tokens_as_token_ids": False}
+
+
 def _refuse_distribution_changes(body: dict[str, Any]) -> None:
+    for name, neutral in _OUTPUT_CHANGES.items():
+        if body.get(name) not in (None, neutral):
+            raise _refusal(name, "not implemented")
     for name, neutral in _DISTRIBUTION_CHANGES.items():
         value = body.get(name)
         if value is None or (isinstance(value, bool) and value == neutral):   # mirostat: false
@@ -479,6 +494,8 @@ def completion_budget(n_prompt: int, max_tokens: int | None, n_ctx: int, default
     room = n_ctx - n_prompt
     if max_tokens is None:
         return min(default, room)
+    if max_tokens == -1:   # llama-server's n_predict -1: until the context is full
+        return room
     if max_tokens > room:
         raise ApiError(400, f"this model's context holds {n_ctx} tokens, but {_count(n_prompt + max_tokens)} "
                             f"were requested ({n_prompt} in the prompt, {_count(max_tokens)} for the "
