@@ -81,7 +81,7 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
                 raise ParameterError(f"message {i} ({m['role']}) needs 'content'")
             content = ""
         if isinstance(content, list):  # OpenAI content parts: text only (no images, audio or files)
-            content = "".join(_text_part(i, part) for part in content)
+            content = _joined_parts([_text_part(i, part) for part in content])
         if not isinstance(content, str):
             raise ParameterError(f"message {i} needs string 'content'")
         name = m.get("name")
@@ -90,6 +90,15 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
         # the name goes to the template, as llama-server and vLLM pass it (ChatML's leaves it out)
         out.append({"role": role, "content": content} | ({"name": name} if name else {}))
     return out
+
+
+def _joined_parts(texts: list[str]) -> str:
+    """Text parts one per line, as llama-server joins them for a template that takes a string (and vLLM):
+    glued, "Summarise this file:" and "import os" read as one line."""
+    joined = ""
+    for text in texts:
+        joined += ("\n" if joined else "") + text   # no newline before the first text, as llama-server
+    return joined
 
 
 ROLES = ("system", "user", "assistant")

@@ -376,11 +376,12 @@ def _terminal_reader() -> tuple[Callable[[str], str], str]:
     if isinstance(sys.stdin, io.TextIOWrapper):
         # piped or redirected messages are UTF-8, as `generate -f -` reads them (Windows' code page made
         # "Café" "CafÃ©"); a terminal's are in its own encoding, and PYTHONIOENCODING is the user's choice
-        # newline=None: CRLF read as "\n" (POSIX stdin kept each "\r" for the model), as prompt files
+        # lines end at "\n" alone: universal newlines (None) also split a message at a lone "\r", where a
+        # prompt file keeps it; a CRLF's "\r" is dropped below (POSIX stdin kept it for the model)
         utf8 = piped and not os.environ.get("PYTHONIOENCODING")
-        sys.stdin.reconfigure(errors="surrogateescape", newline=None, **({"encoding": "utf-8"} if utf8 else {}))
+        sys.stdin.reconfigure(errors="surrogateescape", newline="\n", **({"encoding": "utf-8"} if utf8 else {}))
     if piped:
-        return input, ""
+        return _line_without_cr, ""
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:  # pragma: no cover
@@ -390,9 +391,14 @@ def _terminal_reader() -> tuple[Callable[[str], str], str]:
 
     def read(prompt: str) -> str:
         print(prompt, end="", file=sys.stderr, flush=True)
-        return input()
+        return _line_without_cr("")
 
     return read, PROMPT
+
+
+def _line_without_cr(prompt: str) -> str:
+    """input(), CRLF read as "\n" as prompt files read it."""
+    return input(prompt).removesuffix("\r")
 
 
 def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,
@@ -405,7 +411,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
                         "where it has one)")
     p.add_argument("-n", "--max-tokens", type=int, default=None,
                    help="longest answer in tokens (default: until the model stops or the context is full)")
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--stop", action="append",
+                   help="stop string, taken as it is (repeatable; a newline in bash: $'\\n')")
     add_sampling_args(p)
     add_method_args(p)
     defer_method_default(p, f"{METHODS_IN_HELP} (default auto)")

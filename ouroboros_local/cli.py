@@ -477,7 +477,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from a file (- = stdin)")
     gen.add_argument("-n", "--max-tokens", type=int, default=128, metavar="N",
                      help="longest answer in tokens (default 128; the end of the context stops it too)")
-    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--stop", action="append",
+                     help="stop string, taken as it is (repeatable; a newline in bash: $'\\n')")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     gen.add_argument("--json", action="store_true", help="print a JSON object on the last line")
     gen.add_argument("--quiet", action="store_true",

@@ -4,6 +4,7 @@ terminal in another encoding, a JSON string holding half of a UTF-16 pair)."""
 
 from __future__ import annotations
 
+import codecs
 import json
 import sys
 from pathlib import Path
@@ -17,14 +18,26 @@ _FIX = "save or send it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
 MAX_TEXT_BYTES = 256 * 2**20
 
 
+# UTF-16 (what Windows PowerShell 5.1's ">" writes) and UTF-32, known by their byte-order marks; UTF-32's
+# first (its little-endian mark starts as UTF-16's)
+_UNICODE_BOMS = ((codecs.BOM_UTF32_LE, "utf-32"), (codecs.BOM_UTF32_BE, "utf-32"),
+                 (codecs.BOM_UTF16_LE, "utf-16"), (codecs.BOM_UTF16_BE, "utf-16"))
+
+
 def decode_utf8(raw: bytes, name: str) -> str:
     """``raw`` as text; ``name`` (a path, "<stdin>") heads the error, with the line of the bad byte. A
     leading byte-order mark (Windows editors write one) is dropped: it would reach the model as text.
+    One of UTF-16 or UTF-32 says the text is in that encoding: it was refused with advice (iconv from
+    latin1) that made mojibake and NULs of it.
     Windows line ends (CRLF) are read as "\n", as Python's text files and the chat's input() read them:
     each "\r" was a token of the prompt, and the model answered in kind."""
+    codec = next((codec for bom, codec in _UNICODE_BOMS if raw.startswith(bom)), "utf-8")
     try:
-        return raw.decode("utf-8").removeprefix("\ufeff").replace("\r\n", "\n")
+        return raw.decode(codec).removeprefix("\ufeff").replace("\r\n", "\n")
     except UnicodeDecodeError as exc:
+        if codec != "utf-8":
+            raise ParameterError(f"{name}: not {codec.upper()} text, though it starts with that byte-order mark "
+                                 f"(bytes at offset {exc.start} do not decode); save it as UTF-8") from None
         line = raw.count(b"\n", 0, exc.start) + 1
         raise ParameterError(f"{name}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset "
                              f"{exc.start}); {_FIX}") from None

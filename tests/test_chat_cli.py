@@ -260,16 +260,17 @@ def test_piped_chat_shows_no_prompt_and_takes_bytes_that_are_not_utf8(tiny_targe
 
 
 def test_piped_messages_lose_their_windows_line_ends(monkeypatch) -> None:
-    """POSIX stdin kept each "\\r" of a CRLF file piped to chat, and it reached the model as a token."""
+    """POSIX stdin kept each "\\r" of a CRLF file piped to chat, and it reached the model as a token; a
+    lone "\\r" split a message in two, where a prompt file keeps it."""
     import io
 
     from ouroboros_local import chat_cli
 
     monkeypatch.delenv("PYTHONIOENCODING", raising=False)
-    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Café\r\nsecond\r\n".encode()), encoding="ascii",
-                                                       newline="\n"))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO("Café\r\nsay A\rsay B\n".encode()),
+                                                       encoding="ascii", newline="\n"))
     read, prompt = chat_cli._terminal_reader()
-    assert prompt == "" and read(prompt) == "Café" and read(prompt) == "second"
+    assert prompt == "" and read(prompt) == "Café" and read(prompt) == "say A\rsay B"
 
 
 def test_piped_messages_are_utf8_whatever_the_locale(tiny_target, tmp_path):

@@ -197,3 +197,11 @@ def test_the_server_continues_a_final_assistant_message_unless_told_otherwise(bp
         assert prompt_tokens(messages=user, tool_choice="none") == count(user)
         nulled = [PREFILL[0], {**PREFILL[1], "prefix": None}]   # JSON null: as if not given
         assert prompt_tokens(messages=nulled, add_generation_prompt=True) == count(PREFILL)
+
+
+def test_text_parts_are_joined_one_per_line_as_llama_server_joins_them(bpe_engine: Engine) -> None:
+    """Parts were glued: "Summarise this file:" and "import os" reached the model as one line."""
+    parts = [{"type": "text", "text": ""}, {"type": "text", "text": "Summarise this file:"},
+             {"type": "text", "text": "import os"}]
+    joined = [{"role": "user", "content": "Summarise this file:\nimport os"}]
+    assert bpe_engine.chat_tokens([{"role": "user", "content": parts}]) == bpe_engine.chat_tokens(joined)

@@ -373,6 +373,22 @@ def test_windows_line_ends_in_a_prompt_are_read_as_newlines(tmp_path, monkeypatc
     assert read_stdin() == "a\nb\rc"   # a lone carriage return is left as it is
 
 
+def test_a_utf16_or_utf32_prompt_file_is_read_by_its_byte_order_mark(tmp_path) -> None:
+    """PowerShell 5.1's ">" writes UTF-16: it was refused with advice (iconv from latin1) that made a prompt
+    of mojibake and NULs."""
+    from ouroboros_local.text_input import read_text
+
+    text = "def café():\r\n    return '✓'\n"
+    for codec in ("utf-16", "utf-16-be", "utf-32", "utf-32-be"):
+        path = tmp_path / f"{codec}.txt"
+        path.write_bytes(("\ufeff" if codec.endswith("-be") else "").encode(codec) + text.encode(codec))
+        assert read_text(path) == "def café():\n    return '✓'\n", codec
+    broken = tmp_path / "broken.txt"
+    broken.write_bytes(b"\xff\xfeA")   # a UTF-16 mark, then half a code unit
+    with pytest.raises(ParameterError, match="not UTF-16 text, though it starts with that byte-order mark"):
+        read_text(broken)
+
+
 def test_context_flags_are_bounded_and_a_context_past_training_is_named(tiny_target, capsys) -> None:
     """-c 2**32+512 ran with 512 cells, -b 2**32+2 aborted in llama.cpp, --round-size past the context said
     'the context is full' for a one-token prompt; a context past the trained one went unmentioned."""

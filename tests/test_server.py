@@ -1103,6 +1103,26 @@ def test_serve_cli_errors_without_loading(tmp_path):
         assert run.returncode == 2 and "is empty: give a key" in run.stderr, run.stderr
 
 
+def test_serve_refuses_a_key_or_name_that_is_not_utf8_and_names_a_file_that_is_not(tmp_path):
+    """A key with a byte that is not UTF-8 made every request a 500 (the right key's too); so did such a
+    --model-name, or a model file so named (/health, /v1/models and every answer name it)."""
+    from ouroboros_local.server.cli import _utf8_name
+
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env.pop("OUROBOROS_API_KEY", None)
+    base = [sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tmp_path / "none.gguf"), "--port", "0"]
+    runs = [(base + [b"--api-key", b"k\xffy"], {}, "--api-key"),
+            (base + [b"--model-name", b"m\xff"], {}, "--model-name"),
+            (base, {b"OUROBOROS_API_KEY": b"k\xffy"}, "OUROBOROS_API_KEY")]
+    for argv, environ, flag in runs:
+        run = subprocess.run(argv, env={**{k.encode(): v.encode() for k, v in env.items()}, **environ},
+                             capture_output=True, timeout=60)
+        said = run.stderr.decode(errors="replace")
+        assert run.returncode == 2 and said.startswith(f"error: {flag}") and "not UTF-8" in said, said
+    assert _utf8_name(os.fsdecode(b"model-\xff.gguf")) == "model-\ufffd.gguf"
+    json.dumps(_utf8_name(os.fsdecode(b"model-\xff.gguf"))).encode()   # what a response must carry
+
+
 # ---- the examples -------------------------------------------------------------------------------
 def _run_example(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}

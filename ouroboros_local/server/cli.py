@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..errors import OuroborosError, ParameterError
+from ..text_input import check_argument
 from ..cli import METHODS_IN_HELP
 from . import defer_method_default
 
@@ -65,6 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ParameterError("--host is empty: give an address (127.0.0.1; 0.0.0.0 for every interface)")
     if not args.model_name and args.model_name is not None:
         raise ParameterError("--model-name is empty: give a name, or leave it out for the file's")
+    check_argument(args.model_name, "--model-name")   # not UTF-8: every response naming it was a 500
     if not 0 <= args.port <= 65535:
         raise ParameterError(f"--port must be in 0..65535 (got {args.port})")
     if args.max_queue < 0:
@@ -81,8 +83,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cli.warn_without_chat_template(engine, "/v1/completions takes plain text")
         # a first calibration now, not in the first request (a client's timeout may be shorter)
         engine.prepare(method, applicable_options(method, options))
-        model_id = args.model_name or Path(str(engine.target.path)).name
-        aliases = tuple({str(args.model), Path(str(engine.target.path)).stem} - {model_id})
+        path = Path(str(engine.target.path))
+        model_id = args.model_name or _utf8_name(path.name)
+        aliases = tuple({_utf8_name(str(args.model)), _utf8_name(path.stem)} - {model_id})
         config = ServerConfig(model_id=model_id, aliases=aliases, method=method, method_options=options,
                               sampling=sampling, api_key=api_key, max_queue=args.max_queue,
                               local_names_only=is_loopback_name(args.host) and not api_key,
@@ -133,7 +136,14 @@ def _api_key(flag: str | None, env: str | None) -> str | None:
         return None
     if not raw.strip():
         raise ParameterError(f"{name} is empty: give a key, or leave it out to serve without one")
+    check_argument(raw, name)   # not UTF-8: every request, the right key's too, was a 500
     return raw.strip()
+
+
+def _utf8_name(name: str) -> str:
+    """A file name as responses can carry it: bytes that are not UTF-8 (kept by Python as surrogates, which
+    no JSON encoder takes: /health and /v1/models were 500s) become U+FFFD."""
+    return os.fsencode(name).decode("utf-8", "replace")
 
 
 def _server(uvicorn: Any, config: Any, end_jobs: Callable[[], None]) -> Any:
