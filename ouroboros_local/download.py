@@ -8,9 +8,11 @@ fetch and keep the cache; every failure here is a one-line ModelError.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import re
 import shlex
@@ -21,6 +23,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+import urllib.request
 import zipfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -34,6 +37,10 @@ if TYPE_CHECKING:  # pragma: no cover
 _CHUNK = 1 << 20
 _STALE_SECONDS = 3600.0  # a .partial file untouched this long belongs to a dead process
 _HEARTBEAT_SECONDS = 60.0  # how often a running pip download's folder is touched (well under the above)
+_CONNECT_TIMEOUT = 3.0  # a first hop slower than this to accept a connection is left to hf_hub_download
+_HUB = "https://huggingface.co"
+
+log = logging.getLogger(__name__)
 
 
 def _hub_cache_dir() -> Path:
@@ -49,8 +56,9 @@ def _hub_cache_dir() -> Path:
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
     from tqdm.auto import tqdm
 
+    # disable=None: a bar only on a terminal (on a log or a pipe it is a line of carriage returns)
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024,
-                disable=not enabled, leave=False)
+                disable=None if enabled else True, leave=False)
 
 
 def _remove_stale(directory: Path, pattern: str) -> None:
@@ -76,20 +84,83 @@ def _parse_hf_spec(spec: str) -> tuple[str, str, str | None]:
     return f"{parts[0]}/{repo}", "/".join(parts[2:]), urllib.parse.unquote(revision) or None
 
 
-def _hf_download(repo: str, filename: str, revision: str | None, *, offline: bool, progress: bool) -> Path:
-    """hf_hub_download into the standard hub cache, with errors turned into one-line ModelErrors."""
+def _hf_label(repo: str, filename: str, revision: str | None) -> str:
+    return f"hf://{repo}{'@' + revision if revision else ''}/{filename}"
+
+
+def _hf_download(repo: str, filename: str, revision: str | None, *, offline: bool, progress: bool,
+                 force: bool = False) -> Path:
+    """The hub file in the standard hub cache, downloaded there if needed (`force`: downloaded again); every
+    error a one-line ModelError. Offline, and when the hub cannot be reached at all, only the cache is read."""
+    from huggingface_hub.utils import validate_repo_id
+
+    label = _hf_label(repo, filename, revision)
+    cache = _hub_cache_dir()
+    try:
+        validate_repo_id(repo)
+        cached = None if force else _hf_cached(repo, filename, revision, cache)
+    except ValueError as e:   # a repo id or file name the hub refuses (HFValidationError)
+        raise ModelError(f"cannot download {label}: {_first_line(e)}") from None
+    if offline:
+        if force:
+            raise ModelError(f"fetching {label} again (--force) needs the network, and offline mode is on")
+        if cached is None:
+            raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and offline mode is on")
+        return cached
+    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/")   # read now, not at huggingface_hub's import
+    # A cached file needs no connection: hf_hub_download falls back to it at once when the hub is down.
+    unreachable = _unreachable_hub(endpoint or _HUB, connect=cached is None)
+    if unreachable is not None and cached is not None:
+        return cached
+    if unreachable is not None:
+        missing = "" if force else f" and the file is not in the Hugging Face cache ({cache})"
+        raise ModelError(f"cannot download {label}: {unreachable}{missing}")
+    return _hub_download(repo, filename, revision, endpoint=endpoint, cached=cached, force=force,
+                         progress=progress)
+
+
+def _hf_cached(repo: str, filename: str, revision: str | None, cache: Path) -> Path | None:
+    """The file at `revision` (default main) in the hub cache, or None; reads the disk only (hf_hub_download's
+    local_files_only mode still asks the hub for its agent registry, and waits for the answer)."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(repo, filename, cache_dir=cache, revision=revision)
+    return Path(found) if isinstance(found, str) else None
+
+
+def _hf_cached_blob(repo: str, filename: str, blob: str) -> Path | None:
+    """`filename` at any revision in the hub cache whose file is the blob named `blob` (the hub names a large
+    file's blob by its sha256), or None; reads the disk only."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    cache = _hub_cache_dir()
+    snapshots = cache / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots"
+    try:
+        commits = sorted(p.name for p in snapshots.iterdir())
+    except OSError:
+        return None
+    for commit in commits:
+        with contextlib.suppress(ValueError):   # a file name the hub refuses is in no revision
+            path = _hf_cached(repo, filename, commit, cache)
+            if path is not None and Path(os.path.realpath(path)).name == blob:
+                return path
+    return None
+
+
+def _hub_download(repo: str, filename: str, revision: str | None, *, endpoint: str, cached: Path | None,
+                  force: bool, progress: bool) -> Path:
+    """hf_hub_download, with its errors turned into one-line ModelErrors; a cached copy is used when the hub
+    answered with no verdict on the file (huggingface_hub itself refuses to when a proxy fails)."""
     from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import (EntryNotFoundError, GatedRepoError, LocalEntryNotFoundError,
                                        RepositoryNotFoundError, RevisionNotFoundError,
                                        are_progress_bars_disabled, disable_progress_bars,
                                        enable_progress_bars)
 
-    label = f"hf://{repo}{'@' + revision if revision else ''}/{filename}"
+    label = _hf_label(repo, filename, revision)
     cache = _hub_cache_dir()
-    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/")   # read now, not at huggingface_hub's import
-    unresolved = None if offline else _unresolved_host(endpoint or "https://huggingface.co")
-    kwargs: dict[str, Any] = dict(repo_id=repo, filename=filename, revision=revision,
-                                  cache_dir=str(cache), local_files_only=offline or unresolved is not None)
+    kwargs: dict[str, Any] = dict(repo_id=repo, filename=filename, revision=revision, cache_dir=str(cache),
+                                  force_download=force)
     if endpoint:
         kwargs["endpoint"] = endpoint
     was_disabled = are_progress_bars_disabled()
@@ -98,11 +169,6 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
     try:
         return Path(hf_hub_download(**kwargs))
     except LocalEntryNotFoundError:
-        if unresolved is not None:
-            raise ModelError(f"cannot download {label}: {unresolved} cannot be resolved (no network?) and the "
-                             f"file is not in the Hugging Face cache ({cache})") from None
-        if offline:
-            raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and offline mode is on") from None
         raise ModelError(f"cannot download {label}: the Hugging Face hub is unreachable and the file "
                          f"is not in the cache ({cache})") from None
     except GatedRepoError:
@@ -114,33 +180,60 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
         raise ModelError(f"revision {revision!r} not found in Hugging Face repo {repo!r}") from None
     except EntryNotFoundError:
         raise ModelError(f"file {filename!r} not found in Hugging Face repo {repo!r}") from None
-    except Exception as e:  # HTTP errors (httpx's too: a bad HF_ENDPOINT), offline mode forced at import, bad repo ids
-        detail = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    except Exception as e:  # HTTP errors (httpx's too: a bad HF_ENDPOINT, a proxy's), offline mode forced at import
         if type(e).__name__ == "OfflineModeIsEnabled":
             raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and HF_HUB_OFFLINE is set") from None
-        raise ModelError(f"cannot download {label}: {detail}") from None
+        proxy = _proxy_for(endpoint or _HUB)
+        via = f" (through the proxy {proxy} set in the environment)" if proxy else ""
+        if cached is not None:
+            log.warning("cannot reach the Hugging Face hub for %s%s: %s; using the copy in its cache",
+                        label, via, _first_line(e))
+            return cached
+        raise ModelError(f"cannot download {label}{via}: {_first_line(e)}") from None
     finally:
         if not progress and not was_disabled:
             enable_progress_bars()
 
 
-def _unresolved_host(endpoint: str) -> str | None:
-    """The hub's host name if it cannot be resolved and no proxy would resolve it for us. Without a
-    network, hf_hub_download retries its first request five times (~23 s, a warning each) before it
-    fails or falls back to the cache; this asks the resolver once."""
-    if any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy",
-                                       "ALL_PROXY", "all_proxy")):
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _proxy_for(url: str) -> str | None:
+    """The proxy the environment sends `url` through (HTTPS_PROXY, ALL_PROXY, ... less NO_PROXY), or None."""
+    parts = urllib.parse.urlsplit(url)
+    if urllib.request.proxy_bypass_environment(parts.hostname or ""):
         return None
-    host = urllib.parse.urlsplit(endpoint).hostname
+    proxies = urllib.request.getproxies_environment()
+    return proxies.get(parts.scheme) or proxies.get("all")
+
+
+def _unreachable_hub(endpoint: str, *, connect: bool) -> str | None:
+    """Why the hub cannot be reached at all, or None when it may be. The first hop (the proxy, else the hub)
+    is resolved and, with `connect`, connected to once: for a file it does not have, hf_hub_download retries
+    a failed first request five times (~30 s, a warning each) before it fails."""
+    proxy = _proxy_for(endpoint)
+    hop = urllib.parse.urlsplit(proxy or endpoint)
+    host = hop.hostname
     if not host:
         return None
+    who = f"the proxy {proxy}" if proxy else host
     try:
-        socket.getaddrinfo(host, None)
+        port = hop.port or (443 if hop.scheme == "https" else 80)
+        address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4]
     except socket.gaierror:
-        return host
-    except OSError:
+        return f"{who} cannot be resolved (no network?)"
+    except (OSError, ValueError):   # a bad port: let hf_hub_download say what it makes of it
         return None
-    return None
+    if not connect:
+        return None
+    try:
+        with socket.create_connection(address[:2], timeout=_CONNECT_TIMEOUT):
+            return None
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENETUNREACH, errno.EHOSTUNREACH):
+            return f"{who if proxy else endpoint} cannot be reached ({e.strerror})"
+        return None   # slow or odd: hf_hub_download's own timeouts decide
 
 
 # =============================================================================================

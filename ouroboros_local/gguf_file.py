@@ -68,6 +68,10 @@ class _Corrupt(Exception):
     pass
 
 
+class DamagedGGUFError(ModelError):
+    """A GGUF file cut short or corrupt (a download's copy can be fetched again; its caller says how)."""
+
+
 # GGUF value types -> struct codes (7 = bool, 8 = string, 9 = array).
 _SCALAR_CODES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
@@ -208,6 +212,9 @@ def _parse_mapped(buf: mmap.mmap, size: int) -> _Parsed:
     return _Parsed(version=version, metadata=metadata, n_tensors=n_tensors, file_size=size)
 
 
+# What a Git LFS pointer file (a clone without `git lfs pull`) starts with.
+_LFS_POINTER = b"version https://git-lfs"
+
 _PARSE_CACHE: OrderedDict[tuple[str, int, int], _Parsed] = OrderedDict()
 _PARSE_CACHE_MAX = 8
 _PARSE_LOCK = threading.Lock()
@@ -231,20 +238,23 @@ def _parse(path: str | os.PathLike[str]) -> tuple[Path, _Parsed]:
             _PARSE_CACHE.move_to_end(key)
             return p, hit
     if st.st_size == 0:
-        raise ModelError(f"{p} is empty (0 bytes), not a GGUF file")
+        raise DamagedGGUFError(f"{p} is empty (0 bytes), not a GGUF file")
     try:
         with open(p, "rb") as f:
-            magic = f.read(4)
+            head = f.read(len(_LFS_POINTER))
+            magic = head[:4]
+            if head == _LFS_POINTER:
+                raise ModelError(f"{p} is a Git LFS pointer, not the model's bytes: fetch them (git lfs pull)")
             if magic != b"GGUF":
                 if len(magic) < 4 and b"GGUF".startswith(magic):
-                    raise ModelError(f"{p} is truncated or corrupt (only {len(magic)} bytes)")
+                    raise DamagedGGUFError(f"{p} is truncated or corrupt (only {len(magic)} bytes)")
                 raise ModelError(f"{p} is not a GGUF file (it starts with {magic!r}, not b'GGUF')")
             if st.st_size < 24:
-                raise ModelError(f"{p} is truncated or corrupt (only {st.st_size} bytes)")
+                raise DamagedGGUFError(f"{p} is truncated or corrupt (only {st.st_size} bytes)")
             with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
                 parsed = _parse_mapped(buf, st.st_size)
     except (_Corrupt, struct.error, OverflowError, MemoryError, ValueError) as e:
-        raise ModelError(f"{p} is truncated or corrupt ({e})") from None
+        raise DamagedGGUFError(f"{p} is truncated or corrupt ({e})") from None
     except OSError as e:
         raise ModelError(f"cannot read {p}: {e.strerror or e}") from None
     with _PARSE_LOCK:

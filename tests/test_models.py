@@ -126,6 +126,30 @@ def test_a_near_miss_of_a_catalogue_name_is_pointed_to_it(typed: str, meant: str
     assert "did you mean" in str(caught.value) or "the catalogue name is" in str(caught.value)
 
 
+def test_hints_for_a_hub_name_an_lfs_pointer_and_a_folder(gguf_file: Path, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """OWNER/REPO/FILE.gguf said only "not found", HF:// was "a URL", an LFS pointer "starts with b'vers'",
+    and a folder named none of its GGUF files."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelError, match="not found: acme/tiny-GGUF/tiny.gguf; a Hugging Face file is named "
+                                         "hf://acme/tiny-GGUF/tiny.gguf"):
+        catalogue.resolve_model("acme/tiny-GGUF/tiny.gguf")
+    pointer = _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "tiny.gguf", gguf_file.read_bytes())
+    assert catalogue.resolve_model("HF://acme/tiny-GGUF/tiny.gguf", offline=True) == pointer
+
+    lfs = tmp_path / "lfs.gguf"
+    lfs.write_text("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 1234\n")
+    with pytest.raises(ModelError, match=r"is a Git LFS pointer, not the model's bytes: .*\(git lfs pull\)"):
+        catalogue.resolve_model(lfs)
+    folder = tmp_path / "quants"
+    folder.mkdir()
+    _write_split(folder, prefix="big")
+    shutil.copy(gguf_file, folder / "small.gguf")
+    with pytest.raises(ModelError, match="is a directory, not a GGUF file; the GGUF files in it: "
+                                         "big-00001-of-00003.gguf, small.gguf$"):
+        catalogue.resolve_model(folder)
+
+
 def test_directory_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelError, match="is a directory"):
         catalogue.resolve_model(str(tmp_path))
@@ -874,6 +898,173 @@ def test_pypi_failure_falls_back_to_hf(hub: type[_Hub], fake: FakeModel, quick_p
     assert path.read_bytes() == fake.data
 
 
+def test_a_catalogue_model_in_the_hub_cache_is_used_before_pypi(fake: FakeModel, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """It was fetched from PyPI first (a second copy; without PyPI 20 s of pip's retries), and `models list`
+    said '-' for it until its first use."""
+    pointer = _populate_hub_cache(tmp_path / "hf-hub", "acme/fake-GGUF", "fake.gguf", fake.data)
+    cat = fake.catalogue(hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf", COMMIT))
+    (status,) = catalogue.list_models(cache_dir=fake.cache, catalogue=cat)
+    assert (status.state, status.path) == ("unverified", pointer)
+
+    monkeypatch.setattr(catalogue, "_fetch_pypi", lambda *a, **k: pytest.fail("fetched from PyPI"))
+    monkeypatch.setattr(catalogue, "_installed_member", lambda *a, **k: pytest.fail("looked for wheels"))
+    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, offline=False, progress=False)
+    assert path == pointer and _model_dir_files(fake) == ["fake-model.gguf.sha256"]   # no second copy
+    (status,) = catalogue.list_models(cache_dir=fake.cache, catalogue=cat)
+    assert (status.state, status.path) == ("cached", pointer)
+
+
+def test_progress_bars_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The 'verifying' bar went to a log or pipe as a line of carriage returns."""
+    import io
+    import sys
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    with download._progress_bar(10, "verifying x", True) as bar:
+        assert bar.disable
+
+
+def test_a_catalogue_file_under_another_revision_of_its_repo_is_found(fake: FakeModel, tmp_path: Path) -> None:
+    """The hub cache held the catalogue's file at another commit of the repo (blob named by its sha256):
+    the catalogue name failed offline where its hf:// spec worked."""
+    hub = tmp_path / "hf-hub"
+    pointer = _populate_hub_cache(hub, "acme/fake-GGUF", "fake.gguf", fake.data)
+    other = hub / "models--acme--fake-GGUF" / "snapshots" / ("f" * 40) / "fake.gguf"   # other bytes: not it
+    other.parent.mkdir()
+    other.write_bytes(fake.data[:-1] + b"x")
+    cat = fake.catalogue(pypi=None, hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf", "e" * 40))
+    assert catalogue.list_models(cache_dir=fake.cache, catalogue=cat)[0].state == "unverified"
+    assert catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, offline=True,
+                                 progress=False) == pointer
+
+
+def test_an_hf_split_model_brings_all_its_parts(hub: type[_Hub], tmp_path: Path) -> None:
+    """Only the first part was fetched; then "part 2 ... is not beside it"."""
+    parts = _write_split(tmp_path, prefix="tiny")
+    for part in parts:
+        hub.files[("acme/split-GGUF", f"Q8/{part.name}")] = part.read_bytes()
+    spec = "hf://acme/split-GGUF/Q8/tiny-00001-of-00003.gguf"
+    path = catalogue.resolve_model(spec, progress=False)
+    assert sorted(p.name for p in path.parent.iterdir()) == [p.name for p in parts]
+    assert validate_gguf(path).file_size == sum(p.stat().st_size for p in parts)
+
+    path.with_name(parts[2].name).unlink()   # offline, a missing part is named
+    with pytest.raises(ModelError, match=r"Q8/tiny-00003-of-00003\.gguf is not in the Hugging Face cache"):
+        catalogue.resolve_model(spec, offline=True, progress=False)
+
+
+def test_an_hf_file_that_is_no_gguf_is_refused_before_its_download(hub: type[_Hub]) -> None:
+    """A .safetensors was downloaded whole (60 MB) and then refused."""
+    hub.files[("acme/x", "model.safetensors")] = b"\0" * 1000
+    with pytest.raises(ModelError, match=r"hf://acme/x/model\.safetensors is not a GGUF file \(its name"):
+        catalogue.resolve_model("hf://acme/x/model.safetensors", progress=False)
+    assert hub.requests == []
+
+
+def test_offline_hf_reads_the_cache_without_any_request(gguf_file: Path, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """hf_hub_download(local_files_only=True) still asked the hub for its agent registry, and waited."""
+    import socket
+
+    import huggingface_hub
+
+    pointer = _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "tiny.gguf", gguf_file.read_bytes())
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", lambda *a, **k: pytest.fail("asked the hub"))
+    monkeypatch.setattr(socket.socket, "connect", lambda *a, **k: pytest.fail("connected"))
+    monkeypatch.setenv("OUROBOROS_OFFLINE", "1")
+    assert catalogue.resolve_model("hf://acme/tiny-GGUF/tiny.gguf", progress=False) == pointer
+    with pytest.raises(ModelError, match="hf://acme/tiny-GGUF/absent.gguf is not in the Hugging Face cache"):
+        catalogue.resolve_model("hf://acme/tiny-GGUF/absent.gguf", progress=False)
+
+
+class _Proxy404(http.server.BaseHTTPRequestHandler):
+    """A proxy that answers everything, CONNECT included, with 404 (one that does not let the hub through)."""
+
+    def _refuse(self) -> None:
+        self.send_response(404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_CONNECT = do_GET = do_HEAD = _refuse  # noqa: N815
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def proxy_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    """Proxy variables set by the test reach huggingface_hub's shared HTTP client (made once, from the env)."""
+    from huggingface_hub import close_session
+
+    close_session()
+    yield monkeypatch
+    close_session()   # the next client, made at its first use, reads the environment restored by then
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_refusing_proxy_or_mirror_fails_at_once(proxy_env: pytest.MonkeyPatch) -> None:
+    """A proxy or HF_ENDPOINT refusing connections cost ~30 s of retries and ten warnings."""
+    port = _closed_port()
+    started = time.monotonic()
+    proxy_env.setenv("HTTPS_PROXY", f"http://127.0.0.1:{port}")
+    with pytest.raises(ModelError, match=f"the proxy http://127.0.0.1:{port} cannot be reached .* not in the"):
+        catalogue.resolve_model("hf://acme/absent/x.gguf", progress=False)
+    proxy_env.delenv("HTTPS_PROXY")
+    proxy_env.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    with pytest.raises(ModelError, match=f"http://127.0.0.1:{port} cannot be reached"):
+        catalogue.resolve_model("hf://acme/absent/x.gguf", progress=False)
+    assert time.monotonic() - started < 5
+
+
+def test_a_proxy_that_answers_with_an_error_leaves_the_cache_usable(proxy_env: pytest.MonkeyPatch, gguf_file: Path,
+                                                                   tmp_path: Path,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """huggingface_hub re-raises a proxy's error instead of using the cache: '404 Not Found', no proxy named."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Proxy404)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    proxy = f"http://127.0.0.1:{server.server_address[1]}"
+    proxy_env.setenv("HTTPS_PROXY", proxy)
+    pointer = _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "tiny.gguf", gguf_file.read_bytes())
+    try:
+        with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+            assert catalogue.resolve_model("hf://acme/tiny-GGUF/tiny.gguf", progress=False) == pointer
+        assert f"through the proxy {proxy}" in caplog.text and "using the copy in its cache" in caplog.text
+        with pytest.raises(ModelError, match=f"cannot download hf://acme/tiny-GGUF/absent.gguf \\(through the "
+                                             f"proxy {proxy} set in the environment\\): 404"):
+            catalogue.resolve_model("hf://acme/tiny-GGUF/absent.gguf", progress=False)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_damaged_hub_file_can_be_downloaded_again(hub: type[_Hub], gguf_file: Path,
+                                                    capsys: pytest.CaptureFixture) -> None:
+    """A truncated file in the hub cache was reused; its error named no remedy, and `models fetch --force
+    hf://...` was refused."""
+    from ouroboros_local.cli import main
+
+    data = gguf_file.read_bytes()
+    hub.files[("acme/tiny-GGUF", "tiny.gguf")] = data
+    spec = "hf://acme/tiny-GGUF/tiny.gguf"
+    path = catalogue.resolve_model(spec, progress=False)
+    os.truncate(path.resolve(), len(data) // 2)
+    with pytest.raises(ModelError, match=f"truncated or corrupt .*; download it again with: ouroboros-local "
+                                         f"models fetch --force {spec}$"):
+        catalogue.resolve_model(spec, progress=False)
+    with pytest.raises(ModelError, match=r"again \(--force\) needs the network, and offline mode is on"):
+        catalogue.resolve_model(spec, offline=True, force=True, progress=False)
+    assert main(["models", "fetch", "--force", spec]) == 0
+    assert capsys.readouterr().out.strip() == str(path) and path.read_bytes() == data
+
+
 # ---------------------------------------------------------------------------------------------
 # default drafts (-d auto)
 # ---------------------------------------------------------------------------------------------
@@ -940,6 +1131,21 @@ def test_default_draft_of_a_cached_catalogue_file_trusts_its_sidecar(fake: FakeM
     assert catalogue.default_draft_for(path, cache_dir=fake.cache, catalogue=cat) == "fake-draft"
 
 
+def test_default_draft_of_a_link_to_a_cached_catalogue_file_trusts_its_sidecar(
+        fake: FakeModel, quick_pip: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-d auto hashed a symbolic link to the cached 1.5B target (1.1 GB) at every start."""
+    cat = fake.catalogue(default_draft="fake-draft")
+    cat["fake-draft"] = replace(fake.entry, name="fake-draft", sha256="d" * 64)
+    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
+                                 progress=False)
+    (tmp_path / "symlink.gguf").symlink_to(path)
+    os.link(path, tmp_path / "hardlink.gguf")
+    monkeypatch.setattr(catalogue, "_sha256_file", lambda *a, **k: pytest.fail("hashed"))
+    for link in ("symlink.gguf", "hardlink.gguf"):
+        assert catalogue.resolve_draft_spec(tmp_path / link, "auto", cache_dir=fake.cache, catalogue=cat) \
+            == "fake-draft"
+
+
 def test_default_draft_of_an_hf_spec_from_the_hub_cache(pair: DraftPair, tmp_path: Path) -> None:
     _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "target.gguf", pair.target.read_bytes())
     assert catalogue.default_draft_for("hf://acme/tiny-GGUF/target.gguf", catalogue=pair.catalogue) == "tiny-draft"
@@ -974,7 +1180,8 @@ def test_auto_draft_end_to_end(pair: DraftPair, tmp_path: Path) -> None:
 
 
 def test_auto_is_not_a_model_name() -> None:
-    with pytest.raises(ModelError, match=r"'auto' is not a model: as a draft \(-d auto\) it means the target's default draft"):
+    with pytest.raises(ModelError,
+                       match=r"'auto' is not a model: as a draft \(-d auto\) it means the target's default draft"):
         catalogue.resolve_model("auto")
 
 
@@ -1086,7 +1293,8 @@ def test_models_fetch_without_a_name_is_an_error(capsys) -> None:
     args = build_parser().parse_args(["models", "fetch", "--force", "x", "y"])
     assert args.force and args.names == ["x", "y"]
     assert main(["models", "fetch", "--force", "./my.gguf"]) == 2      # it said "unknown model './my.gguf'"
-    assert "--force fetches a catalogue model again; './my.gguf' is not one" in capsys.readouterr().err
+    assert "--force fetches a catalogue model or a hub file (hf://...) again; './my.gguf' is neither" \
+        in capsys.readouterr().err
     assert main(["generate", "-m", "", "-p", "hi"]) == 2               # it said ". is a directory"
     assert "the model name is empty" in capsys.readouterr().err
 
