@@ -93,7 +93,7 @@ class ChatSession:
         if not self.system:
             return
         _, shown, n_tokens = self._tokens(self.messages + [{"role": "user", "content": ""}])
-        if self.n_ctx - n_tokens - 1 <= 0:
+        if n_tokens >= self.n_ctx:
             raise ContextOverflowError(f"the system prompt has {shown} tokens and the context holds "
                                        f"{self.n_ctx}: shorten --system (or use a larger --ctx-size)")
 
@@ -116,19 +116,20 @@ class ChatSession:
         turn = {"role": "user", "content": text}
         first = int(bool(self.system))   # the messages before it are kept whatever is dropped
         alone, shown, n_alone = self._tokens(self.messages[:first] + [turn])
-        if self.n_ctx - n_alone - 1 <= 0:   # nothing to drop would make room: the history stays as it is
+        if n_alone >= self.n_ctx:   # nothing to drop would make room: the history stays as it is
             raise ContextOverflowError(f"the message has {shown} tokens with the chat template and the "
-                                       f"context holds {self.n_ctx}: shorten it (or use a larger --ctx-size)")
+                                       f"context holds {self.n_ctx}, a prompt of at most {self.n_ctx - 1} and a "
+                                       "token of answer: shorten it (or use a larger --ctx-size)")
         # as chat apps do, the oldest turns make way for an answer (one answer that filled the context
         # left every later message refused, the conversation lost to /reset)
         wanted = min(self.max_tokens or ANSWER_ROOM, ANSWER_ROOM, self.n_ctx // 4)
         history = self.messages[first:]
         messages = self.messages[:first] + history + [turn]
         tokens, shown, n_tokens = self._tokens(messages) if history else (alone, shown, n_alone)
-        if history and self.n_ctx - n_tokens - 1 < wanted:
+        if history and self.n_ctx - n_tokens < wanted:
             history, messages, tokens, n_tokens = self._make_room(first, history, turn, (alone, n_alone), cancel)
         self.dropped = len(self.messages) - first - len(history)
-        room = self.n_ctx - n_tokens - 1
+        room = self.n_ctx - n_tokens   # what generate and the server give: the answer may fill the context
         max_tokens = room if self.max_tokens is None else min(self.max_tokens, room)
         result = None
         for event in self.engine.stream(tokens, max_tokens=max_tokens, method=self.method,
@@ -180,7 +181,7 @@ class ChatSession:
             kept = history[cuts[mid]:]
             messages = self.messages[:first] + kept + [turn]
             tokens, _, n_tokens = self._tokens(messages)
-            if self.n_ctx - n_tokens - 1 >= free:
+            if self.n_ctx - n_tokens >= free:
                 hi, best = mid, (kept, messages, tokens, n_tokens)
             else:
                 lo = mid + 1
@@ -198,7 +199,7 @@ class ChatSession:
         if s.finish_reason == "cancelled":
             parts.append("stopped")
         elif s.finish_reason == "length":
-            full = self.context_used >= self.n_ctx - 1
+            full = self.context_used >= self.n_ctx
             parts.append(f"the context of {self.n_ctx} tokens is full (the next message drops the oldest turns)"
                          if full else "length limit")
         if self.dropped:

@@ -706,8 +706,10 @@ class Engine:
         return tokens
 
     def _overflow(self, n_tokens: int, at_least: bool = False) -> ContextOverflowError:
+        n_ctx = self.target_ctx.n_ctx   # "256 tokens but the context holds 256" read as a contradiction
         return ContextOverflowError(f"the prompt has {counted(n_tokens, at_least)} tokens but the context holds "
-                                    f"{self.target_ctx.n_ctx}; use a larger --ctx-size or a shorter prompt",
+                                    f"{n_ctx}, a prompt of at most {n_ctx - 1} and a token of answer; use a "
+                                    "larger --ctx-size or a shorter prompt",
                                     n_tokens=n_tokens, at_least=at_least)
 
     # ---- generation -----------------------------------------------------------------------------
@@ -1152,16 +1154,19 @@ class Engine:
 
     def _propose_in_room(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int,
                          room: int) -> TokenTree | None:
-        """The proposer's tree (priced by ``sched`` when given; the contract checked), or None when it no
-        longer fits the context (a lookahead window's extra tokens take cells too) or a draft model's own
-        context is full."""
+        """The proposer's tree (priced by ``sched`` when given; the contract checked), cut to the cells
+        left in the context, or None when a draft model's own context is full."""
         try:
             tree = sched.draft(proposer, committed, budget) if sched else proposer.propose(committed, budget)
         except ContextOverflowError:
             return None
         _check_tree(proposer, tree, committed[-1], budget, self.target.n_vocab, self.target_ctx.n_seq_max,
                     self.target_ctx.n_batch)
-        return tree if tree.batch_size <= room + 1 else None
+        if tree.batch_size <= room + 1:
+            return tree
+        # its first nodes (parents come first), without a window's extra tokens: a tree too large was
+        # dropped, and every later round was a plain step, tens of tokens before the context's end
+        return tree.subtree(range(min(len(tree), room + 1)))
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, rng: np.random.Generator) -> VerifyResult:
         if is_plain_step(tree):   # no layout, no walk: what one round of plain decoding must cost

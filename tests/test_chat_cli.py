@@ -170,7 +170,7 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(engine)
     session = ChatSession(engine, method="vanilla", system=SYSTEM, max_tokens=8)
     first = session.ask("Tell me about the sea.")
     session.messages[-1]["content"] = "waves " * 300   # as if the answer had run until the context was full
-    session.context_used = session.n_ctx - 1
+    session.context_used = session.n_ctx   # prompt and answer fill it
     first.stats.finish_reason = "length"
     assert "the context of 512 tokens is full" in session.turn_line(first)
     second = session.ask("And the boats?")
@@ -407,3 +407,28 @@ def test_chat_in_a_pty_quit_command(tiny_target):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_a_chat_answer_may_fill_the_context_as_generate_and_the_server_let_it(tiny_target):
+    """The chat kept one cell free: a message of n_ctx - 1 tokens was refused (generate answers it with a
+    token), and with k cells left it answered k - 1 tokens, saying the context was full."""
+    from ouroboros_local.testing.engines import tiny_engine
+
+    with tiny_engine(tiny_target, n_ctx=256) as eng:
+        words = "The quick brown fox jumps over the lazy dog. " * 30
+        by_room = {}
+        for n in range(len(words), 0, -1):
+            room = 256 - len(eng.chat_tokens([{"role": "user", "content": words[:n]}]))
+            by_room.setdefault(room, words[:n])
+            if room > 3:
+                break
+        for room in (1, 3):
+            message = by_room[room]
+            plain = eng.generate(eng.chat_tokens([{"role": "user", "content": message}]), max_tokens=1000)
+            session = ChatSession(eng, method="vanilla")
+            answer = session.ask(message)
+            assert answer.tokens == plain.tokens and len(answer.tokens) <= room, room
+            if answer.stats.finish_reason == "length":
+                assert "the context of 256 tokens is full" in session.turn_line(answer)
+        with pytest.raises(ContextOverflowError, match="a prompt of at most 255 and a token of answer"):
+            ChatSession(eng, method="vanilla").ask(words)

@@ -1082,3 +1082,37 @@ def test_a_path_names_a_file_never_a_catalogue_model(tiny_target, tmp_path, monk
         assert engine.draft is not None
     with pytest.raises(ParameterError, match="the target must be a GGUF path"):
         Engine.load(42)
+
+
+@pytest.mark.parametrize("method, options", [("ouroboros", {}), ("lookahead", {"window": 8, "level": 5,
+                                                                               "guess_set": 8})])
+def test_window_methods_draft_to_the_end_of_a_context_sized_to_the_job(tiny_target, tiny_draft, method,
+                                                                       options) -> None:
+    """A tree (or the draft's window) that no longer fitted the cells left was dropped, and every later
+    round was a plain step: at a context sized to prompt + answer, ouroboros took 31 passes for 21."""
+    passes, answers = [], []
+    for n_ctx in (256, 512):
+        with make_engine(tiny_target, tiny_draft, n_ctx=n_ctx, n_batch=256, n_seq_max=16) as engine:
+            prompt = engine.tokenize("The quick brown fox jumps over the lazy dog. " * 30, add_special=False)[:156]
+            result = engine.generate(prompt, max_tokens=100, method=method, options=options)
+            assert result.tokens == engine.generate(prompt, max_tokens=100).tokens
+            passes.append(result.stats.target_passes)
+            answers.append(result.tokens)
+    assert answers[0] == answers[1] and len(answers[0]) == 100
+    assert passes[0] <= passes[1] + 3, passes
+
+
+def test_auto_keeps_copy_drafting_once_its_draft_models_context_is_full(tiny_target, tiny_draft) -> None:
+    """The draft model's full context stopped every drafter for the rest of the answer: with the draft
+    loaded, auto took more passes than without one."""
+    def run(draft, **cfg) -> Any:
+        with make_engine(tiny_target, draft, n_ctx=1024, **cfg) as engine:
+            prompt = engine.tokenize("def add(a, b):\n    return a + b\n\n" * 100, add_special=False)[:200]
+            result = engine.generate(prompt, max_tokens=400, method="auto")
+            assert result.tokens == engine.generate(prompt, max_tokens=400).tokens
+            return result.stats
+
+    full = run(tiny_draft, draft_n_ctx=256)
+    alone = run(None)
+    assert full.extra["draft_context_full"] == ["speculative"]
+    assert full.target_passes <= alone.target_passes * 1.1, (full.target_passes, alone.target_passes)

@@ -192,7 +192,9 @@ class OuroborosProposer(Proposer):
         depth_room = ctx.n_ctx - n_past - len(chain)   # offsets below u that still fit the context
         if depth_room < 1:
             return []
-        use_window = win.W > 0 and win.depth < depth_room
+        # every node takes a cell: a window deeper than the room, or wider, is left out near the end (a
+        # decode that could not fit raised, and drafting stopped for the rest of the answer)
+        use_window = win.W > 0 and win.depth < depth_room and win.n_nodes <= depth_room
         tree = TokenTree.rooted_at(chain[0])
         node = 0
         for tok in chain[1:]:
@@ -215,7 +217,7 @@ class OuroborosProposer(Proposer):
             phrases = ((cut_at_eog(p[:max_len], eog), "pool")
                        for p in self.pool.lookup(self._key_context(chain, committed, d), k=self.G,
                                                  max_len=self.window.K))
-            hang_phrases(tree, u_node, phrases, ctx.n_batch - 1, ctx.n_seq_max)
+            hang_phrases(tree, u_node, phrases, min(ctx.n_batch, ctx.n_ctx - n_past) - 1, ctx.n_seq_max)
         lay = layout(tree)
         if self._checking():
             check_layout(lay)

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Sequence
 
+from ..errors import ContextOverflowError
 from ..tree import TokenTree
 from .base import ProposeSetup, Proposer
 
@@ -25,6 +26,7 @@ class AutoProposer(Proposer):
         self._last: Proposer | None = None
         self.rounds: dict[str, int] = {}
         self.round_size = 0
+        self._out_of_room: set[str] = set()
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         sched = self.scheduler
@@ -39,6 +41,7 @@ class AutoProposer(Proposer):
             proposer.begin(prompt, replace(setup, retired=retired))
         self.rounds = {}
         self.round_size = setup.round_size
+        self._out_of_room: set[str] = set()   # drafters whose model's own context filled up, this request
 
     @property
     def drafts_ahead(self) -> bool:   # type: ignore[override]
@@ -58,7 +61,13 @@ class AutoProposer(Proposer):
             candidates = [p for p in candidates if not p.free_drafts]
         fallback: tuple[Proposer, TokenTree] | None = None   # a draft passed over for a better promise
         for i, proposer in enumerate(candidates):
-            tree = sched.draft_if_any(proposer, committed, budget)
+            if proposer.name in self._out_of_room:
+                continue
+            try:
+                tree = sched.draft_if_any(proposer, committed, budget)
+            except ContextOverflowError:   # its draft model's context is full: the others still draft
+                self._out_of_room.add(proposer.name)
+                continue
             if tree is None or not tree.n_candidates:
                 continue
             if fallback is None and self._later_is_better(proposer, tree, candidates[i + 1:], budget):
@@ -122,6 +131,8 @@ class AutoProposer(Proposer):
         ceilings = {p.name: retired[p.name] for p in self.candidates if p.name in retired}
         if ceilings:
             out["draft_ceiling"] = ceilings
+        if self._out_of_room:   # their draft model's context filled up: not asked for the rest of the answer
+            out["draft_context_full"] = sorted(self._out_of_room)
         for proposer in self.candidates:
             out.update(proposer.stats())
         return out

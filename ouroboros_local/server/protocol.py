@@ -477,8 +477,9 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
 def context_exceeded(n_prompt: int | str, n_ctx: int, param: str) -> ApiError:
     """400 with code context_length_exceeded, as OpenAI and llama-server answer (clients catch it as a bad
     request); ``n_prompt``: the count, or how a ContextOverflowError says it ("at least 70000")."""
-    return ApiError(400, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}: "
-                         "shorten the prompt (or start the server with a larger --ctx-size)",
+    return ApiError(400, f"the prompt has {n_prompt} tokens but the context holds {n_ctx}, a prompt of at most "
+                         f"{n_ctx - 1} and a token of answer: shorten the prompt (or start the server with a "
+                         "larger --ctx-size)",
                     param=param, code="context_length_exceeded")
 
 
