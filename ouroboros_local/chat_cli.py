@@ -352,7 +352,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     sampling = cli._sampling_from_args(args)
     method, options = cli.checked_method(args)
     read, prompt = _terminal_reader()
-    engine = cli._engine_from_args(args)
+    engine = cli._engine_from_args(args, method, options)
     try:
         cli.warn_without_chat_template(engine, "use `generate -p TEXT` for plain completion")
         session = ChatSession(engine, method=method, sampling=sampling, options=options, system=args.system,

@@ -267,15 +267,22 @@ def engine_config_from_args(args: argparse.Namespace) -> Any:
                         round_switch=args.round_switch == "on")
 
 
-def _engine_from_args(args: argparse.Namespace):
-    from .engine import Engine
+def _engine_from_args(args: argparse.Namespace, method: str | None = None, options: dict[str, Any] | None = None):
+    """The engine of ``args``' models. ``method`` and ``options``: what the pair's vocabularies refuse of
+    them is refused from the GGUF headers, before the weights load (it was said after, seconds to minutes)."""
+    from .engine import Engine, resolve_and_check
+    from .proposers import check_options, check_pair_options
 
     config = engine_config_from_args(args)
     if args.threads and args.threads > (cores := usable_cores()):
         say(f"note: -t {args.threads} is more threads than the {cores} cores this process may use: llama.cpp's "
             "threads wait for each other at every step, so threads sharing a core slow decoding down, "
             "often many times over")
-    engine = Engine.load(args.model, args.draft, config=config, progress=True)
+    target, draft = args.model, args.draft
+    if method is not None and draft is not None:
+        target, draft, compatible, reason = resolve_and_check(target, draft, progress=True)
+        check_pair_options(method, options or {}, check_options(method, options or {}), compatible, reason)
+    engine = Engine.load(target, draft, config=config, progress=True)
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")
     trained = engine.target.n_ctx_train
@@ -341,7 +348,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt and not args.chat:
         _refuse_empty_prompt(args.model)
     _leave_unused_draft(args, method)
-    engine = _engine_from_args(args)
+    engine = _engine_from_args(args, method, options)
     try:   # closing saves the learned estimates and history, Ctrl-C or not
         _generate_and_report(engine, args, prompt, method, options, sampling)
     finally:

@@ -310,6 +310,32 @@ def test_same_vocabulary_draft_settings_are_refused_not_ignored(cross_engine: En
     assert cross_engine.generate("hello there", method=method, max_tokens=2, options={"gamma": 3}).tokens
 
 
+def test_the_bridges_settings_are_refused_for_a_draft_of_the_same_vocabulary(tiny_target, tiny_draft) -> None:
+    """map_specials and keep_unstable were taken, and did nothing, with a draft of the target's vocabulary."""
+    from ouroboros_local.testing.engines import tiny_engine
+
+    with tiny_engine(tiny_target, tiny_draft) as engine:
+        for method in ("speculative", "auto"):
+            for options in ({"keep_unstable": True}, {"map_specials": False}):
+                with pytest.raises(IncompatiblePairError, match="only for a draft of another vocabulary"):
+                    engine.generate("hello there", method=method, max_tokens=2, options=options)
+            assert engine.generate("hello there", method=method, max_tokens=2, options={"map_specials": True}).tokens
+
+
+@pytest.mark.parametrize("flags", [["--method", "pearl"], ["--method", "speculative", "--adaedl"],
+                                   ["--method", "auto", "--p-min", "0.3"]])
+def test_what_the_pair_refuses_is_refused_before_the_weights_load(tiny_target, tiny_other_vocab, capsys,
+                                                                   flags) -> None:
+    """The GGUF headers decide it: the command line said so only once both models had loaded (10-14 s for
+    the 1.5B with SmolLM2)."""
+    from ouroboros_local.cli import main
+
+    assert main(["generate", "-m", str(tiny_target), "-d", str(tiny_other_vocab), "-p", "x", "-n", "2",
+                 *flags]) == 2
+    err = capsys.readouterr().err
+    assert "vocabulary" in err and "loading" not in err, err
+
+
 def test_oracle_draft_text_is_accepted(bridged_engine: Engine) -> None:
     """The conversion is right: text that continues the committed text comes back as the target's own
     tokens for it (the canonical tokenization), short of the last token, which may still grow. (A

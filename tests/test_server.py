@@ -935,7 +935,7 @@ def test_serve_notes_a_model_without_a_chat_template(tiny_target, monkeypatch) -
     def note(engine, plain):
         raise Noted(plain)
 
-    monkeypatch.setattr(cli, "_engine_from_args", lambda args: SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(cli, "_engine_from_args", lambda args, *_: SimpleNamespace(close=lambda: None))
     monkeypatch.setattr(cli, "warn_without_chat_template", note)
     with pytest.raises(Noted, match="/v1/completions takes plain text"):
         main(["serve", "-m", str(tiny_target), "--port", "0", "--method", "vanilla"])

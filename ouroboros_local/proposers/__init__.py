@@ -8,7 +8,7 @@ from importlib import import_module
 from typing import Any, Callable, Mapping
 
 from ..errors import DrafterError, IncompatiblePairError, MethodOptionError, ParameterError
-from ..options import Option
+from ..options import KEEP_UNSTABLE, MAP_SPECIALS, Option
 from ..options import parse as parse_options
 from .base import DraftingContext, NoDraft, ProposeSetup, Proposer
 
@@ -136,19 +136,38 @@ class Method:
     scheduled: bool
 
 
+def check_pair_options(method: str, options: dict[str, Any], checked: dict[str, Any], compatible: bool | None,
+                       reason: str | None) -> None:
+    """What the pair's vocabularies refuse (IncompatiblePairError): pearl and the confidence cuts of a
+    same-vocabulary draft with a draft of another vocabulary, the bridge's settings with one of the same
+    (an option that would not take effect is an error). ``options``: as given; ``checked``: with defaults.
+    The command line asks before the weights load (the GGUF headers decide it), ``create_method`` again."""
+    if compatible is False:
+        if method == "pearl":
+            raise IncompatiblePairError(f"pearl needs a draft with the target's vocabulary ({reason}); "
+                                        "--method speculative or ouroboros bridge different vocabularies through text")
+        if method in ("speculative", "auto"):
+            from .cross_vocab import refuse_ignored
+
+            refuse_ignored(checked, reason)
+    elif compatible and method in ("speculative", "auto"):
+        bridge = [o.name for o in (MAP_SPECIALS, KEEP_UNSTABLE) if o.name in options
+                  and options[o.name] is not None and options[o.name] != o.default]
+        if bridge:
+            raise IncompatiblePairError(f"{', '.join(bridge)}: only for a draft of another vocabulary (this pair "
+                                        "shares one)")
+
+
 def create_method(method: str, ctx: DraftingContext, options: dict[str, Any]) -> Method:
     """The proposer of ``method`` with ``options`` (checked, defaults filled in) for one generation."""
     target = _METHODS.get(method)
     if target is None:
         raise ParameterError(f"unknown method {method!r}; choose one of {', '.join(method_names())}")
-    if ctx.draft is not None and ctx.pair_compatible is False:
-        if method in _CROSS_VOCAB_METHODS:
-            target = _CROSS_VOCAB_METHODS[method]
-        elif method == "pearl":
-            raise IncompatiblePairError(
-                f"pearl needs a draft with the target's vocabulary ({ctx.pair_reason}); "
-                "--method speculative or ouroboros bridge different vocabularies through text")
     checked = check_options(method, options)
+    if ctx.draft is not None:
+        check_pair_options(method, options, checked, ctx.pair_compatible, ctx.pair_reason)
+        if ctx.pair_compatible is False and method in _CROSS_VOCAB_METHODS:
+            target = _CROSS_VOCAB_METHODS[method]
     # adaptive=false: this generation runs the method's fixed hyperparameters every round, as
     # EngineConfig(adaptive=False) does for every method (e.g. to benchmark against the scheduler)
     ctx = replace(ctx, adaptive=ctx.adaptive and checked.get("adaptive") is not False)

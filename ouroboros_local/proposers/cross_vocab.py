@@ -65,9 +65,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..verify import VerifyResult
 
 
-# target tokens one draft token becomes at most, for the drafting cost's floor before it is timed: the
-# text of a draft token is rarely more than one target token (1.1-1.3 from a larger vocabulary's draft
-# into a smaller one's target), and the last converted token is dropped each round
+# target tokens one draft token is counted as, for the drafting cost's floor before it is timed: the
+# text of a draft token is rarely more than one target token in Latin text and code (1.1-1.3 from a larger
+# vocabulary's draft into a smaller one's target), and the last converted token is dropped each round;
+# text the target's vocabulary spells in more pieces makes more (CJK from a Qwen draft: 3-4 SmolLM2 tokens)
 MAX_TARGET_PER_DRAFT = 1.5
 
 
@@ -249,7 +250,7 @@ class CrossVocabProposer(Proposer):
                 "inexact_restarts": self.view.inexact_restarts}
 
 
-def _refuse_ignored(options: dict[str, Any], reason: str | None) -> None:
+def refuse_ignored(options: dict[str, Any], reason: str | None) -> None:
     """Same-vocabulary draft settings this drafter would ignore, refused (options.py: an option that
     would not take effect is an error): its drafts are greedy, in full, and not cut by confidence."""
     ignored = [name for name, neutral in (("adaedl", False), ("p_min", 0.0))
@@ -267,7 +268,7 @@ def create(ctx: DraftingContext, options: dict[str, Any], prefill_in_begin: bool
     ``prefill_in_begin=False``: the draft reads the prompt only when first asked to draft (``auto``)."""
     if ctx.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft)")
-    _refuse_ignored(options, ctx.pair_reason)
+    refuse_ignored(options, ctx.pair_reason)
     return CrossVocabProposer(ctx.draft_kv(), ctx.target, ctx.draft, gamma=options["gamma"] or 6,
                               map_specials=options["map_specials"], keep_unstable=options["keep_unstable"],
                               prefill_in_begin=prefill_in_begin)

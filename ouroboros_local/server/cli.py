@@ -78,7 +78,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     method, options = cli.checked_method(args, for_any_method=True)
     sock = _listen(args.host, args.port)   # before loading: a taken port fails in a second, not minutes
 
-    engine = cli._engine_from_args(args)
+    engine = cli._engine_from_args(args, method, applicable_options(method, options))
     try:
         cli.warn_without_chat_template(engine, "/v1/completions takes plain text")
         # a first calibration now, not in the first request (a client's timeout may be shorter)
