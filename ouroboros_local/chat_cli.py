@@ -13,6 +13,7 @@ where stdout is not).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import signal
@@ -256,8 +257,9 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
                 say("")
             return finished()
         except KeyboardInterrupt:
-            if prompt:
-                say("")
+            if not prompt:   # piped: no one is there to press it twice; it ends the chat, status 130
+                raise
+            say("")
             if interrupted:
                 return finished()
             interrupted = True
@@ -286,7 +288,8 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
 
         cancel = threading.Event()
         previous = None
-        if main_thread:
+        stops_answer = main_thread and bool(prompt)   # at a terminal Ctrl-C stops the answer; piped, the chat
+        if stops_answer:
             previous = signal.signal(signal.SIGINT, lambda signum, frame, event=cancel: event.set())
         written: list[str] = []
 
@@ -302,8 +305,13 @@ def run_repl(session: ChatSession, *, read: Callable[[str], str] = input, prompt
             say(f"error: {exc}")
             refused += 1
             continue
+        except BaseException:   # Ctrl-C piped, SIGTERM, SIGHUP: the answer's line ends before the exit
+            if written and not written[-1].endswith("\n"):
+                with contextlib.suppress(OSError):
+                    write("\n")
+            raise
         finally:
-            if main_thread:
+            if stops_answer:
                 signal.signal(signal.SIGINT, previous if previous is not None else signal.default_int_handler)
         if not result.text.endswith("\n"):
             write("\n")

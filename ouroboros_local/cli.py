@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import logging
@@ -384,11 +385,20 @@ def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, met
     kwargs = dict(max_tokens=args.max_tokens, sampling=sampling, stop=args.stop or (), chat=args.chat)
     out = sys.stdout
     result = None
-    for event in engine.stream(prompt, method=method, options=options, **kwargs):
-        if event.text and not args.quiet:
-            out.write(event.text)
-            out.flush()
-        result = event.result or result
+    line_open = False   # the answer's last line, not yet ended
+    try:
+        for event in engine.stream(prompt, method=method, options=options, **kwargs):
+            if event.text and not args.quiet:
+                out.write(event.text)
+                out.flush()
+                line_open = not event.text.endswith("\n")
+            result = event.result or result
+    except BaseException:   # Ctrl-C, SIGTERM, SIGHUP: "interrupted" and the shell's prompt were glued to it
+        if line_open:
+            with contextlib.suppress(OSError, ValueError):
+                out.write("\n")
+                out.flush()
+        raise
     assert result is not None
     if not args.quiet:
         out.write("\n")

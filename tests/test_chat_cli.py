@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import os
 import re
+import signal
 import sys
 import threading
 import time
@@ -432,3 +433,28 @@ def test_a_chat_answer_may_fill_the_context_as_generate_and_the_server_let_it(ti
                 assert "the context of 256 tokens is full" in session.turn_line(answer)
         with pytest.raises(ContextOverflowError, match="a prompt of at most 255 and a token of answer"):
             ChatSession(eng, method="vanilla").ask(words)
+
+
+def test_piped_ctrl_c_ends_the_chat_and_ends_the_answers_line(engine, monkeypatch):
+    """Piped, each Ctrl-C only stopped an answer or dropped the next message, and the chat answered the
+    rest and exited 0; a SIGTERM mid-answer left its line open for the next output."""
+    lines = iter(["hello", "never read"])
+
+    def interrupt_at_read(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    session = ChatSession(engine, method="vanilla", max_tokens=8)
+    with pytest.raises(KeyboardInterrupt):   # the command line says "interrupted" and exits 130
+        run_repl(session, read=interrupt_at_read, prompt="", out=io.StringIO(), err=io.StringIO())
+    real_ask = session.ask
+
+    def ended_mid_answer(message, on_text, cancel):
+        real_ask(message, lambda text: on_text(text.replace("\n", " ") or "x"), cancel)
+        raise SystemExit(143)   # as SIGTERM's handler does during a generation
+
+    monkeypatch.setattr(session, "ask", ended_mid_answer)
+    out = io.StringIO()
+    with pytest.raises(SystemExit):
+        run_repl(session, read=lambda prompt: next(lines), prompt="", out=out, err=io.StringIO())
+    assert out.getvalue().endswith("\n") and next(lines) == "never read"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # piped: never swapped

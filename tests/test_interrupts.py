@@ -33,12 +33,34 @@ def test_a_programs_own_handler_is_left_in_place() -> None:
         signal.signal(signal.SIGINT, previous)
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGTERM handler of Python's own on Windows")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)])
+def test_a_termination_the_program_handles_is_noted_and_its_handler_called_after(signum) -> None:
+    """The command line ends on SIGTERM and SIGHUP by raising SystemExit in its handler: raised in a load's
+    callback, ctypes ignored it, and `serve` stopped during its load went on to serve."""
+    def end(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signum, end)
+    try:
+        with noted_ctrl_c() as ctrl_c:
+            signal.raise_signal(signum)
+            sum(range(1000))
+        assert ctrl_c.noted and not ctrl_c.keep_going(0.5, None) and signal.getsignal(signum) is end
+        undone: list[bool] = []
+        with pytest.raises(SystemExit) as exc:
+            ctrl_c.raise_if_noted(lambda: undone.append(True))
+        assert exc.value.code == 128 + signum and undone
+    finally:
+        signal.signal(signum, previous)
+
+
 @pytest.mark.parametrize("huge_pages", [False, True])
 def test_a_ctrl_c_during_a_load_stops_it_and_is_raised(tiny_target, monkeypatch, huge_pages) -> None:
     @contextlib.contextmanager
     def at_once():
         ctrl_c = CtrlC()
-        ctrl_c.noted = True   # as if Ctrl-C came with the load's first bytes
+        ctrl_c.signum = signal.SIGINT   # as if Ctrl-C came with the load's first bytes
         yield ctrl_c
 
     monkeypatch.setattr(binding, "noted_ctrl_c", at_once)
@@ -58,7 +80,7 @@ def test_a_ctrl_c_while_a_context_is_made_frees_it_and_is_raised(tiny_target, mo
         def at_once():
             ctrl_c = CtrlC()
             yield ctrl_c
-            ctrl_c.noted = True
+            ctrl_c.signum = signal.SIGINT
 
         monkeypatch.setattr(binding, "noted_ctrl_c", at_once)
         freed: list[object] = []

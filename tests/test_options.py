@@ -681,3 +681,21 @@ def test_a_lookahead_window_past_the_sequence_ids_is_refused_before_the_model_lo
                  "--seqs", "4"]) == 2
     err = capsys.readouterr().err
     assert "window W=8 needs 9 sequence ids, the context has 4" in err and "absent.gguf" not in err
+
+
+def test_an_answer_cut_by_a_signal_ends_its_line_before_interrupted(tiny_target, monkeypatch, capsys) -> None:
+    """Ctrl-C mid-answer printed "...a tail of a lioninterrupted"; SIGTERM left the shell's prompt on the
+    answer's line."""
+    from types import SimpleNamespace
+
+    from ouroboros_local import cli
+
+    def stream(*args, **kwargs):
+        yield SimpleNamespace(text="a tail of a lion", result=None)
+        raise KeyboardInterrupt
+
+    engine = SimpleNamespace(stream=stream, close=lambda: None, target=SimpleNamespace(chat_template=lambda: "x"))
+    monkeypatch.setattr(cli, "_engine_from_args", lambda *args: engine)
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "hello", "--method", "vanilla"]) == 130
+    captured = capsys.readouterr()
+    assert captured.out == "a tail of a lion\n" and captured.err.endswith("interrupted\n")

@@ -124,7 +124,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     finally:
         sock.close()
         engine.close()
-    return 0
+    if server.stopped_by is None:
+        return 0
+    print(f"stopped ({signal.Signals(server.stopped_by).name})", file=sys.stderr)
+    return 128 + server.stopped_by   # 130, 143, 129: what every other command exits with on these signals
 
 
 def _api_key(flag: str | None, env: str | None) -> str | None:
@@ -162,8 +165,12 @@ def _server(uvicorn: Any, config: Any, end_jobs: Callable[[], None]) -> Any:
     threading.Thread(target=stopper, name="ouroboros-stop", daemon=True).start()
 
     class Server(uvicorn.Server):
+        stopped_by: int | None = None   # the signal that stopped it: the exit status says it, as other commands'
+
         def handle_exit(self, sig: int, frame: Any) -> None:
             asked.set()
+            if self.stopped_by is None:
+                self.stopped_by = int(sig)
             super().handle_exit(sig, frame)
 
     return Server(config)
