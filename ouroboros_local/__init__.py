@@ -3,8 +3,14 @@
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING  # noqa: E402
+
 from .errors import (ContextOverflowError, IncompatiblePairError, MethodOptionError, ModelError,  # noqa: E402
                      OuroborosError, ParameterError, PoolError)
+
+if TYPE_CHECKING:   # what editors and type checkers see of the lazy names below
+    from .engine import Engine, EngineConfig, GenerationResult, GenerationStats, StreamEvent
+    from .sampling import SamplingParams
 
 
 def __getattr__(name: str):

@@ -110,8 +110,8 @@ _UNSUPPORTED_PARTS = ("tool_calls", "function_call", "audio")
 def _text_part(i: int, part: Any) -> str:
     if not isinstance(part, dict) or part.get("type", "text") != "text":
         kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        raise ParameterError(f"message {i}: content part {kind!r} is not supported (this server takes "
-                             "text parts only)")
+        raise ParameterError(f"message {i}: content part {kind!r} is not supported (only "
+                             "text parts are)")
     if not isinstance(part.get("text"), str):
         raise ParameterError(f"message {i}: a text part needs a string 'text'")
     return part["text"]

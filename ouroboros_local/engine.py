@@ -23,7 +23,7 @@ import weakref
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Sequence
 
 import numpy as np
 
@@ -104,7 +104,7 @@ MAX_SEQS = 256         # llama.cpp's LLAMA_MAX_SEQ
 MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
 
 
-@dataclass
+@dataclass(frozen=True)   # checked once: a field changed afterwards skipped the checks (10**11 threads aborted)
 class EngineConfig:
     n_ctx: int = 4096
     n_batch: int = 256            # largest tree / prefill chunk in one decode
@@ -148,7 +148,7 @@ class EngineConfig:
         numpy error from the scheduler for max_draft=0) or was taken silently (round_size=-1)."""
         for name in ("gpu_layers", "draft_gpu_layers"):
             if getattr(self, name) is None:
-                setattr(self, name, -1 if supports_gpu_offload() else 0)
+                object.__setattr__(self, name, -1 if supports_gpu_offload() else 0)
         # llama.cpp takes these as 32-bit integers: 2**32 + 512 became a context of 512, a batch of
         # 2**32 + 2 failed an assertion, 10**11 threads aborted the process
         bounds = {"n_ctx": (0, MAX_CTX), "n_batch": (1, MAX_CTX), "n_seq_max": (1, MAX_SEQS),
@@ -163,7 +163,7 @@ class EngineConfig:
             if not is_integer(value) or not low <= value <= high:
                 raise ParameterError(f"EngineConfig.{name} must be an integer from {low} to {high}"
                                      f"{' or None' if name in optional else ''} (got {value!r})")
-            setattr(self, name, int(value))   # numpy's integers too
+            object.__setattr__(self, name, int(value))   # numpy's integers too
         if self.round_size == 1:   # the command line's --round-size refuses it too
             raise ParameterError("EngineConfig.round_size must be 0 (every round its draft's size) or 2 and more: "
                                  "a round of 1 token checks no draft")
@@ -180,7 +180,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, np.bool_):
                 value = bool(value)
-                setattr(self, name, value)
+                object.__setattr__(self, name, value)
             # ``is`` for None/True/False: 1 == True must not pass for a flag
             if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
                 raise ParameterError(f"EngineConfig.{name} must be one of {', '.join(map(repr, allowed))} "
@@ -232,7 +232,7 @@ class GenerationResult:
         return self.stats.finish_reason
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "tokens": self.tokens, "stats": self.stats.to_dict()}
+        return {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}   # a copy, as stats
 
 
 @dataclass
@@ -385,7 +385,8 @@ class Engine:
         """Resolve (path, hf://, catalogue name), validate and load a target and optional draft."""
         unknown = [key for key in overrides if key not in EngineConfig.__dataclass_fields__]
         if unknown:
-            raise ParameterError(f"unknown engine option {unknown[0]!r}")
+            raise ParameterError(f"unknown engine option {unknown[0]!r}; EngineConfig's are "
+                                 f"{', '.join(EngineConfig.__dataclass_fields__)}")
         if not (config is None or isinstance(config, EngineConfig)):   # a dict: its fields go as keywords
             raise ParameterError(f"config must be an EngineConfig (got {type(config).__name__}); "
                                  "EngineConfig(**fields) or Engine.load(path, field=value, ...)")
@@ -424,8 +425,9 @@ class Engine:
         cfg = self.config
         from .llama import system_info
 
-        ctx = self._draft_ctx if draft else self.target_ctx
-        assert ctx is not None
+        if draft and self.draft is None:
+            raise ParameterError("this engine has no draft model")
+        ctx = self.draft_kv().ctx if draft else self.target_ctx
         model = self.draft if draft else self.target
         # the model's own layers: an engine built on a loaded Model may hold other numbers in its config
         # on a build without GPU offload every --gpu-layers runs the same: one curve, not one per value
@@ -485,6 +487,8 @@ class Engine:
         so that no row learns from another's rounds (``auto`` from ``prompt-lookup``'s on the same prompt).
         An empty ``Learning`` starts from the saved estimates, as a new engine does, and prices rounds with
         the engine's cost curves (measured once). Estimates are saved from whichever is in place."""
+        if not isinstance(state, Learning):
+            raise ParameterError(f"swap_learning takes a Learning (got {type(state).__name__})")
         held = Learning(self._scheduler, self._sizers)
         self._scheduler, self._sizers = state.scheduler, state.sizers
         return held
@@ -613,6 +617,12 @@ class Engine:
             finally:
                 self._lock_owner = None
 
+    def __reduce__(self) -> Any:
+        # its models and contexts live in llama.cpp's memory, in this process: "cannot pickle
+        # '_thread.lock' object" said nothing of what to do
+        raise OuroborosError("an Engine cannot be pickled or sent to another process: load one in each process "
+                             "(Engine.load there), and send prompts and results between them")
+
     def __enter__(self) -> "Engine":
         return self
 
@@ -698,7 +708,7 @@ class Engine:
                                  "they are (chat=False)")
         if len(items) >= self.target_ctx.n_ctx:   # counted before each id is checked (4M ids took 17 s)
             raise self._overflow(len(items))
-        tokens = _token_ids(items, "the prompt")
+        tokens = _token_ids(items, "the prompt", "a str or a sequence of token ids")
         n_vocab = self.target.n_vocab
         if tokens and not 0 <= min(tokens) <= max(tokens) < n_vocab:   # llama.cpp says only "failed to decode"
             bad = next(t for t in tokens if not 0 <= t < n_vocab)
@@ -709,7 +719,7 @@ class Engine:
         n_ctx = self.target_ctx.n_ctx   # "256 tokens but the context holds 256" read as a contradiction
         return ContextOverflowError(f"the prompt has {counted(n_tokens, at_least)} tokens but the context holds "
                                     f"{n_ctx}, a prompt of at most {n_ctx - 1} and a token of answer; use a "
-                                    "larger --ctx-size or a shorter prompt",
+                                    "larger --ctx-size (EngineConfig.n_ctx) or a shorter prompt",
                                     n_tokens=n_tokens, at_least=at_least)
 
     # ---- generation -----------------------------------------------------------------------------
@@ -732,7 +742,7 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
                sampling: SamplingParams | dict[str, Any] | None = None, stop: str | Sequence[str] = (),
                chat: bool = False, options: dict[str, Any] | None = None,
-               cancel: Callable[[], bool] | threading.Event | None = None) -> Iterator[StreamEvent]:
+               cancel: Callable[[], bool] | threading.Event | None = None) -> Generator[StreamEvent, None, None]:
         """Yield text pieces as they are accepted; the last event carries the GenerationResult. Nothing
         runs before the first ``next()``."""
         stream = self._stream(prompt, max_tokens, method, sampling, stop, chat, options, cancel)
@@ -742,7 +752,7 @@ class Engine:
     def _stream(self, prompt: str | Sequence[int], max_tokens: int, method: str,
                 sampling: SamplingParams | dict[str, Any] | None, stop: str | Sequence[str], chat: bool,
                 options: dict[str, Any] | None,
-                cancel: Callable[[], bool] | threading.Event | None) -> Iterator[StreamEvent]:
+                cancel: Callable[[], bool] | threading.Event | None) -> Generator[StreamEvent, None, None]:
         self._refuse_reentry()   # before the prompt is tokenized for a generation that cannot start
         stops = _stop_strings(stop)
         sampling = _sampling_params(sampling)
@@ -837,11 +847,12 @@ class Engine:
         """``sched``: prices the proposer's drafts (None: they run as proposed; ``auto`` and scheduled
         Ouroboros price their candidates themselves). ``sizer``: plain steps or rounds of one size, where
         those draft while they decode (``_round_sizer``)."""
-        if not sampling.greedy and sampling.seed is None:   # said in the stats: a good sample can be had again
-            sampling = replace(sampling, seed=secrets.randbits(32))
-        stats = GenerationStats(method=proposer.name, prompt_tokens=len(prompt),
-                                seed=None if sampling.greedy else sampling.seed)
-        rng = sampling.rng()
+        # a sampled answer without a seed draws one, said in its stats so that a good sample can be had
+        # again (plain decoding's, token for token); the drafters still see a request without a seed,
+        # which lets them sample their drafts (a seeded request's are greedy: README, Exactness)
+        seed = None if sampling.greedy else sampling.seed if sampling.seed is not None else secrets.randbits(32)
+        stats = GenerationStats(method=proposer.name, prompt_tokens=len(prompt), seed=seed)
+        rng = replace(sampling, seed=seed).rng()
         eog = self.target.eog_tokens
         cfg = self.config
         round_size = self.round_size if proposer.name != "vanilla" else 0
@@ -1463,10 +1474,10 @@ def _check_flags(**flags: Any) -> None:
             raise ParameterError(f"{name} must be True or False (got {value!r})")
 
 
-def _token_ids(tokens: Any, what: str) -> list[int]:
+def _token_ids(tokens: Any, what: str, expected: str = "a sequence of token ids") -> list[int]:
     """``tokens`` as a list of ints; a float, bool, str or bytes among them is an error, not a guess
     (``int()`` took 1.9 as 1 and b"hi" as the ids 104, 105)."""
-    out = _items(tokens, what, "a str or a sequence of token ids")
+    out = _items(tokens, what, expected)
     for t in out:
         if not is_integer(t):
             raise ParameterError(f"{what}: token ids are integers (got {t!r})")

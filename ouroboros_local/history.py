@@ -135,7 +135,8 @@ class History:
             try:
                 return load(path, self.fingerprint(), self._n_vocab())
             except ForeignStateError as exc:   # another model's (or version's): kept as it is
-                raise ForeignStateError(f"{exc}; name another history file (--pool) for this model") from None
+                raise ForeignStateError(f"{exc}; name another history file (--pool; the pool option) for this "
+                                        "model") from None
             except DamagedStateError as exc:   # refused at every start: nothing in it could be read back
                 set_aside(path, "history file", exc)
                 self._stamps[path] = None

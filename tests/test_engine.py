@@ -1116,3 +1116,35 @@ def test_auto_keeps_copy_drafting_once_its_draft_models_context_is_full(tiny_tar
     alone = run(None)
     assert full.extra["draft_context_full"] == ["speculative"]
     assert full.target_passes <= alone.target_passes * 1.1, (full.target_passes, alone.target_passes)
+
+
+def test_the_api_contract_an_app_relies_on(tiny_target, tmp_path) -> None:
+    """A config changed after it was built skipped its checks (10**11 threads aborted the process); public
+    calls raised AssertionError, AttributeError or pickling's TypeError; to_dict() shared its tokens."""
+    import dataclasses
+    import pickle
+    from pathlib import Path
+
+    import ouroboros_local
+    from ouroboros_local.engine import EngineConfig
+
+    config = EngineConfig(n_ctx=256)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.threads = 10**11
+    assert (Path(ouroboros_local.__file__).parent / "py.typed").is_file()   # type checkers read the hints
+    with make_engine(tiny_target) as engine:
+        with pytest.raises(ParameterError, match="a sequence of token ids") as exc:
+            engine.detokenize("abc")
+        assert "a str" not in str(exc.value)   # "must be a str or ... (got str)"
+        with pytest.raises(ParameterError, match="no draft model"):
+            engine.calibration_settings(draft=True)
+        with pytest.raises(ParameterError, match="takes a Learning"):
+            engine.swap_learning(None)
+        with pytest.raises(OuroborosError, match="load one in each process"):
+            pickle.dumps(engine)
+        result = engine.generate(PROMPTS[0], max_tokens=4)
+        as_dict = result.to_dict()
+        as_dict["tokens"].clear()
+        assert len(result.tokens) == 4
+    with pytest.raises(ParameterError, match="EngineConfig's are n_ctx, n_batch"):
+        Engine.load(tiny_target, nctx=512)

@@ -166,6 +166,22 @@ def test_a_plugin_name_must_be_new_and_usable(odd, name, message) -> None:
     assert "odd" in proposers.method_names() and proposers._METHODS["vanilla"].startswith("ouroboros_local")
 
 
+NOT_CALLABLE = 42
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("no_such_module_here:create", "cannot import 'no_such_module_here'"),   # a bare ModuleNotFoundError
+    (":create", "names no factory function"),         # ValueError: Empty module name
+    (".x:create", "cannot import '.x'"),              # TypeError
+    (f"{__name__}:NOT_CALLABLE", "names no factory function"),   # failed at the first generation
+    ("json:loads", "declares no OPTIONS"),            # as did a module without OPTIONS
+])
+def test_a_factory_that_cannot_work_is_refused_when_registered(factory, message) -> None:
+    with pytest.raises(ParameterError, match=message):
+        proposers.register_method("broken", factory)
+    assert "broken" not in proposers.method_names()
+
+
 def test_a_plugin_is_named_by_its_method(odd, engine) -> None:
     res = engine.generate(PROMPTS[0], max_tokens=8, method="odd", options={})
     assert res.stats.method == "odd"   # was "base", shared by every unnamed plug-in (and its estimates)

@@ -3,6 +3,7 @@ and an engine whose rounds of 4 give way to plain steps and back, its outputs un
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -118,7 +119,7 @@ def test_the_engine_sizes_rounds_from_the_calibrated_costs(tiny_target) -> None:
         assert sizer.threshold == pytest.approx(2 * 0.5 + NOISE_STEPS)
         assert engine._round_sizer(auto) is sizer               # one per method, kept across requests
         assert engine._round_sizer(vanilla) is None
-        engine.config.round_switch = False
+        engine.config = replace(engine.config, round_switch=False)
         assert engine._round_sizer(auto) is None
 
 

@@ -49,9 +49,16 @@ def register_method(name: str, factory: str) -> None:
         raise ParameterError(f"method name {name!r}: letters, digits, '-' and '_', starting with a letter or digit")
     if name in _BUILT_IN:
         raise ParameterError(f"method name {name!r} is a built-in method's; choose another")
-    module, _, attr = factory.partition(":") if isinstance(factory, str) else ("", "", "")
-    if not attr or not hasattr(import_module(module), attr):
+    module_name, _, attr = factory.partition(":") if isinstance(factory, str) else ("", "", "")
+    try:
+        module = import_module(module_name) if module_name and attr else None
+    except (ImportError, TypeError, ValueError) as exc:   # a typo, a relative name: not a bare ImportError
+        raise ParameterError(f"method {name!r}: cannot import {module_name!r} ({exc})") from None
+    if module is None or not callable(getattr(module, attr, None)):
         raise ParameterError(f"method {name!r}: {factory!r} names no factory function (module:function)")
+    if not isinstance(getattr(module, "OPTIONS", None), tuple):   # a generation read them first, and failed
+        raise ParameterError(f"method {name!r}: module {module_name!r} declares no OPTIONS (a tuple of "
+                             "ouroboros_local.options.Option; () for none)")
     _METHODS[name] = factory
 
 
@@ -145,7 +152,7 @@ def check_pair_options(method: str, options: dict[str, Any], checked: dict[str, 
     if compatible is False:
         if method == "pearl":
             raise IncompatiblePairError(f"pearl needs a draft with the target's vocabulary ({reason}); "
-                                        "--method speculative or ouroboros bridge different vocabularies through text")
+                                        "speculative or ouroboros (--method, method=) bridge vocabularies through text")
         if method in ("speculative", "auto"):
             from .cross_vocab import refuse_ignored
 

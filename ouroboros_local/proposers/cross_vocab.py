@@ -267,7 +267,7 @@ def create(ctx: DraftingContext, options: dict[str, Any], prefill_in_begin: bool
     """``speculative`` for a draft of another vocabulary (``options`` checked against its OPTIONS).
     ``prefill_in_begin=False``: the draft reads the prompt only when first asked to draft (``auto``)."""
     if ctx.draft is None:
-        raise ParameterError("this method needs a draft model (-d/--draft)")
+        raise ParameterError("this method needs a draft model (-d/--draft; Engine.load(TARGET, DRAFT))")
     refuse_ignored(options, ctx.pair_reason)
     return CrossVocabProposer(ctx.draft_kv(), ctx.target, ctx.draft, gamma=options["gamma"] or 6,
                               map_specials=options["map_specials"], keep_unstable=options["keep_unstable"],
@@ -390,7 +390,7 @@ class CrossVocabOuroboros(CrossVocabProposer):
 def create_ouroboros(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     """Ouroboros for a draft with another vocabulary (see ``CrossVocabOuroboros``)."""
     if ctx.draft is None:
-        raise ParameterError("this method needs a draft model (-d/--draft)")
+        raise ParameterError("this method needs a draft model (-d/--draft; Engine.load(TARGET, DRAFT))")
     gamma, window, level, guess, topk = (options[k] for k in ("gamma", "window", "level", "guess_set", "topk"))
     harvest = options["harvest"]
     pool = ctx.history.pool(level - 1, max(guess, topk, 1), options["pool"])      # target vocabulary
