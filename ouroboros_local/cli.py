@@ -193,6 +193,11 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
 
         # before a large target's minutes of loading (its batch may come out smaller: checked again then)
         check_window_fits(checked["window"], checked["level"], args.seqs, args.batch_size - 1)
+    if method == "pearl" and checked.get("mode") == "parallel" and not checked.get("threads_target"):
+        cores = min(usable_cores(), getattr(args, "threads", None) or usable_cores())
+        if cores < 2:   # before the models load: it was said only then (the factory sees the engine's threads)
+            raise ParameterError(f"pearl's parallel mode runs both models at once and needs 2 cores or more "
+                                 f"(this run has {cores}: -t/--threads 2 or more)")
     if options.get("pool") is not None:
         check_history_folder(options["pool"])
     return method, options

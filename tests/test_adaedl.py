@@ -215,3 +215,19 @@ def test_seeded_sampling_is_reproducible(engine) -> None:
     b = engine.generate(PROMPTS[0], max_tokens=20, method="speculative", sampling=sp,
                         options={"adaedl": True})
     assert a.tokens == b.tokens
+
+
+@pytest.mark.parametrize("round_size, overlap", [(0, False), (4, True)])
+def test_adaedl_learns_in_rounds_that_draft_while_they_decode(tiny_target, tiny_self_draft, monkeypatch,
+                                                              round_size, overlap) -> None:
+    """In rounds of one size drafting while they decode (a GPU's defaults) the verdict is on a copy of the
+    draft cut to what was verified: AdaEDL learned only from the draft object itself, so never there."""
+    updates: list[tuple[int, int, int]] = []
+    real = AdaEDL.update
+    monkeypatch.setattr(AdaEDL, "update", lambda self, *args: updates.append(args) or real(self, *args))
+    with make_engine(tiny_target, tiny_self_draft, round_size=round_size, overlap=overlap) as eng:
+        base = eng.generate(PROMPTS[1], max_tokens=40)
+        res = eng.generate(PROMPTS[1], max_tokens=40, method="speculative",
+                           options={"adaedl": True, "adaedl_lambda": 0.0})
+    assert res.tokens == base.tokens
+    assert len(updates) >= 3 and all(accepted <= drafted for drafted, accepted, _ in updates), updates

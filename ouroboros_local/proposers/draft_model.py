@@ -262,8 +262,11 @@ class DraftModelProposer(Proposer):
         self._catch_up.observed()
         # learn only from rounds whose tree this proposer made (method "auto" lets every
         # candidate observe every round)
-        if self.adaedl is not None and self._last_tree is not None and result.tree is self._last_tree:
-            self.adaedl.update(self._last_tree.n_candidates, len(result.accepted), self._last_cap)
+        # (a round that drafted while it decoded judges the draft's first levels: the verdict's tree is the
+        # draft cut above what is not yet verified, a copy; taking only the draft object itself, AdaEDL
+        # never learned in rounds of one size with overlap, a GPU's defaults)
+        if self.adaedl is not None and self._last_tree is not None and _cut_of(result.tree, self._last_tree):
+            self.adaedl.update(result.tree.n_candidates, len(result.accepted), self._last_cap)
         self._last_tree = None
 
     def stats(self) -> dict[str, Any]:
@@ -277,6 +280,13 @@ class DraftModelProposer(Proposer):
                         "adaedl_lambda": round(self.adaedl.lam, 4),
                         "adaedl_acceptance_ema": round(float(self.adaedl.ar or 0.0), 4)})
         return out
+
+
+def _cut_of(tree: TokenTree, draft: TokenTree) -> bool:
+    """Is ``tree`` the chain ``draft`` or its first nodes (``verify.judged``'s cut)?"""
+    n = len(tree.tokens)
+    return tree is draft or (1 < n <= len(draft.tokens) and tree.tokens == draft.tokens[:n]
+                             and tree.parents == draft.parents[:n])
 
 
 ADAEDL_OPTIONS = {"adaedl_gamma_e": "gamma_e", "adaedl_lambda": "lam", "adaedl_alpha": "alpha",

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 
 from .. import options as opt
-from ..errors import ParameterError
+from ..errors import MethodOptionError, ParameterError
 from ..kv import KVCache, common_prefix
 from ..llama.binding import supports_gpu_offload, usable_cores
 from ..tree import TokenTree
@@ -240,7 +240,8 @@ class PearlProposer(Proposer):
             # step (and the target's prefill too, if the engine calls begin() before prefilling).
             # A prompt the draft's context cannot hold is never drafted after (_draft): no prefill.
             prefix = list(prompt[:-1])
-            self._prefill = self._submit(lambda: self.kv.sync_to(prefix))
+            # stopped with the answer (a cancel, a closed stream): close() waited for a long prompt's read
+            self._prefill = self._submit(lambda: self.kv.sync_to(prefix, stop=self._stop.is_set))
 
     def end(self) -> None:
         self._stop.set()
@@ -354,7 +355,9 @@ class PearlProposer(Proposer):
         n_committed = len(committed)
         ends = bool(cands) and cands[-1] in self.eog
         if self.mode == PARALLEL:
-            n_bg = 0 if ends else min(self.gamma, budget - len(cands))
+            # the next round's chain, drafted while this one is verified: up to a round's budget (in rounds
+            # of one size a chain that filled this round left nothing for the next, which then had none)
+            n_bg = 0 if ends else min(self.gamma, budget + 1)   # its first token is this round's bonus
             if n_bg > 0:
                 base = self._base = _Extended(committed, n_committed, cands)
                 self._seq_committed = n_committed
@@ -511,8 +514,11 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
         cores = min(avail, max(target_ctx.n_threads, kv.ctx.n_threads))
         threads = thread_split(cores, on_gpu(ctx.target), on_gpu(ctx.draft))
         if threads is None:
-            reason = (f"{cores} core(s) for this engine: running both models at once would "
-                      "oversubscribe them (set threads_target/threads_draft or the engine's threads)")
+            reason = (f"{cores} core(s) for this engine: running both models at once would oversubscribe "
+                      "them (-t/--threads 2 or more, EngineConfig.threads; or the options threads_target and "
+                      "threads_draft)")
+    if threads is None and opts["mode"] == PARALLEL:   # it ran sequentially, said only in --json's stats
+        raise MethodOptionError(f"pearl's parallel mode cannot run here: {reason}")
 
     key = ("pearl", str(getattr(ctx.target, "path", "")), str(getattr(ctx.draft, "path", "")),
            threads, gamma, seq_gamma)
