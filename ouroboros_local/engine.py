@@ -660,6 +660,10 @@ class Engine:
         if self._lock.locked() and self._lock_owner is not threading.current_thread():
             self._lock = threading.Lock()
             self._forked_busy = True
+        # calls under way in other threads (tokenizing) are not in the child: close() waited for them at
+        # its exit forever; their condition's lock may have been held by one of them, so it is made anew
+        self._users = 0
+        self._users_left = threading.Condition()
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
                             continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:

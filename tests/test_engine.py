@@ -1012,6 +1012,51 @@ def test_an_exit_does_not_wait_for_a_generation_in_another_thread(tiny_target, t
     assert "still running in thread" in run.stderr and "not saved" in run.stderr
 
 
+def test_a_child_forked_while_another_thread_tokenized_closes_at_its_exit(tiny_target) -> None:
+    """The child inherited the count of calls under way from a thread it does not have: the close at its
+    exit waited for it forever."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from ouroboros_local import engine as engine_module
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork here")
+    engine = make_engine(tiny_target)
+    stop = threading.Event()
+
+    def tokenize() -> None:
+        while not stop.is_set():
+            engine.tokenize(PROMPTS[0] * 200)
+
+    worker = threading.Thread(target=tokenize)
+    worker.start()
+    try:
+        deadline = time.monotonic() + 10
+        while engine._users == 0 and time.monotonic() < deadline:   # fork inside a call
+            time.sleep(0.001)
+        pid = os.fork()
+        if pid == 0:   # the child: what its interpreter's exit runs, then out (no pytest teardown here)
+            signal.alarm(20)   # a hang ends the child with SIGALRM
+            engine_module._close_at_exit()
+            os._exit(0 if engine._closed else 3)
+        for _ in range(300):
+            ended, status = os.waitpid(pid, os.WNOHANG)
+            if ended:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0, status
+    finally:
+        stop.set()
+        worker.join(30)
+        engine.close()
+
+
 def test_a_child_forked_while_another_thread_generated_is_refused_not_hung(tiny_target) -> None:
     """The engine's lock, held by the parent's generating thread, was waited for forever in the child."""
     import os

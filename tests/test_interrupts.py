@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from ouroboros_local.llama import Context, ContextParams, Model, binding
-from ouroboros_local.llama.interrupts import CtrlC, noted_ctrl_c
+from ouroboros_local.llama.interrupts import CtrlC, ends_the_program, noted_ctrl_c
 
 
 def test_a_ctrl_c_within_the_block_is_noted_not_raised() -> None:
@@ -38,6 +38,7 @@ def test_a_programs_own_handler_is_left_in_place() -> None:
 def test_a_termination_the_program_handles_is_noted_and_its_handler_called_after(signum) -> None:
     """The command line ends on SIGTERM and SIGHUP by raising SystemExit in its handler: raised in a load's
     callback, ctypes ignored it, and `serve` stopped during its load went on to serve."""
+    @ends_the_program
     def end(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
@@ -53,6 +54,28 @@ def test_a_termination_the_program_handles_is_noted_and_its_handler_called_after
         assert exc.value.code == 128 + signum and undone
     finally:
         signal.signal(signum, previous)
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="no SIGTERM handler of Python's own on Windows")
+def test_an_apps_own_termination_handler_runs_and_the_load_is_kept() -> None:
+    """A handler that only sets a flag (uvicorn's) was swapped too: the load was undone and, the handler
+    returning, its caller went on with the freed pointer (a segfault)."""
+    heard: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: heard.append(signum))
+    try:
+        with noted_ctrl_c() as ctrl_c:
+            signal.raise_signal(signal.SIGTERM)
+            sum(range(1000))
+        assert heard == [signal.SIGTERM] and not ctrl_c.noted and ctrl_c.keep_going(0.5, None)
+        ctrl_c.raise_if_noted(lambda: pytest.fail("a load undone"))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_command_lines_termination_handler_is_marked_as_ending_it() -> None:
+    from ouroboros_local import cli
+
+    assert getattr(cli._exit_for, "ends_the_program", False)
 
 
 @pytest.mark.parametrize("huge_pages", [False, True])

@@ -174,7 +174,7 @@ NOT_CALLABLE = 42
     (":create", "names no factory function"),         # ValueError: Empty module name
     (".x:create", "cannot import '.x'"),              # TypeError
     (f"{__name__}:NOT_CALLABLE", "names no factory function"),   # failed at the first generation
-    ("json:loads", "declares no OPTIONS"),            # as did a module without OPTIONS
+    ("json:loads", "must declare OPTIONS"),           # as did a module without OPTIONS
 ])
 def test_a_factory_that_cannot_work_is_refused_when_registered(factory, message) -> None:
     with pytest.raises(ParameterError, match=message):
@@ -233,3 +233,18 @@ def test_rounds_of_one_size_count_their_filled_guesses_as_drafted(tiny_target) -
             stats = engine.generate(prompt, max_tokens=24, method="suffix").stats
             assert stats.accepted <= stats.drafted   # was accepted 13 of 12 drafted (108%)
             assert stats.drafted >= 3 * (stats.target_passes - 1)
+
+
+def test_a_plugin_may_declare_its_options_in_a_list(tmp_path, monkeypatch) -> None:
+    """register_method's check took only a tuple, and said "declares no OPTIONS" of a list."""
+    import sys
+
+    source = (Path(__file__).parent.parent / "examples" / "bigram_drafter.py").read_text()
+    (tmp_path / "bigram_list.py").write_text(source.replace("OPTIONS = (opt.GAMMA,)", "OPTIONS = [opt.GAMMA]"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        proposers.register_method("bigram-list", "bigram_list:create")
+        assert "bigram-list" in proposers.method_names()
+    finally:
+        proposers._METHODS.pop("bigram-list", None)
+        sys.modules.pop("bigram_list", None)

@@ -315,6 +315,14 @@ def test_sampling_seed_and_stop(client, engine):
     assert cut.choices[0].text == greedy_text[:greedy_text.index(stop)]
     single = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0, stop=stop)
     assert single.choices[0].text == cut.choices[0].text
+    assert a.model_extra["stats"]["seed"] == 1234 and "seed" not in cut.model_extra["stats"]
+    # no seed: the one drawn is in the stats (README), and asked again it gives the same (vanilla) answer
+    drawn = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9,
+                                      extra_body={"method": "vanilla"})
+    seed = drawn.model_extra["stats"]["seed"]
+    again = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0.9, seed=seed,
+                                      extra_body={"method": "vanilla"})
+    assert again.choices[0].text == drawn.choices[0].text
 
 
 # ---- bad input ----------------------------------------------------------------------------------

@@ -5,9 +5,10 @@ one of our ctypes callbacks (its log, its progress), where the KeyboardInterrupt
 ctypes prints "Exception ignored" and the load goes on, or a progress callback's lost return value stops
 it with "could not load". For the call, Python's default handler is swapped for one that only notes the
 Ctrl-C; a progress callback then stops the load, and the caller raises KeyboardInterrupt once the call
-has returned and its work is undone. SIGTERM and SIGHUP are noted the same way where the program handles
-them in Python (the command line ends through its ``finally`` blocks on them): their handler's SystemExit,
-raised in a callback, was ignored too, and ``serve`` stopped during its load went on to serve.
+has returned and its work is undone. SIGTERM and SIGHUP are noted the same way where the program's
+handler of them ends it (``ends_the_program``: the command line's, which ends through its ``finally``
+blocks): its SystemExit, raised in a callback, was ignored too, and ``serve`` stopped during its load went
+on to serve. Any other handler (an app's that sets a flag) runs where the signal lands, as before.
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ class CtrlC:
         return self.signum is None
 
 
-# the termination signals whose Python handler (the command line's) is swapped too
+# the termination signals whose handler is swapped too, where it ends the program (``ends_the_program``)
 _TERMINATIONS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
+def ends_the_program(handler: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
+    """Mark a signal handler that always raises (SystemExit): during a load it is noted, the load undone,
+    then it is called. A handler that returns must not be: the load would be undone under its caller."""
+    handler.ends_the_program = True   # type: ignore[attr-defined]
+    return handler
 
 
 @contextmanager
 def noted_ctrl_c() -> Iterator[CtrlC]:
-    """Within the block a Ctrl-C, and a SIGTERM or SIGHUP the program handles in Python, is noted, not
+    """Within the block a Ctrl-C, and a SIGTERM or SIGHUP whose handler ends the program, is noted, not
     raised. Only in the main thread, and for SIGINT only where Python's default handler is in place: a
     handler of the program's own (a chat's "stop the answer") raises nothing."""
     ctrl_c = CtrlC()
@@ -65,7 +73,7 @@ def noted_ctrl_c() -> Iterator[CtrlC]:
             swapped[signal.SIGINT] = signal.default_int_handler
         for signum in _TERMINATIONS:
             handler = signal.getsignal(signum)
-            if callable(handler):
+            if getattr(handler, "ends_the_program", False):
                 swapped[signum] = ctrl_c._handlers[signum] = handler
     for signum in swapped:
         signal.signal(signum, ctrl_c.note)

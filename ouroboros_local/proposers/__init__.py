@@ -56,9 +56,10 @@ def register_method(name: str, factory: str) -> None:
         raise ParameterError(f"method {name!r}: cannot import {module_name!r} ({exc})") from None
     if module is None or not callable(getattr(module, attr, None)):
         raise ParameterError(f"method {name!r}: {factory!r} names no factory function (module:function)")
-    if not isinstance(getattr(module, "OPTIONS", None), tuple):   # a generation read them first, and failed
-        raise ParameterError(f"method {name!r}: module {module_name!r} declares no OPTIONS (a tuple of "
-                             "ouroboros_local.options.Option; () for none)")
+    declared = getattr(module, "OPTIONS", None)
+    if not (isinstance(declared, (tuple, list)) and all(isinstance(o, Option) for o in declared)):
+        raise ParameterError(f"method {name!r}: module {module_name!r} must declare OPTIONS, a tuple of "
+                             f"ouroboros_local.options.Option (() for none; got {type(declared).__name__})")
     _METHODS[name] = factory
 
 

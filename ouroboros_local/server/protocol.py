@@ -534,6 +534,7 @@ def stats_body(result: "GenerationResult") -> dict[str, Any]:
             "accepted_per_pass": round(s.accepted_per_pass, 4), "tokens_per_pass": round(s.tokens_per_pass, 4),
             "prefill_seconds": round(s.prefill_seconds, 6), "decode_seconds": round(s.decode_seconds, 6),
             "finish_reason": s.finish_reason,
+            **({"seed": s.seed} if s.seed is not None else {}),   # a sampled answer's: it can be asked again
             # the method's own counters and the decode's time split, as `generate --json` gives them; a
             # failed history save is the operator's business (its message names the server's files)
             "extra": {k: v for k, v in s.extra.items() if k != "history_not_saved"}}
