@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Sequence
@@ -368,7 +368,13 @@ class Engine:
         self._planning = False   # its holder plans a generation (_plan): cost measurements take no second hold
         self._forked_busy = False   # a fork's copy of an engine another thread was using (_after_fork)
         _ENGINES.add(self)
-        self.history = History(target, guard=self._queued)   # state kept across requests (phrase pool, ...)
+        # state kept across requests (phrase pool, ...); its guard holds the engine weakly: a bound method
+        # made a cycle, and an engine dropped without close() kept its model and KV cache (150 MB for
+        # SmolLM2, 1.2 GB for the 1.5B) until a full garbage collection, which native memory never triggers
+        self.history = History(target, guard=_queued_of(weakref.ref(self)))
+        # dropped without close(): the answers whose save was not yet due still reach their files
+        self._finalizer = weakref.finalize(self, _save_dropped_history, self.history)
+        self._finalizer.atexit = False   # at exit, _close_at_exit closes what is still open
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
         self._sizers: dict[str, RoundSizer] = {}   # per method (round_sizer.py)
@@ -599,6 +605,9 @@ class Engine:
             try:
                 if self.history.pending:   # the last answers' history, not yet due when they ended
                     self._save_history(None)
+                self._finalizer.detach()
+                if not self.history.pending:   # saved: its memory goes with the models' (a failed save's stays)
+                    self.history.clear()
                 self.save_learned()
                 with self._users_left:
                     self._closing = True   # no new calls; those under way end first
@@ -788,8 +797,8 @@ class Engine:
                     self._lock_owner = threading.current_thread()   # whichever thread reads the stream holds it
             finally:
                 run.close()
-                if not saved:
-                    self._save_history(None)
+                if not saved:   # a stream closed early: as a finished answer's, when due (close() saves the rest)
+                    self._save_history(None, if_due=True)
 
     def prepare(self, method: str = "vanilla", options: dict[str, Any] | None = None) -> None:
         """Measure now what the first generation with ``method`` would measure first (this machine's
@@ -1201,6 +1210,23 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):   # not on Windows
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _queued_of(engine: "weakref.ref[Engine]") -> Callable[[], Any]:
+    """``Engine._queued`` of an engine held weakly (``History``'s guard)."""
+    def guard() -> Any:
+        alive = engine()
+        return alive._queued() if alive is not None else nullcontext()
+    return guard
+
+
+def _save_dropped_history(history: History) -> None:
+    """An engine dropped without close(): what its history owed its files is written (a failure warned)."""
+    if history.pending:
+        try:
+            history.save()
+        except PoolError as exc:
+            log.warning("warning: %s (an engine dropped without close())", exc)
 
 
 def _close_at_exit() -> None:

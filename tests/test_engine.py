@@ -1193,3 +1193,45 @@ def test_the_api_contract_an_app_relies_on(tiny_target, tmp_path) -> None:
         assert len(result.tokens) == 4
     with pytest.raises(ParameterError, match="EngineConfig's are n_ctx, n_batch"):
         Engine.load(tiny_target, nctx=512)
+
+
+def test_an_engine_dropped_without_close_is_freed_at_once_and_saves_its_history(tiny_target, tmp_path) -> None:
+    """Its history held it through a bound method: a dropped engine kept its model and KV cache until a
+    full garbage collection, and one collected lost the answers whose save was not yet due."""
+    import gc
+    import weakref
+
+    def answers(engine: Engine, pool: Path) -> None:
+        for prompt in PROMPTS:
+            engine.generate(prompt, max_tokens=16, method="suffix", options={"pool": str(pool)})
+        assert engine.history.pending   # else this test would not test the dropped engine's save
+
+    from pathlib import Path
+
+    with make_engine(tiny_target) as closed:
+        answers(closed, tmp_path / "closed.pool")
+    gc.disable()
+    try:
+        engine = make_engine(tiny_target)
+        answers(engine, tmp_path / "dropped.pool")
+        gone = weakref.ref(engine)
+        del engine
+        assert gone() is None   # freed by its count, no collection needed
+    finally:
+        gc.enable()
+    assert (tmp_path / "dropped.pool.suffix").read_bytes() == (tmp_path / "closed.pool.suffix").read_bytes()
+
+
+def test_a_stream_closed_early_saves_when_due_and_close_frees_the_history(tiny_target, tmp_path) -> None:
+    """Each early close wrote the whole history (0.7 s for a large pool, every stop button press), where a
+    finished answer's save waits until due; a closed engine kept its history's memory."""
+    pool = str(tmp_path / "early.pool")
+    engine = make_engine(tiny_target)
+    engine.generate(PROMPTS[0], max_tokens=8, method="suffix", options={"pool": pool})   # the first save
+    engine.history._save_seconds = 3600.0   # as a large pool's save: the next is due in 20 hours
+    stream = engine.stream(PROMPTS[1], max_tokens=16, method="suffix", options={"pool": pool})
+    next(stream)
+    stream.close()
+    assert engine.history.pending   # left for close, as a finished answer's would be
+    engine.close()
+    assert not engine.history.pending and engine.history.suffix_cache is None

@@ -346,7 +346,7 @@ def test_pool_persistence_round_trip(tiny_target, tiny_draft, tiny_other_vocab, 
         assert res.tokens == base.tokens
         assert res.stats.extra["ouro_pool_size"] >= size
     with make_engine(tiny_other_vocab) as engine:                    # another tokenizer: refused
-        with pytest.raises(PoolError, match=r"another tokenizer.*name another history file \(--pool\)"):
+        with pytest.raises(PoolError, match=r"another tokenizer.*name another history file \(--pool; the pool option\)"):
             engine.generate("x", max_tokens=2, method="ouroboros", options={"pool": str(path)})
 
 
