@@ -4,6 +4,8 @@ round verifies the rest; outputs unchanged, sampling still follows the target.""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -266,7 +268,7 @@ def test_by_default_overlap_follows_what_a_step_was_seen_to_wait_for(tiny_target
         assert "overlap" not in pl.stats.extra
         engine.target_ctx.step_seconds = [0.1, 0.9]         # as a GPU's queued decodes would look
         assert "overlap" in engine.generate(PROMPTS[0], max_tokens=4, method="prompt-lookup").stats.extra
-        engine.config.overlap = False                      # an explicit setting wins
+        engine.config = replace(engine.config, overlap=False)   # an explicit setting wins
         assert "overlap" not in engine.generate(PROMPTS[0], max_tokens=4, method="prompt-lookup").stats.extra
 
 
