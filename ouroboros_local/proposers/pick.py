@@ -41,7 +41,7 @@ class AutoProposer(Proposer):
             proposer.begin(prompt, replace(setup, retired=retired))
         self.rounds = {}
         self.round_size = setup.round_size
-        self._out_of_room: set[str] = set()   # drafters whose model's own context filled up, this request
+        self._out_of_room = set()   # drafters whose model's own context filled up, this request
 
     @property
     def drafts_ahead(self) -> bool:   # type: ignore[override]
