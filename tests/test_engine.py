@@ -1012,6 +1012,21 @@ def test_an_exit_does_not_wait_for_a_generation_in_another_thread(tiny_target, t
     assert "still running in thread" in run.stderr and "not saved" in run.stderr
 
 
+def _child_status(pid: int, seconds: float = 30) -> int:
+    """A forked child's wait status; one still running after ``seconds`` is killed (status -9)."""
+    import os
+    import time
+
+    for _ in range(int(seconds * 10)):
+        ended, status = os.waitpid(pid, os.WNOHANG)
+        if ended:
+            return status
+        time.sleep(0.1)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    return -9
+
+
 def test_a_child_forked_while_another_thread_tokenized_closes_at_its_exit(tiny_target) -> None:
     """The child inherited the count of calls under way from a thread it does not have: the close at its
     exit waited for it forever."""
@@ -1042,15 +1057,7 @@ def test_a_child_forked_while_another_thread_tokenized_closes_at_its_exit(tiny_t
             signal.alarm(20)   # a hang ends the child with SIGALRM
             engine_module._close_at_exit()
             os._exit(0 if engine._closed else 3)
-        for _ in range(300):
-            ended, status = os.waitpid(pid, os.WNOHANG)
-            if ended:
-                break
-            time.sleep(0.1)
-        else:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0, status
+        assert os.waitstatus_to_exitcode(_child_status(pid)) == 0
     finally:
         stop.set()
         worker.join(30)
@@ -1061,7 +1068,6 @@ def test_a_child_forked_while_another_thread_generated_is_refused_not_hung(tiny_
     """The engine's lock, held by the parent's generating thread, was waited for forever in the child."""
     import os
     import threading
-    import time
 
     if not hasattr(os, "fork"):
         pytest.skip("no fork here")
@@ -1093,14 +1099,7 @@ def test_a_child_forked_while_another_thread_generated_is_refused_not_hung(tiny_
                 engine.close()
                 os._exit(0)
         os.close(write)
-        for _ in range(300):   # the child hung on the lock: ended after 30 s, the test failed
-            ended, status = os.waitpid(pid, os.WNOHANG)
-            if ended:
-                break
-            time.sleep(0.1)
-        else:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
+        status = _child_status(pid)   # the child hung on the lock: ended after 30 s, the test failed
         said = os.read(read, 300).decode()
         os.close(read)
         assert status == 0 and "forked while another thread used this engine" in said, said
