@@ -602,8 +602,7 @@ def _exit_for(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)   # not KeyboardInterrupt: chat takes that as "stop the answer"
 
 
-# it always raises: during a model's load it is noted, the load undone, then called (llama/interrupts.py's
-# ends_the_program, not imported here: that would load llama.cpp before the arguments are parsed)
+# it always raises: during a model's load it is noted, the load undone, then called (llama/interrupts.py)
 _exit_for.ends_the_program = True   # type: ignore[attr-defined]
 
 

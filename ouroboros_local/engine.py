@@ -373,7 +373,7 @@ class Engine:
         # SmolLM2, 1.2 GB for the 1.5B) until a full garbage collection, which native memory never triggers
         self.history = History(target, guard=_queued_of(weakref.ref(self)))
         # dropped without close(): the answers whose save was not yet due still reach their files
-        self._finalizer = weakref.finalize(self, _save_dropped_history, self.history)
+        self._finalizer = weakref.finalize(self, self.history.save_pending, "an engine dropped without close()")
         self._finalizer.atexit = False   # at exit, _close_at_exit closes what is still open
         self.check_kv = False               # tests: assert the KV invariant after every round
         self._scheduler: Scheduler | None = None
@@ -906,7 +906,7 @@ class Engine:
         t1 = time.perf_counter()
         llama_at_t1 = llama_decode_clock()   # this thread's seconds decoding in llama.cpp
         stats.prefill_seconds = t1 - t0
-        context_full = False
+        draft_context_full = False
         overlap = self._overlaps(proposer)
         ahead = overlap           # this round decodes a plain step while its draft is made
         # in rounds of one size every round does: a round's guesses are the last draft's tokens past what
@@ -949,11 +949,11 @@ class Engine:
                     guesses = step.guesses
                 else:
                     step = self._round(proposer, sched, committed, budget, room, sampling, rng, carried,
-                                       context_full, round_size)
+                                       draft_context_full, round_size)
                 split.add_round(step.tree.batch_size, step.drafted > 0 and not ahead, ahead, was_carried,
                                 step.seconds, step.propose_seconds)
-                tree, result, seen, carried, context_full = (step.tree, step.result, step.seen, step.carried,
-                                                             step.context_full)
+                tree, result, seen, carried = step.tree, step.result, step.seen, step.carried
+                draft_context_full = step.draft_context_full
                 stats.target_passes += 1
                 if self.check_kv:
                     self.kv.check()
@@ -973,7 +973,7 @@ class Engine:
                     break
                 # the next round decodes while this one is observed: one without a draft, if nothing is
                 # carried (in rounds of one size, every round)
-                ahead = overlap and not context_full and (pipelined or (carried is None and step.plain))
+                ahead = overlap and not draft_context_full and (pipelined or (carried is None and step.plain))
                 observe = self._observer(proposer, committed, seen, result, costs_learner, tree, step.seconds)
                 if ahead:
                     result.release()   # what it read is known; a row read later would be the next decode's
@@ -1057,7 +1057,7 @@ class Engine:
             result, lay = verify_round(tree, decode_and_draft, sampling, rng)
             self.kv.commit_tree(tree.tokens[0], result.accepted, result.winner_seq, lay.n_seqs, len(lay.tokens))
         seen = result if tree is root else _as_proposed(result, root)
-        step = _Round(tree, result, seen, time.perf_counter() - t0, context_full=draft is None, stand_in=stand_in,
+        step = _Round(tree, result, seen, time.perf_counter() - t0, draft_context_full=draft is None, stand_in=stand_in,
                       filled=max(tree.n_candidates - len(guesses), 0))   # the guesses were the last draft's
         if draft is not None and draft.n_candidates:
             step.drafted = draft.n_candidates
@@ -1073,21 +1073,21 @@ class Engine:
 
     def _round(self, proposer: Proposer, sched: Scheduler | None, committed: list[int], budget: int, room: int,
                sampling: SamplingParams, rng: np.random.Generator, carried: tuple[TokenTree, int] | None,
-               context_full: bool, round_size: int) -> "_Round":
+               draft_context_full: bool, round_size: int) -> "_Round":
         """A round drafted before its decode: the rest of a carried draft, or the proposer's tree (the root
-        alone once the context is full; filled to ``round_size``), verified in one decode."""
+        alone once its draft model's context is full; filled to ``round_size``), verified in one decode."""
         drafted = 0
         t_start = time.perf_counter()
         if carried is not None:
             whole, node = carried
             proposed = whole.below(node)
         else:
-            tree = None if context_full else self._propose_in_room(proposer, sched, committed, budget, room)
-            if tree is None:   # the end of the context: plain steps, which always fit, to the end
-                context_full, tree = True, TokenTree.rooted_at(committed[-1])
+            tree = None if draft_context_full else self._propose_in_room(proposer, sched, committed, budget, room)
+            if tree is None:   # the draft model's context is full: plain steps to the end
+                draft_context_full, tree = True, TokenTree.rooted_at(committed[-1])
             proposed, drafted = tree, tree.n_candidates
         tree = proposed
-        if round_size > 1 and not context_full:
+        if round_size > 1 and not draft_context_full:
             tree = filled(proposed, self._round_tokens(round_size, room), committed)
         t0 = time.perf_counter()
         result = self._verify(tree, sampling, rng)
@@ -1095,7 +1095,7 @@ class Engine:
         seen = result if proposed is tree else _as_proposed(result, proposed)
         if carried is not None:
             seen = joined(whole, node, seen)
-        return _Round(tree, result, seen, seconds, drafted=drafted, context_full=context_full,
+        return _Round(tree, result, seen, seconds, drafted=drafted, draft_context_full=draft_context_full,
                       propose_seconds=t0 - t_start, plain=is_plain_step(proposed),
                       filled=tree.n_candidates - proposed.n_candidates)
 
@@ -1220,15 +1220,6 @@ def _queued_of(engine: "weakref.ref[Engine]") -> Callable[[], Any]:
     return guard
 
 
-def _save_dropped_history(history: History) -> None:
-    """An engine dropped without close(): what its history owed its files is written (a failure warned)."""
-    if history.pending:
-        try:
-            history.save()
-        except PoolError as exc:
-            log.warning("warning: %s (an engine dropped without close())", exc)
-
-
 def _close_at_exit() -> None:
     """At interpreter exit, close the engines a script left open: a stream left suspended would otherwise
     run its save while the modules are torn down (a traceback, the answer's history lost), and the answers
@@ -1311,7 +1302,7 @@ class _Round:
     seconds: float                 # the decode and verification (a plain step's: with the work done during it)
     drafted: int = 0               # candidates proposed this round
     filled: int = 0                # candidates ``filled`` added to the round (rounds of one size)
-    context_full: bool = False
+    draft_context_full: bool = False   # the proposer's draft model has no room left: plain steps to the end
     carried: tuple[TokenTree, int] | None = None   # a draft and the node this round's written tokens reached
     propose_seconds: float = 0.0   # the proposal before the decode, in the open (a plain step's is in ``seconds``)
     plain: bool = True             # the proposer's part was the root alone (whatever ``filled`` added)

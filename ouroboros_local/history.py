@@ -58,12 +58,16 @@ class History:
         with self._guard():
             self._forget()
 
-    def _forget(self) -> None:
-        if getattr(self, "pending", False):
+    def save_pending(self, note: str) -> None:
+        """Write what the files are owed (``pending``); a failure is a warning that ends with ``note``."""
+        if getattr(self, "pending", False):   # (not yet set while __init__ forgets)
             try:
                 self.save()
             except PoolError as exc:
-                log.warning("warning: %s (the history is cleared all the same)", exc)
+                log.warning("warning: %s (%s)", exc, note)
+
+    def _forget(self) -> None:
+        self.save_pending("the history is cleared all the same")
         self.phrase_pool: PhrasePool | None = None      # shared by every pool method
         self.phrase_pool_file: str | None = None
         self.suffix_cache: "SuffixCache | None" = None  # the suffix tries of earlier answers

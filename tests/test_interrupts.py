@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from ouroboros_local.llama import Context, ContextParams, Model, binding
-from ouroboros_local.llama.interrupts import CtrlC, ends_the_program, noted_ctrl_c
+from ouroboros_local.llama.interrupts import CtrlC, noted_ctrl_c
 
 
 def test_a_ctrl_c_within_the_block_is_noted_not_raised() -> None:
@@ -42,9 +42,10 @@ def test_a_programs_own_handler_is_left_in_place(signum) -> None:
 def test_a_termination_the_program_handles_is_noted_and_its_handler_called_after(signum) -> None:
     """The command line ends on SIGTERM and SIGHUP by raising SystemExit in its handler: raised in a load's
     callback, ctypes ignored it, and `serve` stopped during its load went on to serve."""
-    @ends_the_program
     def end(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
+
+    end.ends_the_program = True   # type: ignore[attr-defined]
 
     previous = signal.signal(signum, end)
     try:

@@ -6,9 +6,10 @@ ctypes prints "Exception ignored" and the load goes on, or a progress callback's
 it with "could not load". For the call, Python's default handler is swapped for one that only notes the
 Ctrl-C; a progress callback then stops the load, and the caller raises KeyboardInterrupt once the call
 has returned and its work is undone. SIGTERM and SIGHUP are noted the same way where the program's
-handler of them ends it (``ends_the_program``: the command line's, which ends through its ``finally``
-blocks): its SystemExit, raised in a callback, was ignored too, and ``serve`` stopped during its load went
-on to serve. Any other handler (an app's that sets a flag) runs where the signal lands, as before.
+handler of them is marked as ending it (``ends_the_program``: the command line's, which ends through
+its ``finally`` blocks): its SystemExit, raised in a callback, was ignored too, and ``serve`` stopped
+during its load went on to serve. Any other handler (an app's that sets a flag) runs where the signal
+lands, as before.
 """
 
 from __future__ import annotations
@@ -50,15 +51,10 @@ class CtrlC:
         return self.signum is None
 
 
-# the termination signals whose handler is swapped too, where it ends the program (``ends_the_program``)
+# the termination signals whose handler is swapped too where it is marked ``ends_the_program = True``: it
+# always raises (SystemExit), so the load is undone, then it is called; a handler that returns must not be
+# marked (the load would be undone under its caller)
 _TERMINATIONS = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-def ends_the_program(handler: Callable[[int, Any], None]) -> Callable[[int, Any], None]:
-    """Mark a signal handler that always raises (SystemExit): during a load it is noted, the load undone,
-    then it is called. A handler that returns must not be: the load would be undone under its caller."""
-    handler.ends_the_program = True   # type: ignore[attr-defined]
-    return handler
 
 
 @contextmanager

@@ -264,11 +264,11 @@ def refuse_ignored(options: dict[str, Any], reason: str | None) -> None:
 
 
 def create(ctx: DraftingContext, options: dict[str, Any], prefill_in_begin: bool = True) -> Proposer:
-    """``speculative`` for a draft of another vocabulary (``options`` checked against its OPTIONS).
-    ``prefill_in_begin=False``: the draft reads the prompt only when first asked to draft (``auto``)."""
+    """``speculative`` for a draft of another vocabulary (``options`` checked against its OPTIONS, and the
+    same-vocabulary settings it would ignore refused by ``check_pair_options``, which ``create_method``
+    asks). ``prefill_in_begin=False``: the draft reads the prompt only when first asked to draft (``auto``)."""
     if ctx.draft is None:
         raise ParameterError("this method needs a draft model (-d/--draft; Engine.load(TARGET, DRAFT))")
-    refuse_ignored(options, ctx.pair_reason)
     return CrossVocabProposer(ctx.draft_kv(), ctx.target, ctx.draft, gamma=options["gamma"] or 6,
                               map_specials=options["map_specials"], keep_unstable=options["keep_unstable"],
                               prefill_in_begin=prefill_in_begin)

@@ -165,7 +165,7 @@ def stop_strings(body: dict[str, Any]) -> list[str]:
     return [s for s in value if s]
 
 
-def max_tokens_field(body: dict[str, Any], chat: bool) -> tuple[int | None, str]:
+def max_tokens_field(body: dict[str, Any]) -> tuple[int | None, str]:
     """The completion's length limit, None when the request gives none, and the field it came from
     (errors name the field the client sent). OpenAI's ``max_tokens``, its newer ``max_completion_tokens``
     and llama-server's ``n_predict`` (-1: until the context is full, returned as -1) are one limit: a
@@ -241,6 +241,9 @@ def method_and_options(body: dict[str, Any], default: str, server_options: dict[
 def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Refuse OpenAI features that this server cannot honour rather than silently ignoring them."""
     _refuse_choices(body)
+    for name, neutral in _OUTPUT_CHANGES.items():
+        if body.get(name) not in (None, neutral):
+            raise _refusal(name, "not implemented")
     _refuse_distribution_changes(body)
     if body.get("logit_bias"):
         raise _refusal("logit_bias", "decoding follows the target model's distribution")
@@ -317,9 +320,6 @@ _OUTPUT_CHANGES = {"include_stop_str_in_output": False, "skip_special_tokens": T
 
 
 def _refuse_distribution_changes(body: dict[str, Any]) -> None:
-    for name, neutral in _OUTPUT_CHANGES.items():
-        if body.get(name) not in (None, neutral):
-            raise _refusal(name, "not implemented")
     for name, neutral in _DISTRIBUTION_CHANGES.items():
         value = body.get(name)
         if value is None or (isinstance(value, bool) and value == neutral):   # mirostat: false
@@ -388,7 +388,7 @@ def parse_generation(body: dict[str, Any], chat: bool, sampling: SamplingParams,
     params = sampling_params(body, sampling)
     stops = stop_strings(body)
     method, options, user_options = method_and_options(body, method, server_options, has_draft)
-    max_tokens, max_tokens_param = max_tokens_field(body, chat)
+    max_tokens, max_tokens_param = max_tokens_field(body)
     param = "messages" if chat else "prompt"
     if param not in body:
         raise bad_request(param, f"{param} is required", "missing_required_parameter")
