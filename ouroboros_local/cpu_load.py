@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
+import platform
+import re
 import subprocess
 import sys
 import time
@@ -109,6 +111,26 @@ class CpuTimes:
     total: int
     own_seconds: float
     n_cpus: int
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The CPU's model name, as /proc/cpuinfo (or macOS's sysctl) gives it."""
+    try:
+        info = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        info = ""
+    m = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE) or \
+        re.search(r"^(?:Hardware|Processor|cpu model)\s*:\s*(.+)$", info, re.MULTILINE)
+    if m:
+        return m.group(1).strip()
+    if platform.system() == "Darwin":
+        try:
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                  text=True, timeout=5).stdout.strip() or platform.processor()
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return platform.processor() or platform.machine()
 
 
 def read_proc_stat(path: str = "/proc/stat") -> str | None:

@@ -29,6 +29,7 @@ import numpy as np
 
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
+from .cpu_load import cpu_model
 from .errors import (ContextOverflowError, DrafterError, MethodOptionError, OuroborosError, ParameterError,
                      PoolError, counted)
 from .gguf_file import validate_gguf
@@ -429,7 +430,7 @@ class Engine:
     def calibration_settings(self, draft: bool = False) -> dict[str, Any]:
         """What a cost curve of the target (or the draft) depends on besides the model file."""
         cfg = self.config
-        from .llama import system_info
+        from .llama import library_identity, system_info
 
         if draft and self.draft is None:
             raise ParameterError("this engine has no draft model")
@@ -442,7 +443,8 @@ class Engine:
                     "n_batch": ctx.n_batch, "flash_attn": self._draft_flash_attn if draft else cfg.flash_attn,
                     "huge_pages": model.huge_page_bytes > 0,
                     "type_k": cfg.draft_type_k if draft else cfg.type_k,
-                    "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info()}
+                    "type_v": cfg.draft_type_v if draft else cfg.type_v, "system": system_info(),
+                    "cpu": cpu_model(), "library": library_identity()}
         # the rest only where set, so that every other curve keeps its key: one GPU of several; batches
         # (every decode of more than a token) on other threads than single steps, which the start-up
         # check times alone (a curve of 2 batch threads priced verification 2x too cheap at 1)

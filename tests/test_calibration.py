@@ -166,6 +166,25 @@ def test_a_curve_is_keyed_by_what_its_batches_run_with(tiny_target, tiny_draft) 
         engine.close()
 
 
+def test_a_curve_is_keyed_by_the_llama_cpp_build_and_the_cpu(tiny_target, monkeypatch) -> None:
+    """Another libllama (an upgrade, a rebuild) or another CPU with the same features has other kernels
+    and speeds: its curve is measured afresh, not taken from the other's."""
+    import ouroboros_local.engine as engine_module
+    import ouroboros_local.llama as llama
+
+    engine = make_engine(tiny_target, n_ctx=256, threads=1)
+    try:
+        key = calibration.calibration_key(engine.target.file_id, engine.calibration_settings())
+        assert engine.calibration_settings()["library"][0].endswith(("libllama.so", "libllama.dylib", "llama.dll"))
+        monkeypatch.setattr(llama, "library_identity", lambda: ["/elsewhere/libllama.so", 1, 2])
+        rebuilt = calibration.calibration_key(engine.target.file_id, engine.calibration_settings())
+        monkeypatch.setattr(engine_module, "cpu_model", lambda: "Another CPU")
+        moved = calibration.calibration_key(engine.target.file_id, engine.calibration_settings())
+    finally:
+        engine.close()
+    assert len({key, rebuilt, moved}) == 3
+
+
 def test_old_and_broken_cache_entries(tmp_path) -> None:
     cache = CalibrationCache(tmp_path / "cal.json")
     cache.put(CostModel(sizes=[1], seconds=[0.05], key="ok"))

@@ -13,26 +13,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cpu_load import cpu_model
+
+
 def _read(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8", errors="replace")
     except OSError:
         return ""
-
-
-def cpu_model() -> str:
-    info = _read("/proc/cpuinfo")
-    m = re.search(r"^model name\s*:\s*(.+)$", info, re.MULTILINE) or \
-        re.search(r"^(?:Hardware|Processor|cpu model)\s*:\s*(.+)$", info, re.MULTILINE)
-    if m:
-        return m.group(1).strip()
-    if platform.system() == "Darwin":
-        try:
-            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
-                                  text=True, timeout=5).stdout.strip() or platform.processor()
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return platform.processor() or platform.machine()
 
 
 def physical_cores() -> int | None:

@@ -2,8 +2,9 @@
 
 from . import huge_pages
 from .binding import (Batch, Context, ContextParams, Device, Model, TextStream, backend_init,
-                      chosen_gpu, default_threads, devices, offload_gpus, quantize, supports_gpu_offload, system_info)
+                      chosen_gpu, default_threads, devices, library_identity, offload_gpus, quantize,
+                      supports_gpu_offload, system_info)
 
 __all__ = ["Batch", "Context", "ContextParams", "Device", "Model", "TextStream", "backend_init", "chosen_gpu",
-           "default_threads", "devices", "huge_pages", "offload_gpus", "quantize", "supports_gpu_offload",
-           "system_info"]
+           "default_threads", "devices", "huge_pages", "library_identity", "offload_gpus", "quantize",
+           "supports_gpu_offload", "system_info"]

@@ -116,6 +116,15 @@ def system_info() -> str:
     return lc.llama_print_system_info().decode("utf-8", "replace")
 
 
+def library_identity() -> list | None:
+    """The loaded libllama's ``file_identity``: another build (an upgrade, a rebuild) has other kernels,
+    so a cost curve measured with one says little about the other. None where it cannot be told."""
+    try:
+        return file_identity(lc._lib._name)
+    except (AttributeError, TypeError, OSError):
+        return None
+
+
 @dataclass(frozen=True)
 class Device:
     """A compute device llama.cpp's ggml backends see (the CPU included)."""
