@@ -103,3 +103,21 @@ def test_a_ctrl_c_while_a_context_is_made_frees_it_and_is_raised(tiny_target, mo
         assert len(freed) == 1
     finally:
         model.close()
+
+
+def test_a_ctrl_c_while_the_command_line_imports_ends_it_quietly(monkeypatch, capsys) -> None:
+    """The command's modules take a few hundred ms to import; a Ctrl-C then printed a traceback."""
+    import sys
+
+    from ouroboros_local.__main__ import main
+
+    class CtrlCOnImport:
+        def find_spec(self, name, path=None, target=None):
+            if name == "ouroboros_local.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "ouroboros_local.cli", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [CtrlCOnImport(), *sys.meta_path])
+    assert main() == 130
+    assert capsys.readouterr().err == "interrupted\n"
