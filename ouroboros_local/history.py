@@ -148,6 +148,21 @@ class History:
         # that no file holds yet is what this engine learned so far: the new file keeps it
         return current if current_file is None else None
 
+    def check_pool_file(self, path: str) -> None:
+        """PoolError where the history file ``path`` holds something other than this tokenizer's phrase
+        pool. A method that keeps only FILE.suffix names FILE too: it took any file there, which every
+        method with a phrase pool then refused (on a server, as the client's error). A damaged pool passes:
+        the phrase pool sets it aside when it opens it."""
+        if path == self.phrase_pool_file or not os.path.exists(path) or is_empty_file(path):
+            return
+        try:
+            PhrasePool.check_file(path, self.fingerprint())
+        except DamagedStateError:
+            pass
+        except ForeignStateError as exc:
+            raise ForeignStateError(f"{exc}; name another history file (--pool; the pool option) for this "
+                                    "model") from None
+
     def move(self, old: str | None, new: str | None) -> None:
         """A store's file changes from ``old`` to ``new``: ``old`` is written (if an answer is not yet in
         it) and no longer saved to. It was rewritten with the new file's history at every save."""

@@ -270,6 +270,13 @@ class PhrasePool:
                     out.add(key, phrase)
         return out
 
+    @staticmethod
+    def check_file(path: str | os.PathLike[str], fingerprint: str) -> None:
+        """PoolError unless ``path`` is a phrase pool of this tokenizer (its header and fingerprint; the
+        phrases are read when it loads)."""
+        target, fields, body = read_checked(path, _MAGIC, _VERSION, _HEADER, "phrase pool")
+        check_fingerprint(target, body, fields[2], fingerprint, "pool")
+
     @classmethod
     def load(cls, path: str | os.PathLike[str], fingerprint: str, *, max_per_key: int | None = None,
              max_tokens: int | None = None, n_vocab: int | None = None) -> "PhrasePool":

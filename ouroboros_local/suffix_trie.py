@@ -365,10 +365,11 @@ class SuffixCache:
         with self.lock:
             return [list(self.trie.docs[d]) for d in self._order]
 
-    def set_limits(self, max_requests: int, max_tokens: int) -> None:
+    def grow_limits(self, max_requests: int, max_tokens: int) -> None:
+        """Raise the limits to at least these (never cut what a run with larger ones kept)."""
         with self.lock:
-            self.max_requests, self.max_tokens = max_requests, max_tokens
-            self._evict()
+            self.max_requests = max(self.max_requests, max_requests)
+            self.max_tokens = max(self.max_tokens, max_tokens)
 
     def add(self, tokens: Sequence[int]) -> None:
         """Remember one request's output (its last ``max_tokens`` tokens if longer)."""
@@ -398,15 +399,18 @@ class SuffixCache:
 
     def save_merged(self, path: str | os.PathLike[str], fingerprint: str, n_vocab: int | None = None) -> None:
         """``save``, keeping the documents another process saved to ``path`` meanwhile as the oldest (the
-        limits hold: the newest are kept). This trie itself is left as it is; a damaged file is moved aside
-        and replaced, another tokenizer's or another kind of file is refused with a PoolError (``mergeable``)."""
+        limits hold, grown to what the file holds as at ``load``: the newest are kept). This trie itself is
+        left as it is; a damaged file is moved aside and replaced, another tokenizer's or another kind of
+        file is refused with a PoolError (``mergeable``)."""
         theirs = mergeable(lambda: read_documents(path, fingerprint, n_vocab), "suffix history", path) or []
         ours = self.documents()
         known = {tuple(doc) for doc in ours}
         docs = [doc for doc in theirs if tuple(doc) not in known] + ours
+        max_requests = max(self.max_requests, len(theirs))
+        max_tokens = max(self.max_tokens, sum(len(doc) for doc in theirs))
         kept, n_tokens = 0, 0
         for doc in reversed(docs):   # the newest that fit the limits
-            if kept == self.max_requests or n_tokens + len(doc) > self.max_tokens:
+            if kept == max_requests or n_tokens + len(doc) > max_tokens:
                 break
             kept, n_tokens = kept + 1, n_tokens + len(doc)
         _write_documents(path, fingerprint, docs[len(docs) - kept:])
@@ -415,9 +419,12 @@ class SuffixCache:
     def load(cls, path: str | os.PathLike[str], fingerprint: str, max_requests: int = 256,
              max_tokens: int = 65_536, depth: int = TRIE_DEPTH, n_vocab: int | None = None) -> "SuffixCache":
         """Read a saved history; another tokenizer's file or a damaged one (token ids of ``n_vocab`` or
-        more included) raises PoolError (one line)."""
-        cache = cls(max_requests=max_requests, max_tokens=max_tokens, depth=depth)
-        for doc in read_documents(path, fingerprint, n_vocab):
+        more included) raises PoolError (one line). The limits grow to hold all of it: a run with smaller
+        ones (the defaults) must not cut a history that larger ones built."""
+        docs = read_documents(path, fingerprint, n_vocab)
+        cache = cls(max_requests=max(max_requests, len(docs)),
+                    max_tokens=max(max_tokens, sum(len(doc) for doc in docs)), depth=depth)
+        for doc in docs:
             cache.add(doc)
         return cache
 

@@ -319,7 +319,7 @@ def test_persistence_round_trip_and_refusal(tmp_path: Path) -> None:
     path.write_bytes(b"garbage")
     with pytest.raises(PoolError, match="not a suffix history"):
         load_global(path, "fp-one")
-    assert load_global_limits(cache, tmp_path) == 2
+    assert load_global_limits(cache, tmp_path) == 3     # smaller limits do not cut what a file holds
 
 
 def load_global_limits(cache: SuffixCache, tmp_path: Path) -> int:
@@ -349,7 +349,7 @@ def test_options_defaults_and_shared_global() -> None:
     b = create(ctx, check_options("suffix", {}))
     assert isinstance(a, SuffixProposer) and a.max_depth == 8
     assert a.cache is b.cache is ctx.history.suffix_cache
-    assert b.cache.max_requests == 256                     # the latest request's limits hold
+    assert b.cache.max_requests == 256                     # the largest request's limits hold
     with pytest.raises(ParameterError, match="'pool'"):
         check_options("suffix", {"pool": 5})
     assert "suffix" in method_names()
@@ -470,6 +470,39 @@ def test_engine_pool_file_survives_a_restart_and_refuses_another_tokenizer(engin
     engine.history.clear()
     with pytest.raises(PoolError, match="another tokenizer"):
         engine.generate(prompt, max_tokens=4, method="suffix", options={"pool": str(given)})
+    engine.history.clear()
+
+
+def test_a_history_file_keeps_what_larger_limits_kept(engine, tmp_path: Path) -> None:
+    """An API user kept 30 answers (max_requests=40); one run with smaller limits (the defaults: 256 of
+    thousands) cut the file to its own limits, without a word."""
+    given = tmp_path / "history"
+    path = Path(suffix_file(str(given)))
+    kept = SuffixCache(max_requests=40)
+    for i in range(30):
+        kept.add([i + 1, i + 2, i + 3])
+    save_global(kept, path, engine.history.fingerprint())
+    assert load_global(path, engine.history.fingerprint(), max_requests=5).n_requests == 30
+    engine.history.clear()
+    engine.generate(E2E_PROMPTS[0], max_tokens=8, method="suffix", options={"pool": str(given), "max_requests": 5})
+    engine.history.clear()
+    docs = load_global(path, engine.history.fingerprint()).documents()
+    assert len(docs) == 30 and docs[0] == [2, 3, 4]        # the oldest made room for the new answer
+    small = SuffixCache(max_requests=5)                     # another process's save, merged
+    small.add([7, 7, 7])
+    small.save_merged(path, engine.history.fingerprint())
+    assert len(load_global(path, engine.history.fingerprint()).documents()) == 30
+
+
+def test_suffix_refuses_a_history_file_that_is_no_phrase_pool(engine, tmp_path: Path) -> None:
+    """suffix keeps only FILE.suffix: it took notes.txt as FILE, and every method with a phrase pool then
+    refused the file (a server's clients got a 400 for the server's own setting)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    engine.history.clear()
+    with pytest.raises(PoolError, match="not a phrase pool file"):
+        engine.generate(E2E_PROMPTS[0], max_tokens=4, method="suffix", options={"pool": str(notes)})
+    assert not Path(suffix_file(str(notes))).exists() and notes.read_text() == "my notes\n"
     engine.history.clear()
 
 

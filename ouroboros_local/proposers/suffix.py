@@ -56,7 +56,7 @@ OPTIONS: tuple[opt.Option, ...] = (
 
 def shared_cache(history: History, max_requests: int, max_tokens: int, path: str | None) -> SuffixCache:
     """The engine's global trie (``history.suffix_cache``), loaded from ``path`` the first time that file
-    is named and exists; the limits of the latest request hold."""
+    is named and exists; its limits only grow, to the largest asked for or held in the file."""
     cache = history.reload(history.suffix_cache, history.suffix_file, path,
                            lambda p, fingerprint, n_vocab: load_global(p, fingerprint, max_requests, max_tokens,
                                                                       n_vocab))
@@ -66,7 +66,7 @@ def shared_cache(history: History, max_requests: int, max_tokens: int, path: str
         history.persist(path, cache)   # raises before any change (a folder it cannot write)
         history.move(history.suffix_file, path)
         history.suffix_file = path
-    cache.set_limits(max_requests, max_tokens)
+    cache.grow_limits(max_requests, max_tokens)
     history.suffix_cache = cache
     return cache
 
@@ -319,10 +319,13 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     (the engine saves it after each answer, see History.save)."""
     history = ctx.history
     belongs_to = history.suffix_file.removesuffix(".suffix") if history.suffix_file is not None else None
-    cache = history.open_store(
-        "suffix trie", resolve_pool_path(options["pool"]), belongs_to,
-        lambda path: shared_cache(history, options["max_requests"], options["max_tokens"],
-                                  suffix_file(path) if path is not None else None))
+    def open_trie(path: str | None) -> SuffixCache:
+        if path is not None:
+            history.check_pool_file(path)
+        return shared_cache(history, options["max_requests"], options["max_tokens"],
+                            suffix_file(path) if path is not None else None)
+
+    cache = history.open_store("suffix trie", resolve_pool_path(options["pool"]), belongs_to, open_trie)
     return SuffixProposer(cache, max_depth=options["max_depth"], max_branches=options["max_branches"],
                           min_match=options["min_match"], spec_factor=options["spec_factor"],
                           spec_offset=options["spec_offset"], min_prob=options["min_prob"])
