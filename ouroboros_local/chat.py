@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
@@ -18,13 +19,19 @@ from .errors import ParameterError
 if TYPE_CHECKING:  # pragma: no cover
     from .llama import Model
 
+log = logging.getLogger("ouroboros_local")
+
 # Used only when a GGUF carries no template, as llama-server does (README, "Chat prompts").
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+class _Refusal(jinja2.exceptions.TemplateError):
+    """A template's own ``raise_exception``: it refuses this conversation (a client's error)."""
+
+
 def _raise(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise _Refusal(message)
 
 
 class _GenerationBlocks(jinja2.ext.Extension):
@@ -62,7 +69,55 @@ def _compiled(source: str) -> jinja2.Template:
     return _environment().from_string(source)
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
+@lru_cache(maxsize=8)
+def template_problem(source: str) -> str | None:
+    """Why ``source`` cannot render a plain one-message conversation (it does not compile, or fails on it),
+    or None. Its own refusals (``raise_exception``) are left to the conversations it refuses."""
+    try:
+        _compiled(source).render(messages=[{"role": "user", "content": "Hello"}], add_generation_prompt=True,
+                                 bos_token="", eos_token="", tools=None, documents=None)
+    except _Refusal:
+        return None
+    except jinja2.exceptions.TemplateError as exc:
+        return str(exc)
+    except Exception as exc:   # the template's own code: 'int' is not iterable
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+_NOTED: set[tuple[Any, ...]] = set()   # the models whose ChatML fallback was told
+
+
+def fallback_note(model: "Model") -> str | None:
+    """Why this model's chats are wrapped in ChatML: it has no chat template, or one that does not work
+    (as llama-server does); None where its own template is used. Told once per model file: the command
+    line says it in its own words, and the API's first chat logs it."""
+    source = model.chat_template()
+    if source is None:
+        reason = "this model has no chat template"
+    elif (problem := template_problem(source)) is not None:
+        reason = f"this model's chat template does not work ({problem})"
+    else:
+        return None
+    key = tuple(getattr(model, "file_id", None) or (id(model),))
+    if key in _NOTED:
+        return None
+    _NOTED.add(key)
+    return reason
+
+
+def model_template(model: "Model") -> str:
+    """The model's chat template, or ChatML where it has none or one that does not work."""
+    source = model.chat_template()
+    if source is not None and template_problem(source) is None:
+        return source
+    note = fallback_note(model)
+    if note:
+        log.warning("%s; the prompt is wrapped in ChatML (<|im_start|>...)", note)
+    return CHATML
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise ParameterError("messages must be a non-empty list")
     out = []
@@ -87,8 +142,10 @@ def validate_messages(messages: Any) -> list[dict[str, str]]:
         name = m.get("name")
         if name is not None and not isinstance(name, str):
             raise ParameterError(f"message {i}: 'name' must be a string")
-        # the name goes to the template, as llama-server and vLLM pass it (ChatML's leaves it out)
-        out.append({"role": role, "content": content} | ({"name": name} if name else {}))
+        # the name goes to the template, as llama-server and vLLM pass it (ChatML's leaves it out); so do
+        # the message's other fields (an assistant turn's reasoning_content), as transformers passes them
+        others = {k: v for k, v in m.items() if k not in ("role", "content", "name")}
+        out.append(others | {"role": role, "content": content} | ({"name": name} if name else {}))
     return out
 
 
@@ -127,11 +184,15 @@ def render_chat(model: "Model", messages: Any, add_generation_prompt: bool = Tru
     messages = validate_messages(messages)
     extra = template_variables(template_kwargs)
     if not continue_final:
-        return _render(model, messages, add_generation_prompt, template, extra)
-    if messages[-1]["role"] != "assistant":
+        text = _render(model, messages, add_generation_prompt, template, extra)
+    elif messages[-1]["role"] != "assistant":
         raise ParameterError(f"only an assistant message can be continued; the final message is the "
                              f"{messages[-1]['role']}'s")
-    return _render(model, messages[:-1], True, template, extra) + messages[-1]["content"]
+    else:
+        text = _render(model, messages[:-1], True, template, extra) + messages[-1]["content"]
+    if not text:
+        raise ParameterError("the chat template rendered an empty prompt for these messages")
+    return text
 
 
 def template_variables(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -151,10 +212,12 @@ def template_variables(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
 
 def _render(model: "Model", messages: list[dict[str, str]], add_generation_prompt: bool, template: str | None,
             extra: dict[str, Any]) -> str:
-    source = template or model.chat_template() or CHATML
+    source = template or model_template(model)
     try:
         compiled = _compiled(source)
-        return compiled.render(**extra, messages=messages, add_generation_prompt=add_generation_prompt,
+        # tools and documents: None where a request has none, as transformers renders them
+        return compiled.render(**({"tools": None, "documents": None} | extra), messages=messages,
+                               add_generation_prompt=add_generation_prompt,
                                bos_token=model.token_text(model.bos) if model.bos >= 0 else "",
                                eos_token=model.token_text(model.eos) if model.eos >= 0 else "")
     except jinja2.exceptions.TemplateError as exc:

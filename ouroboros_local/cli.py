@@ -315,8 +315,11 @@ def say(message: str) -> None:
 
 def warn_without_chat_template(engine: Any, plain: str = "drop --chat for plain completion") -> None:
     """``plain``: how this command completes plain text instead."""
-    if engine.target.chat_template() is None:
-        say("note: this model has no chat template; the prompt is wrapped in ChatML (<|im_start|>...), "
+    from .chat import fallback_note
+
+    note = fallback_note(engine.target)
+    if note:
+        say(f"note: {note}; the prompt is wrapped in ChatML (<|im_start|>...), "
             f"which a base model may answer with template tokens: {plain}")
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from ouroboros_local.chat import for_added_specials
 from ouroboros_local.engine import Engine, EngineConfig
+from ouroboros_local.errors import ParameterError
 from ouroboros_local.llama import Model
 
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Tell me about the sea."}]
@@ -205,3 +206,51 @@ def test_text_parts_are_joined_one_per_line_as_llama_server_joins_them(bpe_engin
              {"type": "text", "text": "import os"}]
     joined = [{"role": "user", "content": "Summarise this file:\nimport os"}]
     assert bpe_engine.chat_tokens([{"role": "user", "content": parts}]) == bpe_engine.chat_tokens(joined)
+
+
+def _model_with(template: str | None, name: str):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(chat_template=lambda: template, bos=-1, eos=-1, token_text=lambda t: "",
+                           file_id=[name, 1, 2])
+
+
+@pytest.mark.parametrize("broken", ["{% for m in messages %}{{ m.content }}{% endfor }}",   # does not compile
+                                    "{{ foo.bar }}{% for m in messages %}{{ m.content }}{% endfor %}",
+                                    "{{ messages | no_such_filter }}"])
+def test_a_template_that_does_not_work_falls_back_to_chatml_with_one_note(broken: str, caplog) -> None:
+    """It was found at the first render: chat refused every message, and serve answered every chat request
+    with a 400 that blamed the client for the model file (llama-server falls back to ChatML at load)."""
+    from ouroboros_local.chat import CHATML, fallback_note, render_chat
+
+    model = _model_with(broken, f"broken-{len(broken)}.gguf")
+    hello = [{"role": "user", "content": "hi"}]
+    with caplog.at_level("WARNING", logger="ouroboros_local"):
+        first = render_chat(model, hello)
+        assert render_chat(model, hello) == first == render_chat(model, hello, template=CHATML)
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["this model's chat template does not work"]
+    assert fallback_note(model) is None                        # told once, whoever tells it
+    refusing = _model_with("{{ raise_exception('no system role') }}", "refusing.gguf")
+    with pytest.raises(ParameterError, match="no system role"):   # its own refusal stays the client's error
+        render_chat(refusing, hello)
+    assert fallback_note(_model_with(None, f"none-{len(broken)}.gguf")) == "this model has no chat template"
+
+
+def test_tools_documents_and_other_message_fields_reach_the_template_as_transformers_passes_them() -> None:
+    """tools was undefined (`tools | tojson` failed) and reasoning_content was dropped from its message."""
+    from ouroboros_local.chat import render_chat
+
+    template = ("{% if tools is not none %}{{ tools | tojson }}{% endif %}{% if documents is none %}[no docs]"
+                "{% endif %}{% for m in messages %}{% if m.reasoning_content %}<think>{{ m.reasoning_content }}"
+                "</think>{% endif %}{{ m.content }};{% endfor %}")
+    model = _model_with(template, "tools.gguf")
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo", "reasoning_content": "hm"}]
+    assert render_chat(model, turns) == "[no docs]hi;<think>hm</think>yo;"
+    assert render_chat(model, turns, template_kwargs={"tools": [{"name": "f"}]}).startswith('[{"name": "f"}]')
+
+
+def test_a_template_that_renders_nothing_says_so() -> None:
+    from ouroboros_local.chat import render_chat
+
+    with pytest.raises(ParameterError, match="the chat template rendered an empty prompt"):
+        render_chat(_model_with("{% if false %}x{% endif %}", "empty.gguf"), [{"role": "user", "content": "hi"}])
