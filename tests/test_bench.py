@@ -1013,3 +1013,88 @@ def test_a_signal_during_the_save_is_noted_and_named_by_the_exit_status(monkeypa
             signal.pthread_kill(threading.main_thread().ident, 0)   # (delivered by now)
         assert pressed == [sig] and 128 + pressed[0] == {signal.SIGTERM: 143, signal.SIGHUP: 129}.get(sig, 130)
     assert said and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def _no_space(created: Path | None = None) -> OSError:
+    """ENOSPC, after creating ``created`` empty: a full disk still takes an empty file."""
+    import errno
+    import os
+
+    if created is not None:
+        created.write_bytes(b"")
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("full", [("results.json", "results.md", "speedup.png"), ("results.md",)])
+def test_a_full_disk_costs_only_the_files_it_has_no_room_for(
+        full: tuple[str, ...], tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture) -> None:
+    """A full --out folder once lost the whole run: no table printed, 'No space left on device' naming no
+    file, and a 0-byte results.json.tmp or results.md left behind."""
+    from ouroboros_local.bench import charts
+
+    out = tmp_path / "out"
+    write_text = Path.write_text
+
+    def filling_write_text(self: Path, *args: Any, **kwargs: Any) -> int:
+        if self.parent == out and self.name.startswith(full):
+            raise _no_space(self)
+        return write_text(self, *args, **kwargs)
+
+    def filling_plot(summary: Any, path: Path, title: str = "") -> bool:   # as savefig on a full disk
+        if Path(path).name in full:
+            raise _no_space(Path(path))
+        return False
+
+    monkeypatch.setattr(Path, "write_text", filling_write_text)
+    monkeypatch.setattr(charts, "plot_speedup", filling_plot)
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    assert main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+                 "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth", "--no-warmup"]) == 1
+    printed = capsys.readouterr()
+    assert "| vanilla | " in printed.out
+    for name in full:
+        assert f"bench: error: cannot write {out / name}: No space left on device\n" in printed.err
+    assert sorted(p.name for p in out.iterdir()) == sorted({"results.json", "results.md"} - set(full))
+    if "results.json" not in full:
+        assert [r["label"] for r in json.loads((out / "results.json").read_text())["records"]] == ["vanilla"]
+
+
+def test_an_output_folder_without_room_is_refused_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    """The pre-load check wrote an empty probe, which a full disk still takes."""
+    import io
+    import tempfile
+
+    class FullDisk(io.BytesIO):
+        def write(self, data: Any) -> int:
+            raise _no_space()
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", lambda **kwargs: FullDisk())
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello"]}])
+    assert main(["bench", "-m", str(tmp_path / "no-model.gguf"), "--prompts", str(pfile), "--methods", "vanilla",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert f"--out {tmp_path / 'o'}: cannot write there (No space left on device)" in capsys.readouterr().err
+
+
+def test_an_earlier_run_that_cannot_be_kept_is_not_written_over(tiny_target: Path, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """No room to move the earlier run to previous/: its files stay, this run's table is printed."""
+    from ouroboros_local.bench import cli as bench_cli
+
+    def no_room(out_dir: Path, log: Any) -> None:
+        raise _no_space()
+
+    monkeypatch.setattr(bench_cli, "keep_earlier_run", no_room)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "results.json").write_text("{}")
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    assert main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+                 "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth", "--no-warmup"]) == 1
+    printed = capsys.readouterr()
+    assert "| vanilla | " in printed.out
+    assert (f"bench: error: cannot keep the earlier run's results in {out / 'previous'} (No space left on "
+            f"device); this run's files were not written over them in {out}\n") in printed.err
+    assert sorted(p.name for p in out.iterdir()) == ["results.json"] and (out / "results.json").read_text() == "{}"

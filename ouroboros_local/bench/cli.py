@@ -297,7 +297,7 @@ def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:
 
 
 CHARTS = ("speedup.png", "sweep.png")
-OUTPUT_NAMES = ("results.json", "results.json.tmp", "results.md", *CHARTS)
+OUTPUT_NAMES = ("results.json", "results.json.tmp", "results.md", "results.md.tmp", *CHARTS)
 STOPPED_NOTE = "interrupted"   # a stopped run's note begins so (results.json "notes")
 FAILED_NOTE = "stopped early"           # a run vanilla's error stopped
 
@@ -337,8 +337,9 @@ def check_out_dir(out_dir: Path) -> None:
     that cannot be written, or a file where keep_earlier_run needs a folder, or a folder where a file goes."""
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        probe = tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-")
-        probe.close()
+        with tempfile.NamedTemporaryFile(dir=out_dir, prefix=".write-test-") as probe:
+            probe.write(bytes(4096))   # some bytes: an empty file still fits on a full disk
+            probe.flush()
     except OSError as exc:
         raise ParameterError(f"--out {out_dir}: cannot write there ({exc.strerror or exc})") from None
     folders = (out_dir, out_dir / "previous", out_dir / "previous" / "stopped")
@@ -350,20 +351,59 @@ def check_out_dir(out_dir: Path) -> None:
             raise ParameterError(f"--out: {path} is not a file (the results go there); move it away")
 
 
+def _reason(exc: OSError) -> str:
+    return exc.strerror or str(exc)
+
+
+def save_results(out_dir: Path, payload: dict[str, Any], markdown: str, sweep_info: dict[str, Any] | None,
+                 chart_title: str, log: Callable[[str], None]) -> list[str]:
+    """results.json, results.md and the charts, each tried on its own (a full disk must not cost the files
+    that fit); returns one line per file not written, naming it and why."""
+    from . import report
+
+    try:
+        keep_earlier_run(out_dir, log)
+    except OSError as exc:   # writing now would replace the earlier run's files
+        return [f"cannot keep the earlier run's results in {out_dir / 'previous'} ({_reason(exc)}); "
+                f"this run's files were not written over them in {out_dir}"]
+    writes = {out_dir / "results.json": lambda path: report.write_json(path, payload),
+              out_dir / "results.md": lambda path: report.write_text_atomic(path, markdown)}
+    unsaved = []
+    for path, write in writes.items():
+        try:
+            write(path)
+            log(f"bench: wrote {path}")
+        except OSError as exc:
+            unsaved.append(f"cannot write {path}: {_reason(exc)}")
+    return unsaved + write_charts(payload["summary"], sweep_info, out_dir, chart_title, log)
+
+
 def write_charts(summary: dict[str, Any], sweep_info: dict[str, Any] | None, out_dir: Path, title: str,
-                 log: Callable[[str], None]) -> None:
+                 log: Callable[[str], None]) -> list[str]:
     """speedup.png (and sweep.png with --sweep), first removing an earlier run's: a chart this run cannot
-    draw (no matplotlib, no sweep) must not be left to pass for its own."""
+    draw (no matplotlib, no sweep) must not be left to pass for its own. Returns a line per chart that
+    could not be written; its partial file is removed."""
     from . import charts
 
+    plots = {"speedup.png": lambda path: charts.plot_speedup(summary, path, title=title)}
+    if sweep_info:
+        plots["sweep.png"] = lambda path: charts.plot_sweep(summary, sweep_info, path)
+    unsaved = []
     for name in CHARTS:
-        (out_dir / name).unlink(missing_ok=True)
-    if charts.plot_speedup(summary, out_dir / "speedup.png", title=title):
-        log(f"bench: wrote {out_dir / 'speedup.png'}")
-    else:
-        log("bench: matplotlib is not installed (pip install matplotlib): no speedup.png")
-    if sweep_info and charts.plot_sweep(summary, sweep_info, out_dir / "sweep.png"):
-        log(f"bench: wrote {out_dir / 'sweep.png'}")
+        path = out_dir / name
+        try:
+            path.unlink(missing_ok=True)
+            if name not in plots:
+                continue
+            if plots[name](path):
+                log(f"bench: wrote {path}")
+            else:
+                log(f"bench: matplotlib is not installed (pip install matplotlib): no {name}")
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+            unsaved.append(f"cannot write {path}: {_reason(exc)}")
+    return unsaved
 
 
 def _sampling_desc(sampling: Any) -> str:
@@ -591,17 +631,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "notes": notes,
                 "wall_seconds": run.wall_seconds,
             }
-            keep_earlier_run(out_dir, log)
-            report.write_json(out_dir / "results.json", payload)
             md = report.render_markdown(payload)
-            (out_dir / "results.md").write_text(md, encoding="utf-8")
+            print(md, flush=True)   # first: the table survives files the disk has no room for
             offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
             where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
-            write_charts(summary, sweep_info, out_dir, f"{Path(target.path).name} on {where}", log)
+            unsaved = save_results(out_dir, payload, md, sweep_info, f"{Path(target.path).name} on {where}", log)
         if pressed and not run.interrupted:   # its exit status: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
             run.interrupted, run.exit_status = True, 128 + pressed[0]
-        print(md)
-        log(f"bench: wrote {out_dir / 'results.json'} and {out_dir / 'results.md'}")
+        for line in unsaved:
+            log(f"bench: error: {line}")
         n_bad = sum(1 for m in payload["mismatches"] if m["match"] == "mismatch")
         n_ties = sum(1 for m in payload["mismatches"] if m["match"] == "tie-flip")
         n_unchecked = sum(1 for r in run.records if r.get("match") in report.UNCHECKED)
@@ -621,6 +659,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         if run.failed:
             log(f"bench: error: {run.failed}")
             return 2
+        if unsaved:   # the table is printed, but not every file of the run is there
+            return 1
         return 3 if (args.strict and (n_bad or n_unchecked or not_run)) else 0
     finally:
         for c in contenders:

@@ -3,6 +3,7 @@ machine.py, the charts in charts.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -246,13 +247,23 @@ def _json_default(obj: Any) -> Any:
     return repr(obj)
 
 
-def write_json(path: str | Path, payload: Mapping[str, Any]) -> Path:
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """``path`` holds ``text`` whole or is left as it was: written beside it as PATH.tmp, then renamed; the
+    .tmp is removed when the write fails (a full disk left a 0-byte results.json.tmp)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=1, ensure_ascii=False, default=_json_default) + "\n",
-                   encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):   # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)
+        raise
     return path
+
+
+def write_json(path: str | Path, payload: Mapping[str, Any]) -> Path:
+    return write_text_atomic(path, json.dumps(payload, indent=1, ensure_ascii=False, default=_json_default) + "\n")
 
 
 def _f(v: Any, fmt: str = "{:.2f}", none: str = "–") -> str:
@@ -462,7 +473,7 @@ def rerender(results: str | Path) -> Path:
     payload["summary"] = summarize(payload["records"], payload["methods"], target.get("size_bytes"))
     try:
         write_json(path, payload)
-        md.write_text(render_markdown(payload), encoding="utf-8")
+        write_text_atomic(md, render_markdown(payload))
     except OSError as exc:
         raise ParameterError(f"cannot write {exc.filename or md}: {exc.strerror or exc}") from None
     return md
