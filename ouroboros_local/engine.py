@@ -792,6 +792,10 @@ class Engine:
             try:
                 for event in run:
                     if event.result is not None:   # saved before the caller hears that the answer is done
+                        if event.text or event.tokens:   # its last text first: a failed save's warning after it
+                            yield StreamEvent(event.text, event.tokens)
+                            self._lock_owner = threading.current_thread()
+                            event = StreamEvent("", [], event.result)
                         self._save_history(event.result.stats, if_due=True)   # (history files, if named)
                         self.save_learned(SAVE_INTERVAL)
                         saved = True

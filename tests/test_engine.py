@@ -142,6 +142,24 @@ def test_streaming_yields_the_same_text(pair_engine: Engine) -> None:
     assert "".join(pieces) == result.text
 
 
+def test_the_last_text_is_heard_before_the_history_is_saved(pair_engine: Engine, monkeypatch) -> None:
+    """The final event carried the last held-back text and was yielded after the save: a failed save's
+    warning landed inside the answer on a terminal ("The United Stateswarning: cannot save ...")."""
+    plain = pair_engine.generate(PROMPTS[2], max_tokens=25).text
+    held = plain[-1] + "\x00\x01"   # a stop string its last character begins: held back to the end
+    heard: list[str] = []
+    at_save: list[str] = []
+    save = pair_engine._save_history
+    monkeypatch.setattr(pair_engine, "_save_history",
+                        lambda *a, **kw: (at_save.append("".join(heard)), save(*a, **kw))[1])
+    for ev in pair_engine.stream(PROMPTS[2], max_tokens=25, method="vanilla", stop=[held]):
+        heard.append(ev.text)
+        if ev.result is not None:
+            assert ev.text == "" and ev.tokens == []
+            result = ev.result
+    assert at_save == [result.text] == [plain] and "".join(heard) == result.text
+
+
 def test_cancellation(pair_engine: Engine) -> None:
     calls = {"n": 0}
 
