@@ -104,7 +104,10 @@ MAX_SAVED_CLASSES = 512   # confidence classes per proposer in saved estimates (
 
 def _counts(values: Any) -> list[float]:
     """Decayed observation counts read back from a file: finite and non-negative, or ValueError."""
-    out = [float(v) for v in values]
+    try:
+        out = [float(v) for v in values]
+    except OverflowError:   # an integer no float holds (1 and 400 zeros: valid JSON)
+        raise ValueError("a count is too large") from None
     if not all(math.isfinite(v) and v >= 0.0 for v in out):
         raise ValueError("a count is negative or not finite")
     return out

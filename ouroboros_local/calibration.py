@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, busy_cores_now, contended, usable_cores
 from .errors import PoolError
-from .filestore import put_json_entry, read_json_object, warn_not_saved
+from .filestore import finite_number, put_json_entry, read_json_object, warn_not_saved
 from .tree import TokenTree, layout
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -294,7 +294,7 @@ class CalibrationCache:
         self.path = path or (Path(override).expanduser() if override else default_cache_dir() / "calibration.json")
 
     def _read(self) -> dict:
-        return read_json_object(self.path)
+        return read_json_object(self.path, "cost curve")
 
     def get(self, key: str) -> CostModel | None:
         """The cached curve of ``key``; None when there is none, or when it is not a valid curve (a file
@@ -314,8 +314,16 @@ class CalibrationCache:
                        what="cost curve", indent=1)
 
 
+MAX_SIZE = 2**31   # a curve's sizes and round size are token counts of one decode: far below this
+
+
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite JSON number a float holds (1 and 400 zeros, valid JSON, was an OverflowError at every start)."""
+    return not math.isnan(finite_number(value, math.nan))
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_SIZE
 
 
 # What each saved field of a CostModel may hold (a wrong type once crashed later, far from the file).
@@ -325,7 +333,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
     "busy_cores": lambda v: v is None or (_is_number(v) and v >= 0),
     "provisional": lambda v: isinstance(v, bool),
     "switch_seconds": lambda v: _is_number(v) and v >= 0,
-    "round_size": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+    "round_size": _is_size,
     "plain_seconds": lambda v: _is_number(v) and v >= 0,
 }
 
@@ -340,19 +348,21 @@ def _curve_problem(raw: Any) -> str | None:
     if unknown:
         return f"unknown field {unknown[0]!r}"
     bad = next((name for name, valid in _FIELD_CHECKS.items() if name in raw and not valid(raw[name])), None)
-    return None if bad is None else f"{bad} is {raw[bad]!r}"
+    if bad is None:
+        return None
+    shown = repr(raw[bad])
+    return f"{bad} is {shown if len(shown) <= 40 else shown[:37] + '...'}"   # 1 and 400 zeros: a line of its own
 
 
 def _is_curve(sizes: Any, seconds: Any) -> bool:
     """Sizes rising from 1 with a positive finite time each: what ``CostModel.cost`` interpolates."""
     if not isinstance(sizes, list) or not isinstance(seconds, list) or not sizes or len(sizes) != len(seconds):
         return False
-    if not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes) or sizes[0] != 1:
+    if not all(_is_size(n) for n in sizes) or sizes[0] != 1:
         return False
     if any(b <= a for a, b in zip(sizes, sizes[1:])):
         return False
-    return all(isinstance(t, (int, float)) and not isinstance(t, bool) and math.isfinite(t) and t > 0
-               for t in seconds)
+    return all(_is_number(t) and t > 0 for t in seconds)
 
 
 def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh: bool = False,

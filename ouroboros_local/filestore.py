@@ -4,6 +4,7 @@ files (cost curves, learned estimates) are written the same way and read with ``
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import logging
@@ -32,6 +33,9 @@ STALE_TEMP_SECONDS = 3600.0   # a temp file untouched this long was left by a sa
 LOCK_WAIT_SECONDS = 60.0      # longer than any save takes (a pool of a million tokens: half a second)
 MAX_JSON_STATE_BYTES = 16 * 2**20   # a cost-curve or estimates file is kilobytes; a larger one is another file
 _warned_unsaved: set[str] = set()   # files whose failed save was already warned about in this process
+_warned_frozen: set[str] = set()    # read-only files whose skipped saves were already warned about
+# FILE.SUFFIX is saved beside FILE, with FILE's permissions (the suffix trie beside a history file)
+COMPANION_SUFFIXES = (".suffix",)
 
 
 class DamagedStateError(PoolError):
@@ -42,6 +46,15 @@ class DamagedStateError(PoolError):
 class ForeignStateError(PoolError):
     """A readable state file that is not this model's: another tokenizer's, or another format version's.
     Never merged into, nor replaced (its owner would lose it)."""
+
+
+class NotSavedError(PoolError):
+    """A save that failed: "cannot save the WHAT to PATH: REASON"; ``reason`` alone for a warning that
+    names the file itself (``warn_not_saved``)."""
+
+    def __init__(self, what: str, target: object, reason: str):
+        super().__init__(f"cannot save the {what} to {target}: {reason}")
+        self.reason = reason
 
 
 _TEMP_SUFFIX = ".tmp"
@@ -58,13 +71,17 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
     any previous file intact. ``what`` names the content in the one-line error. A symbolic link is
     followed: the file it points to is replaced, the link kept."""
     target = Path(os.path.realpath(path))
+    if _frozen(target):
+        _warn_frozen(target, what)
+        return
     directory = target.parent
     _remove_stale_temps(directory, target.name)
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=_TEMP_SUFFIX, dir=directory)
-        if target.is_file():   # keep its permissions (mkstemp's 0600 made a group's shared pool unreadable)
-            os.chmod(tmp, stat.S_IMODE(target.stat().st_mode))
+        mode = _shared_mode(target)
+        if mode is not None:   # keep its permissions (mkstemp's 0600 made a group's shared pool unreadable)
+            os.chmod(tmp, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -72,7 +89,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
         os.replace(tmp, target)
         tmp = None
     except OSError as e:
-        raise PoolError(f"cannot save the {what} to {target}: {e}") from e
+        raise NotSavedError(what, target, str(e)) from e
     finally:
         if tmp is not None:
             try:
@@ -90,11 +107,13 @@ def locked(path: str | os.PathLike[str], what: str) -> Iterator[None]:
     added. The lock is the operating system's (it goes with a process that dies); a wait past
     LOCK_WAIT_SECONDS raises PoolError."""
     target = Path(os.path.realpath(path))
-    try:   # whoever may write the file may take its lock (a group's shared pool); the owner always
-        mode = stat.S_IMODE(target.stat().st_mode) | 0o600
-    except OSError:
-        mode = 0o600
+    if _frozen(target):   # never written (``write_atomic``): nothing to lock, and no lock file made beside it
+        yield
+        return
+    # whoever may write the file may take its lock (a group's shared pool); the owner always
+    mode = (_shared_mode(target) or 0) | 0o600
     lock = FileLock(target.with_name(f".{target.name}.lock"), timeout=LOCK_WAIT_SECONDS, mode=mode)
+    _match_lock_mode(lock.lock_file, mode)
     try:
         try:
             lock.acquire(timeout=0)
@@ -102,10 +121,10 @@ def locked(path: str | os.PathLike[str], what: str) -> Iterator[None]:
             _check_lock_file(lock.lock_file, mode, what, target)
             lock.acquire()
     except Timeout:
-        raise PoolError(f"cannot save the {what} to {target}: another process held its lock "
-                        f"{lock.lock_file} for {LOCK_WAIT_SECONDS:.0f} s") from None
-    except OSError as e:
-        raise PoolError(f"cannot save the {what} to {target}: {e}") from e
+        raise NotSavedError(what, target, f"another process held its lock {lock.lock_file} for "
+                                          f"{LOCK_WAIT_SECONDS:.0f} s") from None
+    except OSError as e:   # a folder or another user's file where the lock goes: the lock is named, not FILE
+        raise NotSavedError(what, target, f"cannot use its lock file {lock.lock_file} ({e.strerror or e})") from None
     try:
         yield
     finally:
@@ -121,8 +140,59 @@ def _check_lock_file(lock_file: str, mode: int, what: str, target: Path) -> None
     try:
         os.close(os.open(lock_file, os.O_RDWR | os.O_CREAT, mode))
     except OSError as e:
-        raise PoolError(f"cannot save the {what} to {target}: cannot make its lock file {lock_file} "
-                        f"({e.strerror or e})") from None
+        raise NotSavedError(what, target, f"cannot make its lock file {lock_file} ({e.strerror or e})") from None
+
+
+def _match_lock_mode(lock_file: str, mode: int) -> None:
+    """Give a lock file its file's permissions now (it keeps those of its creation: a pool shared with a
+    group after its first save kept a lock only its owner could open). Only its owner (or root) can."""
+    try:
+        st = os.lstat(lock_file)
+        if stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) != mode and st.st_uid == _euid():
+            os.chmod(lock_file, mode)
+    except OSError:
+        pass
+
+
+def _euid() -> int:
+    return os.geteuid() if hasattr(os, "geteuid") else -1   # -1: no such thing (Windows)
+
+
+def _shared_mode(target: Path) -> int | None:
+    """The permissions a save gives ``target``: its own where it is a file; a new companion file (FILE.suffix)
+    takes FILE's, as its lock does (a pool made group-writable had a suffix history only its creator could
+    read). None: mkstemp's 0600."""
+    owner = next((target.with_name(target.name[:-len(s)]) for s in COMPANION_SUFFIXES
+                  if target.name.endswith(s) and len(target.name) > len(s)), None)
+    for candidate in (target, owner):
+        try:
+            if candidate is not None and candidate.is_file():
+                return stat.S_IMODE(candidate.stat().st_mode)
+        except OSError:
+            pass
+    return None
+
+
+def _frozen(target: Path) -> bool:
+    """Was the existing file ``target`` made read-only (chmod 444, or not writable by this user)? Its state
+    is used, never saved: a save replaces the file through its folder, and undid the freeze in silence.
+    Root may write any file: for it, a file without any write bit counts as made read-only."""
+    try:
+        if not target.is_file():
+            return False
+        return not stat.S_IMODE(target.stat().st_mode) & 0o222 or not os.access(target, os.W_OK)
+    except OSError:
+        return False
+
+
+def _warn_frozen(target: Path, what: str) -> None:
+    """One warning per process and file that a read-only file is used but not saved."""
+    key = os.fspath(target)
+    if key in _warned_frozen:
+        return
+    _warned_frozen.add(key)
+    log.warning("warning: %s is read-only: what it holds is used, and the %s is not saved to it (make it "
+                "writable to save there again)", key, what)
 
 
 def _remove_stale_temps(directory: Path, name: str) -> None:
@@ -149,31 +219,73 @@ def warn_not_saved(path: str | os.PathLike[str], what: str, env_var: str, cost: 
         return
     _warned_unsaved.add(key)
     cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc   # write_atomic's wraps the OSError
-    reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
-    if os.environ.get(env_var):   # the variable named this file: only it moves the file
-        advice = f"Set {env_var} to a writable file"
+    if isinstance(exc, NotSavedError) and not isinstance(exc.__cause__, OSError):
+        reason = exc.reason   # the file is named once, by this warning
     else:
-        advice = f"Set OUROBOROS_CACHE to a writable folder, or {env_var} to a writable file"
-    log.warning("warning: cannot save the %s to %s (%s); %s. %s", what, key, reason, cost, advice)
+        reason = cause.strerror if isinstance(cause, OSError) and cause.strerror else str(cause)
+    log.warning("warning: cannot save the %s to %s (%s); %s. %s", what, key, reason, cost, save_advice(env_var))
 
 
-def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
+def save_advice(env_var: str) -> str:
+    """The settings that move a state file that cannot be saved where it is."""
+    if os.environ.get(env_var):   # the variable named this file: only it moves the file
+        return f"Set {env_var} to a writable file"
+    return f"Set OUROBOROS_CACHE to a writable folder, or {env_var} to a writable file"
+
+
+def save_obstacle(path: str | os.PathLike[str]) -> str | None:
+    """Why a save to ``path`` would fail now, found without writing anything (``doctor``); None where none
+    is seen: the file, if there, is a regular file this user may read and write, and its folder (or the
+    nearest part of it that exists, made at the save) is a writable folder on a disk that is not full."""
+    target = Path(os.path.abspath(path))
+    if os.path.lexists(target):
+        if not target.is_file():
+            return f"{target} is not a regular file"
+        if _frozen(Path(os.path.realpath(target))):
+            return f"{target} is read-only"
+        try:
+            open(target, "rb").close()
+        except OSError as e:
+            return f"{target} cannot be read ({e.strerror or e})"
+        target = Path(os.path.realpath(target))   # a link: saved where it points
+    folder = next((p for p in target.parents if os.path.lexists(p)), Path(target.anchor))
+    if not folder.is_dir():
+        return f"{folder} is not a folder"
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return f"the folder {folder} is not writable"
+    try:
+        disk = os.statvfs(folder)
+    except (OSError, AttributeError):   # no statvfs (Windows): not known
+        return None
+    free = disk.f_bfree if _euid() == 0 else disk.f_bavail   # root may use the blocks kept for it
+    return f"the disk of {folder} is full" if free == 0 else None
+
+
+def read_json_object(path: str | os.PathLike[str], what: str | None = None) -> dict[str, Any]:
     """A JSON state file's object; {} when it is missing, unreadable, not JSON or not an object (a file
-    edited by hand is measured or learned again, never fatal)."""
-    return _json_object(Path(path)) or {}
+    edited by hand is measured or learned again, never fatal). ``what``: the file's content, named in one
+    warning per process where the file exists but cannot be read (its save is then refused, not warned)."""
+    target = Path(path)
+    try:
+        return _json_object(target) or {}
+    except OSError as e:
+        key = os.fspath(path)
+        if what is not None and key not in _warned_unsaved:
+            _warned_unsaved.add(key)   # the save's own warning would say only "not saved"
+            log.warning("warning: cannot read the %s file %s (%s): what it holds is not used, and nothing is "
+                        "saved there; make it readable, or name another file", what, key, e.strerror or e)
+        return {}
 
 
 def _json_object(target: Path) -> dict[str, Any] | None:
-    """The file's JSON object; {} where there is none (missing, empty, unreadable); None where the file
-    holds something else (not JSON, JSON but not an object, or over MAX_JSON_STATE_BYTES)."""
+    """The file's JSON object; {} where there is none (missing, empty); None where the file holds something
+    else (not JSON, JSON but not an object, or over MAX_JSON_STATE_BYTES). OSError where it cannot be read.
+    A leading byte-order mark (Notepad's, PowerShell's) is dropped."""
     if not target.is_file():   # missing, or a FIFO that would block the read forever
         return {}
-    try:
-        if target.stat().st_size > MAX_JSON_STATE_BYTES:   # not read into memory (a model named by mistake)
-            return None
-        text = target.read_text(errors="replace")
-    except OSError:
-        return {}
+    if target.stat().st_size > MAX_JSON_STATE_BYTES:   # not read into memory (a model named by mistake)
+        return None
+    text = target.read_text(encoding="utf-8-sig", errors="replace")
     if not text.strip():
         return {}
     try:
@@ -189,7 +301,8 @@ def _json_at_start(target: Path) -> bool:
         if target.stat().st_size > MAX_JSON_STATE_BYTES:
             return False
         with open(target, "rb") as f:
-            return f.read(4096).lstrip().startswith((b"{", b"["))
+            start = f.read(4096)
+        return start.removeprefix(codecs.BOM_UTF8).lstrip().startswith((b"{", b"["))
     except OSError:
         return False
 
@@ -211,11 +324,22 @@ def keep_newest(data: dict[str, Any], keep: int, stamp_key: str, fresh: str | No
         if key == fresh:
             return math.inf
         entry = data[key]
-        value = entry.get(stamp_key) if isinstance(entry, dict) else None
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+        return finite_number(entry.get(stamp_key) if isinstance(entry, dict) else None, 0.0)
 
     for old in sorted(data, key=stamp)[:max(0, len(data) - keep)]:
         del data[old]
+
+
+def finite_number(value: Any, default: float) -> float:
+    """``value`` as a float where it is a finite JSON number, else ``default``: a file edited by hand may
+    hold NaN, or an integer no float holds (1 and 400 zeros: OverflowError at every start)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return default
+    try:
+        number = float(value)
+    except OverflowError:
+        return default
+    return number if math.isfinite(number) else default
 
 
 def make_folder(folder: Path) -> None:
@@ -237,7 +361,11 @@ def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: st
         raise PoolError(f"{path} is not a regular file: nothing is saved there")
     make_folder(path.parent)
     with locked(path, what):
-        data = _json_object(path)
+        try:
+            data = _json_object(path)
+        except OSError as e:   # what it holds is unknown: written over, its other entries would be lost
+            raise NotSavedError(what, path, f"it cannot be read ({e.strerror or e}), so it is not written "
+                                            "over") from None
         if data is None and not _json_at_start(path):   # a model or notes named by mistake: left alone
             raise PoolError(f"{path} is not a {what} file: left as it is, and nothing saved there")
         if data is None:   # ours, edited by hand into a syntax error or cut short: kept aside, not written over

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -27,7 +28,8 @@ from typing import Any
 
 from .catalogue import default_cache_dir
 from .errors import PoolError
-from .filestore import file_identity, put_json_entry, read_json_object, warn_not_saved
+from .filestore import (file_identity, finite_number, put_json_entry, read_json_object, save_advice,
+                        save_obstacle, warn_not_saved)
 
 log = logging.getLogger("ouroboros_local")
 
@@ -59,7 +61,7 @@ class LearnedEstimates:
         self.path = path or cache_path()
 
     def _read(self) -> dict[str, Any]:
-        return read_json_object(self.path)
+        return read_json_object(self.path, "learned estimates")
 
     def entry(self, key: str) -> dict[str, Any] | None:
         """The saved entry of ``key`` (``format``, ``saved_at``, ``estimates``), if it is one of this format."""
@@ -104,15 +106,25 @@ def copy_priors() -> dict[str, Any]:
 def describe(target: Path, draft: Path | None) -> str:
     """One line for ``doctor``: what the next start with these models begins from."""
     store = LearnedEstimates()
+    obstacle = save_obstacle(store.path)   # a read-only or full cache: what a run learns is lost at its end
+    unsaved = f"{obstacle}. {save_advice('OUROBOROS_ESTIMATES_FILE')}" if obstacle else ""
     entry = store.entry(estimates_key(file_identity(target), file_identity(draft) if draft else None))
     if entry is None:
+        saves = f"cannot save what it learned there: {unsaved}" if obstacle else "saves what it learned at its end"
         return (f"learned estimates: none yet for these models ({store.path}); a run starts copies from the "
-                "shipped priors and saves what it learned at its end")
-    stamp = entry.get("saved_at")
-    when = time.strftime("%Y-%m-%d %H:%M", time.localtime(stamp)) if isinstance(stamp, (int, float)) else "?"
+                f"shipped priors and {saves}")
     names = ", ".join(sorted(entry["estimates"])) or "no proposer"
-    return (f"learned estimates: {names}, saved {when} in {store.path} (a run starts from them; "
-            "--no-learned: from the priors)")
+    line = (f"learned estimates: {names}, saved {_when(entry.get('saved_at'))} in {store.path} (a run starts "
+            "from them; --no-learned: from the priors)")
+    return f"{line}; not saved there again: {unsaved}" if obstacle else line
+
+
+def _when(stamp: Any) -> str:
+    """A saved time.time() as a date, "?" where the file (edited by hand) holds no such time: NaN, 1e300."""
+    try:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(finite_number(stamp, math.nan)))
+    except (OverflowError, OSError, ValueError):
+        return "?"
 
 
 __all__ = ["LearnedEstimates", "PRIORS_FILE", "PRIOR_SOURCES", "PRIOR_WEIGHT", "RESTORE_WEIGHT", "SAVE_INTERVAL",

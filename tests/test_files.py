@@ -430,3 +430,127 @@ def test_a_history_name_too_long_for_the_files_beside_it_is_refused_when_named(t
     write_atomic(longest + ".suffix", b"x", "suffix history")
     with pytest.raises(PoolError, match="its name is too long for the files saved beside it.*shorten it by 1"):
         check_history_folder(str(tmp_path / ("a" * 235)))
+
+
+# ---- numbers, byte-order marks, shared and frozen files (files edited or set up by hand) --------------
+
+HUGE = 10**400   # valid JSON, and no float holds it
+
+
+def test_numbers_no_float_holds_make_an_entry_invalid_never_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """1 and 400 zeros (valid JSON) as another model's ``measured_at``, or in this model's ``seconds``, was
+    an OverflowError traceback at every start; NaN as a stamp sorted anywhere."""
+    from ouroboros_local import calibration
+
+    path = tmp_path / "calibration.json"
+    path.write_text('{"huge": {"sizes": [1], "seconds": [0.01], "measured_at": %d},'
+                    ' "mine": {"sizes": [1, 2], "seconds": [%d, 0.2]},'
+                    ' "nan": {"sizes": [1], "seconds": [0.01], "measured_at": NaN}}' % (HUGE, HUGE))
+    cache = CalibrationCache(path)
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        assert cache.get("mine") is None and cache.get("huge") is None
+    assert "is not valid" in caplog.text and "measured again" in caplog.text and "0" * 400 not in caplog.text
+    monkeypatch.setattr(calibration, "MAX_CURVES", 2)
+    for key in "ab":   # the stamps no float holds count as the oldest: evicted first
+        curve = CostModel.flat()
+        curve.key = key
+        cache.put(curve)
+    assert set(read_json_object(path)) == {"a", "b"}
+
+
+def test_a_state_file_saved_back_with_a_byte_order_mark_is_still_ours(tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """Saved by Notepad or PowerShell (a UTF-8 BOM first), the file was "not a cost curve file: left as it
+    is, and nothing saved there" at every start."""
+    cache = CalibrationCache(tmp_path / "calibration.json")
+    curve = CostModel(sizes=[1, 2], seconds=[0.1, 0.2], key="k")
+    cache.put(curve)
+    cache.path.write_bytes(b"\xef\xbb\xbf" + cache.path.read_bytes())
+    assert cache.get("k") == curve
+    other = CostModel.flat()
+    other.key = "other"
+    cache.put(other)
+    assert set(read_json_object(cache.path)) == {"k", "other"}
+    edited = tmp_path / "estimates.json"   # damaged, BOM and all: ours, kept aside
+    edited.write_bytes(b'\xef\xbb\xbf{"a": {"format": 1,}}')
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        LearnedEstimates(edited).put("b", {})
+    assert (tmp_path / "estimates.json.bad").exists() and set(read_json_object(edited)) == {"b"}
+
+
+def test_a_companion_file_and_its_lock_take_the_mode_of_the_file_they_belong_to(tmp_path: Path) -> None:
+    """A pool made world-writable got its FILE.suffix made 0600 (mkstemp's), and its locks kept the mode they
+    were made with: another user could not read the suffix history, nor take the lock."""
+    pool_file = tmp_path / "shared.bin"
+    pool_file.write_bytes(b"")
+    pool_file.chmod(0o666)
+    companion = tmp_path / "shared.bin.suffix"
+    with filestore.locked(companion, "history"):
+        write_atomic(companion, b"x", "suffix history")
+    assert companion.stat().st_mode & 0o777 == 0o666
+    assert (tmp_path / ".shared.bin.suffix.lock").stat().st_mode & 0o777 == 0o666
+    private = tmp_path / "private.bin"
+    write_atomic(private, b"x", "phrase pool")
+    with filestore.locked(private, "phrase pool"):
+        pass
+    private.chmod(0o660)   # shared with a group after its first save
+    with filestore.locked(private, "phrase pool"):
+        pass
+    assert (tmp_path / ".private.bin.lock").stat().st_mode & 0o777 == 0o660
+    alone = tmp_path / "alone.suffix"   # nothing to belong to: mkstemp's 0600
+    write_atomic(alone, b"x", "suffix history")
+    assert alone.stat().st_mode & 0o777 == 0o600
+
+
+def test_a_file_made_read_only_is_used_but_not_saved(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """chmod 444 on a curated pool: every save replaced it through its folder (the freeze undone in silence).
+    Root may write it all the same: a file without any write bit counts as made read-only for root too."""
+    history = History(None)
+    path = tmp_path / "frozen.pool"
+    history.pool(4, 8, str(path)).add([1], (2,))
+    history.save()
+    frozen = path.read_bytes()
+    path.chmod(0o444)
+    history.pool(4, 8, str(path)).add([3], (4,))
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        history.save()
+        history.save()
+    assert path.read_bytes() == frozen and path.stat().st_mode & 0o777 == 0o444
+    warnings = [r.getMessage() for r in caplog.records if "read-only" in r.getMessage()]
+    assert len(warnings) == 1 and str(path) in warnings[0] and "not saved" in warnings[0]
+    assert PhrasePool.load(path, history.fingerprint()).lookup([1])   # still used
+
+
+def test_a_cost_curve_file_that_cannot_be_read_is_said_so_and_not_written_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Another user's file (mode 600) read as "none cached yet", then "cannot save ... (Operation not
+    permitted)": nothing said it could not be read; one its user could write lost every other entry."""
+    cache = CalibrationCache(tmp_path / "calibration.json")
+    cache.path.write_text('{"theirs": {"sizes": [1], "seconds": [0.1]}}')
+    before = cache.path.read_text()
+    real_read = Path.read_text
+
+    def unreadable(self: Path, *args: object, **kwargs: object) -> str:
+        if self == cache.path:
+            raise PermissionError(13, "Permission denied")
+        return real_read(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "read_text", unreadable)
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        cached_or_measured(None, "key", cache, measure=lambda kv: CostModel.flat())  # type: ignore[arg-type]
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("cannot read the cost curve file" in m and "Permission denied" in m for m in messages)
+    assert not any("cannot save" in m for m in messages)   # one warning says it all
+    monkeypatch.setattr(Path, "read_text", real_read)
+    assert cache.path.read_text() == before
+
+
+def test_a_lock_that_is_a_folder_is_named_in_the_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The warning said "cannot save the cost curve to lk/cal.json (Is a directory)": the file is no folder."""
+    cache = CalibrationCache(tmp_path / "cal.json")
+    (tmp_path / ".cal.json.lock").mkdir()
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        cached_or_measured(None, "key", cache, refresh=True, measure=lambda kv: CostModel.flat())  # type: ignore[arg-type]
+    warnings = [r.getMessage() for r in caplog.records if "cannot save the cost curve" in r.getMessage()]
+    assert len(warnings) == 1 and f"lock file {tmp_path / '.cal.json.lock'}" in warnings[0]

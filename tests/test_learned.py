@@ -246,3 +246,57 @@ def test_a_model_file_deleted_while_loaded_keeps_its_engine_working(tiny_target,
     assert engine.generate("hello hello", max_tokens=6, method="auto").tokens == want
     engine.save_learned()
     engine.close()
+
+
+def test_counts_no_float_holds_are_skipped_when_restored() -> None:
+    """1 and 400 zeros (valid JSON) as a saved count: an OverflowError traceback at every start, then
+    "closing an engine at exit failed"."""
+    good = Acceptance().to_dict()
+    saved = {"huge": {"acceptance": {**good, "successes": 10**400}},
+             "huge class": {"acceptance": good, "classes": {"trials": {"a": 10**400}, "successes": {}, "first": {}}},
+             "fine": {"acceptance": good}}
+    assert Scheduler(CPU, max_length=8).restore_estimates(saved) == ["fine"]
+
+
+@pytest.mark.parametrize("stamp", ["NaN", "1e300", "-1e300", "1" + "0" * 400, "1" + "0" * 30],
+                         ids=["nan", "1e300", "-1e300", "1e400 as an integer", "1e30 as an integer"])
+def test_doctor_reads_a_saved_time_edited_by_hand(stamp: str, tmp_path: Path) -> None:
+    """``"saved_at": NaN`` (or 1e300) made doctor exit with a traceback."""
+    from ouroboros_local.learned import describe
+
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"1")
+    key = estimates_key(file_identity(target), None)
+    LearnedEstimates().put(key, {"suffix": {}})
+    path = learned_module.cache_path()
+    data = json.loads(path.read_text())
+    data[key]["saved_at"] = "STAMP"
+    path.write_text(json.dumps(data).replace('"STAMP"', stamp))
+    assert "suffix, saved ? in" in describe(target, None)
+
+
+@pytest.mark.parametrize("obstacle", ["read-only file", "file for a folder", "full disk"])
+def test_doctor_says_when_what_a_run_learns_cannot_be_saved(obstacle: str, tmp_path: Path, monkeypatch) -> None:
+    """doctor promised "saves what it learned at its end" where the cache was read-only, a file or full."""
+    import os
+    from ouroboros_local import filestore
+    from ouroboros_local.learned import describe
+
+    target = tmp_path / "t.gguf"
+    target.write_bytes(b"1")
+    path = learned_module.cache_path()
+    if obstacle == "read-only file":
+        LearnedEstimates().put("another pair", {})
+        path.chmod(0o444)
+        expected = f"{path} is read-only"
+    elif obstacle == "file for a folder":
+        (tmp_path / "cache").write_text("")
+        monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", str(tmp_path / "cache" / "estimates.json"))
+        expected = f"{tmp_path / 'cache'} is not a folder"
+    else:
+        full = os.statvfs_result((4096, 4096, 100, 0, 0, 100, 0, 0, 0, 255))
+        monkeypatch.setattr(filestore.os, "statvfs", lambda folder: full)
+        expected = "is full"
+    line = describe(target, None)
+    assert "none yet" in line and "cannot save what it learned there" in line and expected in line
+    assert "saves what it learned at its end" not in line
