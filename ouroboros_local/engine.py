@@ -1505,6 +1505,8 @@ def _token_ids(tokens: Any, what: str, expected: str = "a sequence of token ids"
     """``tokens`` as a list of ints; a float, bool, str or bytes among them is an error, not a guess
     (``int()`` took 1.9 as 1 and b"hi" as the ids 104, 105)."""
     out = _items(tokens, what, expected)
+    if all(type(t) is int for t in out):   # the usual list (a chat's every turn): the check below costs
+        return out                          # 2.6 us a token, 16 ms at 6,000
     for t in out:
         if not is_integer(t):
             raise ParameterError(f"{what}: token ids are integers (got {t!r})")

@@ -51,8 +51,9 @@ class Predictions:
         if todo:
             if self._rows is None:
                 raise RuntimeError("the target's logits of this round are gone: read predictions in observe()")
-            for i, token in zip(todo, self._rows[todo].argmax(axis=1).tolist()):
-                self._known[i] = token
+            rows = self._rows
+            for i in todo:   # in place: rows[todo] copied len(todo) vocabulary-sized rows (151,936 floats each)
+                self._known[i] = int(rows[i].argmax())
         return list(self._known)
 
     def __iter__(self) -> Iterator[int]:
