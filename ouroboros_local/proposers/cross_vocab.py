@@ -321,7 +321,8 @@ class CrossVocabOuroboros(CrossVocabProposer):
                                    eog_tokens=self.draft.eog_tokens)
         self.inner.begin(list(self.view.tokens), draft_setup)   # window reset; no draft prefill
         self._catch_up.start()
-        self._fed = 0
+        # an earlier call's text this one continues (a chat's earlier turns) is in the pool already
+        self._fed = self.pool.fed_before(prompt, self.pool.phrase_len + 1) if self.pool_from_prompt else 0
         self._feed(prompt)
         self.suffix_nodes = self.suffix_accepted = self.verify_phrases = 0
 

@@ -96,7 +96,8 @@ class LookaheadProposer(Proposer):
         # Random prompt tokens (LADE) rather than llama.cpp's dummy ids: plausible tokens converge faster.
         self.window.reset(prompt, self.seed, level_by_level=True)
         self._pending = None
-        self._fed = 0
+        # an earlier call's text this one continues (a chat's earlier turns) is in the pool already
+        self._fed = self.pool.fed_before(prompt, self.N) if self.pool_from_prompt else 0
         self._feed(prompt)
         self._stats = {"rounds": 0, "window_rounds": 0, "window_phrases": 0, "branch_nodes": 0,
                        "branch_accepted": 0, "verify_phrases": 0}

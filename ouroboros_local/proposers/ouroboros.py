@@ -102,7 +102,8 @@ class OuroborosProposer(Proposer):
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
         self.window.reset(prompt, self.seed)
-        self._fed = 0
+        # an earlier call's text this one continues (a chat's earlier turns) is in the pool already
+        self._fed = self.pool.fed_before(prompt, self.window.N) if self.pool_from_prompt else 0
         self._feed(prompt)
         # No draft prefill here: the first draft catches up (``CatchUp``), so a scheduled Ouroboros that
         # never drafts costs no prefill (the 0.5B draft's added 45% to the 1.5B target's on 2 cores).
@@ -362,7 +363,7 @@ def scheduled(ctx: DraftingContext, drafter: Proposer, pool: PhrasePool, options
     """
     if not ctx.adaptive:
         return drafter
-    phrases = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=False)
+    phrases = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=False, history=ctx.history)
     return AutoProposer(ctx.scheduler(), [_earlier_answers(ctx, options), phrases, drafter], name="ouroboros")
 
 
@@ -386,7 +387,7 @@ def _fallback(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
         check_window_fits_target(ctx, window, options["level"])
     pool = _history_pool(ctx, options)
     if not ctx.adaptive and not window:   # no window: the pool's and the context's phrases
-        return _Fallback(PromptLookupProposer(gamma=options["gamma"], pool=pool, feed_pool=True),
+        return _Fallback(PromptLookupProposer(gamma=options["gamma"], pool=pool, feed_pool=True, history=ctx.history),
                          "prompt-lookup", pool)
     if window:
         inner: Proposer = LookaheadProposer(
@@ -395,7 +396,7 @@ def _fallback(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
         return _Fallback(inner, "lookahead", pool)
     # priced as a prompt-lookup candidate, as with a draft model (``scheduled``): what the scheduler
     # learned of context copies under prompt lookup and auto applies here too, and the other way round
-    phrases = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True)
+    phrases = PromptLookupProposer(gamma=max(options["gamma"], 8), pool=pool, feed_pool=True, history=ctx.history)
     return _Fallback(AutoProposer(ctx.scheduler(), [_earlier_answers(ctx, options), phrases], name="ouroboros"),
                      "prompt-lookup", pool)
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 from .. import options as opt
 from ..drafting import cut_at_eog, hang_phrases
 from ..errors import MethodOptionError, ParameterError
+from ..history import History
 from ..pool import PhrasePool
 from ..tree import TokenTree
 from .base import DraftingContext, Proposer, ProposeSetup
@@ -37,6 +38,15 @@ class NgramIndex:
         self.tokens: list[int] = []
         self._maps: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
         self._indexed = 0   # n-grams ending before this position are indexed
+
+    def follow(self, prompt: Sequence[int]) -> None:
+        """Index a new generation's prompt: from where the indexed text ends, where the prompt continues it
+        (a chat's next turn), else from scratch. Either way, the index a fresh build would make."""
+        have = len(self.tokens)
+        if have > len(prompt) or (have and (int(prompt[have - 1]) != self.tokens[-1]
+                                            or list(prompt[:have]) != self.tokens)):
+            self.reset()
+        self.sync(prompt)
 
     def reset(self) -> None:
         self.tokens = []
@@ -124,22 +134,27 @@ class PromptLookupProposer(Proposer):
     drafts_ahead = True
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1, gamma: int = 16, max_branches: int = 1,
-                 pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4):
+                 pool: PhrasePool | None = None, feed_pool: bool = True, max_positions: int = 4,
+                 history: History | None = None):
+        """``history``: the engine's, which keeps the index for the next call (``History.context_index``)."""
         if not 1 <= min_ngram <= max_ngram:   # each bound alone is checked with the options (options.py)
             raise ParameterError(f"need 1 <= min_ngram <= max_ngram (got {min_ngram}, {max_ngram})")
         self.gamma = gamma
         self.max_branches = max_branches
         self.pool = pool
         self.feed_pool = feed_pool
-        self.index = NgramIndex(min_ngram, max_ngram, max_positions=max(max_positions, max_branches))
+        shape = (min_ngram, max_ngram, max(max_positions, max_branches))
+        self.index = NgramIndex(*shape) if history is None else \
+            history.context_index(("prompt-lookup", *shape), lambda: NgramIndex(*shape))
         self._fed = 0
         self._stats = {"proposals": 0, "context_phrases": 0, "pool_phrases": 0}
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         super().begin(prompt, setup)
-        self.index.reset()
-        self.index.sync(prompt)
-        self._fed = 0
+        self.index.follow(prompt)
+        # an earlier call's text this one continues (a chat's earlier turns) is in the pool already
+        feeds = self.pool is not None and self.feed_pool
+        self._fed = self.pool.fed_before(prompt, self.pool.phrase_len + 1) if feeds else 0
         self._feed(prompt)
         self._stats = {"proposals": 0, "context_phrases": 0, "pool_phrases": 0}
 
@@ -231,4 +246,4 @@ def create(ctx: DraftingContext, options: dict[str, Any], named_history: bool = 
                                 f"({options['max_ngram']})")
     return PromptLookupProposer(max_ngram=options["max_ngram"], min_ngram=options["min_ngram"],
                                 gamma=options["gamma"] or DEFAULT_GAMMA, max_branches=options["max_branches"],
-                                pool=pool, feed_pool=options["feed_pool"])
+                                pool=pool, feed_pool=options["feed_pool"], history=ctx.history)

@@ -54,6 +54,15 @@ OPTIONS: tuple[opt.Option, ...] = (
     opt.POOL, opt.ADAPTIVE)
 
 
+class _Context:
+    """A request's own trie and the tokens it holds, kept by the engine for the next call."""
+
+    def __init__(self) -> None:
+        self.trie: SuffixTrie | None = None
+        self.seen: list[int] = []
+        self.in_use = False   # by a proposer between its begin and end
+
+
 def shared_cache(history: History, max_requests: int, max_tokens: int, path: str | None) -> SuffixCache:
     """The engine's global trie (``history.suffix_cache``), loaded from ``path`` the first time that file
     is named and exists; its limits only grow, to the largest asked for or held in the file."""
@@ -139,14 +148,19 @@ class SuffixProposer(Proposer):
     drafts_ahead = True
 
     def __init__(self, cache: SuffixCache | None = None, *, max_depth: int = 16, max_branches: int = 4,
-                 min_match: int = 2, spec_factor: float = 1.0, spec_offset: int = 4, min_prob: float = 0.1):
+                 min_match: int = 2, spec_factor: float = 1.0, spec_offset: int = 4, min_prob: float = 0.1,
+                 history: History | None = None):
+        """``history``: the engine's, which keeps this request's trie for the next call, which continues it
+        where it continues its text (``History.context_index``)."""
         self.cache = cache if cache is not None else SuffixCache()
         self.max_depth = max_depth
         self.max_branches = max_branches
         self.min_match = min_match
         # the tree's size: at most spec_factor * match + spec_offset nodes, none below min_prob
         self.spec_factor, self.spec_offset, self.min_prob = spec_factor, spec_offset, min_prob
-        self.local = SuffixTrie(self.cache.trie.depth)
+        depth = self.cache.trie.depth
+        self._context = _Context() if history is None else history.context_index(("suffix", depth), _Context)
+        self.local = SuffixTrie(depth)
         self.matcher = Matcher(self.cache.trie)
         self._seen: list[int] = []
         self._prompt_len = 0
@@ -165,12 +179,24 @@ class SuffixProposer(Proposer):
         self._live = prompt if isinstance(prompt, list) else None
         self._prompt_len = len(prompt)
         self._stats = self._fresh_stats()
-        self._restart(prompt)
+        if self._context.in_use:   # another proposer of this call grows it: this one keeps its own
+            self._context = _Context()
+        kept = self._context
+        kept.in_use = True
+        have = len(kept.seen)
+        if kept.trie is not None and kept.trie.depth == self.cache.trie.depth and 0 < have <= len(prompt) \
+                and int(prompt[have - 1]) == kept.seen[-1] and list(prompt[:have]) == kept.seen:
+            self.local, self._seen = kept.trie, kept.seen   # the trie a fresh build would make, less the work
+            self._extend_local_only(prompt[have:])
+            self._rematch()
+        else:
+            self._restart(prompt)
 
     def _restart(self, committed: Sequence[int]) -> None:
         self.local = SuffixTrie(self.cache.trie.depth)
         self.local.start_document()
         self._seen = []
+        self._context.trie, self._context.seen = self.local, self._seen
         self._extend_local_only(committed)
         self._rematch()
 
@@ -296,6 +322,7 @@ class SuffixProposer(Proposer):
         live, have = self._live, len(self._seen)
         if live is not None and len(live) > have and (not have or live[have - 1] == self._seen[-1]):
             self._extend_local_only(live[have:])
+        self._context.in_use = False
         self._live = None
         if len(self._seen) > self._prompt_len:
             # the output, after the prompt's last D tokens: a repeated request is drafted from its first token
@@ -328,7 +355,7 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     cache = history.open_store("suffix trie", resolve_pool_path(options["pool"]), belongs_to, open_trie)
     return SuffixProposer(cache, max_depth=options["max_depth"], max_branches=options["max_branches"],
                           min_match=options["min_match"], spec_factor=options["spec_factor"],
-                          spec_offset=options["spec_offset"], min_prob=options["min_prob"])
+                          spec_offset=options["spec_offset"], min_prob=options["min_prob"], history=history)
 
 
 def earlier_answers(ctx: DraftingContext, pool: str | None) -> Proposer:
