@@ -2,6 +2,7 @@
 
     python3 scripts/hot_path_bench.py micro              # synthetic logits: vocabulary 151936, 8-node chain
     python3 scripts/hot_path_bench.py engine -m MODEL    # real generations: Python ms per round per method
+    python3 scripts/hot_path_bench.py turns -m MODEL     # a chat's turns: what each adds before it decodes
 
 Runs against whichever ``ouroboros_local`` is importable, so the same command measures an older
 checkout too (``PYTHONPATH=/path/to/old/checkout python3 scripts/hot_path_bench.py ...``). Take the
@@ -173,6 +174,32 @@ def engine(args: argparse.Namespace) -> None:
                   f"{st.tokens_per_second:.1f} tok/s")
 
 
+def turns(args: argparse.Namespace) -> None:
+    """A chat's turns at a conversation of ``--history`` tokens: each prompt is the last one, its answer
+    and 20 new tokens, so llama.cpp decodes only those (its cache holds the rest) and a turn's prefill
+    time is what the method adds to them (indexing the conversation), beside vanilla's."""
+    from ouroboros_local import Engine, EngineConfig
+
+    with Engine.load(args.model, config=EngineConfig(n_ctx=args.history + 512, calibration="off"),
+                     progress=False) as eng:
+        text = open(args.prompt_file, encoding="utf-8").read() if args.prompt_file else args.prompt
+        unit = eng.tokenize(text, add_special=False)
+        source = (unit * (1 + (args.history + 40 * args.repeat) // max(1, len(unit))))
+        print(f"target {args.model}: a turn of 20 tokens after {args.history} tokens of conversation")
+        for method in args.methods.split(","):
+            eng.history.clear()
+            conversation, at = source[:args.history], args.history
+            eng.generate(conversation, max_tokens=4, method=method)
+            spent = []
+            for _ in range(args.repeat):
+                answer = eng.generate(conversation, max_tokens=4, method=method).tokens
+                conversation = conversation + answer + source[at:at + 20]
+                at += 20
+                spent.append(eng.generate(conversation, max_tokens=4, method=method).stats.prefill_seconds * 1e3)
+            print(f"{method:>14}: prefill {statistics.median(spent):.1f} ms per turn "
+                  f"(turns {', '.join(f'{v:.1f}' for v in spent)})")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="what", required=True)
@@ -185,9 +212,18 @@ def main() -> None:
     e.add_argument("--sampling", action="store_true")
     e.add_argument("-p", "--prompt", default="def quicksort(xs):\n    \"\"\"Sort a list of numbers.\"\"\"\n")
     e.add_argument("-f", "--prompt-file", default=None)
+    t = sub.add_parser("turns", help="a chat's turns: prefill per turn as the conversation grows")
+    t.add_argument("-m", "--model", required=True)
+    t.add_argument("--methods", default="vanilla,prompt-lookup,suffix,ouroboros,auto")
+    t.add_argument("--history", type=int, default=6000, help="conversation tokens before the turns")
+    t.add_argument("--repeat", type=int, default=3)
+    t.add_argument("-p", "--prompt", default="def quicksort(xs):\n    \"\"\"Sort a list of numbers.\"\"\"\n")
+    t.add_argument("-f", "--prompt-file", default=None)
     args = p.parse_args()
     if args.what == "micro":
         micro()
+    elif args.what == "turns":
+        turns(args)
     else:
         engine(args)
 
