@@ -1027,6 +1027,44 @@ def test_a_queued_request_hears_shutting_down_even_when_health_is_read_meanwhile
     assert isinstance(asyncio.run(scenario()), ShuttingDown)
 
 
+@pytest.mark.parametrize("max_queue", [0, 1])
+def test_a_client_that_asks_again_as_soon_as_it_has_its_answer_is_never_refused(max_queue):
+    """An answered job held the running place while its stream closed (its history saved), and the next job
+    counted as waiting until the worker took it: one client alone heard 503 queue_full (5 in 30)."""
+    import asyncio
+
+    from ouroboros_local.server.metrics import Metrics
+    from ouroboros_local.server.worker import GenerationWorker, Job
+
+    class SlowToCloseEngine:
+        def stream(self, tokens, cancel, **kwargs):
+            try:
+                yield SimpleNamespace(text="hi", tokens=[1], result=SimpleNamespace(stats=SimpleNamespace(
+                    finish_reason="stop")))
+            finally:
+                time.sleep(0.2)   # the history's save
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        worker = GenerationWorker(SlowToCloseEngine(), Metrics(), max_queue=max_queue)
+        worker.metrics.observe_generation = lambda stats: None
+        clients = max_queue + 1   # each sends its next request as soon as it has its answer
+        jobs = [Job([1], {}, loop) for _ in range(clients)]
+        for job in jobs:
+            worker.submit(job)
+        for _ in range(3):
+            for i, job in enumerate(jobs):
+                kind, payload = await asyncio.wait_for(job.items.get(), 5)
+                assert kind == "event" and payload.result is not None
+                jobs[i] = Job([1], {}, loop)
+                worker.submit(jobs[i])   # QueueFull raised here
+        for job in jobs:
+            await asyncio.wait_for(job.items.get(), 5)
+        await asyncio.to_thread(worker.close)
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)])
 def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(
         slow_engine, tmp_path_factory, tmp_path, stop):

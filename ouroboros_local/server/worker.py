@@ -156,8 +156,10 @@ class GenerationWorker:
             if self._closed:
                 raise ShuttingDown()
             self._drop_cancelled()   # a client gone while queued holds no place
-            # An idle server always takes a request; otherwise at most max_queue may wait.
-            if len(self._waiting) >= self.max_queue and (self._running is not None or self._waiting):
+            # At most max_queue wait beside the one running; between jobs, the first waiting is the next
+            # to run (counted as waiting, a client that sent its next request as soon as it had its answer
+            # heard a 503 from a server with nothing else to do)
+            if len(self._waiting) + (self._running is not None) > self.max_queue:
                 raise QueueFull(f"the server is busy: {len(self._waiting)} requests are queued "
                                 f"(--max-queue {self.max_queue}); retry later")
 
@@ -229,9 +231,18 @@ class GenerationWorker:
                         job.emit("error", ShuttingDown())   # not a short answer passed off as whole
                         break
                 job.emit("event", event)
+                if event.result is not None:
+                    self._answered(job)
         except Exception as exc:  # reported to the client; the engine keeps its KV consistent
             if is_server_fault(exc):   # the client hears one line; the log keeps the traceback
                 log.exception("generation failed")
             job.emit("error", exc)
         finally:
             stream.close()
+
+    def _answered(self, job: Job) -> None:
+        """``job``'s client has its answer: it no longer holds the running place, while the stream still
+        closes (the history saved): the client's next request, sent at once, found the server full."""
+        with self._cond:
+            if self._running is job:
+                self._running = None
