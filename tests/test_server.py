@@ -932,6 +932,36 @@ def test_requests_are_served_first_in_first_out(slow_engine, monkeypatch):
         srv.stop()
 
 
+def test_requests_while_the_model_loads_hear_503_loading_at_once(tiny_target, monkeypatch) -> None:
+    """The port listens before the load (a taken port fails at once): a health probe sent during a load and
+    a first calibration waited unanswered in its backlog for minutes (llama-server answers "Loading model")."""
+    from ouroboros_local import cli
+    from ouroboros_local.cli import main
+
+    port = free_port()
+    heard = []
+
+    class Loaded(Exception):
+        pass
+
+    def load(args, *_):
+        for method, body in (("GET", None), ("POST", json.dumps({"prompt": "x" * 100_000}))):
+            conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request(method, "/health" if body is None else "/v1/completions", body=body)
+            reply = conn.getresponse()
+            heard.append((reply.status, reply.getheader("Retry-After"), json.loads(reply.read())["error"]["code"]))
+            conn.close()
+        raise Loaded
+
+    monkeypatch.setattr(cli, "_engine_from_args", load)
+    with pytest.raises(Loaded):
+        main(["serve", "-m", str(tiny_target), "--port", str(port), "--method", "vanilla"])
+    assert heard == [(503, "5", "loading")] * 2
+    with socket.socket() as probe:   # nothing listens there once the command ends (its replies' TIME_WAIT aside)
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", port))
+
+
 def test_serve_notes_a_model_without_a_chat_template(tiny_target, monkeypatch) -> None:
     """generate --chat and chat said that a model without a template gets ChatML; serve said nothing."""
     from ouroboros_local import cli

@@ -56,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         from .app import ServerConfig, create_app
         from .gate import is_loopback_name
+        from .loading import LoadingReplies
     except ImportError as exc:
         raise OuroborosError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
                              "pip install fastapi uvicorn (or, in a checkout: pip install -e '.[server]')") from None
@@ -77,8 +78,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sampling = cli._sampling_from_args(args)
     method, options = cli.checked_method(args, for_any_method=True)
     sock = _listen(args.host, args.port)   # before loading: a taken port fails in a second, not minutes
-
-    engine = cli._engine_from_args(args, method, applicable_options(method, options))
+    loading = LoadingReplies(sock)   # until the server takes the socket: 503 "loading", not silence
+    try:
+        engine = cli._engine_from_args(args, method, applicable_options(method, options))
+    except BaseException:
+        loading.stop()
+        sock.close()
+        raise
     try:
         cli.warn_without_chat_template(engine, "/v1/completions takes plain text")
         # a first calibration now, not in the first request (a client's timeout may be shorter)
@@ -114,6 +120,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _interrupt)
             if hasattr(signal, "SIGHUP"):   # not on Windows
                 previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, server.handle_exit)
+        loading.stop()
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:
@@ -122,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
     finally:
+        loading.stop()
         sock.close()
         engine.close()
     if server.stopped_by is None:
