@@ -289,6 +289,9 @@ def _engine_from_args(args: argparse.Namespace, method: str | None = None, optio
         target, draft, compatible, reason = resolve_and_check(target, draft, progress=True)
         check_pair_options(method, options or {}, check_options(method, options or {}), compatible, reason)
     engine = Engine.load(target, draft, config=config, progress=True)
+    if _ENDING:   # a termination during the imports or the load, which Python swallowed
+        engine.close()
+        exit_if_ending()
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")
     trained = engine.target.n_ctx_train
@@ -590,6 +593,7 @@ def _ending_cleanly_on_termination() -> Iterator[None]:
         yield
         return
     previous = {sig: signal.getsignal(sig) for sig in signals}
+    _ENDING.clear()
     for sig, handler in previous.items():
         if handler is signal.SIG_DFL:
             signal.signal(sig, _exit_for)
@@ -601,8 +605,20 @@ def _ending_cleanly_on_termination() -> Iterator[None]:
                 signal.signal(sig, handler)
 
 
+_ENDING: list[int] = []   # the termination signals _exit_for heard in this command
+
+
 def _exit_for(signum: int, frame: Any) -> None:
+    _ENDING.append(signum)
     raise SystemExit(128 + signum)   # not KeyboardInterrupt: chat takes that as "stop the answer"
+
+
+def exit_if_ending() -> None:
+    """The SystemExit a termination signal raised, again: where it landed in a callback (importlib's module
+    lock's, a weakref's), Python printed "Exception ignored" and the command went on (a server stopped
+    while it loaded went on to serve)."""
+    if _ENDING:
+        raise SystemExit(128 + _ENDING[0])
 
 
 # it always raises: during a model's load it is noted, the load undone, then called (llama/interrupts.py)

@@ -121,3 +121,26 @@ def test_a_ctrl_c_while_the_command_line_imports_ends_it_quietly(monkeypatch, ca
     monkeypatch.setattr(sys, "meta_path", [CtrlCOnImport(), *sys.meta_path])
     assert main() == 130
     assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_termination_python_swallowed_during_the_load_still_ends_the_command(tiny_target, monkeypatch) -> None:
+    """_exit_for's SystemExit, raised inside a callback (importlib's module lock's), was printed as
+    "Exception ignored" and the command went on: a server stopped while it loaded went on to serve."""
+    import ouroboros_local.engine as engine_module
+    from ouroboros_local import cli
+
+    real_load = engine_module.Engine.load
+
+    def load(*args, **kwargs):
+        try:
+            cli._exit_for(signal.SIGTERM, None)
+        except SystemExit:   # what Python does with it in a callback
+            pass
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "load", load)
+    with pytest.raises(SystemExit) as ended:
+        cli.main(["generate", "-m", str(tiny_target), "-p", "hi", "-n", "2", "--method", "vanilla"])
+    assert ended.value.code == 128 + signal.SIGTERM
+    monkeypatch.setattr(engine_module.Engine, "load", real_load)   # the next command starts afresh
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "hi", "-n", "2", "--method", "vanilla"]) == 0

@@ -121,6 +121,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if hasattr(signal, "SIGHUP"):   # not on Windows
                 previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, server.handle_exit)
         loading.stop()
+        cli.exit_if_ending()   # a SIGTERM during the first calibration that Python swallowed
         try:
             server.run(sockets=[sock])
         except KeyboardInterrupt:
