@@ -84,9 +84,11 @@ def _add_model_args(p: argparse.ArgumentParser, target_required: bool = False) -
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
     g.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens (0 or -1: off)")
-    g.add_argument("--top-p", type=float, default=0.95)
-    g.add_argument("--min-p", type=float, default=0.05)
+    g.add_argument("--top-k", type=int, default=40, help="keep the K most likely tokens (0 or -1: off; default 40)")
+    g.add_argument("--top-p", type=float, default=0.95,
+                   help="keep the most likely tokens up to this probability in all (1: off; default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05,
+                   help="drop tokens less likely than this share of the top one (0: off; default 0.05)")
     g.add_argument("--seed", type=int, default=None,
                    help="seed of the sampler (default, or -1 as in llama.cpp: a random one)")
 
@@ -203,12 +205,18 @@ def checked_method(args: argparse.Namespace, *, for_any_method: bool = False) ->
     return method, options
 
 
+# what ouroboros does only with a draft model: the scheduled fallback drafts copies (the window runs only
+# with fixed hyperparameters, which no flag sets), and its draft's pool branches need a draft
+_DRAFT_ONLY = {"ouroboros": {"window", "topk"}}
+
+
 def _refuse_draft_flags_without_draft(method: str, options: dict[str, Any]) -> None:
-    """auto takes speculative's flags for its draft model: without one they did nothing, unsaid."""
+    """auto takes speculative's flags for its draft model, ouroboros has its own: without one they did
+    nothing, unsaid."""
     from .proposers import draft_model, method_options, prompt_lookup
 
-    drafts_only = ({o.name for o in draft_model.OPTIONS} - {o.name for o in prompt_lookup.OPTIONS}) & {
-        o.name for o in method_options(method)}
+    drafts_only = ({o.name for o in draft_model.OPTIONS} - {o.name for o in prompt_lookup.OPTIONS}
+                   | _DRAFT_ONLY.get(method, set())) & {o.name for o in method_options(method)}
     stray = [o.flag_name for o in FLAGGED_OPTIONS if o.name in options and o.name in drafts_only]
     if stray:
         raise ParameterError(f"{', '.join(stray)} set{'s' if len(stray) == 1 else ''} how a draft model drafts, "

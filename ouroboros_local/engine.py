@@ -107,11 +107,15 @@ MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
 
 @dataclass(frozen=True)   # checked once: a field changed afterwards skipped the checks (10**11 threads aborted)
 class EngineConfig:
-    n_ctx: int = 4096
+    """How ``Engine.load`` makes the contexts and how generations run; the command line's flags set the
+    same fields (``-c`` n_ctx, ``-b`` n_batch, ``--seqs`` n_seq_max, ``-t`` threads, ``--gpu-layers``,
+    ...). Frozen and checked when made: ``dataclasses.replace`` gives a changed copy."""
+
+    n_ctx: int = 4096             # the target's context, in tokens
     n_batch: int = 256            # largest tree / prefill chunk in one decode
     n_seq_max: int = 16           # sequence ids per context (branches + lookahead window)
-    threads: int | None = None
-    threads_batch: int | None = None
+    threads: int | None = None    # None: the cores other processes leave idle (cpu_load.py)
+    threads_batch: int | None = None   # threads of decodes of more than a token; None: ``threads``
     # off | on | auto; None: ``default_flash_attn`` per model (off on a CPU: bit-reproducible greedy
     # output, docs/design.md#exactness; on a GPU llama.cpp's own default, auto)
     flash_attn: str | None = None
@@ -120,14 +124,14 @@ class EngineConfig:
     draft_gpu_layers: int | None = None
     # the whole of both models on this GPU; None: llama.cpp's default, their layers split across every GPU
     main_gpu: int | None = None
-    type_k: str = "f16"
+    type_k: str = "f16"           # the KV cache's types (q8_0, q4_0, ...: llama.cpp's), target and draft
     type_v: str = "f16"
     draft_type_k: str = "f16"
     draft_type_v: str = "f16"
-    draft_n_ctx: int | None = None
+    draft_n_ctx: int | None = None   # the draft's context; None: n_ctx
     adaptive: bool = True         # cap draft lengths by the measured cost model (scheduler.py)
     calibration: str = "auto"     # auto: cached or measured cost curve; off: assume flat costs
-    max_draft: int = 16
+    max_draft: int = 16           # the longest draft the scheduler prices (tokens)
     learned: bool = True          # start from the estimates earlier sessions learned, and save them (learned.py)
     huge_pages: bool = True       # weights kept on the CPU read into 2 MiB pages (llama/huge_pages.py)
     # every round of a drafting method decodes this many tokens, a plain step too (0: the draft's size):

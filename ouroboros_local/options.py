@@ -201,9 +201,9 @@ def parse(method: str, declared: Iterable[Option], raw: Mapping[str, Any] | None
     given: dict[str, str] = {}
     for key, value in (raw or {}).items():
         option = by_name.get(key)
-        if option is None:
-            known = ", ".join(sorted({o.name for o in by_name.values()})) or "none"
-            raise MethodOptionError(f"{method} has no option {key!r} (its options: {known})")
+        if option is None:   # a request is told only the options it may set
+            known = ", ".join(sorted({o.name for o in by_name.values() if o.per_request or not per_request}))
+            raise MethodOptionError(f"{method} has no option {key!r} (its options: {known or 'none'})")
         if given.setdefault(option.name, key) != key:   # else the later one won, unsaid
             raise MethodOptionError(f"{given[option.name]!r} and {key!r} are one option of {method}: give one")
         if per_request and not option.per_request:

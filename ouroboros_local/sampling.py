@@ -32,7 +32,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 0.0
 
+    def __post_init__(self) -> None:
+        self._check()   # when made (a bad value was refused only at the first generation with it)
+
     def validated(self) -> "SamplingParams":
+        """These settings as the engine runs them: numpy's numbers as Python's, -1 as off (top_k) and as
+        random (seed)."""
+        self._check()
+        # numpy's numbers as Python's: a seed of np.uint32 and a top_k of np.int64 behave as their ints;
+        # -1 is random, as on the command line and the server (llama.cpp's default seed)
+        return replace(self, temperature=float(self.temperature), top_p=float(self.top_p),
+                       min_p=float(self.min_p), top_k=max(0, int(self.top_k)),   # -1: off, as vLLM's
+                       seed=None if self.seed is None or self.seed == -1 else int(self.seed))
+
+    def _check(self) -> None:
         def bad(name: str, value: object, rule: str) -> ParameterError:
             said = repr(value)
             return ParameterError(f"{name} must be {rule} (got {said if len(said) <= 40 else said[:37] + '...'})")
@@ -51,11 +64,6 @@ class SamplingParams:
             raise bad("top_k", self.top_k, "an integer >= 0, or 0 or -1 for off")
         if self.seed is not None and (not is_integer(self.seed) or self.seed < -1):
             raise bad("seed", self.seed, "an integer >= 0, or None or -1 for a random one")
-        # numpy's numbers as Python's: a seed of np.uint32 and a top_k of np.int64 behave as their ints;
-        # -1 is random, as on the command line and the server (llama.cpp's default seed)
-        return replace(self, temperature=float(self.temperature), top_p=float(self.top_p),
-                       min_p=float(self.min_p), top_k=max(0, int(self.top_k)),   # -1: off, as vLLM's
-                       seed=None if self.seed is None or self.seed == -1 else int(self.seed))
 
     def rng(self) -> np.random.Generator:
         return np.random.default_rng(self.seed)

@@ -188,6 +188,21 @@ def test_lookahead_level_and_guess_set_change_what_it_does(engine):
     assert proposer.n_extras > create_proposer("lookahead", engine.drafting_context(), {}).n_extras
 
 
+def test_a_request_is_told_only_the_options_it_may_set() -> None:
+    """A server's request heard "its options: ..., pool, ..." and then, sending pool, that it cannot set it."""
+    from ouroboros_local.proposers import check_options
+
+    def listed(method: str, options: dict, **kw) -> list[str]:
+        with pytest.raises(MethodOptionError) as exc:
+            check_options(method, options, **kw)
+        return str(exc.value).split("its options: ")[1].rstrip(")").split(", ")
+
+    assert "pool" not in listed("lookahead", {"gamma": 3}, per_request=True)
+    assert "window" in listed("lookahead", {"gamma": 3}, per_request=True)
+    assert "max_requests" not in listed("suffix", {"nope": 3}, per_request=True)
+    assert "pool" in listed("lookahead", {"gamma": 3})   # the API's own call may set it: it is listed
+
+
 def test_unknown_option_through_the_engine_is_one_line(engine):
     with pytest.raises(MethodOptionError) as exc:
         engine.generate(PROMPT, max_tokens=2, method="lookahead", options={"gamma": 3})
@@ -350,6 +365,8 @@ def test_command_line_mistakes_are_one_line_and_status_2(tiny_target, tmp_path, 
     assert "unrecognized arguments: --temper" in refused(base + ["--temper", "0.5"])
     assert "--method is empty" in refused(base + ["--method", ""])
     assert "--adaedl sets how a draft model drafts, and --method auto has none here" in refused(base + ["--adaedl"])
+    ouroboros = base + ["--method", "ouroboros", "--window", "8", "--topk", "5", "--guess-set", "9"]
+    assert "--window, --topk set how a draft model drafts, and --method ouroboros has none" in refused(ouroboros)
     long_name = str(tmp_path / ("m" * 300 + ".gguf"))
     assert "File name too long" in refused(["generate", "-m", long_name, "-p", "hi"])
     assert "File name too long" in refused(base + ["--pool", str(tmp_path / ("p" * 300))])

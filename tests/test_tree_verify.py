@@ -128,7 +128,7 @@ def test_sampling_params_validation() -> None:
                 # ints no float holds raised a bare OverflowError
                 dict(temperature=10**400), dict(top_p=10**400), dict(min_p=-10**400)):
         with pytest.raises(ParameterError):
-            SamplingParams(**bad).validated()
+            SamplingParams(**bad)   # when made, as the README says, not at the first generation
     assert SamplingParams(seed=-1).validated().seed is None   # random, as the command line and server take it
     assert SamplingParams(top_k=-1).validated().top_k == 0     # off, as the server (and vLLM) take it
     assert SamplingParams(temperature=1).validated().temperature == 1.0
