@@ -18,10 +18,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     costs = engine.cost_model(refresh=args.refresh)
     draft = engine.draft_cost_model(refresh=args.refresh)   # -d was once loaded and left unmeasured
     t_cal = time.perf_counter() - t1
+    curves = [costs] if draft is None else [costs, draft]
+    saved = all(curve.unsaved is None for curve in curves)
     if args.json:
-        extra = {"draft": {**draft.to_dict(), "origin": draft.origin}} if draft is not None else {}
-        print(json.dumps({**costs.to_dict(), "origin": costs.origin, "load_seconds": t_load,
-                          "calibration_seconds": t_cal, **extra}))
+        extra = {"draft": {**draft.to_dict(), "origin": draft.origin, "saved": draft.unsaved is None}
+                 } if draft is not None else {}
+        print(json.dumps({**costs.to_dict(), "origin": costs.origin, "saved": costs.unsaved is None,
+                          "load_seconds": t_load, "calibration_seconds": t_cal, **extra}))
     else:
         print(f"target {engine.target.path.name}: {engine.target_ctx.n_threads} threads, "
               f"gpu layers {engine.config.gpu_layers}, flash-attn {engine.config.flash_attn}")
@@ -40,7 +43,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                   + ", ".join(f"{n}: {s / draft.seconds[0]:.2f}x" for n, s in zip(draft.sizes, draft.seconds)
                               if n in (2, 4, 8, 16)) + f" ({draft.origin})")
     engine.close()
-    return 0
+    return 0 if saved else 1   # measuring to save is the command's whole point (the warning said why not)
 
 
 def register(sub, add_model_args, add_sampling_args, add_method_args) -> None:

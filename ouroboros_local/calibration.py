@@ -104,6 +104,11 @@ class CostModel:
         """How this process got the curve: measured, cached, or re-measured (and why)."""
         return self.__dict__.get("_origin", "")
 
+    @property
+    def unsaved(self) -> str | None:
+        """Why the curve this process measured is not in the cache file (None: it is, or was read there)."""
+        return self.__dict__.get("_unsaved")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -387,6 +392,7 @@ def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh
     try:
         cache.put(model)
     except (OSError, PoolError) as exc:   # a read-only cache folder: the next start measures again
+        model.__dict__["_unsaved"] = str(exc)
         warn_not_saved(cache.path, "cost curve", "OUROBOROS_CALIBRATION_FILE",
                        "every start measures it again (seconds to a minute)", exc)
     return model

@@ -348,6 +348,9 @@ def make_folder(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError):
+        for part in (folder, *folder.parents):
+            if part.is_symlink() and not part.exists():   # it was called "a file"
+                raise PoolError(f"{part} is a link to {os.readlink(part)}, which does not exist") from None
         part = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), folder)
         raise PoolError(f"{part} is a file, not a folder") from None
 

@@ -226,6 +226,14 @@ def test_a_cost_curve_that_cannot_be_saved_is_warned_about_once(
     assert f"{tmp_path / 'not-a-folder'} is a file, not a folder" in warnings[0]   # was "(File exists)"
 
 
+def test_a_cache_folder_that_is_a_dangling_link_is_called_one(tmp_path: Path) -> None:
+    from ouroboros_local.filestore import make_folder
+
+    (tmp_path / "cache").symlink_to(tmp_path / "gone")
+    with pytest.raises(PoolError, match=f"cache is a link to {tmp_path / 'gone'}, which does not exist"):
+        make_folder(tmp_path / "cache" / "models")   # it was "a file, not a folder"
+
+
 def test_learned_estimates_that_cannot_be_saved_are_warned_about_once(tmp_path: Path,
                                                                       caplog: pytest.LogCaptureFixture) -> None:
     (tmp_path / "not-a-folder").write_text("")

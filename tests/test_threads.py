@@ -336,3 +336,17 @@ def test_calibrate_measures_the_draft_it_is_given(tiny_target, tiny_draft, capsy
     assert cli.main(["calibrate", "-m", str(tiny_target), "-d", str(tiny_draft), "-c", "256", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["draft"]["sizes"][0] == 1 and report["draft"]["origin"].startswith("cached")
+    assert report["saved"] and report["draft"]["saved"]
+
+
+def test_calibrate_that_cannot_save_its_curve_says_so_in_its_status(tiny_target, tmp_path, monkeypatch,
+                                                                    capsys) -> None:
+    """Saving the curve is the command's point: a cache it could not write exited 0, --json silent on it."""
+    import json
+
+    from ouroboros_local import cli
+
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(tmp_path / "not-a-folder" / "calibration.json"))
+    assert cli.main(["calibrate", "-m", str(tiny_target), "-c", "256", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["saved"] is False
