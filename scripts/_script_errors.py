@@ -14,6 +14,7 @@ path, with scripts/ not on sys.path.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -40,9 +41,15 @@ def describe(exc: BaseException) -> str | None:
 
 
 def run_main(main: Callable[..., Any], *args: Any) -> int:
-    """``main(*args)``'s exit status; a user's error printed as one line, exit status 2."""
+    """``main(*args)``'s exit status; a user's error printed as one line, exit status 2; a reader that went
+    away (``| head -1``) ends it quietly, exit status 0, as ``ouroboros-local`` does."""
     try:
-        return main(*args) or 0
+        status = main(*args) or 0
+        sys.stdout.flush()   # here, not at exit: a closed pipe found there is printed as "Exception ignored"
+        return status
+    except BrokenPipeError:
+        quiet_stdout()
+        return 0
     except Exception as exc:   # a bug is raised again below
         message = describe(exc)
         if message is None:
@@ -50,3 +57,11 @@ def run_main(main: Callable[..., Any], *args: Any) -> int:
         print(f"error: {' '.join(message.split())}", file=sys.stderr)
         return USAGE_ERROR
 
+
+
+def quiet_stdout() -> None:
+    """Point stdout at /dev/null: what its buffer still holds is dropped, not flushed into the closed pipe at
+    exit (which Python would report)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -21,8 +21,8 @@ from ouroboros_local.text_input import read_json
 
 
 def setting(run: str) -> str:
-    """The setting a run belongs to: NAME-a1 -> NAME-a."""
-    return re.sub(r"\d+$", "", run)
+    """The setting a run belongs to: NAME-a1 -> NAME-a, and so NAME-a1/ as a shell completes it."""
+    return re.sub(r"\d+$", "", run.rstrip("/"))
 
 
 def speedups(summary: dict) -> dict[tuple[str, str], float]:

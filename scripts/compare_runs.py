@@ -13,7 +13,8 @@ run are listed and not compared; outputs only one run has are named.
 
 Exit status: 0 when no output is a mismatch; 1 when an output is a mismatch (against vanilla) in either
 run, byte-identical between them or not; 2 when a file cannot be read, is not a --save-text results file,
-or the runs share no (set, id, method).
+the runs share no (set, id, method), or they measured different things (another target model, or a
+prompt with another text or budget: a change of the command, not of the code).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import sys
 from collections import Counter, defaultdict
 from typing import Any
 
+from ouroboros_local.bench.report import refuse_different_runs
+from ouroboros_local.errors import ParameterError
+
 Key = tuple[str, str, str]   # (set, prompt id, label)
 MISMATCH = "mismatch"
 
@@ -31,8 +35,8 @@ class RunError(Exception):
     """A results file that cannot be compared (one line, exit status 2)."""
 
 
-def records(path: str) -> dict[Key, dict[str, Any]]:
-    """A --save-text run's records by (set, id, label); failed generations keep no text and are kept."""
+def load(path: str) -> dict[str, Any]:
+    """A bench results.json's contents; a file that is not one is a RunError."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -42,6 +46,11 @@ def records(path: str) -> dict[Key, dict[str, Any]]:
         raise RunError(f"{path}: not a results file ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("records"), list):
         raise RunError(f"{path}: not a bench results.json (no records)")
+    return data
+
+
+def records(path: str, data: dict[str, Any]) -> dict[Key, dict[str, Any]]:
+    """A --save-text run's records by (set, id, label); failed generations keep no text and are kept."""
     try:
         out = {(r["set"], r["id"], r["label"]): r for r in data["records"]}
     except (KeyError, TypeError):
@@ -97,8 +106,10 @@ def main(argv: list[str]) -> int:
         print("usage: " + __doc__.strip().splitlines()[3].strip(), file=sys.stderr)
         return 2
     try:
-        before, after = records(argv[0]), records(argv[1])
-    except RunError as exc:
+        runs = [(path, load(path)) for path in argv]
+        before, after = (records(path, data) for path, data in runs)
+        refuse_different_runs(runs)
+    except (RunError, ParameterError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not before.keys() & after.keys():
@@ -114,4 +125,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from _script_errors import run_main   # scripts/ is on sys.path when a script runs
+
+    sys.exit(run_main(main, sys.argv[1:]))

@@ -6,8 +6,10 @@
 On a shared 2-core machine one prompt's timing moves by +-20% (a method that drafts nothing, which runs
 plain decoding, measured 0.71-1.21x of vanilla on single prompts), so one run's ratio for a 16-prompt set
 moves by +-5%. Pooling runs of the same code gives each set more prompts. Per set and method: the ratio
-in each run (sum of tokens over sum of decode seconds, against the reference's) and pooled over all the
-runs' prompts (each run's reference timing pairs with that run's method timing).
+in each run (sum of tokens over sum of decode seconds, against the reference's; "–" for a run without
+both timed) and pooled over all the runs' prompts (each run's reference timing pairs with that run's method
+timing). A file given twice, and runs that measured different things (another model, a prompt with
+another text or budget), are refused.
 """
 
 from __future__ import annotations
@@ -16,23 +18,32 @@ import argparse
 import sys
 from collections import defaultdict
 
+from ouroboros_local.bench.report import refuse_different_runs, refuse_repeated_files
 from ouroboros_local.errors import OuroborosError
 from ouroboros_local.text_input import read_json
 
 
-def load(path: str) -> list[dict]:
-    """A bench results.json's records; a file that is not one is an OuroborosError naming it."""
+def load(path: str) -> dict:
+    """A bench results.json; a file without records is an OuroborosError naming it."""
     data = read_json(path, "bench results.json")
     records = data.get("records") if isinstance(data, dict) else None
     if not isinstance(records, list) or not all(isinstance(r, dict) and "set" in r and "label" in r
                                                 for r in records):
         raise OuroborosError(f"{path}: not a bench results.json (no records with a set and a label)")
-    return records
+    return data
 
 
 def timed(rec: dict) -> bool:
     """A record with a decode time to pool (failed generations have none)."""
     return not rec.get("error") and bool(rec.get("decode_seconds"))
+
+
+def run_ratio(got: list[float], ref: list[float]) -> str:
+    """One run's ratio in the brackets; "–" where the method or the reference has no timing in that run,
+    so that the brackets keep one place per run."""
+    if got[1] > 0 and ref[1] > 0:
+        return f"{(got[0] / got[1]) / (ref[0] / ref[1]):.2f}"
+    return "–"
 
 
 def main() -> int:
@@ -45,8 +56,11 @@ def main() -> int:
     sets: list[str] = []
     labels: list[str] = []
     used: list[int] = []   # the runs with a timed record
-    for i, path in enumerate(args.runs):
-        records = [rec for rec in load(path) if timed(rec)]
+    refuse_repeated_files(args.runs)
+    payloads = [load(path) for path in args.runs]
+    refuse_different_runs(list(zip(args.runs, payloads)))
+    for i, payload in enumerate(payloads):
+        records = [rec for rec in payload["records"] if timed(rec)]
         if records:
             used.append(i)
         for rec in records:
@@ -82,11 +96,10 @@ def main() -> int:
             if not both:   # the method and the reference were timed in different runs only
                 cells.append("–")
                 continue
-            each = [(g[0] / g[1]) / (r[0] / r[1]) for g, r in both]
             pooled = (sum(g[0] for g, _ in both) / sum(g[1] for g, _ in both)) / \
                      (sum(r[0] for _, r in both) / sum(r[1] for _, r in both))
             worst[label] = min(worst.get(label, pooled), pooled)
-            cells.append(f"{pooled:.2f}x ({' / '.join(f'{x:.2f}' for x in each)})")
+            cells.append(f"{pooled:.2f}x ({' / '.join(run_ratio(got[i], ref[i]) for i in used)})")
         print(f"| {name} | " + " | ".join(cells) + " |")
     pooled_over = f"{len(used)} run{'s' if len(used) > 1 else ''}"
     print(f"\npooled over {pooled_over} (in brackets: {runs}); lowest pooled set per method: " +

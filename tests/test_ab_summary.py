@@ -36,3 +36,12 @@ def test_each_setting_gets_its_mean_speedup_and_time_split(tmp_path: Path, capsy
     assert "| 25.0 |" in split_a and split_a.endswith("| 625.0 |")      # propose: the mean of 20 and 30
     split_b = next(line for line in out.splitlines() if line.startswith("| gsm8k | auto | s-b | 600.0"))
     assert split_b.endswith("| 603.0 |")
+
+
+def test_run_folders_named_with_a_trailing_slash_keep_their_setting(tmp_path: Path, capsys) -> None:
+    """Tab-completed names (s-a1/ s-b1/) made each run a setting of its own."""
+    for name, speedup in (("s-a1", 0.90), ("s-b1", 1.00), ("s-a2", 0.94)):
+        _run(tmp_path, name, speedup, 2.0)
+    assert ab_summary.main([str(tmp_path), "s-a1/", "s-b1/", "s-a2/"]) == 0
+    out = capsys.readouterr().out
+    assert "| auto | s-a | 0.92x (0.90-0.94) |" in out and "| auto | s-b | 1.00x (1.00-1.00) |" in out

@@ -1098,3 +1098,88 @@ def test_an_earlier_run_that_cannot_be_kept_is_not_written_over(tiny_target: Pat
     assert (f"bench: error: cannot keep the earlier run's results in {out / 'previous'} (No space left on "
             f"device); this run's files were not written over them in {out}\n") in printed.err
     assert sorted(p.name for p in out.iterdir()) == ["results.json"] and (out / "results.json").read_text() == "{}"
+
+
+# ---- runs put side by side; headings; messages -------------------------------------------------------
+def _pool_run(path: Path, max_tokens: int = 16, prompt_tokens: int = 30, model: str = "m.gguf") -> str:
+    recs = [{"set": "s", "id": "p", "label": label, "kind": "ours", "max_tokens": max_tokens,
+             "prompt_tokens": prompt_tokens, "timed_tokens": 10, "decode_seconds": seconds, "match": "reference"}
+            for label, seconds in (("vanilla", 1.0), ("auto", 0.5))]
+    path.write_text(json.dumps({"records": recs, "methods": [], "models": {"target": {"file": model}}}))
+    return str(path)
+
+
+def test_pooling_refuses_runs_of_other_prompts_and_a_file_twice(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture) -> None:
+    """A chat -n 24 run and a --no-chat -n 16 one were pooled as two runs of one prompt, with an interval;
+    a file given twice counted twice."""
+    first = _pool_run(tmp_path / "a.json")
+    assert report.main(["--pool", "auto", first, _pool_run(tmp_path / "b.json")]) == 0
+    capsys.readouterr()
+    for other, words in ((_pool_run(tmp_path / "n.json", max_tokens=24), "s/p has max_tokens 24 in"),
+                         (_pool_run(tmp_path / "c.json", prompt_tokens=44), "s/p has prompt tokens 44 in"),
+                         (_pool_run(tmp_path / "m.json", model="other.gguf"), "the target model is other.gguf"),
+                         (first, "is given twice")):
+        assert report.main(["--pool", "auto", first, other]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and words in captured.err
+
+
+def test_a_set_no_prompt_of_ran_says_why_and_names_only_sections_there() -> None:
+    """It said "no prompt of it finished; see Not run and Notes" for prompts too long for the context,
+    in a report with no "Not run" section."""
+    def heading(set_info: dict, notes: list[str]) -> str:
+        md = report.render_markdown({"sets": [set_info], "summary": {}, "notes": notes, "skipped": {}})
+        return next(line for line in md.splitlines() if line.startswith("## long"))
+
+    too_long = {"name": "long", "task": "raw", "prompts": 0, "too_long": 2}
+    assert heading(too_long, ["2 prompt(s) longer than the context"]) == \
+        "## long (raw: not run: 2 prompt(s) longer than the context minus the max new tokens; see Notes)"
+    stopped = [f"{report.STOPPED_NOTE} (Ctrl-C): only the prompts completed before it are included"]
+    assert heading({**too_long, "too_long": 0}, stopped) == \
+        "## long (raw: no prompt of it finished before the run stopped; see Notes)"
+    assert "and the run stopped early; see Notes)" in heading(too_long, stopped)
+    assert heading({"name": "long", "task": "raw"}, []) == "## long (raw: no prompt of it finished)"
+
+
+def test_strict_fails_a_sampled_run_and_says_nothing_was_compared(
+        tiny_target: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """--strict with --temperature 0.7 exited 0 with nothing compared (identical: n/a); a set whose prompts
+    were all too long for the context had a heading pointing to a "Not run" section that was not there."""
+    short = write_jsonl(tmp_path / "short.jsonl", [{"id": "s1", "turns": ["hello there"]}])
+    long = write_jsonl(tmp_path / "long.jsonl", [{"id": "l1", "turns": ["hello there " * 300]}])
+    out = tmp_path / "out"
+    assert main(["bench", "-m", str(tiny_target), "--prompts", f"{short},{long}", "-n", "4", "-c", "256",
+                 "-t", "1", "--methods", "vanilla,prompt-lookup", "--temperature", "0.7", "--seed", "3",
+                 "--strict", "--out", str(out), "--no-progress", "--no-bandwidth", "--no-warmup",
+                 "--peers", ""]) == 3
+    err = capsys.readouterr().err
+    assert "--strict: 1 sampled output(s) not compared with vanilla's" in err
+    data = json.loads((out / "results.json").read_text())
+    assert [s["too_long"] for s in data["sets"]] == [0, 1]
+    md = (out / "results.md").read_text()
+    assert "## long (raw: not run: 1 prompt(s) longer than the context minus the max new tokens; see Notes)" in md
+    assert "## Not run" not in md
+
+
+def test_a_pretty_printed_json_prompt_file_is_told_to_be_jsonl(tmp_path: Path) -> None:
+    """A valid JSON file over several lines was "pretty.json:1: not valid JSON (Expecting property name ...)"."""
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text('{\n  "id": "a",\n  "turns": ["hi"]\n}\n')
+    with pytest.raises(ParameterError, match=r"pretty.json: a prompt file is JSONL, one JSON object per line"):
+        prompts.load_sets(str(pretty))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"id": "a", "turns": ["hi"]}\n{"id": \n')
+    with pytest.raises(ParameterError, match=r"broken.json:2: not valid JSON"):
+        prompts.load_sets(str(broken))
+
+
+def test_a_peer_timeout_names_the_limit_as_given(tmp_path: Path) -> None:
+    """--peer-timeout 2.7 said "timed out after 3s"."""
+    peer = peers.LlamaCppBinPeer("llama.cpp:vanilla", tmp_path, _StubModel(), "t.gguf", n_ctx=512, threads=1,
+                                 timeout=0.25)
+    try:
+        with pytest.raises(OuroborosError, match=r"llama.cpp:vanilla timed out after 0.25s$"):
+            peer._run_binary([sys.executable, "-c", "import time; time.sleep(10)"])
+    finally:
+        peer.close()

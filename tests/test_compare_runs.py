@@ -79,3 +79,21 @@ def test_failed_generations_are_listed_not_refused(tmp_path: Path, capsys: pytes
     assert compare_runs.main([run, run]) == 0
     assert "llama.cpp:vanilla: 1/1 identical; not compared (failed in either run): p/b llama.cpp:vanilla" \
         in capsys.readouterr().out
+
+
+def test_runs_of_other_prompts_are_refused_not_compared(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A chat -n 24 run against a --no-chat -n 16 one printed "vanilla: 0/2 identical", as if a code change
+    had altered vanilla."""
+    def measured(name: str, prompt: str, max_tokens: int) -> str:
+        return write(tmp_path / name, [{**r, "kind": "ours", "prompt": f"{prompt} {r['id']}",
+                                        "max_tokens": max_tokens} for r in RUN])
+
+    chat = measured("chat.json", "<|im_start|>user", 24)
+    assert compare_runs.main([chat, measured("same.json", "<|im_start|>user", 24)]) == 0
+    capsys.readouterr()
+    for other, words in ((measured("plain.json", "plain", 24), "p/a has another prompt in"),
+                         (measured("short.json", "<|im_start|>user", 16), "p/a has max_tokens 16 in")):
+        assert compare_runs.main([chat, other]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == "" and len(captured.err.strip().splitlines()) == 1
+        assert captured.err.startswith("error: the runs measured different things: ") and words in captured.err

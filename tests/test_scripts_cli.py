@@ -106,13 +106,15 @@ def test_a_slice_that_selects_no_prompt_writes_no_priors(files: Path) -> None:
 
 
 def test_a_reference_no_run_has_is_refused_naming_the_labels(files: Path) -> None:
-    done = run_script("pool_runs", "results.json", "results.json", "--reference", "Vanilla", cwd=files)
+    (files / "again.json").write_text((files / "results.json").read_text())
+    done = run_script("pool_runs", "results.json", "again.json", "--reference", "Vanilla", cwd=files)
     assert_one_line_error(done, "Vanilla", "vanilla", "auto")
 
 
 def test_a_run_without_a_timed_record_is_named_not_bracketed(files: Path) -> None:
     (files / "failed.json").write_text(json.dumps({"records": [{**record("vanilla"), "error": "boom"}]}))
-    done = run_script("pool_runs", "results.json", "failed.json", "results.json", cwd=files)
+    (files / "again.json").write_text((files / "results.json").read_text())
+    done = run_script("pool_runs", "results.json", "failed.json", "again.json", cwd=files)
     assert done.returncode == 0, done.stderr
     assert "| gsm8k | 2.00x (2.00 / 2.00) |" in done.stdout
     assert "in brackets: run 1 / run 3" in done.stdout and "run 2 (failed.json)" in done.stdout
@@ -153,3 +155,55 @@ def test_help_prints_what_the_script_does(tmp_path: Path, script: str) -> None:
 def test_draft_ledgers_usage_names_the_draft_option() -> None:
     usage = load_script("draft_ledger").__doc__.split("\n\n")[1]
     assert "-d DRAFT" in usage
+
+
+def test_pool_runs_refuses_runs_of_other_prompts_and_a_file_twice(files: Path) -> None:
+    """A chat -n 24 run pooled with a --no-chat -n 16 one, or a file with itself, was pooled without a word."""
+    def run_file(name: str, max_tokens: int) -> str:
+        recs = [{**record(label, seconds), "kind": "ours", "max_tokens": max_tokens}
+                for label, seconds in (("vanilla", 1.0), ("auto", 0.5))]
+        (files / name).write_text(json.dumps({"records": recs}))
+        return name
+
+    assert run_script("pool_runs", run_file("a.json", 24), run_file("b.json", 24), cwd=files).returncode == 0
+    assert_one_line_error(run_script("pool_runs", "a.json", run_file("c.json", 16), cwd=files),
+                          "the runs measured different things", "gsm8k/p0 has max_tokens 16 in c.json, 24 in a.json")
+    assert_one_line_error(run_script("pool_runs", "a.json", "./a.json", cwd=files), "./a.json is given twice")
+
+
+def test_pool_runs_brackets_keep_one_place_per_run(files: Path) -> None:
+    """A method timed in run 2 only showed its ratio in run 1's place."""
+    (files / "one.json").write_text(json.dumps({"records": [record("vanilla"), record("prompt-lookup", 0.5)]}))
+    (files / "two.json").write_text(json.dumps({"records": [record("vanilla"), record("suffix", 0.25)]}))
+    done = run_script("pool_runs", "one.json", "two.json", cwd=files)
+    assert done.returncode == 0, done.stderr
+    assert "| gsm8k | 2.00x (2.00 / –) | 4.00x (– / 4.00) |" in done.stdout
+    assert "in brackets: run 1 / run 2" in done.stdout
+
+
+def test_a_reader_that_goes_away_ends_the_scripts_quietly(files: Path) -> None:
+    """`| head -1` printed a BrokenPipeError traceback (compare_runs, pool_runs, ab_summary)."""
+    text_run = [{**record(label), "match": match, "text": "x"} for label, match in (("vanilla", "reference"),
+                                                                                    ("auto", "identical"))]
+    (files / "text.json").write_text(json.dumps({"records": text_run}))
+    (files / "again.json").write_text((files / "results.json").read_text())
+    (files / "ab" / "s-b1").mkdir()
+    summary = {"gsm8k": {"vanilla": {"speedup": 1.0}, "auto": {"speedup": 1.5}}}
+    for run in ("s-a1", "s-b1"):
+        (files / "ab" / run / "results.json").write_text(json.dumps({"summary": summary}))
+    for script, args in (("pool_runs", ["results.json", "again.json"]), ("compare_runs", ["text.json", "text.json"]),
+                         ("ab_summary", ["ab", "s-a1", "s-b1"])):
+        done = run_into_closed_pipe(script, *args, cwd=files)
+        assert (done.returncode, done.stderr) == (0, ""), (script, done.stderr)
+
+
+def run_into_closed_pipe(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """A script run with its stdout a pipe whose reader has gone (`| head -1` after its line)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "OUROBOROS_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    try:
+        return subprocess.run([sys.executable, str(SCRIPTS / f"{name}.py"), *args], cwd=cwd, env=env,
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    finally:
+        os.close(write_end)

@@ -101,8 +101,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g.add_argument("--peer-timeout", type=float, default=900.0, help="seconds per llama.cpp binary run")
     g.add_argument("--strict", action="store_true",
                    help="exit with status 3 if any output differs from vanilla's beyond the tie rule, or was "
-                        "not compared with it (an error, the method's or vanilla's), or a contender asked for "
-                        "did not run")
+                        "not compared with it (an error, the method's or vanilla's; sampled outputs are never "
+                        "compared), or a contender asked for did not run")
     add_sampling_args(p)
     add_method_args(p)
     # --method is generate's flag (default auto); here it is only a shorthand when given explicitly
@@ -298,8 +298,6 @@ def recorded_prompts(records: list[dict[str, Any]], set_name: str) -> int:
 
 CHARTS = ("speedup.png", "sweep.png")
 OUTPUT_NAMES = ("results.json", "results.json.tmp", "results.md", "results.md.tmp", *CHARTS)
-STOPPED_NOTE = "interrupted"   # a stopped run's note begins so (results.json "notes")
-FAILED_NOTE = "stopped early"           # a run vanilla's error stopped
 
 
 def keep_earlier_run(out_dir: Path, log: Callable[[str], None]) -> None:
@@ -325,11 +323,13 @@ def keep_earlier_run(out_dir: Path, log: Callable[[str], None]) -> None:
 def _was_stopped(run_dir: Path) -> bool:
     """Whether the run whose results.json is in ``run_dir`` stopped early (Ctrl-C, or vanilla's error; its
     notes say so)."""
+    from . import report
+
     try:
         notes = json.loads((run_dir / "results.json").read_text(encoding="utf-8")).get("notes") or []
     except (OSError, ValueError, AttributeError):
         return False
-    return any(str(note).startswith((STOPPED_NOTE, FAILED_NOTE)) for note in notes)
+    return any(str(note).startswith((report.STOPPED_NOTE, report.FAILED_NOTE)) for note in notes)
 
 
 def check_out_dir(out_dir: Path) -> None:
@@ -495,6 +495,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return len(b.tokens) + b.max_tokens + 1 <= n_ctx
 
         fits = [b for b in built if fits_context(b)]
+        too_long = {s.name: sum(b.set_name == s.name and not fits_context(b) for b in built) for s in sets}
         if len(fits) < len(built):
             dropped = [f"{b.set_name}/{b.id}" for b in built if b not in fits]
             notes.append(f"{len(dropped)} prompt(s) longer than the context ({n_ctx}) minus the max new tokens "
@@ -581,9 +582,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with saving_first(log) as pressed:   # a second Ctrl-C must not lose a long run's measurements
             if run.interrupted:
                 how = "Ctrl-C" if run.exit_status == 130 else f"exit status {run.exit_status}: a signal"
-                notes.append(f"{STOPPED_NOTE} ({how}): only the prompts completed before it are included")
+                notes.append(f"{report.STOPPED_NOTE} ({how}): only the prompts completed before it are "
+                             "included")
             if run.failed:
-                notes.append(f"{FAILED_NOTE} ({run.failed}): only the prompts completed before it are included")
+                notes.append(f"{report.FAILED_NOTE} ({run.failed}): only the prompts completed before it are "
+                             "included")
             disturbed = runner.disturbed_note(run.records)
             if disturbed is not None:
                 notes.append(disturbed)
@@ -595,7 +598,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 n_run = recorded_prompts(run.records, s.name)
                 set_entries.append({"name": s.name, "file": s.path, "task": s.task, "prompts": n_run,
                                     "max_tokens": args.max_tokens or prompts_mod.DEFAULT_MAX_TOKENS.get(s.task, 128),
-                                    "chat": chat, "fewshot": len(s.fewshot)})
+                                    "chat": chat, "fewshot": len(s.fewshot), "too_long": too_long[s.name]})
             payload: dict[str, Any] = {
                 "schema": report.SCHEMA,
                 "created": started,
@@ -643,6 +646,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         n_bad = sum(1 for m in payload["mismatches"] if m["match"] == "mismatch")
         n_ties = sum(1 for m in payload["mismatches"] if m["match"] == "tie-flip")
         n_unchecked = sum(1 for r in run.records if r.get("match") in report.UNCHECKED)
+        n_sampled = sum(1 for r in run.records if r.get("compare") == "sampled")
+        if args.strict and n_sampled:   # --strict promises outputs checked against vanilla's: none was
+            log(f"bench: --strict: {n_sampled} sampled output(s) not compared with vanilla's (sampling is not "
+                "compared token for token; use --temperature 0 to check outputs)")
         if n_bad:
             log(f"bench: WARNING: {n_bad} output(s) differ from vanilla beyond the tie rule (see results.md)")
         if n_unchecked:
@@ -661,7 +668,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             return 2
         if unsaved:   # the table is printed, but not every file of the run is there
             return 1
-        return 3 if (args.strict and (n_bad or n_unchecked or not_run)) else 0
+        return 3 if (args.strict and (n_bad or n_unchecked or n_sampled or not_run)) else 0
     finally:
         for c in contenders:
             try:

@@ -401,7 +401,7 @@ class LlamaCppBinPeer(Contender):
         try:
             proc = subprocess.run(cmd, capture_output=True, timeout=self.timeout, check=False)
         except subprocess.TimeoutExpired:
-            raise OuroborosError(f"{self.label} timed out after {self.timeout:.0f}s") from None
+            raise OuroborosError(f"{self.label} timed out after {self.timeout:g}s") from None   # 2.7s, not 3s
         wall = time.perf_counter() - t0
         stderr = proc.stderr.decode("utf-8", "replace")
         if proc.returncode != 0:

@@ -87,6 +87,15 @@ def normalize_task(task: str | None) -> str:
     return "raw"
 
 
+def _is_json(text: str) -> bool:
+    """Whether the whole text is one JSON value."""
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
 def read_prompt_file(path: str | Path) -> list[PromptItem]:
     """Read a JSONL prompt file (one `{id, task, turns, source, meta}` object per line).
 
@@ -107,9 +116,12 @@ def read_prompt_file(path: str | Path) -> list[PromptItem]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
+            if _is_json(text):   # a pretty-printed .json: valid, but not one object per line
+                raise ParameterError(f"{p}: a prompt file is JSONL, one JSON object per line; this one is JSON "
+                                     "over several lines: write each prompt on a line of its own") from None
             raise ParameterError(f"{p}:{lineno}: not valid JSON ({exc.msg})") from None
         if not isinstance(obj, dict):
-            raise ParameterError(f"{p}:{lineno}: each line must be a JSON object")
+            raise ParameterError(f"{p}:{lineno}: each line must be a JSON object (JSONL: one prompt per line)")
         turns = obj.get("turns")
         if isinstance(turns, str):
             turns = [turns]

@@ -35,6 +35,9 @@ CI_RESAMPLES = 2000
 
 ALL_SETS = "all"
 
+STOPPED_NOTE = "interrupted"   # a stopped run's note begins so (results.json "notes")
+FAILED_NOTE = "stopped early"  # a run vanilla's error stopped
+
 
 # ---- summaries ---------------------------------------------------------------------------------
 def _ratio(a: float, b: float) -> float | None:
@@ -374,8 +377,7 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     summarized = set(payload.get("summary") or {})
     for set_info in payload.get("sets", []):   # sets no prompt of finished (a stopped run's, skipped prompts)
         if set_info.get("name") not in summarized:
-            lines += [f"## {set_info.get('name')} ({set_info.get('task')}: no prompt of it finished; see "
-                      "Not run and Notes)", ""]
+            lines += [_unfinished_set_heading(set_info, payload.get("notes") or []), ""]
     lines += _time_split_lines(payload.get("summary") or {})
     lines += _draft_graph_lines(payload.get("summary") or {})
     mism = payload.get("mismatches") or []
@@ -400,6 +402,21 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
     return "\n".join(lines)
+
+
+def _unfinished_set_heading(set_info: Mapping[str, Any], notes: Sequence[str]) -> str:
+    """The heading of a set no prompt of finished, saying why: its prompts too long for the context
+    (set_info's too_long), the run stopped, or both; "see Notes" only where there are notes."""
+    too_long = set_info.get("too_long") or 0
+    stopped = any(str(note).startswith((STOPPED_NOTE, FAILED_NOTE)) for note in notes)
+    skipped = f"{too_long} prompt(s) longer than the context minus the max new tokens"
+    if too_long and stopped:
+        reason = f"no prompt of it finished: {skipped}, and the run stopped early"
+    elif too_long:
+        reason = f"not run: {skipped}"
+    else:
+        reason = "no prompt of it finished" + (" before the run stopped" if stopped else "")
+    return f"## {set_info.get('name')} ({set_info.get('task')}: {reason}{'; see Notes' if notes else ''})"
 
 
 _PART_HEADINGS = {"plain": "plain", "after_draft": "plain after a draft", "ahead": "plain, drafting",
@@ -517,6 +534,79 @@ def pooled_speedups(payloads: Sequence[Mapping[str, Any]], label: str, reference
     return out
 
 
+# ---- runs put side by side (pooled or compared) ------------------------------------------------------
+SIDE_BY_SIDE = "compare or pool only runs of one bench command (its prompts, -n, --chat and model)"
+
+
+def _measured(payload: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+    """What a run measured per (set, prompt id): its budget, its prompt's text (--save-text) and its
+    token count as our methods counted it (a peer counts its own way)."""
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for r in payload.get("records") or []:
+        if not isinstance(r, Mapping):
+            continue
+        facts = out.setdefault((str(r.get("set")), str(r.get("id"))), {})
+        ours_tokens = r.get("prompt_tokens") if r.get("kind") == "ours" else None
+        for fact, value in (("prompt", r.get("prompt")), ("prompt tokens", ours_tokens),
+                            ("max_tokens", r.get("max_tokens"))):
+            if value is not None:
+                facts.setdefault(fact, value)
+    return out
+
+
+def _model_difference(first: Mapping[str, Any], other: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The two runs' target models where they differ (by sha256 where both have one, else by file name)."""
+    a, b = (((run.get("models") or {}).get("target") or {}) for run in (first, other))
+    key = "sha256" if a.get("sha256") and b.get("sha256") else "file"
+    if not (a.get(key) and b.get(key)) or a[key] == b[key]:
+        return None
+    if a.get("file") == b.get("file"):
+        return f"{a.get('file')} (sha256 {str(a[key])[:12]})", f"{b.get('file')} (sha256 {str(b[key])[:12]})"
+    return str(a.get("file")), str(b.get("file"))
+
+
+def measurement_difference(first: Mapping[str, Any], first_name: str, other: Mapping[str, Any],
+                           other_name: str) -> str | None:
+    """How run ``other`` measured something else than run ``first``: another target model, or a (set,
+    prompt id) with another prompt or budget; None where they measured the same."""
+    models = _model_difference(first, other)
+    if models:
+        return f"the target model is {models[1]} in {other_name}, {models[0]} in {first_name}"
+    mine, theirs = _measured(first), _measured(other)
+    for set_name, pid in sorted(mine.keys() & theirs.keys()):
+        for fact in ("prompt", "prompt tokens", "max_tokens"):
+            a, b = mine[set_name, pid].get(fact), theirs[set_name, pid].get(fact)
+            if a is None or b is None or a == b:
+                continue
+            if fact == "prompt":
+                return f"{set_name}/{pid} has another prompt in {other_name} than in {first_name}"
+            return f"{set_name}/{pid} has {fact} {b} in {other_name}, {a} in {first_name}"
+    return None
+
+
+def refuse_different_runs(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+    """ParameterError naming the first run (path, payload) that measured something else than the first
+    one: a chat -n 24 run beside a --no-chat -n 16 one was compared and pooled as runs of one prompt."""
+    if not runs:
+        return
+    first_name, first = runs[0]
+    for name, payload in runs[1:]:
+        difference = measurement_difference(first, first_name, payload, name)
+        if difference:
+            raise ParameterError(f"the runs measured different things: {difference}; {SIDE_BY_SIDE}")
+
+
+def refuse_repeated_files(paths: Sequence[str | Path]) -> None:
+    """ParameterError when a file is given twice: pooled, each of its prompts would count as two runs'."""
+    seen: dict[str, str] = {}
+    for path in paths:
+        real = os.path.realpath(path)
+        if real in seen:
+            also = f" (also as {seen[real]})" if seen[real] != str(path) else ""
+            raise ParameterError(f"{path} is given twice{also}: each run counts once; give each results file once")
+        seen[real] = str(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
@@ -533,7 +623,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for f in args.files:
                 print(f"wrote {rerender(f)}")
             return 0
+        refuse_repeated_files(args.files)
         payloads = [read_results(f) for f in args.files]
+        refuse_different_runs(list(zip(args.files, payloads)))
     except ParameterError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
