@@ -167,7 +167,9 @@ def _shared_mode(target: Path) -> int | None:
     for candidate in (target, owner):
         try:
             if candidate is not None and candidate.is_file():
-                return stat.S_IMODE(candidate.stat().st_mode)
+                # a companion may be written by its owner whatever FILE's mode: FILE made read-only made
+                # its new FILE.suffix read-only too, and every later save of it was skipped
+                return stat.S_IMODE(candidate.stat().st_mode) | (0o200 if candidate is owner else 0)
         except OSError:
             pass
     return None
@@ -362,6 +364,8 @@ def put_json_entry(path: Path, key: str, entry: Any, *, keep: int, stamp_key: st
     OSError or PoolError when the file cannot be written."""
     if os.path.exists(path) and not os.path.isfile(path):   # /dev/null, a FIFO: replaced by a file, once
         raise PoolError(f"{path} is not a regular file: nothing is saved there")
+    if _frozen(Path(os.path.realpath(path))):   # a failed save for its callers (calibrate's status), and
+        raise NotSavedError(what, path, "it is read-only")   # a damaged one is not set aside either
     make_folder(path.parent)
     with locked(path, what):
         try:

@@ -129,8 +129,13 @@ class PhrasePool:
         Only n-grams whose last token sits at index >= ``start`` are added, so feeding a growing
         sequence incrementally is ``add_ngrams(seq, n, start=len_before)``. Returns the number added.
         """
-        with self._lock:
-            self._last_fed[n] = (tokens, len(tokens))
+        length = len(tokens)
+        count = self._add_ngrams(tokens, n, start)
+        with self._lock:   # once all are in: a Ctrl-C midway leaves the rest to be fed next time
+            self._last_fed[n] = (tokens, length)
+        return count
+
+    def _add_ngrams(self, tokens: Sequence[int], n: int, start: int) -> int:
         plen = min(n - 1, self.phrase_len)
         if plen < 1:
             return 0

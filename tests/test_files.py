@@ -506,6 +506,12 @@ def test_a_companion_file_and_its_lock_take_the_mode_of_the_file_they_belong_to(
     with filestore.locked(private, "phrase pool"):
         pass
     assert (tmp_path / ".private.bin.lock").stat().st_mode & 0o777 == 0o660
+    frozen = tmp_path / "frozen.bin"   # made read-only: its new FILE.suffix was too, and never saved again
+    frozen.write_bytes(b"")
+    frozen.chmod(0o444)
+    for data in (b"1", b"2"):
+        write_atomic(tmp_path / "frozen.bin.suffix", data, "suffix history")
+    assert (tmp_path / "frozen.bin.suffix").read_bytes() == b"2"
     alone = tmp_path / "alone.suffix"   # nothing to belong to: mkstemp's 0600
     write_atomic(alone, b"x", "suffix history")
     assert alone.stat().st_mode & 0o777 == 0o600

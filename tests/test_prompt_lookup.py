@@ -297,3 +297,25 @@ def test_a_chat_s_turns_reuse_the_index_and_keep_plain_decoding_s_tokens(engine)
         if method != "suffix":
             kept = [i for i in engine.history._context_indexes.values() if isinstance(i, NgramIndex)]
             assert any(index.tokens[:len(conversation)] == conversation for index in kept)
+
+
+def test_an_index_a_ctrl_c_cut_short_is_built_afresh_not_continued() -> None:
+    """Interrupted midway, the kept index was continued by the next call with n-grams counted twice."""
+    class CtrlCAfter(dict):
+        calls = 0
+
+        def get(self, key, default=None):
+            CtrlCAfter.calls += 1
+            if CtrlCAfter.calls == 50:
+                raise KeyboardInterrupt
+            return super().get(key, default)
+
+    tokens = np.random.default_rng(2).integers(0, 9, 200).tolist()
+    index = NgramIndex(1, 3)
+    index._maps[2] = CtrlCAfter()
+    with pytest.raises(KeyboardInterrupt):
+        index.follow(tokens)
+    index.follow(tokens)
+    fresh = NgramIndex(1, 3)
+    fresh.sync(tokens)
+    assert index.tokens == fresh.tokens and index._maps == fresh._maps

@@ -962,6 +962,41 @@ def test_requests_while_the_model_loads_hear_503_loading_at_once(tiny_target, mo
         probe.bind(("127.0.0.1", port))
 
 
+def test_the_loading_replies_outlast_a_lack_of_descriptors_and_end_with_their_slow_clients() -> None:
+    """accept() failing once (EMFILE) ended the loading replies for good; a client that kept sending
+    kept its reply thread past the hand-over."""
+    from ouroboros_local.server import loading
+
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]
+
+        class OutOfDescriptorsOnce:
+            failed = False
+
+            def fileno(self):
+                return sock.fileno()
+
+            def accept(self):
+                if not self.failed:
+                    self.failed = True
+                    raise OSError(24, "Too many open files")
+                return sock.accept()
+
+        replies = loading.LoadingReplies(OutOfDescriptorsOnce())   # type: ignore[arg-type]
+        slow = socket.create_connection(("127.0.0.1", port))
+        slow.sendall(b"GET /health HTTP/1.1\r\n")   # and nothing more
+        conn = httpclient.HTTPConnection("127.0.0.1", port, timeout=5)
+        conn.request("GET", "/health")
+        assert conn.getresponse().status == 503
+        conn.close()
+        started = time.monotonic()
+        replies.stop()
+        while any(t.name == "ouroboros-loading-reply" for t in threading.enumerate()):
+            assert time.monotonic() - started < loading.READ_SECONDS + 2
+            time.sleep(0.05)
+        slow.close()
+
+
 def test_serve_notes_a_model_without_a_chat_template(tiny_target, monkeypatch) -> None:
     """generate --chat and chat said that a model without a template gets ChatML; serve said nothing."""
     from ouroboros_local import cli
@@ -1078,6 +1113,9 @@ def test_a_client_that_asks_again_as_soon_as_it_has_its_answer_is_never_refused(
         loop = asyncio.get_running_loop()
         worker = GenerationWorker(SlowToCloseEngine(), Metrics(), max_queue=max_queue)
         worker.metrics.observe_generation = lambda stats: None
+        answered = worker._answered
+        # the worker thread descheduled around the hand-over: the client's next request came first
+        worker._answered = lambda job: (time.sleep(0.05), answered(job))[1]
         clients = max_queue + 1   # each sends its next request as soon as it has its answer
         jobs = [Job([1], {}, loop) for _ in range(clients)]
         for job in jobs:

@@ -731,3 +731,35 @@ def test_the_next_call_continues_the_trie_of_the_text_its_prompt_continues() -> 
         assert other.local is not now.local and node_strings(other.local) == node_strings(now.local)
         other.end()
         now.end()
+
+
+def test_a_trie_a_ctrl_c_cut_short_is_not_continued_by_the_next_call(monkeypatch) -> None:
+    """Interrupted between the trie's append and the proposer's record of it, the kept trie held a token
+    more than its text, and the next calls continued it so for the rest of a chat."""
+    rng = random.Random(4)
+    first = [rng.randrange(20) for _ in range(100)]
+    ctx = SimpleNamespace(history=History(None))
+    last = create(ctx, check_options("suffix", {}))
+    last.begin(list(first), make_setup())
+    last.end()
+    appended = {"n": 0}
+    append = SuffixTrie.append
+
+    def ctrl_c_after_some(self, token):
+        append(self, token)
+        appended["n"] += 1
+        if appended["n"] == 10:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(SuffixTrie, "append", ctrl_c_after_some)
+    second = first + [rng.randrange(20) for _ in range(30)]
+    cut = create(ctx, check_options("suffix", {}))
+    with pytest.raises(KeyboardInterrupt):
+        cut.begin(list(second), make_setup())
+    cut.end()
+    monkeypatch.setattr(SuffixTrie, "append", append)
+    now = create(ctx, check_options("suffix", {}))
+    now.begin(list(second), make_setup())
+    fresh = SuffixProposer(SuffixCache())
+    fresh.begin(list(second), make_setup())
+    assert now._seen == fresh._seen and node_strings(now.local) == node_strings(fresh.local)

@@ -350,3 +350,9 @@ def test_calibrate_that_cannot_save_its_curve_says_so_in_its_status(tiny_target,
     monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(tmp_path / "not-a-folder" / "calibration.json"))
     assert cli.main(["calibrate", "-m", str(tiny_target), "-c", "256", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["saved"] is False
+    frozen = tmp_path / "frozen.json"   # made read-only by its owner: not saved either
+    frozen.write_text("{}")
+    frozen.chmod(0o444)
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", str(frozen))
+    assert cli.main(["calibrate", "-m", str(tiny_target), "-c", "256", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["saved"] is False and frozen.read_text() == "{}"

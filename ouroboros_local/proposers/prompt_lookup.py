@@ -62,6 +62,13 @@ class NgramIndex:
             have = 0
         if len(committed) > have:
             self.tokens.extend(int(t) for t in committed[have:])
+        try:
+            self._index_new()
+        except BaseException:   # a Ctrl-C midway: indexed again, the n-grams would count twice (kept for
+            self.reset()        # the next call, the index stayed so for the rest of a chat)
+            raise
+
+    def _index_new(self) -> None:
         # Index every n-gram that has at least one following token (so it can be copied from).
         toks = self.tokens
         cap = self.max_positions

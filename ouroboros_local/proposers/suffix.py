@@ -223,9 +223,13 @@ class SuffixProposer(Proposer):
                 self.matcher.push(int(tok))
 
     def _extend_local_only(self, tokens: Sequence[int]) -> None:
-        for tok in tokens:
-            self.local.append(int(tok))
-            self._seen.append(int(tok))
+        try:
+            for tok in tokens:
+                self.local.append(int(tok))
+                self._seen.append(int(tok))
+        except BaseException:   # a Ctrl-C midway: the trie may hold a token _seen does not; the next call
+            self._context.trie, self._context.seen = None, []   # builds afresh, not on a damaged one
+            raise
 
     def _candidate(self, trie: SuffixTrie, states: list[State], budget: int, root: int,
                    is_global: bool) -> tuple[float, int, TokenTree] | None:

@@ -230,9 +230,9 @@ class GenerationWorker:
                     if event.result.stats.finish_reason == "cancelled" and self._closed:
                         job.emit("error", ShuttingDown())   # not a short answer passed off as whole
                         break
+                if event.result is not None:   # first: the client may send its next request as soon as it
+                    self._answered(job)         # has this, before this thread runs again
                 job.emit("event", event)
-                if event.result is not None:
-                    self._answered(job)
         except Exception as exc:  # reported to the client; the engine keeps its KV consistent
             if is_server_fault(exc):   # the client hears one line; the log keeps the traceback
                 log.exception("generation failed")
