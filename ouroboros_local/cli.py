@@ -649,6 +649,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
+    except ModuleNotFoundError as exc:   # a broken or partial install: one line, not a traceback
+        from .errors import missing_module
+
+        print(f"error: {missing_module(exc)}", file=sys.stderr)
+        return 1
     except OSError as exc:   # what no check could foresee: a full disk under stdout, a file that vanished
         where = f" ({exc.filename})" if exc.filename else ""
         print(f"error: {exc.strerror or exc}{where}", file=sys.stderr)

@@ -37,6 +37,17 @@ def clipped(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+LLAMA_CPP_PYTHON = "llama-cpp-python>=0.3.36"   # what the binding needs (llama/binding.py checks its names)
+_PIP_NAMES = {"llama_cpp": f"'{LLAMA_CPP_PYTHON}'", "huggingface_hub": "huggingface-hub"}
+
+
+def missing_module(exc: ModuleNotFoundError) -> str:
+    """A one-line message for a dependency that cannot be imported (a broken or partial install)."""
+    name = (exc.name or "").split(".")[0] or "a module"
+    return (f"{name} is missing ({exc}): pip install {_PIP_NAMES.get(name, name)}, or reinstall "
+            "ouroboros-local (pip install -e . in a checkout)")
+
+
 class ParameterError(OuroborosError):
     """A generation or configuration parameter is out of range."""
 

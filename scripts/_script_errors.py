@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from ouroboros_local.errors import OuroborosError
+from ouroboros_local.errors import OuroborosError, missing_module
 
 USAGE_ERROR = 2
 
@@ -28,6 +28,8 @@ def describe(exc: BaseException) -> str | None:
     """The one-line message for an error that is the user's to fix; None for a bug (a traceback)."""
     if isinstance(exc, OuroborosError):
         return str(exc)
+    if isinstance(exc, ModuleNotFoundError):   # a broken or partial install
+        return missing_module(exc)
     if isinstance(exc, BrokenPipeError):   # the reader went away (| head): not the input's fault
         return None
     if isinstance(exc, OSError):   # a file missing or unreadable

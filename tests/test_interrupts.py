@@ -144,3 +144,40 @@ def test_a_termination_python_swallowed_during_the_load_still_ends_the_command(t
     assert ended.value.code == 128 + signal.SIGTERM
     monkeypatch.setattr(engine_module.Engine, "load", real_load)   # the next command starts afresh
     assert cli.main(["generate", "-m", str(tiny_target), "-p", "hi", "-n", "2", "--method", "vanilla"]) == 0
+
+
+def test_a_missing_dependency_is_one_line_naming_what_to_install(tiny_target, monkeypatch, capsys) -> None:
+    """A broken install (tqdm, filelock, numpy, gguf missing) ended every model command in a traceback."""
+    import builtins
+
+    from ouroboros_local import cli
+
+    real_import = builtins.__import__
+
+    def missing_hub(name, *args, **kwargs):
+        if name.split(".")[0] == "huggingface_hub":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(cli, "_engine_from_args", lambda *a, **kw: missing_hub("huggingface_hub.utils"))
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "hi", "-n", "2", "--method", "vanilla"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "huggingface_hub is missing" in err and "pip install huggingface-hub" in err
+
+
+def test_a_llama_cpp_python_that_lacks_a_function_is_said_at_import() -> None:
+    """An older build failed with an AttributeError deep in a load, or after a calibration."""
+    import re
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ouroboros_local.errors import OuroborosError
+
+    used = set()
+    for module in ("binding.py", "huge_pages.py", "interrupts.py"):
+        used |= set(re.findall(r"\blc\.([A-Za-z_]\w*)", (Path(binding.__file__).parent / module).read_text()))
+    assert used - {"_lib"} <= set(binding._NEEDED)   # a name used is a name checked
+    older = SimpleNamespace(**{name: None for name in binding._NEEDED if name != "llama_memory_seq_rm"})
+    with pytest.raises(OuroborosError, match="lacks llama_memory_seq_rm: pip install 'llama-cpp-python>="):
+        binding.check_names(older)
+    binding.check_names(SimpleNamespace(**{name: None for name in binding._NEEDED}))

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..cpu_load import busy_cores_now, idle_threads, math_cores, usable_cores  # noqa: F401 (re-exported)
-from ..errors import ContextOverflowError, ModelError, OuroborosError, ParameterError
+from ..errors import LLAMA_CPP_PYTHON, ContextOverflowError, ModelError, OuroborosError, ParameterError
 from ..filestore import file_identity
 from ..text_input import utf8_bytes
 from . import huge_pages as huge_pages_mod
@@ -29,9 +29,42 @@ try:
     from llama_cpp import llama_cpp as lc
 except ImportError as exc:  # pragma: no cover - import guard for a clear message
     if exc.name not in (None, "llama_cpp"):   # installed, but something it imports is missing
-        raise OuroborosError(f"llama-cpp-python cannot be imported: {exc}") from exc
-    raise OuroborosError(
-        "llama-cpp-python is not installed: pip install 'llama-cpp-python>=0.3.36'") from exc
+        raise OuroborosError(f"llama-cpp-python cannot be imported: {exc} (pip install "
+                             f"{exc.name.split('.')[0]})") from exc
+    raise OuroborosError(f"llama-cpp-python is not installed: pip install '{LLAMA_CPP_PYTHON}'") from exc
+
+_NEEDED = (   # every name of llama_cpp.llama_cpp this package uses (test_binding_names keeps the list whole)
+    "GGML_TYPE_F16", "GGML_TYPE_F32", "GGML_TYPE_Q4_0", "GGML_TYPE_Q4_1", "GGML_TYPE_Q5_0", "GGML_TYPE_Q5_1",
+    "GGML_TYPE_Q8_0", "LLAMA_FLASH_ATTN_TYPE_AUTO", "LLAMA_FLASH_ATTN_TYPE_DISABLED",
+    "LLAMA_FLASH_ATTN_TYPE_ENABLED", "LLAMA_LOAD_MODE_NONE", "LLAMA_SPLIT_MODE_NONE", "LLAMA_TOKEN_ATTR_LSTRIP",
+    "LLAMA_TOKEN_ATTR_RSTRIP", "LLAMA_VOCAB_TYPE_BPE", "LLAMA_VOCAB_TYPE_SPM", "llama_backend_init",
+    "llama_batch_free", "llama_batch_init", "llama_context_default_params", "llama_decode", "llama_free",
+    "llama_get_logits", "llama_get_memory", "llama_init_from_model", "llama_log_callback", "llama_log_set",
+    "llama_memory_clear", "llama_memory_seq_cp", "llama_memory_seq_keep", "llama_memory_seq_pos_max",
+    "llama_memory_seq_pos_min", "llama_memory_seq_rm", "llama_model_chat_template", "llama_model_default_params",
+    "llama_model_desc", "llama_model_free", "llama_model_get_vocab", "llama_model_is_hybrid",
+    "llama_model_is_recurrent", "llama_model_load_from_file", "llama_model_meta_val_str", "llama_model_n_ctx_train",
+    "llama_model_n_layer", "llama_model_n_params", "llama_model_n_swa", "llama_model_quantize",
+    "llama_model_quantize_default_params", "llama_model_size", "llama_n_batch", "llama_n_ctx", "llama_n_seq_max",
+    "llama_perf_context", "llama_print_system_info", "llama_progress_callback", "llama_seq_id",
+    "llama_set_n_threads", "llama_supports_gpu_offload", "llama_token", "llama_token_to_piece", "llama_tokenize",
+    "llama_vocab_bos", "llama_vocab_eos", "llama_vocab_get_add_bos", "llama_vocab_get_add_eos",
+    "llama_vocab_get_attr", "llama_vocab_get_text", "llama_vocab_is_control", "llama_vocab_is_eog",
+    "llama_vocab_n_tokens", "llama_vocab_type",
+)
+
+
+def check_names(module: object) -> None:
+    """OuroborosError naming what ``module`` (llama_cpp.llama_cpp) lacks of ``_NEEDED``: an older (or much
+    newer) build is said at import, not as an AttributeError deep in a load or after a calibration."""
+    lacking = [name for name in _NEEDED if not hasattr(module, name)]
+    if lacking:
+        more = f" and {len(lacking) - 3} more" if len(lacking) > 3 else ""
+        raise OuroborosError(f"this llama-cpp-python lacks {', '.join(lacking[:3])}{more}: pip install "
+                             f"'{LLAMA_CPP_PYTHON}'")
+
+
+check_names(lc)
 
 _init_lock = threading.Lock()
 _initialised = False

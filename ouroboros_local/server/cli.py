@@ -52,14 +52,14 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
 
 def cmd_serve(args: argparse.Namespace) -> int:
     try:
+        import fastapi  # noqa: F401
         import uvicorn
-
-        from .app import ServerConfig, create_app
-        from .gate import is_loopback_name
-        from .loading import LoadingReplies
-    except ImportError as exc:
+    except ImportError as exc:   # the extra only: a required package missing is said as such (cli.main)
         raise OuroborosError(f"the server needs FastAPI and uvicorn ({exc.name} is missing): "
                              "pip install fastapi uvicorn (or, in a checkout: pip install -e '.[server]')") from None
+    from .app import ServerConfig, create_app
+    from .gate import is_loopback_name
+    from .loading import LoadingReplies
     from .. import cli
     from ..proposers import applicable_options
 
