@@ -312,7 +312,9 @@ def _engine_from_args(args: argparse.Namespace, method: str | None = None, optio
 def _show_progress(quiet: bool = False) -> None:
     """The library's progress lines (model load, calibration) go to stderr, as ``say`` does."""
     logger = logging.getLogger("ouroboros_local")
-    if not logger.handlers:
+    # where the program set logging up (a notebook's basicConfig), its handlers print them: a handler of
+    # ours too printed every line twice
+    if not logger.handlers and not logging.getLogger().handlers:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)

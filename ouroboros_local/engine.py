@@ -109,7 +109,27 @@ MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
 class EngineConfig:
     """How ``Engine.load`` makes the contexts and how generations run; the command line's flags set the
     same fields (``-c`` n_ctx, ``-b`` n_batch, ``--seqs`` n_seq_max, ``-t`` threads, ``--gpu-layers``,
-    ...). Frozen and checked when made: ``dataclasses.replace`` gives a changed copy."""
+    ...). Frozen and checked when made: ``dataclasses.replace`` gives a changed copy.
+
+    n_ctx, n_batch, n_seq_max: the target's context in tokens, the most tokens one decode takes (a draft
+        tree, a prefill chunk), the sequence ids per context (branches and a lookahead window).
+    threads, threads_batch: llama.cpp's threads for single steps and for larger decodes; None: the cores
+        other processes leave idle, and ``threads``.
+    flash_attn: "off", "on" or "auto"; None: off on a CPU (bit-reproducible greedy output), auto on a GPU.
+    gpu_layers, draft_gpu_layers: layers on the GPU (-1: all); None: all where llama.cpp has a GPU backend.
+    main_gpu: the whole of both models on this GPU; None: their layers split across every GPU.
+    type_k, type_v, draft_type_k, draft_type_v: the KV caches' types (f16, q8_0, q4_0, ...).
+    draft_n_ctx: the draft's context; None: n_ctx.
+    adaptive: draft lengths priced by the measured cost model (False: each method's fixed settings).
+    calibration: "auto" (the cached or measured cost curve) or "off" (verification priced as one step).
+    max_draft: the longest draft the scheduler prices, in tokens.
+    learned: start from what earlier sessions learned of acceptance, and save what this one learns.
+    huge_pages: weights kept on the CPU read into 2 MiB pages.
+    round_size: every drafting round decodes this many tokens (0: the draft's size; None: 4 where the whole
+        target is on a CUDA device, else 0).
+    overlap: draft while the target decodes a plain step; None: where the device lets it (a GPU).
+    round_switch: with round_size, plain steps where its rounds would write fewer tokens than they cost.
+    """
 
     n_ctx: int = 4096             # the target's context, in tokens
     n_batch: int = 256            # largest tree / prefill chunk in one decode
@@ -197,8 +217,22 @@ class EngineConfig:
                                  "'auto' or None (--flash-attn), or an f16 V cache")
 
 
+def _shown_text(text: str, limit: int = 60) -> str:
+    """``text`` for a repr: its first ``limit`` characters, and how many more."""
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _shown_ids(tokens: Sequence[int], limit: int = 8) -> str:
+    shown = ", ".join(map(str, tokens[:limit]))
+    return f"[{shown}]" if len(tokens) <= limit else f"[{shown}, ...] ({len(tokens)} tokens)"
+
+
 @dataclass
 class GenerationStats:
+    """How a generation went: tokens, times, target passes, drafted and accepted tokens, ``finish_reason``
+    (stop: an end-of-generation token or a stop string; length: the token budget or the context's end;
+    cancelled), the seed a sampled answer used, and the method's own numbers in ``extra``."""
+
     method: str
     tokens: int = 0
     prompt_tokens: int = 0
@@ -228,6 +262,9 @@ class GenerationStats:
 
 @dataclass
 class GenerationResult:
+    """An answer: its ``text``, its token ids (through the one that completed a stop string, whose text is
+    cut off) and its ``stats``."""
+
     text: str
     tokens: list[int]
     stats: GenerationStats
@@ -236,15 +273,27 @@ class GenerationResult:
     def finish_reason(self) -> str:
         return self.stats.finish_reason
 
+    def __repr__(self) -> str:   # bounded: a notebook cell showing a 100k-token answer printed a megabyte
+        st = self.stats
+        return (f"GenerationResult(text={_shown_text(self.text)}, tokens={_shown_ids(self.tokens)}, "
+                f"finish_reason={st.finish_reason!r}, method={st.method!r}, "
+                f"{st.tokens_per_second:.1f} tokens/s, {st.tokens_per_pass:.2f} tokens per pass)")
+
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}   # a copy, as stats
 
 
 @dataclass
 class StreamEvent:
+    """A piece of a streamed answer; the final event carries the whole ``result``."""
+
     text: str                          # new text since the previous event ("" is possible)
     tokens: list[int]                  # new tokens since the previous event
     result: GenerationResult | None = None   # set on the final event only
+
+    def __repr__(self) -> str:
+        final = f", result={self.result!r}" if self.result is not None else ""
+        return f"StreamEvent(text={_shown_text(self.text)}, tokens={_shown_ids(self.tokens)}{final})"
 
 
 PREFIX_SET_CHARS = 4_000_000   # the stop strings' prefixes are kept in a set up to this many characters
@@ -327,6 +376,11 @@ class Learning:
 class Engine:
     """A target model (and optionally a draft model) loaded once; generations run one at a time."""
 
+    def __repr__(self) -> str:   # which models a notebook's engines hold, and whether each is still open
+        draft = f", draft={Path(str(self.draft.path)).name!r}" if self.draft is not None else ""
+        return (f"<Engine target={Path(str(self.target.path)).name!r}{draft}, n_ctx={self.config.n_ctx}, "
+                f"{'closed' if self._closed else 'open'}>")
+
     def __init__(self, target: Model, draft: Model | None = None, config: EngineConfig | None = None,
                  pair_compatible: bool | None = None, pair_reason: str | None = None):
         if not isinstance(target, Model) or not (draft is None or isinstance(draft, Model)):
@@ -349,7 +403,8 @@ class Engine:
         self.target = target
         self.draft = draft
         self._closed = False
-        self._users = 0   # calls into the models outside the engine's lock (``_using_models``)
+        # calls into the models outside the engine's lock (``_using_models``), each with its thread
+        self._users: dict[object, threading.Thread] = {}
         self._users_left = threading.Condition()
         self._closing = False   # close() waits for those calls: no new ones
         self._streams: weakref.WeakSet[Iterator[StreamEvent]] = weakref.WeakSet()   # close() ends this thread's
@@ -577,15 +632,24 @@ class Engine:
         """A call into the models outside the engine's lock (tokenizing, the chat template: the server
         does that while another request generates). ``close`` waits for these before it frees the
         models: it freed them under a tokenizing thread, which crashed the process."""
-        with self._users_left:
-            self._check_open()
-            self._users += 1
+        call = object()
         try:
+            with self._users_left:
+                self._check_open()
+                self._users[call] = threading.current_thread()
             yield
         finally:
+            # first, and outside the condition, whose enter and exit are Python code: a Ctrl-C there left a
+            # count up, and close() (and the exit that runs it) waited forever
+            self._users.pop(call, None)
             with self._users_left:
-                self._users -= 1
                 self._users_left.notify_all()
+
+    def _others_using_models(self) -> bool:
+        """Calls into the models under way in other threads that are alive: a call of this thread is not
+        under way while it closes (one a Ctrl-C cut short may have left its mark)."""
+        me = threading.current_thread()
+        return any(thread is not me and thread.is_alive() for thread in list(self._users.values()))
 
     def close(self) -> None:
         """Free the contexts, and the models no other engine holds. A stream this thread left open (a
@@ -618,7 +682,8 @@ class Engine:
                 with self._users_left:
                     self._closing = True   # no new calls; those under way end first
                     try:
-                        self._users_left.wait_for(lambda: self._users == 0)
+                        while self._others_using_models():   # (a missed notify costs a tenth of a second)
+                            self._users_left.wait(0.1)
                     except BaseException:   # Ctrl-C: open as it was, and a later close() frees it
                         self._closing = False
                         raise
@@ -658,6 +723,7 @@ class Engine:
                                         limit=None if limit is None else int(limit))
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        """The text of target token ids (special tokens spelled out)."""
         ids = _token_ids(tokens, "detokenize")
         with self._using_models():
             return self.target.detokenize(ids)
@@ -677,7 +743,7 @@ class Engine:
             self._forked_busy = True
         # calls under way in other threads (tokenizing) are not in the child: close() waited for them at
         # its exit forever; their condition's lock may have been held by one of them, so it is made anew
-        self._users = 0
+        self._users = {}
         self._users_left = threading.Condition()
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,

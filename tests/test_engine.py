@@ -712,19 +712,51 @@ def test_a_second_closer_returns_only_once_the_engine_is_freed_and_ctrl_c_leaves
     worker.join(30)
 
     engine = make_engine(tiny_target)
-    engine._users = 1   # a call under way
+    held = threading.Event()
+    caller = threading.Thread(target=held.wait, args=(30,))
+    caller.start()
+    engine._users = {object(): caller}   # a call under way in another thread
 
-    def interrupted(predicate: Any) -> bool:
+    def interrupted(timeout: Any = None) -> bool:
         raise KeyboardInterrupt
 
-    engine._users_left.wait_for = interrupted
+    engine._users_left.wait = interrupted
     with pytest.raises(KeyboardInterrupt):
         engine.close()
     assert engine.tokenize("hello")   # still open
-    engine._users = 0
-    del engine._users_left.wait_for
+    engine._users = {}
+    del engine._users_left.wait
+    held.set()
+    caller.join(30)
     engine.close()
     assert engine.target_ctx._ptr is None
+
+
+def test_a_ctrl_c_inside_the_count_of_calls_does_not_leave_close_waiting(tiny_target, monkeypatch) -> None:
+    """A Ctrl-C in the Python-level exit of the condition counting tokenizing calls left the count up:
+    close(), and the interpreter's exit that runs it, waited forever (a notebook's kernel hung)."""
+    import threading as threading_module
+
+    engine = make_engine(tiny_target)
+    real_exit = threading_module.Condition.__exit__
+    state = {"armed": True}
+
+    def ctrl_c_on_exit(self, *exc):
+        result = real_exit(self, *exc)
+        if self is engine._users_left and state["armed"]:
+            state["armed"] = False
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(threading_module.Condition, "__exit__", ctrl_c_on_exit)
+    with pytest.raises(KeyboardInterrupt):
+        engine.tokenize("hello")
+    monkeypatch.setattr(threading_module.Condition, "__exit__", real_exit)
+    assert engine.tokenize("hello")
+    closer = threading_module.Thread(target=engine.close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive() and engine.target_ctx._ptr is None
 
 
 def _slow_tokenizer(engine: Engine, seconds: float) -> Any:
@@ -1068,7 +1100,7 @@ def test_a_child_forked_while_another_thread_tokenized_closes_at_its_exit(tiny_t
     worker.start()
     try:
         deadline = time.monotonic() + 10
-        while engine._users == 0 and time.monotonic() < deadline:   # fork inside a call
+        while not engine._users and time.monotonic() < deadline:   # fork inside a call
             time.sleep(0.001)
         pid = os.fork()
         if pid == 0:   # the child: what its interpreter's exit runs, then out (no pytest teardown here)
@@ -1252,3 +1284,22 @@ def test_a_stream_closed_early_saves_when_due_and_close_frees_the_history(tiny_t
     assert engine.history.pending   # left for close, as a finished answer's would be
     engine.close()
     assert not engine.history.pending and engine.history.suffix_cache is None
+
+
+def test_reprs_are_bounded_and_say_what_a_notebook_needs(tiny_target) -> None:
+    """A notebook cell showing a long answer printed every token id and the whole text (a megabyte for
+    100k tokens); an engine's repr named neither its models nor whether it was open."""
+    import pydoc
+
+    from ouroboros_local.engine import EngineConfig, GenerationResult, GenerationStats, StreamEvent
+
+    long = GenerationResult("x" * 100_000, list(range(100_000)), GenerationStats(method="auto"))
+    assert len(repr(long)) < 400 and "100000 tokens" in repr(long) and "100000 characters" in repr(long)
+    assert len(repr(StreamEvent("y" * 5000, list(range(5000)), long))) < 800
+    engine = make_engine(tiny_target)
+    assert repr(engine) == f"<Engine target={tiny_target.name!r}, n_ctx={engine.config.n_ctx}, open>"
+    engine.close()
+    assert repr(engine).endswith("closed>")
+    described = pydoc.render_doc(EngineConfig)
+    assert all(f"{name}:" in described or f"{name}," in described
+               for name in ("draft_n_ctx", "max_draft", "threads_batch", "calibration", "round_switch"))

@@ -181,3 +181,19 @@ def test_a_llama_cpp_python_that_lacks_a_function_is_said_at_import() -> None:
     with pytest.raises(OuroborosError, match="lacks llama_memory_seq_rm: pip install 'llama-cpp-python>="):
         binding.check_names(older)
     binding.check_names(SimpleNamespace(**{name: None for name in binding._NEEDED}))
+
+
+def test_the_command_line_inside_a_program_that_set_logging_up_prints_each_line_once(tiny_target, monkeypatch,
+                                                                                      capsys) -> None:
+    """A notebook's basicConfig, then cli.main: "loading ..." printed twice, then at every later load."""
+    import logging
+
+    from ouroboros_local import cli
+
+    library = logging.getLogger("ouroboros_local")
+    monkeypatch.setattr(library, "handlers", [])
+    root = logging.getLogger()
+    handler = logging.StreamHandler()   # to stderr, as basicConfig's
+    monkeypatch.setattr(root, "handlers", [handler])
+    assert cli.main(["generate", "-m", str(tiny_target), "-p", "hi", "-n", "2", "--method", "vanilla"]) == 0
+    assert capsys.readouterr().err.count("loading ") == 1
