@@ -324,9 +324,11 @@ class SuffixProposer(Proposer):
 
     def end(self) -> None:
         live, have = self._live, len(self._seen)
-        if live is not None and len(live) > have and (not have or live[have - 1] == self._seen[-1]):
-            self._extend_local_only(live[have:])
-        self._context.in_use = False
+        try:
+            if live is not None and len(live) > have and (not have or live[have - 1] == self._seen[-1]):
+                self._extend_local_only(live[have:])
+        finally:   # (a Ctrl-C here left it in use: no later call would have continued it)
+            self._context.in_use = False
         self._live = None
         if len(self._seen) > self._prompt_len:
             # the output, after the prompt's last D tokens: a repeated request is drafted from its first token
@@ -350,6 +352,7 @@ def create(ctx: DraftingContext, options: dict[str, Any]) -> Proposer:
     (the engine saves it after each answer, see History.save)."""
     history = ctx.history
     belongs_to = history.suffix_file.removesuffix(".suffix") if history.suffix_file is not None else None
+
     def open_trie(path: str | None) -> SuffixCache:
         if path is not None:
             history.check_pool_file(path)
