@@ -39,6 +39,7 @@ except ModuleNotFoundError:  # Python 3.10
 from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_cached_blob, _hf_download, _installed_member,
                        _open_binary, _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
 from .errors import ModelError, clipped
+from .filestore import replace_text
 from .gguf_file import _SPLIT_NAME_RE, DamagedGGUFError, validate_gguf
 
 log = logging.getLogger(__name__)
@@ -240,14 +241,7 @@ def _write_sidecar(sidecar: Path, path: Path, sha: str) -> None:
     record = {"path": str(path), "size": size, "mtime_ns": mtime_ns, "sha256": sha}
     # made here, so that a cache that cannot be written says why (read-only), not "No such file or directory"
     sidecar.parent.mkdir(parents=True, exist_ok=True)
-    tmp = sidecar.with_name(sidecar.name + f".{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(record) + "\n")
-        os.replace(tmp, sidecar)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    replace_text(sidecar, json.dumps(record) + "\n", sidecar.with_name(sidecar.name + f".{os.getpid()}.tmp"))
 
 
 def _read_sidecar(sidecar: Path) -> dict[str, Any] | None:

@@ -5,6 +5,7 @@ files (cost curves, learned estimates) are written the same way and read with ``
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import json
 import logging
@@ -97,6 +98,19 @@ def write_atomic(path: str | os.PathLike[str], data: bytes, what: str) -> None:
             except OSError:
                 pass
     _fsync_dir(directory)
+
+
+def replace_text(path: Path, text: str, tmp: Path) -> None:
+    """``path`` holds ``text`` whole or is left as it was: written to ``tmp`` beside it, then renamed over
+    it; ``tmp`` is removed where that fails (a full disk left an empty one at every try). Raises the OSError.
+    The plain writer for files of no lock or shared mode (a model's sha256 record, a bench's results)."""
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):   # the write's own error is the one to report
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 @contextmanager

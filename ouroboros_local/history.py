@@ -142,8 +142,7 @@ class History:
             try:
                 return load(path, self.fingerprint(), self._n_vocab())
             except ForeignStateError as exc:   # another model's (or version's): kept as it is
-                raise ForeignStateError(f"{exc}; name another history file (--pool; the pool option) for this "
-                                        "model") from None
+                raise _for_this_model(exc) from None
             except DamagedStateError as exc:   # refused at every start: nothing in it could be read back
                 set_aside(path, "history file", exc)
                 self._stamps[path] = None
@@ -163,8 +162,7 @@ class History:
         except DamagedStateError:
             pass
         except ForeignStateError as exc:
-            raise ForeignStateError(f"{exc}; name another history file (--pool; the pool option) for this "
-                                    "model") from None
+            raise _for_this_model(exc) from None
 
     def move(self, old: str | None, new: str | None) -> None:
         """A store's file changes from ``old`` to ``new``: ``old`` is written (if an answer is not yet in
@@ -308,6 +306,11 @@ def _stamp(path: str) -> tuple[int, ...] | None:
     except OSError:
         return None
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _for_this_model(exc: ForeignStateError) -> ForeignStateError:
+    """Another model's (or version's) history file refused, with what to do about it."""
+    return ForeignStateError(f"{exc}; name another history file (--pool; the pool option) for this model")
 
 
 def _used_last(store: dict[Hashable, Any], key: Hashable, make: Callable[[], T], keep: int) -> T:

@@ -42,6 +42,14 @@ _VERSION = 1
 _HEADER = struct.Struct("<8sIIIIQQQQI")
 
 
+def continues(tokens: Sequence[int], earlier: Sequence[int]) -> bool:
+    """Whether ``tokens`` begin with all of ``earlier`` (a chat's next turn, the last call's text): its last
+    token first, where two different texts usually part, then the whole of it (a list compare)."""
+    n = len(earlier)
+    return n <= len(tokens) and (n == 0 or (int(tokens[n - 1]) == int(earlier[n - 1])
+                                            and list(tokens[:n]) == list(earlier)))
+
+
 class PhrasePool:
     """Thread-safe bounded phrase pool. See the module docstring for the policy."""
 
@@ -159,9 +167,7 @@ class PhrasePool:
         6,000 tokens, feeding them again took 0.1 s a call), else 0."""
         with self._lock:
             fed, length = self._last_fed.get(n, ((), 0))
-        if not length or len(tokens) < length or tokens[length - 1] != fed[length - 1]:
-            return 0
-        return length if list(tokens[:length]) == list(fed[:length]) else 0
+        return length if length and continues(tokens, fed[:length]) else 0
 
     def replace(self, key_tokens: Sequence[int], old: Sequence[int], new: Sequence[int]) -> bool:
         """Overwrite stored phrase ``old`` with ``new`` in place (its recency is kept).

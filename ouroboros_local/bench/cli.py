@@ -329,7 +329,7 @@ def _was_stopped(run_dir: Path) -> bool:
         notes = json.loads((run_dir / "results.json").read_text(encoding="utf-8")).get("notes") or []
     except (OSError, ValueError, AttributeError):
         return False
-    return any(str(note).startswith((report.STOPPED_NOTE, report.FAILED_NOTE)) for note in notes)
+    return report.stopped_early(notes)
 
 
 def check_out_dir(out_dir: Path) -> None:

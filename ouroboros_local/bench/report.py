@@ -3,7 +3,6 @@ machine.py, the charts in charts.py."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from ..errors import ParameterError
+from ..filestore import replace_text
 from ..text_input import read_text
 from ..time_split import DECODE_PARTS, PARTS
 
@@ -37,6 +37,11 @@ ALL_SETS = "all"
 
 STOPPED_NOTE = "interrupted"   # a stopped run's note begins so (results.json "notes")
 FAILED_NOTE = "stopped early"  # a run vanilla's error stopped
+
+
+def stopped_early(notes: Sequence[Any]) -> bool:
+    """Whether a run's notes say it stopped early (Ctrl-C, or vanilla's error)."""
+    return any(str(note).startswith((STOPPED_NOTE, FAILED_NOTE)) for note in notes)
 
 
 # ---- summaries ---------------------------------------------------------------------------------
@@ -254,14 +259,7 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     """``path`` holds ``text`` whole or is left as it was: written beside it as PATH.tmp, then renamed; the
     .tmp is removed when the write fails (a full disk left a 0-byte results.json.tmp)."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):   # the write's own error is the one to report
-            tmp.unlink(missing_ok=True)
-        raise
+    replace_text(path, text, path.with_name(path.name + ".tmp"))
     return path
 
 
@@ -408,7 +406,7 @@ def _unfinished_set_heading(set_info: Mapping[str, Any], notes: Sequence[str]) -
     """The heading of a set no prompt of finished, saying why: its prompts too long for the context
     (set_info's too_long), the run stopped, or both; "see Notes" only where there are notes."""
     too_long = set_info.get("too_long") or 0
-    stopped = any(str(note).startswith((STOPPED_NOTE, FAILED_NOTE)) for note in notes)
+    stopped = stopped_early(notes)
     skipped = f"{too_long} prompt(s) longer than the context minus the max new tokens"
     if too_long and stopped:
         reason = f"no prompt of it finished: {skipped}, and the run stopped early"

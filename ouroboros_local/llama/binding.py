@@ -33,7 +33,7 @@ except ImportError as exc:  # pragma: no cover - import guard for a clear messag
                              f"{exc.name.split('.')[0]})") from exc
     raise OuroborosError(f"llama-cpp-python is not installed: pip install '{LLAMA_CPP_PYTHON}'") from exc
 
-_NEEDED = (   # every name of llama_cpp.llama_cpp this package uses (test_binding_names keeps the list whole)
+_NEEDED = (   # every name of llama_cpp.llama_cpp this package uses (a test in test_interrupts.py keeps it whole)
     "GGML_TYPE_F16", "GGML_TYPE_F32", "GGML_TYPE_Q4_0", "GGML_TYPE_Q4_1", "GGML_TYPE_Q5_0", "GGML_TYPE_Q5_1",
     "GGML_TYPE_Q8_0", "LLAMA_FLASH_ATTN_TYPE_AUTO", "LLAMA_FLASH_ATTN_TYPE_DISABLED",
     "LLAMA_FLASH_ATTN_TYPE_ENABLED", "LLAMA_LOAD_MODE_NONE", "LLAMA_SPLIT_MODE_NONE", "LLAMA_TOKEN_ATTR_LSTRIP",

@@ -20,7 +20,7 @@ from .. import options as opt
 from ..drafting import cut_at_eog, hang_phrases
 from ..errors import MethodOptionError, ParameterError
 from ..history import History
-from ..pool import PhrasePool
+from ..pool import PhrasePool, continues
 from ..tree import TokenTree
 from .base import DraftingContext, Proposer, ProposeSetup
 
@@ -42,9 +42,7 @@ class NgramIndex:
     def follow(self, prompt: Sequence[int]) -> None:
         """Index a new generation's prompt: from where the indexed text ends, where the prompt continues it
         (a chat's next turn), else from scratch. Either way, the index a fresh build would make."""
-        have = len(self.tokens)
-        if have > len(prompt) or (have and (int(prompt[have - 1]) != self.tokens[-1]
-                                            or list(prompt[:have]) != self.tokens)):
+        if not continues(prompt, self.tokens):
             self.reset()
         self.sync(prompt)
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from .. import options as opt
 from ..history import History, resolve_pool_path
+from ..pool import continues
 from ..suffix_trie import TRIE_DEPTH, Matcher, State, SuffixCache, SuffixTrie, load_global
 from ..tree import TokenTree
 from . import check_options
@@ -183,11 +184,9 @@ class SuffixProposer(Proposer):
             self._context = _Context()
         kept = self._context
         kept.in_use = True
-        have = len(kept.seen)
-        if kept.trie is not None and kept.trie.depth == self.cache.trie.depth and 0 < have <= len(prompt) \
-                and int(prompt[have - 1]) == kept.seen[-1] and list(prompt[:have]) == kept.seen:
+        if kept.trie is not None and kept.seen and continues(prompt, kept.seen):   # (kept per depth)
             self.local, self._seen = kept.trie, kept.seen   # the trie a fresh build would make, less the work
-            self._extend_local_only(prompt[have:])
+            self._extend_local_only(prompt[len(kept.seen):])
             self._rematch()
         else:
             self._restart(prompt)
