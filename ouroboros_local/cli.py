@@ -428,8 +428,10 @@ def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, met
         say(f"note: the answer stopped after {stats.tokens} of the {args.max_tokens} tokens asked: the context "
             f"of {engine.target_ctx.n_ctx} tokens is full (-c/--ctx-size sets its size)")
     compared: dict[str, Any] | None = None
-    if args.compare and method == "vanilla":
+    if args.compare and method == "vanilla":   # scripts read the same keys whatever the method
         say("note: --compare compares a method with plain decoding, and --method vanilla is plain decoding")
+        compared = {"vanilla_tokens_per_second": stats.tokens_per_second, "speedup": 1.0, "identical": True,
+                    "verdict": "plain decoding itself"}
     if args.compare and method != "vanilla":
         say("running plain decoding to compare ...")
         base = engine.generate(prompt, method="vanilla", **kwargs)

@@ -32,8 +32,8 @@ def speedups(summary: dict) -> dict[tuple[str, str], float]:
             for label, row in rows.items() if label != "vanilla" and row.get("speedup") is not None}
 
 
-def load_summary(root: Path, run: str) -> dict[str, dict[str, dict]]:
-    """The summary of ``root/run/results.json`` (set -> method -> row); a run without one is an
+def load_run(root: Path, run: str) -> dict:
+    """``root/run/results.json``, whose summary is set -> method -> row; a run without one is an
     OuroborosError naming the file."""
     path = root / run / "results.json"
     data = read_json(path, "bench results.json")
@@ -42,7 +42,21 @@ def load_summary(root: Path, run: str) -> dict[str, dict[str, dict]]:
             isinstance(rows, dict) and all(isinstance(row, dict) for row in rows.values())
             for rows in summary.values()):
         raise OuroborosError(f"{path}: not a bench results.json (no summary of sets and methods)")
-    return summary
+    return data
+
+
+def refuse_runs_of_other_prompts(root: Path, payloads: dict[str, dict]) -> None:
+    """A setting's runs measure one thing (model, prompts, budgets), and both settings the same prompts and
+    budgets (their models may differ): a run of other prompts was averaged in as one more run."""
+    from ouroboros_local.bench.report import refuse_different_runs, refuse_repeated_files
+
+    refuse_repeated_files([root / run for run in payloads])
+    by_setting: dict[str, list[tuple[str, dict]]] = defaultdict(list)
+    for run, payload in payloads.items():
+        by_setting[setting(run)].append((run, payload))
+    for runs in by_setting.values():
+        refuse_different_runs(runs)
+    refuse_different_runs([runs[0] for runs in by_setting.values()], same_model=False)
 
 
 def main(argv: list[str]) -> int:
@@ -53,7 +67,9 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     root, runs = Path(argv[0]), argv[1:]
-    summaries = {run: load_summary(root, run) for run in runs}
+    payloads = {run: load_run(root, run) for run in runs}
+    refuse_runs_of_other_prompts(root, payloads)
+    summaries = {run: payload["summary"] for run, payload in payloads.items()}
     per_arm: dict[str, dict[tuple[str, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     sets: list[str] = []
     for run, summary in summaries.items():

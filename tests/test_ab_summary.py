@@ -6,6 +6,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "ab_summary.py"
 spec = importlib.util.spec_from_file_location("ab_summary", SCRIPT)
 ab_summary = importlib.util.module_from_spec(spec)
@@ -45,3 +47,34 @@ def test_run_folders_named_with_a_trailing_slash_keep_their_setting(tmp_path: Pa
     assert ab_summary.main([str(tmp_path), "s-a1/", "s-b1/", "s-a2/"]) == 0
     out = capsys.readouterr().out
     assert "| auto | s-a | 0.92x (0.90-0.94) |" in out and "| auto | s-b | 1.00x (1.00-1.00) |" in out
+
+
+def _with_records(root: Path, name: str, prompt: str, max_tokens: int, model: str = "t.gguf") -> None:
+    _run(root, name, 1.0, 2.0)
+    path = root / name / "results.json"
+    payload = json.loads(path.read_text())
+    payload["records"] = [{"set": "gsm8k", "id": "1", "kind": "ours", "prompt": prompt, "max_tokens": max_tokens}]
+    payload["models"] = {"target": {"file": model}}
+    path.write_text(json.dumps(payload))
+
+
+def test_runs_of_other_prompts_or_budgets_are_refused_and_the_settings_models_may_differ(tmp_path: Path,
+                                                                                          capsys) -> None:
+    """A run of other prompts (or another -n) was averaged in as one more run of its setting."""
+    from ouroboros_local.errors import OuroborosError
+
+    _with_records(tmp_path, "s-a1", "two plus two?", 16)
+    _with_records(tmp_path, "s-b1", "two plus two?", 16, model="other.gguf")   # the A/B of two models
+    _with_records(tmp_path, "s-a2", "two plus two?", 16)
+    assert ab_summary.main([str(tmp_path), "s-a1", "s-b1", "s-a2"]) == 0
+    _with_records(tmp_path, "s-b2", "two plus three?", 16, model="other.gguf")
+    with pytest.raises(OuroborosError, match="gsm8k/1 has another prompt in s-b2"):
+        ab_summary.main([str(tmp_path), "s-a1", "s-b1", "s-b2", "s-a2"])
+    _with_records(tmp_path, "s-a3", "two plus two?", 32)
+    with pytest.raises(OuroborosError, match="max_tokens 32 in s-a3"):
+        ab_summary.main([str(tmp_path), "s-a1", "s-b1", "s-a3"])
+    _with_records(tmp_path, "s-a4", "two plus two?", 16, model="other.gguf")
+    with pytest.raises(OuroborosError, match="target model is other.gguf in s-a4"):
+        ab_summary.main([str(tmp_path), "s-a1", "s-a4"])
+    with pytest.raises(OuroborosError, match="given twice"):
+        ab_summary.main([str(tmp_path), "s-a1", "s-b1", "s-a1/"])

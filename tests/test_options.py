@@ -566,8 +566,12 @@ def test_compare_is_in_the_json_and_says_when_there_is_nothing_to_compare(tiny_t
     assert cli.main([*common, "--method", "prompt-lookup", "--json"]) == 0
     compared = json.loads(capsys.readouterr().out.splitlines()[-1])["compare"]
     assert compared["identical"] is True and compared["verdict"] == "identical output" and compared["speedup"] > 0
-    assert cli.main([*common, "--method", "vanilla"]) == 0
-    assert "--method vanilla is plain decoding" in capsys.readouterr().err
+    assert cli.main([*common, "--method", "vanilla", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "--method vanilla is plain decoding" in captured.err
+    line = json.loads(captured.out.splitlines()[-1])   # the same keys: a script's ["compare"] raised KeyError
+    assert line["compare"]["speedup"] == 1.0 and line["compare"]["identical"] is True
+    assert line["compare"]["vanilla_tokens_per_second"] == line["stats"]["tokens_per_second"]
 
 
 def test_an_option_given_under_two_of_its_names_is_refused_and_a_request_overrides_by_either():

@@ -564,15 +564,17 @@ def _model_difference(first: Mapping[str, Any], other: Mapping[str, Any]) -> tup
 
 
 def measurement_difference(first: Mapping[str, Any], first_name: str, other: Mapping[str, Any],
-                           other_name: str) -> str | None:
-    """How run ``other`` measured something else than run ``first``: another target model, or a (set,
-    prompt id) with another prompt or budget; None where they measured the same."""
-    models = _model_difference(first, other)
+                           other_name: str, *, same_model: bool = True) -> str | None:
+    """How run ``other`` measured something else than run ``first``: another target model (unless not
+    ``same_model``: then only the prompts' text and budgets count), or a (set, prompt id) with another
+    prompt or budget; None where they measured the same."""
+    models = _model_difference(first, other) if same_model else None
     if models:
         return f"the target model is {models[1]} in {other_name}, {models[0]} in {first_name}"
     mine, theirs = _measured(first), _measured(other)
+    facts = ("prompt", "prompt tokens", "max_tokens") if same_model else ("prompt", "max_tokens")
     for set_name, pid in sorted(mine.keys() & theirs.keys()):
-        for fact in ("prompt", "prompt tokens", "max_tokens"):
+        for fact in facts:
             a, b = mine[set_name, pid].get(fact), theirs[set_name, pid].get(fact)
             if a is None or b is None or a == b:
                 continue
@@ -582,14 +584,15 @@ def measurement_difference(first: Mapping[str, Any], first_name: str, other: Map
     return None
 
 
-def refuse_different_runs(runs: Sequence[tuple[str, Mapping[str, Any]]]) -> None:
+def refuse_different_runs(runs: Sequence[tuple[str, Mapping[str, Any]]], *, same_model: bool = True) -> None:
     """ParameterError naming the first run (path, payload) that measured something else than the first
-    one: a chat -n 24 run beside a --no-chat -n 16 one was compared and pooled as runs of one prompt."""
+    one: a chat -n 24 run beside a --no-chat -n 16 one was compared and pooled as runs of one prompt.
+    ``same_model=False`` lets the target model differ (two settings of an A/B may be two models)."""
     if not runs:
         return
     first_name, first = runs[0]
     for name, payload in runs[1:]:
-        difference = measurement_difference(first, first_name, payload, name)
+        difference = measurement_difference(first, first_name, payload, name, same_model=same_model)
         if difference:
             raise ParameterError(f"the runs measured different things: {difference}; {SIDE_BY_SIDE}")
 
