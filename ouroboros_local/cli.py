@@ -410,8 +410,9 @@ def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, met
     try:
         for event in engine.stream(prompt, method=method, options=options, **kwargs):
             if event.text and not args.quiet:
-                out.write(event.text)
-                out.flush()
+                with naming_stdout():
+                    out.write(event.text)
+                    out.flush()
                 line_open = not event.text.endswith("\n")
             result = event.result or result
     except BaseException:   # Ctrl-C, SIGTERM, SIGHUP: "interrupted" and the shell's prompt were glued to it
@@ -422,7 +423,9 @@ def _generate_and_report(engine: Any, args: argparse.Namespace, prompt: str, met
         raise
     assert result is not None
     if not args.quiet:
-        out.write("\n")
+        with naming_stdout():
+            out.write("\n")
+            out.flush()
     stats = result.stats
     if stats.finish_reason == "length" and stats.tokens < args.max_tokens:
         say(f"note: the answer stopped after {stats.tokens} of the {args.max_tokens} tokens asked: the context "
@@ -565,7 +568,20 @@ def print_json(payload: Any) -> None:
     by any parser) rather than characters a cp1252 console would turn into '?'. Where stdout's own
     encoding was another (a pipe on Windows, now written as UTF-8), escapes too: the reader may decode
     it in that encoding (PowerShell's ConvertFrom-Json)."""
-    print(json.dumps(payload, ensure_ascii=_ascii_json or not _writes_utf8(sys.stdout)))
+    with naming_stdout():
+        print(json.dumps(payload, ensure_ascii=_ascii_json or not _writes_utf8(sys.stdout)), flush=True)
+
+
+@contextmanager
+def naming_stdout() -> Iterator[None]:
+    """An OSError while writing stdout names it: `> /full/disk/answer.txt` said only "No space left on
+    device", as if the model or the cache had no room."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = "standard output"
+        raise
 
 
 def tolerate_console_encoding() -> None:

@@ -462,7 +462,8 @@ def test_output_and_input_that_fail_are_one_line(tiny_target) -> None:
 
     cmd = f"{sys.executable} -m ouroboros_local generate -m {tiny_target} -t 1 -c 256 -n 4"
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    for shell, rc, message in ((f"{cmd} -p hi > /dev/full", 1, "No space left on device"),
+    for shell, rc, message in ((f"{cmd} -p hi > /dev/full", 1, "No space left on device (standard output)"),
+                               (f"{cmd} -p hi --json --quiet > /dev/full", 1, "device (standard output)"),
                                (f"{cmd} -p hi >&-", 0, ""),
                                (f"{cmd} -f - <&-", 2, "stdin is closed")):
         run = subprocess.run(["sh", "-c", shell], capture_output=True, text=True, env=env, timeout=120)
