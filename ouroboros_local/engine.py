@@ -231,7 +231,8 @@ def _shown_ids(tokens: Sequence[int], limit: int = 8) -> str:
 class GenerationStats:
     """How a generation went: tokens, times, target passes, drafted and accepted tokens, ``finish_reason``
     (stop: an end-of-generation token or a stop string; length: the token budget or the context's end;
-    cancelled), the seed a sampled answer used, and the method's own numbers in ``extra``."""
+    cancelled), the seed a sampled answer used, and the method's own numbers in ``extra``. The decode's
+    seconds leave out the time a ``stream``'s reader spends between events (printing them, say)."""
 
     method: str
     tokens: int = 0
@@ -997,6 +998,7 @@ class Engine:
         observe_later: Callable[[], None] | None = None
         ahead_drafts = ahead_carried = 0   # drafts made during a plain step, and those it accepted a token of
         split = TimeSplit()
+        consumer_seconds = 0.0   # the caller's, between a yield and the next round: its terminal, not ours
         failed = raising = False
         try:
             while out.finish is None:
@@ -1044,7 +1046,9 @@ class Engine:
                 if sched is not None and seen is not None:
                     sched.learn(proposer.name, seen.tree, len(seen.accepted), seen.path)
                 if event is not None:
+                    handed = time.perf_counter()
                     yield event
+                    consumer_seconds += time.perf_counter() - handed
                 if out.finish is not None:
                     break
                 # the next round decodes while this one is observed: one without a draft, if nothing is
@@ -1082,7 +1086,7 @@ class Engine:
             if sched is not None and proposer.name in sched.retired:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
-        stats.decode_seconds = time.perf_counter() - t1
+        stats.decode_seconds = time.perf_counter() - t1 - consumer_seconds
         stats.extra["time_split"] = split.to_dict(stats.decode_seconds)
         stats.extra["graphs_rebuilt"] = _graphs_built(self.target_ctx, target_before)[1]
         draft_decodes, draft_rebuilt = _graphs_built(self._draft_ctx, draft_before)

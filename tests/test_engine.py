@@ -142,6 +142,21 @@ def test_streaming_yields_the_same_text(pair_engine: Engine) -> None:
     assert "".join(pieces) == result.text
 
 
+def test_a_stream_readers_own_time_is_not_the_decodes(pair_engine: Engine) -> None:
+    """generate --compare timed the method's answer with its printing (a slow terminal made it 0.42x of
+    vanilla, which generate() timed without): the reader's time between events is not the engine's."""
+    import time
+
+    quick = pair_engine.generate(PROMPTS[2], max_tokens=12, method="vanilla").stats.decode_seconds
+    events = 0
+    result = None
+    for ev in pair_engine.stream(PROMPTS[2], max_tokens=12, method="vanilla"):
+        events += ev.result is None
+        result = ev.result or result
+        time.sleep(0.1)
+    assert events >= 5 and result.stats.decode_seconds < quick + 0.2 < 0.1 * events
+
+
 def test_the_last_text_is_heard_before_the_history_is_saved(pair_engine: Engine, monkeypatch) -> None:
     """The final event carried the last held-back text and was yielded after the save: a failed save's
     warning landed inside the answer on a terminal ("The United Stateswarning: cannot save ...")."""
