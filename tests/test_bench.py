@@ -359,6 +359,35 @@ def test_llama_cpp_peers_decode_in_a_context_of_our_size(tiny_target: Path, tmp_
     records = json.loads((out / "results.json").read_text())["records"]
     command = next(r for r in records if r["label"] == "llama.cpp:vanilla")["extra"]["command"].split()
     assert command[command.index("-c") + 1] == "1024"   # the prompts need 512
+    assert "-ctk" not in command   # f16, llama.cpp's default
+
+
+def test_peers_get_our_kv_cache_types_and_batch(tiny_target: Path, tmp_path: Path, monkeypatch) -> None:
+    """With --cache-type-k/-v our rows ran a q8_0 cache and the peers f16, and llama-cpp-python prefilled
+    in batches of 512 beside our 256: unlike settings, unsaid."""
+    import llama_cpp
+
+    exe = fake_lookup_binary(tmp_path, FAKE_BINARY)
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    loaded: list[dict] = []
+    real_llama = llama_cpp.Llama
+    monkeypatch.setattr(llama_cpp, "Llama", lambda **kw: loaded.append(kw) or real_llama(**kw))
+    out = tmp_path / "out"
+    main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+          "-c", "512", "-b", "128", "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth",
+          "--cache-type-k", "f32", "--cache-type-v", "f32", "--peers", "llama.cpp:vanilla,llama-cpp-python",
+          "--llama-cpp-bin", str(exe.parent)])
+    records = json.loads((out / "results.json").read_text())["records"]
+    command = next(r for r in records if r["label"] == "llama.cpp:vanilla")["extra"]["command"].split()
+    assert command[command.index("-ctk") + 1] == "f32" and command[command.index("-ctv") + 1] == "f32"
+    assert loaded and loaded[0]["type_k"] == loaded[0]["type_v"] == llama_cpp.GGML_TYPE_F32
+    assert loaded[0]["n_batch"] == 128
+    draft = peers.LlamaCppBinPeer("llama.cpp:draft-simple", tmp_path, _StubModel(), "t.gguf", "d.gguf",
+                                  n_ctx=512, cache_types={"draft_type_k": "q8_0", "draft_type_v": "f16"})
+    draft.binary = exe
+    drafted = draft.command("p.txt", 4)
+    draft.close()
+    assert drafted[drafted.index("-ctkd") + 1] == "q8_0" and "-ctvd" not in drafted and "-ctk" not in drafted
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_first(tiny_target: Path, tmp_path: Path,

@@ -542,6 +542,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             notes.append("peers run greedy only: skipped with sampling")
             peer_labels = []
         draft_path = engine.draft.path if engine.draft is not None else None
+        cache_types = {name: getattr(engine.config, name)
+                       for name in ("type_k", "type_v", "draft_type_k", "draft_type_v")}
         for label in peer_labels:
             opts = peer_options(label, method_opts)
             if label.startswith(peers_mod.BIN_PREFIX):
@@ -551,7 +553,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     label, args.llama_cpp_bin, target, target.path, draft_path, n_ctx=n_ctx,
                     n_ubatch=min(512, engine.config.n_batch), threads=threads, gpu_layers=gpu_layers,
                     draft_gpu_layers=engine.config.draft_gpu_layers, flash_attn=engine.config.flash_attn,
-                    options=opts, timeout=args.peer_timeout, main_gpu=target.main_gpu))
+                    options=opts, timeout=args.peer_timeout, main_gpu=target.main_gpu, cache_types=cache_types))
             else:
                 if label == peers_mod.PY_PLD and "num_pred_tokens" not in opts:
                     # llama-cpp-python's README: 10 on GPU, 2 on CPU
@@ -559,9 +561,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 contenders.append(peers_mod.LlamaCppPythonPeer(
                     label, target.path, eog=target.eog_tokens,
                     n_ctx=need_ctx if label == peers_mod.PY_PLD else n_ctx,
-                    n_batch=512, threads=threads, gpu_layers=gpu_layers,
+                    n_batch=engine.target_ctx.n_batch, threads=threads, gpu_layers=gpu_layers,
                     flash_attn=engine.config.flash_attn, options=opts,
-                    cold=not args.warm_prefill, main_gpu=target.main_gpu))
+                    cold=not args.warm_prefill, main_gpu=target.main_gpu, cache_types=cache_types))
+                if label == peers_mod.PY_PLD and need_ctx < n_ctx:
+                    notes.append(f"{label} runs in a context of {need_ctx} tokens (its logits_all buffer), "
+                                 f"{n_ctx} for the others: its speed-up over llama-cpp-python is a few "
+                                 "percent in its favour")
         if peer_labels:
             notes.append("peer speeds are per decode step: a peer's first token comes out of its prompt "
                          "evaluation and is not timed; llama.cpp binaries are compared by text")

@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from ..errors import OuroborosError, ParameterError
 from .prompts import BuiltPrompt
@@ -152,8 +152,10 @@ class LlamaCppPythonPeer(Contender):
 
     def __init__(self, label: str, model_path: str | Path, *, eog: frozenset[int], n_ctx: int,
                  n_batch: int = 512, threads: int | None = None, gpu_layers: int = 0, flash_attn: str = "off",
-                 options: dict[str, Any] | None = None, cold: bool = True, main_gpu: int | None = None):
+                 options: dict[str, Any] | None = None, cold: bool = True, main_gpu: int | None = None,
+                 cache_types: Mapping[str, str] | None = None):
         self.label = label
+        self.cache_types = dict(cache_types or {})   # type_k, type_v: our engine's KV cache types
         self.flash_attn = flash_attn != "off"   # Llama takes a bool: auto as on (a GPU's default)
         self.method = label
         self.cold = cold
@@ -187,6 +189,7 @@ class LlamaCppPythonPeer(Contender):
                                       flash_attn=self.flash_attn, verbose=False, seed=0)
         if self.main_gpu is not None:
             kwargs.update(split_mode=llama_cpp.LLAMA_SPLIT_MODE_NONE, main_gpu=self.main_gpu)
+        kwargs.update(_python_cache_types(self.cache_types))
         counts = self._counts
         if self.pld:
             class CountingPLD(LlamaPromptLookupDecoding):
@@ -340,6 +343,21 @@ def generated_text(stdout: str, prompt_text: str) -> str:
     return text
 
 
+def _bin_cache_type_args(cache_types: Mapping[str, str], *flags: tuple[str, str]) -> list[str]:
+    """A binary's flags for the KV cache types that are not llama.cpp's f16 default: a q8_0 cache of ours
+    beside a peer's f16 one compared unlike settings."""
+    return [arg for name, flag in flags if cache_types.get(name, "f16") != "f16"
+            for arg in (flag, cache_types[name])]
+
+
+def _python_cache_types(cache_types: Mapping[str, str]) -> dict[str, int]:
+    """llama_cpp.Llama's type_k/type_v for our KV cache types that are not the f16 default."""
+    from ..llama.binding import KV_CACHE_TYPES
+
+    return {name: KV_CACHE_TYPES[cache_types[name]] for name in ("type_k", "type_v")
+            if cache_types.get(name, "f16") != "f16"}
+
+
 class LlamaCppBinPeer(Contender):
     """One llama.cpp example binary run per prompt (greedy), its printed numbers parsed."""
 
@@ -349,8 +367,9 @@ class LlamaCppBinPeer(Contender):
                  draft_path: str | Path | None = None, *, n_ctx: int, n_ubatch: int = 512,
                  threads: int | None = None, gpu_layers: int = 0, draft_gpu_layers: int = 0,
                  flash_attn: str = "off", options: dict[str, Any] | None = None, timeout: float = 900.0,
-                 main_gpu: int | None = None):
+                 main_gpu: int | None = None, cache_types: Mapping[str, str] | None = None):
         variant = label[len(BIN_PREFIX):]
+        self.cache_types = dict(cache_types or {})   # type_k, type_v, draft_type_k, draft_type_v: ours
         if variant not in BIN_VARIANTS:
             raise ParameterError(f"unknown llama.cpp variant {variant!r}")
         self.label = label
@@ -386,12 +405,14 @@ class LlamaCppBinPeer(Contender):
                "-s", "1", "-fa", self.flash_attn, "-ngl", _gpu_layers_flag(self.gpu_layers), "--no-escape"]
         if self.main_gpu is not None:
             cmd += ["-sm", "none", "-mg", str(self.main_gpu)]
+        cmd += _bin_cache_type_args(self.cache_types, ("type_k", "-ctk"), ("type_v", "-ctv"))
         cmd += self.variant_args
         if self.variant == "draft-simple":
             if not self.draft_path:
                 raise PeerUnavailable("llama.cpp:draft-simple needs a draft model (-d)")
             cmd += ["-md", self.draft_path, "-ngld", _gpu_layers_flag(self.draft_gpu_layers),
                     "-td", str(self.threads), "-tbd", str(self.threads)]
+            cmd += _bin_cache_type_args(self.cache_types, ("draft_type_k", "-ctkd"), ("draft_type_v", "-ctvd"))
         cmd += bin_option_args(self.label, self.options)
         return cmd
 

@@ -337,7 +337,9 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  "the prompts; geomean: per-prompt geometric mean; acc/pass: accepted draft "
                  "tokens per target pass; passes/100: target passes per 100 tokens; GB/s: model bytes x "
                  "target passes per second; identical: outputs equal to vanilla's (unchecked: prompts where it or "
-                 "vanilla failed); py ms/round: time per "
+                 "vanilla failed); prefill tok/s: prompt tokens per second of its evaluation (ours leave "
+                 "the last token to the first decode step, a peer's time may hold its first token: compare "
+                 "ours with ours); py ms/round: time per "
                  "target pass outside llama.cpp's decoding and the wait for its logits (our Python); "
                  "rebuilds/100: decodes for which llama.cpp built a new graph (a new batch shape; on a GPU, "
                  "no CUDA graph) per 100 passes.")
