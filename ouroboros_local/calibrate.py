@@ -51,5 +51,6 @@ def register(sub, add_model_args, add_sampling_args, add_method_args) -> None:
                                          "(cached per settings)")
     add_model_args(p)
     p.add_argument("--refresh", action="store_true", help="measure again even if a cached curve exists")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true",
+                   help="print the curve and whether it was saved as one JSON object (no progress lines)")
     p.set_defaults(func=cmd_calibrate)

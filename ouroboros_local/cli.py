@@ -525,7 +525,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append",
                      help="stop string, taken as it is (repeatable; a newline in bash: $'\\n')")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    gen.add_argument("--json", action="store_true", help="print a JSON object on the last line")
+    gen.add_argument("--json", action="store_true",
+                     help="print a JSON object on the last line (stderr then has warnings, no progress lines)")
     gen.add_argument("--quiet", action="store_true",
                      help="print no answer text (the stats line on stderr, or the --json line, only)")
     gen.add_argument("--compare", action="store_true",

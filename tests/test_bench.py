@@ -1212,3 +1212,15 @@ def test_a_peer_timeout_names_the_limit_as_given(tmp_path: Path) -> None:
             peer._run_binary([sys.executable, "-c", "import time; time.sleep(10)"])
     finally:
         peer.close()
+
+
+def test_progress_in_a_log_is_lines_not_a_bar(tiny_target: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """Without a terminal the bar was redrawn with carriage returns into the log, one per generation."""
+    from ouroboros_local.bench import runner
+
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": str(i), "turns": [f"hello {i}"]} for i in range(3)])
+    monkeypatch.setattr(runner._ProgressLines.__init__, "__defaults__", (0.0,))   # a line per update
+    main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla,prompt-lookup",
+          "-n", "4", "-t", "1", "--out", str(tmp_path / "out"), "--no-bandwidth"])
+    err = capsys.readouterr().err
+    assert "\r" not in err and "bench: 6/6 generations done" in err

@@ -1020,18 +1020,18 @@ def test_serve_cli_subprocess(tiny_target, tmp_path, stop):
     port = free_port()
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OUROBOROS_CALIBRATION_FILE": str(tmp_path / "costs.json"),   # none cached: it measures
-           "OUROBOROS_ESTIMATES_FILE": str(tmp_path / "estimates.json")}
+           "OUROBOROS_ESTIMATES_FILE": str(tmp_path / "estimates.json"), "NO_COLOR": "1"}
     env.pop("OUROBOROS_API_KEY", None)
     cmd = [sys.executable, "-m", "ouroboros_local.cli", "serve", "-m", str(tiny_target), "-c", "256",
            "-b", "32", "-t", "1", "--port", str(port), "--api-key", "k3y", "--max-queue", "2",
-           "--model-name", "tiny-cli"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           "--model-name", "tiny-cli", "--log-level", "info"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://{HOST}:{port}"
     auth = {"Authorization": "Bearer k3y"}
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, proc.stderr.read()
             try:
                 if http(base, "/health", headers=auth, timeout=2)[0] == 200:
                     break
@@ -1049,11 +1049,13 @@ def test_serve_cli_subprocess(tiny_target, tmp_path, stop):
     finally:
         proc.send_signal(stop)
         try:
-            out, _ = proc.communicate(timeout=30)
+            stdout, out = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-            out, _ = proc.communicate()
+            stdout, out = proc.communicate()
     assert proc.returncode == 128 + stop, out   # as every other command exits on it (it was 0)
+    # uvicorn's access lines went to stdout alone, coloured under NO_COLOR
+    assert stdout == "" and '"GET /v1/models HTTP/1.1" 401' in out and "\x1b[" not in out
     assert f"stopped ({signal.Signals(stop).name})" in out
     assert (tmp_path / "estimates.json").is_file(), "closed without saving what it learned"   # SIGTERM once skipped it
     assert f"http://127.0.0.1:{port}/v1" in out
@@ -1154,7 +1156,7 @@ def test_a_server_asked_to_stop_ends_its_running_and_queued_generations_at_once(
     try:
         deadline = time.monotonic() + 60
         while True:
-            assert proc.poll() is None, proc.stdout.read()
+            assert proc.poll() is None, proc.stderr.read()
             try:
                 if http(base, "/health", timeout=2)[0] == 200:
                     break

@@ -239,9 +239,39 @@ class ReferenceFailed(ParameterError):
     """The reference refused a prompt (a configuration problem): the run stops there."""
 
 
+class _ProgressLines:
+    """Progress for a log file or a pipe: a line at most every ``every`` seconds, not a bar redrawn with
+    carriage returns (a line of them per generation in a log)."""
+
+    def __init__(self, total: int, desc: str, every: float = 60.0):
+        self.total, self.desc, self.every = total, desc, every
+        self.done = 0
+        self.last = time.monotonic()
+        self.doing = ""
+
+    def update(self, n: int) -> None:
+        self.done += n
+        if time.monotonic() - self.last >= self.every:
+            self.last = time.monotonic()
+            print(f"{self.desc}: {self.done}/{self.total} generations done{self.doing}", file=sys.stderr,
+                  flush=True)
+
+    def set_postfix_str(self, text: str, refresh: bool = True) -> None:
+        self.doing = f", now {text}"
+
+    def close(self) -> None:
+        pass
+
+
 def _progress(total: int, enabled: bool, desc: str = "bench"):
     if not enabled:
         return None
+    try:
+        terminal = sys.stderr.isatty()
+    except (OSError, ValueError):   # closed
+        terminal = False
+    if not terminal:
+        return _ProgressLines(total, desc)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import socket
@@ -108,7 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
               f"{', history pool ' + options['pool'] if options.get('pool') else ''}); Ctrl-C stops",
               file=sys.stderr, flush=True)
         server = _server(uvicorn, uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                                 access_log=args.log_level in ("info", "debug", "trace")),
+                                                 access_log=args.log_level in ("info", "debug", "trace"),
+                                                 log_config=_log_config(), use_colors=_colours()),
                          app.state.worker.shut_down)
         # uvicorn re-raises the Ctrl-C or SIGTERM it already served by shutting down; SIGTERM's default
         # action (systemd's and docker's stop) would end the process before ``engine.close`` saves.
@@ -156,6 +158,23 @@ def _utf8_name(name: str) -> str:
     """A file name as responses can carry it: bytes that are not UTF-8 (kept by Python as surrogates, which
     no JSON encoder takes: /health and /v1/models were 500s) become U+FFFD."""
     return os.fsencode(name).decode("utf-8", "replace")
+
+
+def _log_config() -> dict:
+    """uvicorn's logging with its access lines on stderr too: stdout carried them, beside nothing else."""
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
+    return config
+
+
+def _colours() -> bool | None:
+    """No colours where NO_COLOR is set or the terminal is dumb (https://no-color.org); else uvicorn's own
+    choice (a terminal's)."""
+    if os.environ.get("NO_COLOR") or os.environ.get("TERM") == "dumb":
+        return False
+    return None
 
 
 def _server(uvicorn: Any, config: Any, end_jobs: Callable[[], None]) -> Any:
