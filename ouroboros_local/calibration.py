@@ -18,7 +18,6 @@ import logging
 import hashlib
 import json
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -29,6 +28,7 @@ from tqdm.auto import tqdm
 
 from .catalogue import default_cache_dir
 from .cpu_load import LoadMeter, busy_cores_now, contended, usable_cores
+from .environment import env_path
 from .errors import PoolError
 from .filestore import finite_number, put_json_entry, read_json_object, warn_not_saved
 from .tree import TokenTree, layout
@@ -294,9 +294,7 @@ class CalibrationCache:
     """Cost models on disk, keyed by model file + device/offload + threads + batch settings."""
 
     def __init__(self, path: Path | None = None):
-        override = os.environ.get("OUROBOROS_CALIBRATION_FILE")
-        # ~ expanded, as in OUROBOROS_CACHE: a systemd unit or a .env file has no shell to do it
-        self.path = path or (Path(override).expanduser() if override else default_cache_dir() / "calibration.json")
+        self.path = path or env_path("OUROBOROS_CALIBRATION_FILE") or default_cache_dir() / "calibration.json"
 
     def _read(self) -> dict:
         return read_json_object(self.path, "cost curve")

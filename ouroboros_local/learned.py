@@ -21,12 +21,12 @@ import hashlib
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from .catalogue import default_cache_dir
+from .environment import env_path
 from .errors import PoolError
 from .filestore import (file_identity, finite_number, put_json_entry, read_json_object, save_advice,
                         save_obstacle, warn_not_saved)
@@ -44,8 +44,7 @@ PRIOR_WEIGHT = RESTORE_WEIGHT   # observations' worth each class of the copy pri
 
 def cache_path() -> Path:
     """``OUROBOROS_ESTIMATES_FILE``, else ``estimates.json`` in the cache directory (``OUROBOROS_CACHE``)."""
-    override = os.environ.get("OUROBOROS_ESTIMATES_FILE")
-    return Path(override).expanduser() if override else default_cache_dir() / "estimates.json"
+    return env_path("OUROBOROS_ESTIMATES_FILE") or default_cache_dir() / "estimates.json"
 
 
 def estimates_key(target: list[Any], draft: list[Any] | None) -> str:

@@ -4,8 +4,8 @@
 #
 # The sources come from llama-cpp-python's sdist (it ships the llama.cpp tree under vendor/llama.cpp),
 # so the binaries and our Python bindings run the same llama.cpp. Everything is downloaded and built
-# OUTSIDE this repository (default: ~/.cache/ouroboros-local/llama.cpp-<version>); no llama.cpp code
-# is ever copied into the repo.
+# OUTSIDE this repository (default: $OUROBOROS_CACHE/llama.cpp-<version>, else
+# ${XDG_CACHE_HOME:-~/.cache}/ouroboros-local/llama.cpp-<version>); no llama.cpp code is ever copied into the repo.
 #
 # Usage:
 #   scripts/build_llama_cpp.sh [--backend cpu|cuda|metal|vulkan] [--prefix DIR] [--jobs N]
@@ -22,6 +22,7 @@
 #   --sdist FILE      use an already downloaded llama_cpp_python-X.Y.Z.tar.gz instead of `pip download`
 #   --src DIR         use an already extracted llama.cpp source tree
 #   CMAKE_ARGS="..."  extra CMake flags, appended last
+#   LLAMA_CPP_PYTHON_VERSION, JOBS   defaults for --version and --jobs
 #
 # Time: about 10 minutes for these targets on an idle 2-core x86 machine, 30 when other builds compete;
 # the shared libraries (ggml, llama, common) are two thirds of it.
@@ -57,7 +58,19 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-PREFIX="${PREFIX:-${XDG_CACHE_HOME:-$HOME/.cache}/ouroboros-local/llama.cpp-$VERSION}"
+# The package's cache folder, $OUROBOROS_CACHE, read as the package reads it (blank = unset, a leading ~
+# expanded); without it, $XDG_CACHE_HOME/ouroboros-local (as before), else ~/.cache/ouroboros-local.
+CACHE="${OUROBOROS_CACHE:-}"
+[[ "$CACHE" =~ ^[[:space:]]*$ ]] && CACHE=""
+case "$CACHE" in
+  "~" | "~/"*) [ -n "${HOME:-}" ] || die "HOME is unset: give OUROBOROS_CACHE as an absolute path"
+               CACHE="$HOME${CACHE#\~}" ;;
+esac
+if [ -z "$PREFIX" ] && [ -z "$CACHE" ]; then
+  [ -n "${XDG_CACHE_HOME:-}${HOME:-}" ] || die "HOME is unset: set OUROBOROS_CACHE or give --prefix DIR"
+  CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/ouroboros-local"
+fi
+PREFIX="${PREFIX:-$CACHE/llama.cpp-$VERSION}"
 if [ -z "$JOBS" ]; then
   JOBS="$( (command -v nproc >/dev/null && nproc) || sysctl -n hw.ncpu 2>/dev/null || echo 2)"
 fi

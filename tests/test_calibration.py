@@ -348,3 +348,33 @@ def test_a_ctrl_c_during_the_measurement_leaves_the_cache_empty(engine, monkeypa
     monkeypatch.undo()
     assert engine.kv.n_past == 0
     assert engine.generate("abc abd abc", max_tokens=12).tokens == want
+
+
+def test_a_blank_or_homeless_calibration_file_variable(tmp_path, monkeypatch) -> None:
+    """OUROBOROS_CALIBRATION_FILE=" " was a file named " " in the working folder; `~nosuchuser/x` a
+    RuntimeError traceback."""
+    from ouroboros_local.errors import ParameterError
+
+    monkeypatch.setenv("OUROBOROS_CACHE", str(tmp_path))
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", " ")
+    assert CalibrationCache().path == tmp_path / "calibration.json"
+    monkeypatch.setenv("OUROBOROS_CALIBRATION_FILE", "~no-such-user-ouroboros/c.json")
+    with pytest.raises(ParameterError, match="'no-such-user-ouroboros' .*set OUROBOROS_CALIBRATION_FILE to an"):
+        CalibrationCache()
+
+
+@pytest.mark.parametrize("value", ["y", "2"])
+def test_an_unknown_verbose_word_is_refused_not_taken_for_on(value, monkeypatch, capfd) -> None:
+    """OUROBOROS_VERBOSE=y or =2 switched llama.cpp's log on (292 stderr lines), where OUROBOROS_OFFLINE=y
+    meant "off": both now take the same words and refuse others."""
+    from ouroboros_local.errors import ParameterError
+    from ouroboros_local.llama import binding
+
+    monkeypatch.setenv("OUROBOROS_VERBOSE", value)
+    with pytest.raises(ParameterError, match=f"OUROBOROS_VERBOSE='{value}' is not a yes/no value"):
+        binding.backend_init()
+    binding._on_log(2, b"llama.cpp says hello\n", None)   # a log callback cannot raise: off
+    monkeypatch.setenv("OUROBOROS_VERBOSE", "on")
+    binding._on_log(2, b"llama.cpp says goodbye\n", None)
+    err = capfd.readouterr().err
+    assert "hello" not in err and "goodbye" in err

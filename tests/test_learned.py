@@ -300,3 +300,16 @@ def test_doctor_says_when_what_a_run_learns_cannot_be_saved(obstacle: str, tmp_p
     line = describe(target, None)
     assert "none yet" in line and "cannot save what it learned there" in line and expected in line
     assert "saves what it learned at its end" not in line
+
+
+def test_a_blank_or_homeless_estimates_file_variable(tmp_path: Path, monkeypatch) -> None:
+    """OUROBOROS_ESTIMATES_FILE="   " was a file named "   " in the working folder; `~nosuchuser/x` a
+    RuntimeError traceback (also "closing an engine at exit failed")."""
+    from ouroboros_local.errors import ParameterError
+
+    monkeypatch.setenv("OUROBOROS_CACHE", str(tmp_path))
+    monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", "   ")
+    assert learned_module.cache_path() == tmp_path / "estimates.json"
+    monkeypatch.setenv("OUROBOROS_ESTIMATES_FILE", "~no-such-user-ouroboros/e.json")
+    with pytest.raises(ParameterError, match="'no-such-user-ouroboros' .*set OUROBOROS_ESTIMATES_FILE to an abs"):
+        learned_module.cache_path()

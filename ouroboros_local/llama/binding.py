@@ -19,6 +19,7 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from ..cpu_load import busy_cores_now, idle_threads, math_cores, usable_cores  # noqa: F401 (re-exported)
+from ..environment import env_flag
 from ..errors import LLAMA_CPP_PYTHON, ContextOverflowError, ModelError, OuroborosError, ParameterError
 from ..filestore import file_identity
 from ..text_input import utf8_bytes
@@ -73,9 +74,18 @@ _log_lines: list[str] = []
 _log_count = 0   # error lines logged since the process started: a mark for ``errors_since``
 
 
+def _verbose() -> bool:
+    """OUROBOROS_VERBOSE, read at each line (it may change while the process runs). An unknown value was refused
+    by backend_init; here it counts as off, since no exception may leave llama.cpp's log callback."""
+    try:
+        return env_flag("OUROBOROS_VERBOSE")
+    except ParameterError:
+        return False
+
+
 def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
     message = text.decode("utf-8", "replace") if text else ""
-    if os.environ.get("OUROBOROS_VERBOSE", "").strip().lower() not in ("", "0", "false", "no", "off"):
+    if _verbose():
         os.write(2, message.encode())
     elif level >= 4:  # GGML_LOG_LEVEL_ERROR: remember for error messages
         global _log_count
@@ -86,6 +96,7 @@ def _on_log(level: int, text: bytes, _user: ctypes.c_void_p) -> None:
 
 def backend_init() -> None:
     """Initialise llama.cpp once per process and route its logs (quiet unless OUROBOROS_VERBOSE)."""
+    env_flag("OUROBOROS_VERBOSE")   # an unknown value: one line now (the log callback cannot raise)
     global _initialised, _log_callback
     with _init_lock:
         if _initialised:

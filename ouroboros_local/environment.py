@@ -1,0 +1,48 @@
+"""The package's settings from environment variables, read one way everywhere: yes/no words, paths with ``~``,
+and a one-line error naming the variable where a value cannot be used."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import ParameterError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class SettingError(ParameterError):
+    """An environment variable's value cannot be used (the CLI prints it as one line)."""
+
+
+def env_flag(name: str) -> bool:
+    """The yes/no variable `name`; unset, empty or blank is no. An unknown word is refused: OUROBOROS_OFFLINE=y
+    was taken for "online" (and downloaded), OUROBOROS_VERBOSE=y for "on"."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE or not value:
+        return False
+    raise SettingError(f"{name}={os.environ[name]!r} is not a yes/no value: use 1/0, true/false, yes/no or on/off "
+                       "(empty means unset)")
+
+
+def env_path(name: str) -> Path | None:
+    """The path in the variable `name`, ``~`` expanded (a systemd unit or a .env file has no shell to do it);
+    None when unset, empty or blank (a blank value became a file named " " in the working folder)."""
+    value = os.environ.get(name, "")
+    if not value.strip():
+        return None
+    return expand_home(value, f"set {name} to an absolute path")
+
+
+def expand_home(path: str | os.PathLike[str], remedy: str) -> Path:
+    """`path` with a leading ``~`` or ``~user`` expanded; SettingError saying `remedy` where that home cannot be
+    found (no HOME and no passwd entry, as under `docker run --user 1234`, or a user that does not exist)."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:   # pathlib's "Could not determine home directory."
+        user = Path(path).parts[0][1:]
+        whose = f"the home folder of user {user!r}" if user else "your home folder (HOME is unset)"
+        raise SettingError(f"cannot find {whose} for {path}: {remedy}") from None
