@@ -201,10 +201,12 @@ def test_old_and_broken_cache_entries(tmp_path) -> None:
     data["unsorted"] = {"sizes": [1, 4, 2], "seconds": [0.1, 0.3, 0.2]}
     data["short"] = {"sizes": [1, 2], "seconds": [0.1]}
     data["list"] = [1, 2]
+    # 8 tokens for a hundredth of one: no measurement makes it, and the start-up check times only one token
+    data["cheaper"] = {"sizes": [1, 8], "seconds": [0.1, 0.001]}
     cache.path.write_text(json.dumps(data))
     old = cache.get("ok")
     assert old.seconds == [0.05] and old.busy_cores is None and not old.provisional
-    for key in ("zero", "junk", "text", "unsorted", "short", "list", "missing"):
+    for key in ("zero", "junk", "text", "unsorted", "short", "list", "cheaper", "missing"):
         assert cache.get(key) is None, key
     cache.path.write_text("[1, 2]")   # not an object at all: nothing cached, and the next put repairs it
     assert cache.get("ok") is None
