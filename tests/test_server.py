@@ -1266,3 +1266,39 @@ def test_example_python_api(tiny_target, tiny_draft):
 def test_example_streaming(tiny_target):
     proc = _run_example("examples/streaming.py", str(tiny_target), "--max-tokens", "20", "--prompt", "hi")
     assert re.search(r"\] \d+ tokens, first text after", proc.stderr)
+
+
+def test_a_second_signal_inside_the_first_ones_handler_does_not_hang(monkeypatch) -> None:
+    """Two Ctrl-Cs 2 ms apart (or `timeout` signalling the group) hung serve for good: the second handler ran
+    inside the first one's Event.set(), whose lock it then waited for."""
+    from ouroboros_local.server import cli as server_cli
+
+    ended = threading.Event()
+    server: list = []
+    armed: list = []
+    real_event = threading.Event
+
+    class FakeUvicornServer:
+        def __init__(self, config) -> None:
+            pass
+
+        def handle_exit(self, sig, frame) -> None:
+            pass
+
+    class SecondSignalInside(real_event):   # an event whose set() hears the second signal with its lock held
+        def set(self) -> None:
+            if armed:
+                armed.clear()
+                with self._cond:
+                    server[0].handle_exit(signal.SIGINT, None)
+            super().set()
+
+    monkeypatch.setattr(threading, "Event", SecondSignalInside)
+    server.append(server_cli._server(SimpleNamespace(Server=FakeUvicornServer), None, ended.set))
+    monkeypatch.setattr(threading, "Event", real_event)
+    armed.append(True)
+    first = threading.Thread(target=server[0].handle_exit, args=(signal.SIGINT, None), daemon=True)
+    first.start()
+    first.join(5)
+    assert not first.is_alive(), "the second signal's handler waits for a lock the first one holds"
+    assert ended.wait(5) and server[0].stopped_by == signal.SIGINT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import signal
@@ -182,21 +183,27 @@ def _server(uvicorn: Any, config: Any, end_jobs: Callable[[], None]) -> Any:
     uvicorn waits for their connections to close, and after its graceful timeout a client got a plain-text
     500 and the log a traceback, while queued jobs still started."""
 
-    asked = threading.Event()
+    # The handler writes a byte to a pipe and takes no lock: the signal may arrive while this thread holds
+    # the worker's lock, a job's event or the lock Thread.start takes, and a second signal inside an
+    # Event.set() of the first found the event's own lock held (two Ctrl-Cs 2 ms apart hung the server).
+    wake_read, wake_write = os.pipe()
 
     def stopper() -> None:
-        asked.wait()
+        try:
+            os.read(wake_read, 1)
+        finally:
+            os.close(wake_read)
         end_jobs()
 
-    # started now, not in the handler: the signal may arrive while this thread holds the worker's lock,
-    # a job's event or the lock Thread.start takes; setting an event no other thread here touches is safe
+    # started now, not in the handler (Thread.start takes a lock)
     threading.Thread(target=stopper, name="ouroboros-stop", daemon=True).start()
 
     class Server(uvicorn.Server):
         stopped_by: int | None = None   # the signal that stopped it: the exit status says it, as other commands'
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            asked.set()
+            with contextlib.suppress(OSError):   # the pipe is full or closed: the stopper has its byte
+                os.write(wake_write, b"x")
             if self.stopped_by is None:
                 self.stopped_by = int(sig)
             super().handle_exit(sig, frame)
