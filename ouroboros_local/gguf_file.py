@@ -7,6 +7,7 @@ a fraction of one), cached per file; ``validate_gguf`` summarises a model file a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import mmap
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ModelError
+from .filestore import link_loop
 
 __all__ = ["RECURRENT_ARCHS", "GGUFInfo", "read_metadata", "tokenizer_fingerprint", "validate_gguf"]
 
@@ -228,7 +230,9 @@ def _parse(path: str | os.PathLike[str]) -> tuple[Path, _Parsed]:
     except FileNotFoundError:
         raise ModelError(f"model file not found: {p}") from None
     except OSError as e:
-        raise ModelError(f"cannot read {p}: {e.strerror or e}") from None
+        loop = link_loop(p) if e.errno == errno.ELOOP else None
+        raise ModelError(f"{loop}: fix the link, or give the model file's own path" if loop else
+                         f"cannot read {p}: {e.strerror or e}") from None
     if not p.is_file():
         raise ModelError(f"{p} is not a file")
     key = (str(p.resolve()), st.st_size, st.st_mtime_ns)

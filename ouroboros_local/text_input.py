@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from .environment import expand_home
 from .errors import ParameterError
 
 _FIX = "save or send it as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
@@ -45,9 +46,12 @@ def decode_utf8(raw: bytes, name: str) -> str:
 
 def read_text(path: str | Path, what: str = "file") -> str:
     """A UTF-8 text file's contents (``decode_utf8``'s error otherwise); a pipe (``<(...)``) too.
-    ``what``: the file's part, for the error where it does not exist."""
+    ``what``: the file's part, for the error where it does not exist. A leading ``~`` is expanded: no shell
+    does it after --file=, as -m and --pool take it."""
     if not str(path):
         raise ParameterError(f"the {what} name is empty")
+    if str(path).startswith("~"):
+        path = expand_home(path, f"give the {what}'s path without ~")
     try:
         with open(path, "rb") as f:
             data = _bounded_read(f, str(path))

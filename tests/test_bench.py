@@ -1224,3 +1224,45 @@ def test_progress_in_a_log_is_lines_not_a_bar(tiny_target: Path, tmp_path: Path,
           "-n", "4", "-t", "1", "--out", str(tmp_path / "out"), "--no-bandwidth"])
     err = capsys.readouterr().err
     assert "\r" not in err and "bench: 6/6 generations done" in err
+
+
+def test_prompt_paths_expand_a_tilde_and_take_a_whole_name_with_a_comma(tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """--prompts=~/p.jsonl said "prompt file not found: ~/p.jsonl"; 'set,v2.jsonl' said "not found: set"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    row = [{"id": "a", "turns": ["hello"]}]
+    write_jsonl(tmp_path / "p.jsonl", row)
+    write_jsonl(tmp_path / "set,v2.jsonl", row)
+    assert [s.path for s in prompts.load_sets("~/p.jsonl")] == [str(tmp_path / "p.jsonl")]
+    assert [s.name for s in prompts.load_sets("set,v2.jsonl")] == ["set,v2"]
+    assert [s.path for s in prompts.load_sets("~/set,v2.jsonl")] == [str(tmp_path / "set,v2.jsonl")]
+    assert [s.name for s in prompts.load_sets("p.jsonl, ~/p.jsonl")] == ["p", "p-2"]
+    with pytest.raises(ParameterError, match="prompt file not found: set$"):   # split where the whole is no file
+        prompts.load_sets("set,p.jsonl")
+
+
+def test_results_json_and_md_take_text_utf8_cannot_encode(tmp_path: Path) -> None:
+    """A non-UTF-8 byte in a path (kept as U+DC80-U+DCFF) raised UnicodeEncodeError at the end of a run."""
+    name = "caf\udce9.gguf and \ud800"
+    path = report.write_json(tmp_path / "results.json", {"file": name, "other": "\u00e9"})
+    raw = path.read_bytes()
+    assert json.loads(raw.decode("utf-8")) == {"file": name, "other": "\u00e9"}   # valid UTF-8, read back the same
+    assert "\u00e9".encode() in raw   # escaped only where UTF-8 cannot encode it
+    assert report.readable(f"`{name}`") == "`caf\\xe9.gguf and \\ud800`"
+
+
+def test_bench_saves_its_results_for_a_non_utf8_path_and_an_out_with_a_tilde(
+        tiny_target: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """Every prompt ran, then results.json failed (UnicodeEncodeError) and nothing was saved; --out=~/x wrote
+    into a folder named '~' in the working folder."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    pfile = write_jsonl(tmp_path / "pr\udce9.jsonl", [{"id": "a", "turns": ["a b a b a b"]}])
+    assert main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+                 "-c", "256", "-t", "1", "--no-progress", "--no-bandwidth", "--no-warmup", "--peers", "",
+                 "--task", "raw", "--out=~/o\udce9"]) == 0
+    out = tmp_path / "home" / "o\udce9"
+    assert json.loads((out / "results.json").read_text(encoding="utf-8"))["sets"][0]["file"] == str(pfile)
+    assert "## pr\\xe9 (raw" in (out / "results.md").read_text(encoding="utf-8")
+    assert not (tmp_path / "~").exists()

@@ -568,3 +568,26 @@ def test_a_lock_that_is_a_folder_is_named_in_the_warning(tmp_path: Path, caplog:
         cached_or_measured(None, "key", cache, refresh=True, measure=lambda kv: CostModel.flat())  # type: ignore[arg-type]
     warnings = [r.getMessage() for r in caplog.records if "cannot save the cost curve" in r.getMessage()]
     assert len(warnings) == 1 and f"lock file {tmp_path / '.cal.json.lock'}" in warnings[0]
+
+
+def test_a_cache_folder_that_is_a_link_loop_is_called_one(tmp_path: Path) -> None:
+    """OUROBOROS_CACHE=c1 (c1 -> c2 -> c1) said "c1 is a link to c2, which does not exist"."""
+    from ouroboros_local.filestore import make_folder
+
+    (tmp_path / "c1").symlink_to(tmp_path / "c2")
+    (tmp_path / "c2").symlink_to(tmp_path / "c1")
+    for folder in (tmp_path / "c1", tmp_path / "c1" / "models"):
+        with pytest.raises(PoolError, match=f"^{tmp_path / 'c1'} is a symbolic link loop: make it point to a folder$"):
+            make_folder(folder)
+
+
+def test_a_text_file_path_with_a_tilde_is_read_from_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """generate --file=~/p.txt said "prompt file not found: ~/p.txt": no shell expands ~ after --file=."""
+    from ouroboros_local.errors import ParameterError
+    from ouroboros_local.text_input import read_text
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "p.txt").write_text("hello\n", encoding="utf-8")
+    assert read_text("~/p.txt", "prompt file") == "hello\n"
+    with pytest.raises(ParameterError, match=f"prompt file not found: {tmp_path / 'gone.txt'}$"):
+        read_text("~/gone.txt", "prompt file")

@@ -1640,3 +1640,16 @@ def test_the_llama_cpp_build_script_builds_in_the_cache_folder(tmp_path: Path) -
     run = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "build_llama_cpp.sh"), "--dry-run", "--src",
                           str(tmp_path / "src")], capture_output=True, text=True, env=env, timeout=30)
     assert run.returncode == 0 and f"+ mkdir -p {tmp_path}/oc/llama.cpp-" in run.stderr, run.stderr
+
+
+def test_a_symbolic_link_loop_is_named_not_called_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """-m a.gguf (a.gguf -> b.gguf -> a.gguf) said "model file not found", -m c1 "not a file and not a
+    catalogue name"."""
+    monkeypatch.chdir(tmp_path)
+    for link, target in (("a.gguf", "b.gguf"), ("b.gguf", "a.gguf"), ("c1", "c2"), ("c2", "c1")):
+        (tmp_path / link).symlink_to(target)
+    for spec in ("a.gguf", "c1", str(tmp_path / "a.gguf")):
+        with pytest.raises(ModelError, match=f"^{re.escape(spec)} is a symbolic link loop: fix the link"):
+            catalogue.resolve_model(spec)
+    with pytest.raises(ModelError, match=f"^{re.escape(str(tmp_path / 'c1'))} is a symbolic link loop"):
+        validate_gguf(tmp_path / "c1" / "model.gguf")   # a folder on the way: the link that loops is named

@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from ..environment import expand_home
 from ..errors import ParameterError
 from ..text_input import read_text
 from .prompts import TASKS
@@ -43,7 +44,8 @@ def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Calla
     g = p.add_argument_group("benchmark")
     g.add_argument("--prompts", required=True, metavar="FILE[,FILE...]",
                    help="prompt sets: JSONL files of {id, task, turns, source, meta} (one set per file; "
-                        "a non-JSON file is one raw prompt)")
+                        "a non-JSON file is one raw prompt; a file whose whole name holds a comma is taken "
+                        "as one file)")
     g.add_argument("--task", choices=TASKS, default=None,
                    help="how to build prompts (default: from each file's task field; raw = first turn as is)")
     g.add_argument("--methods", default=None,
@@ -465,9 +467,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     check_contender_options(method_opts, planned, known=method_names() + custom + peers_mod.peer_names())
     check_peers_options(peer_labels, method_opts)
     notes: list[str] = []
-    log = lambda msg: print(msg, file=sys.stderr)  # noqa: E731
+    log = lambda msg: print(report.readable(msg), file=sys.stderr)  # noqa: E731   (a path of a non-UTF-8 byte)
 
-    out_dir = Path(args.out)
+    out_dir = expand_home(args.out, "give --out without ~")   # no shell expands it after --out=
     check_out_dir(out_dir)
     if args.learned is None:   # a benchmark starts cold unless asked: its figures must not depend on earlier runs
         args.learned = False
@@ -644,7 +646,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
             print(md, flush=True)   # first: the table survives files the disk has no room for
             offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
             where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
-            unsaved = save_results(out_dir, payload, md, sweep_info, f"{Path(target.path).name} on {where}", log)
+            title = report.readable(f"{Path(target.path).name} on {where}")   # a chart's text, as results.md's
+            unsaved = save_results(out_dir, payload, md, sweep_info, title, log)
         if pressed and not run.interrupted:   # its exit status: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
             run.interrupted, run.exit_status = True, 128 + pressed[0]
         for line in unsaved:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..environment import expand_home
 from ..errors import ParameterError
 from ..text_input import read_text
 
@@ -156,13 +158,26 @@ def set_task_of(path: str, items: Sequence[PromptItem]) -> str:
     return first
 
 
+def prompt_paths(spec: str | Sequence[str]) -> list[str]:
+    """--prompts' files, ``~`` expanded (no shell does it after --prompts=): split at commas, unless the
+    whole of ``spec`` names a file (a name with a comma could not be given at all)."""
+    def expanded(path: str) -> str:   # only where there is a ~: the path as given is the one reported
+        return str(expand_home(path, "give the prompt file's path without ~")) if path.startswith("~") else path
+
+    if isinstance(spec, str) and "," in spec and os.path.exists(expanded(spec)):
+        return [expanded(spec)]
+    parts = spec.split(",") if isinstance(spec, str) else spec
+    return [expanded(part.strip()) for part in parts if part.strip()]
+
+
 def load_sets(spec: str | Sequence[str], task: str | None = None, limit: int | None = None,
               fewshot: int = 0) -> list[PromptSet]:
-    """Read comma-separated prompt files; each file is one set. `limit` keeps the first N prompts of each.
+    """Read comma-separated prompt files (``prompt_paths``); each file is one set. `limit` keeps the first N
+    prompts of each.
 
     With `fewshot` K > 0, gsm8k sets use their first K items as worked examples (not measured).
     """
-    paths = [s.strip() for s in (spec.split(",") if isinstance(spec, str) else spec) if s.strip()]
+    paths = prompt_paths(spec)
     if not paths:
         raise ParameterError("--prompts needs at least one file")
     if task is not None and task not in TASKS:

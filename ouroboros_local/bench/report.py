@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections import OrderedDict
 from pathlib import Path
@@ -264,7 +265,23 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 
 
 def write_json(path: str | Path, payload: Mapping[str, Any]) -> Path:
-    return write_text_atomic(path, json.dumps(payload, indent=1, ensure_ascii=False, default=_json_default) + "\n")
+    text = json.dumps(payload, indent=1, ensure_ascii=False, default=_json_default) + "\n"
+    # what UTF-8 cannot encode (a non-UTF-8 byte of a path given on the command line, kept as U+DC80-U+DCFF)
+    # is only ever inside a JSON string: written as its JSON escape ("\\udce9"), which reads back the same
+    return write_text_atomic(path, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def readable(text: str) -> str:
+    """``text`` with what UTF-8 cannot encode shown as an escape: a non-UTF-8 byte of a file name as "\\xe9"
+    (as ``ls -b`` does), a lone surrogate as "\\ud800". Written or printed as is, it raised UnicodeEncodeError."""
+    def escape(match: re.Match[str]) -> str:
+        code = ord(match.group())
+        return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"\\u{code:04x}"
+
+    return _SURROGATE.sub(escape, text)
 
 
 def _f(v: Any, fmt: str = "{:.2f}", none: str = "–") -> str:
@@ -401,7 +418,7 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
     notes = payload.get("notes") or []
     if notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
-    return "\n".join(lines)
+    return readable("\n".join(lines))
 
 
 def _unfinished_set_heading(set_info: Mapping[str, Any], notes: Sequence[str]) -> str:
