@@ -10,7 +10,12 @@ class ModelError(OuroborosError):
 
 
 class IncompatiblePairError(OuroborosError):
-    """Draft and target vocabularies differ, so same-vocabulary drafting is impossible."""
+    """Draft and target vocabularies differ, so same-vocabulary drafting is impossible. ``options``: the
+    method options at fault where it is they the pair refuses, not the method."""
+
+    def __init__(self, message: str, options: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.options = options
 
 
 class ContextOverflowError(OuroborosError):

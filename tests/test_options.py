@@ -179,6 +179,29 @@ def test_a_requests_adaedl_setting_takes_the_servers_adaedl_switch() -> None:
         method_and_options(body, "auto", {})
 
 
+def test_a_servers_option_another_method_cannot_take_is_left_to_that_methods_default() -> None:
+    """serve --method speculative --gamma 1: every request for pearl (gamma 2-64) heard a 400 blaming its
+    method_options, which it had not given."""
+    from ouroboros_local.server.protocol import ApiError, method_and_options
+
+    method, options, _ = method_and_options({"method": "pearl"}, "speculative", {"gamma": 1, "adaedl": False})
+    assert method == "pearl" and "gamma" not in options
+    assert method_and_options({}, "speculative", {"gamma": 1})[1]["gamma"] == 1
+    with pytest.raises(ApiError, match="gamma"):   # a request's own value is still checked
+        method_and_options({"method": "pearl", "method_options": {"gamma": 1}}, "speculative", {"gamma": 1})
+
+
+def test_an_option_a_pair_of_two_vocabularies_refuses_is_the_requests_method_options() -> None:
+    from ouroboros_local.errors import IncompatiblePairError
+    from ouroboros_local.proposers.cross_vocab import refuse_ignored
+    from ouroboros_local.server.protocol import engine_error
+
+    with pytest.raises(IncompatiblePairError) as caught:
+        refuse_ignored({"adaedl": True}, "the vocabularies differ")
+    assert engine_error(caught.value, user_options=True).param == "method_options"   # it said "method"
+    assert engine_error(IncompatiblePairError("pearl needs ..."), user_options=True).param == "method"
+
+
 def test_lookahead_level_and_guess_set_change_what_it_does(engine):
     base = engine.generate(PROMPT, max_tokens=12, method="lookahead")
     tuned = engine.generate(PROMPT, max_tokens=12, method="lookahead", options={"level": 5, "guess_set": 8})

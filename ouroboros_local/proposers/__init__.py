@@ -163,7 +163,7 @@ def check_pair_options(method: str, options: dict[str, Any], checked: dict[str, 
                   and options[o.name] is not None and options[o.name] != o.default]
         if bridge:
             raise IncompatiblePairError(f"{', '.join(bridge)}: only for a draft of another vocabulary (this pair "
-                                        "shares one)")
+                                        "shares one)", tuple(bridge))
 
 
 def create_method(method: str, ctx: DraftingContext, options: dict[str, Any]) -> Method:

@@ -260,7 +260,7 @@ def refuse_ignored(options: dict[str, Any], reason: str | None) -> None:
         ignored.append("greedy_draft")
     if ignored:
         raise IncompatiblePairError(f"{', '.join(ignored)}: not for a draft of another vocabulary ({reason}), "
-                                    "whose drafts are greedy and not cut by confidence or AdaEDL")
+                                    "whose drafts are greedy and not cut by confidence or AdaEDL", tuple(ignored))
 
 
 def create(ctx: DraftingContext, options: dict[str, Any], prefill_in_begin: bool = True) -> Proposer:

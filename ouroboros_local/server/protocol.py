@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from ..chat import template_variables, validate_messages
 from ..errors import (ContextOverflowError, DrafterError, IncompatiblePairError, MethodOptionError, OuroborosError,
                       ParameterError)
-from ..proposers import check_options, method_names, needs_draft, overlaid
+from ..proposers import applicable_options, check_options, method_names, method_options, needs_draft, overlaid
 from ..sampling import SamplingParams
 from .worker import ShuttingDown
 
@@ -59,8 +59,8 @@ def engine_error(exc: BaseException, user_options: bool) -> ApiError:
         return ApiError(400, str(exc), code="context_length_exceeded")
     if isinstance(exc, MethodOptionError) and user_options:
         return bad_request("method_options", f"invalid method_options: {exc}")
-    if isinstance(exc, IncompatiblePairError):   # a method this server's draft cannot run
-        return bad_request("method", str(exc))
+    if isinstance(exc, IncompatiblePairError):   # a method (or the request's options) this server's draft cannot run
+        return bad_request("method_options" if exc.options and user_options else "method", str(exc))
     if isinstance(exc, DrafterError):   # the server's drafter failed, not the request
         return ApiError(500, str(exc), type="server_error", code="drafter_error")
     if isinstance(exc, OuroborosError):
@@ -230,11 +230,25 @@ def method_and_options(body: dict[str, Any], default: str, server_options: dict[
         raise bad_request("method_options", "method_options must be an object", "invalid_type")
     try:
         check_options(method, options, per_request=True)
-        merged = overlaid(method, server_options, options)
+        merged = overlaid(method, _suited(method, server_options), options)
         check_options(method, merged)
     except ParameterError as exc:
         raise bad_request("method_options", f"invalid method_options: {exc}") from None
     return method, merged, bool(options)
+
+
+def _suited(method: str, server_options: dict[str, Any]) -> dict[str, Any]:
+    """The server's options that ``method`` takes with their values: ``serve --method speculative --gamma 1``
+    set gamma for its own method, and every request for pearl (gamma 2-64) heard a 400 blaming it."""
+    declared = {alias: option for option in method_options(method) for alias in (option.name, *option.aliases)}
+    suited = {}
+    for name, value in applicable_options(method, server_options).items():
+        try:
+            declared[name].check(value)
+        except ParameterError:
+            continue
+        suited[name] = value
+    return suited
 
 
 # ---- unsupported OpenAI features ----------------------------------------------------------------
