@@ -11,20 +11,19 @@ from .errors import (ContextOverflowError, IncompatiblePairError, MethodOptionEr
 if TYPE_CHECKING:   # what editors and type checkers see of the lazy names below
     from .engine import Engine, EngineConfig, GenerationResult, GenerationStats, StreamEvent
     from .sampling import SamplingParams
+else:   # hidden from type checkers: a module __getattr__ made every unknown name Any for them
+    def __getattr__(name: str) -> object:
+        # The engine imports llama.cpp and sampling numpy: both load lazily, so that `import ouroboros_local`
+        # stays cheap and the command line parses its arguments, and hears Ctrl-C, within a few milliseconds.
+        if name in ("Engine", "EngineConfig", "GenerationResult", "GenerationStats", "StreamEvent"):
+            from . import engine
 
+            return getattr(engine, name)
+        if name == "SamplingParams":
+            from .sampling import SamplingParams
 
-def __getattr__(name: str):
-    # The engine imports llama.cpp and sampling numpy: both load lazily, so that `import ouroboros_local`
-    # stays cheap and the command line parses its arguments, and hears Ctrl-C, within a few milliseconds.
-    if name in ("Engine", "EngineConfig", "GenerationResult", "GenerationStats", "StreamEvent"):
-        from . import engine
-
-        return getattr(engine, name)
-    if name == "SamplingParams":
-        from .sampling import SamplingParams
-
-        return SamplingParams
-    raise AttributeError(name)
+            return SamplingParams
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:   # the lazy names too: tab completion and dir() list them

@@ -23,7 +23,7 @@ import weakref
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Generator, Iterator, Sequence
+from typing import Any, Callable, Generator, Iterator, Mapping, Sequence, TypeVar, cast
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from .verify import VerifyResult, is_plain_step, joined, judged, verify_round, v
 
 
 log = logging.getLogger("ouroboros_local")
+_EngineT = TypeVar("_EngineT", bound="Engine")   # Engine.load and `with` give a subclass its own type
 
 # ``EngineConfig.overlap`` left to None drafts during plain steps where at least this share of a step is
 # spent waiting for its logits after llama_decode returned: time the draft's Python can use. A CUDA
@@ -447,8 +448,8 @@ class Engine:
 
     # ---- construction ---------------------------------------------------------------------------
     @classmethod
-    def load(cls, target: str | Path, draft: str | Path | None = None, *,
-             config: EngineConfig | None = None, progress: bool = True, **overrides: Any) -> "Engine":
+    def load(cls: type[_EngineT], target: str | os.PathLike[str], draft: str | os.PathLike[str] | None = None, *,
+             config: EngineConfig | None = None, progress: bool = True, **overrides: Any) -> _EngineT:
         """Resolve (path, hf://, catalogue name), validate and load a target and optional draft."""
         unknown = [key for key in overrides if key not in EngineConfig.__dataclass_fields__]
         if unknown:
@@ -704,7 +705,7 @@ class Engine:
         raise OuroborosError("an Engine cannot be pickled or sent to another process: load one in each process "
                              "(Engine.load there), and send prompts and results between them")
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self: _EngineT) -> _EngineT:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -747,7 +748,7 @@ class Engine:
         self._users = {}
         self._users_left = threading.Condition()
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True, *,
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, *,
                             continue_final: bool = False, template_kwargs: dict[str, Any] | None = None) -> str:
         """The conversation in the model's chat template. ``continue_final``: the final assistant message
         continued (a prefill, ``chat.render_chat``); ``template_kwargs``: more variables for the template."""
@@ -758,7 +759,7 @@ class Engine:
             return render_chat(self.target, messages, add_generation_prompt=bool(add_generation_prompt),
                                continue_final=bool(continue_final), template_kwargs=template_kwargs)
 
-    def chat_prompt(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+    def chat_prompt(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     **template_options: Any) -> str:
         """The rendered chat as ``tokenize(text, add_special=True)`` takes it (llama-server's tokens);
         ``template_options`` as ``apply_chat_template``'s."""
@@ -768,7 +769,7 @@ class Engine:
         with self._using_models():
             return for_added_specials(self.target, text)
 
-    def chat_tokens(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+    def chat_tokens(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                     limit: int | None = None, **template_options: Any) -> list[int]:
         """The chat's prompt tokens as llama-server makes them: one BOS where the vocabulary asks for it,
         whether the template writes it or not. ``limit`` as ``tokenize``'s; ``template_options`` as
@@ -776,7 +777,7 @@ class Engine:
         return self.tokenize(self.chat_prompt(messages, add_generation_prompt, **template_options),
                              add_special=True, parse_special=True, limit=limit)
 
-    def prompt_tokens(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    def prompt_tokens(self, prompt: str | Sequence[int] | np.ndarray, chat: bool = False) -> list[int]:
         """The prompt's tokens; ContextOverflowError where they leave no room in the context."""
         self._check_open()
         if isinstance(prompt, str):
@@ -809,9 +810,9 @@ class Engine:
                                     n_tokens=n_tokens, at_least=at_least)
 
     # ---- generation -----------------------------------------------------------------------------
-    def generate(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
-                 sampling: SamplingParams | dict[str, Any] | None = None, stop: str | Sequence[str] = (),
-                 chat: bool = False, options: dict[str, Any] | None = None,
+    def generate(self, prompt: str | Sequence[int] | np.ndarray, *, max_tokens: int = 128, method: str = "vanilla",
+                 sampling: SamplingParams | dict[str, Any] | None = None, stop: str | Sequence[str] | None = (),
+                 chat: bool = False, options: Mapping[str, Any] | None = None,
                  cancel: Callable[[], bool] | threading.Event | None = None) -> GenerationResult:
         """Generate up to ``max_tokens`` tokens after ``prompt`` (text, or token ids taken as they are) and
         return the whole answer. ``method``: one of the registered methods; ``sampling``: None for greedy;
@@ -825,9 +826,9 @@ class Engine:
         assert result is not None
         return result
 
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128, method: str = "vanilla",
-               sampling: SamplingParams | dict[str, Any] | None = None, stop: str | Sequence[str] = (),
-               chat: bool = False, options: dict[str, Any] | None = None,
+    def stream(self, prompt: str | Sequence[int] | np.ndarray, *, max_tokens: int = 128, method: str = "vanilla",
+               sampling: SamplingParams | dict[str, Any] | None = None, stop: str | Sequence[str] | None = (),
+               chat: bool = False, options: Mapping[str, Any] | None = None,
                cancel: Callable[[], bool] | threading.Event | None = None) -> Generator[StreamEvent, None, None]:
         """Yield text pieces as they are accepted; the last event carries the GenerationResult. Nothing
         runs before the first ``next()``."""
@@ -835,9 +836,9 @@ class Engine:
         self._streams.add(stream)
         return stream
 
-    def _stream(self, prompt: str | Sequence[int], max_tokens: int, method: str,
-                sampling: SamplingParams | dict[str, Any] | None, stop: str | Sequence[str], chat: bool,
-                options: dict[str, Any] | None,
+    def _stream(self, prompt: str | Sequence[int] | np.ndarray, max_tokens: int, method: str,
+                sampling: SamplingParams | dict[str, Any] | None, stop: str | Sequence[str] | None, chat: bool,
+                options: Mapping[str, Any] | None,
                 cancel: Callable[[], bool] | threading.Event | None) -> Generator[StreamEvent, None, None]:
         self._refuse_reentry()   # before the prompt is tokenized for a generation that cannot start
         stops = _stop_strings(stop)
@@ -877,7 +878,7 @@ class Engine:
                 if not saved:   # a stream closed early: as a finished answer's, when due (close() saves the rest)
                     self._save_history(None, if_due=True)
 
-    def prepare(self, method: str = "vanilla", options: dict[str, Any] | None = None) -> None:
+    def prepare(self, method: str = "vanilla", options: Mapping[str, Any] | None = None) -> None:
         """Measure now what the first generation with ``method`` would measure first (this machine's
         cost curves, where none are cached yet: seconds to a minute), so that it starts at once. The chat
         does this before its first prompt: there Ctrl-C quits, while during an answer it only stops it."""
@@ -887,7 +888,7 @@ class Engine:
         with self._exclusive():
             self._plan(method, options)   # the proposer it makes has not begun: nothing to end
 
-    def _plan(self, method: str, options: dict[str, Any] | None
+    def _plan(self, method: str, options: Mapping[str, Any] | None
               ) -> tuple[Method, Scheduler | None, RoundSizer | None]:
         """A generation's proposer, the scheduler that prices its drafts and its round sizer; the first
         call measures the cost curves. Called holding the engine's lock."""
@@ -897,13 +898,14 @@ class Engine:
         finally:
             self._planning = False
 
-    def _new_plan(self, method: str, options: dict[str, Any] | None
+    def _new_plan(self, method: str, options: Mapping[str, Any] | None
                   ) -> tuple[Method, Scheduler | None, RoundSizer | None]:
         if self.draft is None and needs_draft(method):   # not an option's fault, whatever options are given
             raise _needs_draft(method)
         try:
             with self.history.unchanged_on_error():
-                chosen = create_method(method, self.drafting_context(), options or {})
+                # (create_method takes any Mapping: check_options copies it into a dict)
+                chosen = create_method(method, self.drafting_context(), cast("dict[str, Any]", options or {}))
         except MethodOptionError:
             raise
         except ParameterError as exc:
@@ -1502,7 +1504,7 @@ def _add_python_time(stats: GenerationStats, llama_seconds: float) -> None:
                         "python_ms_per_round": round(1e3 * python_seconds / rounds, 4) if rounds else None})
 
 
-def resolve_and_check(target: str | Path, draft: str | Path | None, progress: bool = True
+def resolve_and_check(target: str | os.PathLike[str], draft: str | os.PathLike[str] | None, progress: bool = True
                       ) -> tuple[Path, Path | None, bool | None, str | None]:
     """Resolve model specs to validated GGUF files and compare the pair's vocabularies.
 

@@ -1,13 +1,19 @@
 """OpenAI-compatible HTTP server (``ouroboros-local serve``).
 
 FastAPI and uvicorn are the optional extra ``server``; importing this package does not need them.
-``create_app`` (in ``.app``) builds the ASGI application around a loaded Engine.
+``create_app`` (in ``.app``) builds the ASGI application around a loaded Engine, with a ``ServerConfig``.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # the real types for type checkers; at runtime .app (FastAPI) loads when first used
+    from fastapi import FastAPI
+
+    from ..engine import Engine
+    from .app import ServerConfig
 
 
 def default_method(has_draft: bool, available: list[str] | None = None) -> str:
@@ -34,11 +40,20 @@ def defer_method_default(parser: argparse.ArgumentParser, help: str) -> None:
             action.help = help
 
 
-def create_app(*args: Any, **kwargs: Any):
+def create_app(engine: Engine, config: ServerConfig | None = None) -> FastAPI:
     """Build the FastAPI application (see ``ouroboros_local.server.app.create_app``)."""
     from .app import create_app as _create_app
 
-    return _create_app(*args, **kwargs)
+    return _create_app(engine, config)
 
 
-__all__ = ["create_app", "default_method", "defer_method_default"]
+if not TYPE_CHECKING:   # hidden from type checkers, which see the import above
+    def __getattr__(name: str) -> object:
+        if name == "ServerConfig":   # loaded with .app, as create_app is: FastAPI only when used
+            from .app import ServerConfig
+
+            return ServerConfig
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["ServerConfig", "create_app", "default_method", "defer_method_default"]
