@@ -1049,8 +1049,10 @@ class Engine:
                     sched.learn(proposer.name, seen.tree, len(seen.accepted), seen.path)
                 if event is not None:
                     handed = time.perf_counter()
+                    drafting = proposer.drafts_while_read   # the reader's time is then the drafter's too
                     yield event
-                    consumer_seconds += time.perf_counter() - handed
+                    if not drafting:
+                        consumer_seconds += time.perf_counter() - handed
                 if out.finish is not None:
                     break
                 # the next round decodes while this one is observed: one without a draft, if nothing is

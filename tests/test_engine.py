@@ -157,6 +157,26 @@ def test_a_stream_readers_own_time_is_not_the_decodes(pair_engine: Engine) -> No
     assert events >= 5 and result.stats.decode_seconds < quick + 0.2 < 0.1 * events
 
 
+def test_a_readers_time_while_a_drafter_thread_works_stays_the_decodes(pair_engine: Engine, monkeypatch) -> None:
+    """PEARL drafts the next round in its thread while the reader holds an event: leaving the reader's time
+    out reported 22 tok/s for a slow reader where a fast one measured 13."""
+    import time
+
+    from ouroboros_local.proposers.base import NoDraft
+
+    monkeypatch.setattr(NoDraft, "drafts_while_read", True)   # as PEARL's while its job runs
+    events = 0
+    result = None
+    for ev in pair_engine.stream(PROMPTS[2], max_tokens=8, method="vanilla"):
+        events += ev.result is None
+        result = ev.result or result
+        time.sleep(0.1)
+    assert events >= 4 and result.stats.decode_seconds >= 0.1 * events
+    from ouroboros_local.proposers import pearl
+
+    assert isinstance(pearl.PearlProposer.__dict__["drafts_while_read"], property)
+
+
 def test_the_last_text_is_heard_before_the_history_is_saved(pair_engine: Engine, monkeypatch) -> None:
     """The final event carried the last held-back text and was yielded after the save: a failed save's
     warning landed inside the answer on a terminal ("The United Stateswarning: cannot save ...")."""

@@ -95,6 +95,9 @@ class Proposer(ABC):
     # ``observe`` reads no predictions beyond the accepted path (a ``JoinedPredictions`` has no others).
     # Read once ``begin`` has run: a draft model's depends on the request's sampling.
     drafts_ahead: bool = False
+    # True while a thread of the proposer's own drafts between rounds (PEARL in parallel): the time a
+    # stream's reader takes between events is then drafting time, and the decode's clock keeps it.
+    drafts_while_read: bool = False
 
     def begin(self, prompt: Sequence[int], setup: ProposeSetup) -> None:
         """Start a generation whose committed tokens are ``prompt``."""

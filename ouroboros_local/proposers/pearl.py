@@ -265,6 +265,11 @@ class PearlProposer(Proposer):
         self.end()
 
     # ---- threads ----------------------------------------------------------------------------------
+    @property
+    def drafts_while_read(self) -> bool:   # (base.Proposer) the next round's draft is being made now
+        job = self._future
+        return job is not None and not job.done()
+
     def _submit(self, fn) -> Future:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pearl-draft")
