@@ -38,11 +38,16 @@ def env_path(name: str) -> Path | None:
 
 
 def expand_home(path: str | os.PathLike[str], remedy: str) -> Path:
-    """`path` with a leading ``~`` or ``~user`` expanded; SettingError saying `remedy` where that home cannot be
-    found (no HOME and no passwd entry, as under `docker run --user 1234`, or a user that does not exist)."""
-    try:
-        return Path(path).expanduser()
-    except RuntimeError:   # pathlib's "Could not determine home directory."
-        user = Path(path).parts[0][1:]
-        whose = f"the home folder of user {user!r}" if user else "your home folder (HOME is unset)"
-        raise SettingError(f"cannot find {whose} for {path}: {remedy}") from None
+    """`path` with a leading ``~`` or ``~user`` expanded, as a shell would (only where the text starts with
+    it: "./~x" is a file's name). Where that home cannot be found (no HOME and no passwd entry, as under
+    `docker run --user 1234`, or no such user), a file of that very name is used if there is one (~notes.txt),
+    else SettingError saying `remedy`."""
+    text = os.fspath(path)
+    if not text.startswith("~"):
+        return Path(text)
+    expanded = os.path.expanduser(text)   # unchanged where it finds no home (pathlib raised RuntimeError)
+    if expanded != text or os.path.lexists(text):
+        return Path(expanded)
+    user = text[1:].split(os.sep, 1)[0]
+    whose = f"the home folder of user {user!r}" if user else "your home folder (HOME is unset)"
+    raise SettingError(f"cannot find {whose} for {text}: {remedy}")

@@ -58,8 +58,9 @@ while [ $# -gt 0 ]; do
   esac
 done
 
-# The package's cache folder, $OUROBOROS_CACHE, read as the package reads it (blank = unset, a leading ~
-# expanded); without it, $XDG_CACHE_HOME/ouroboros-local (as before), else ~/.cache/ouroboros-local.
+# The package's cache folder, $OUROBOROS_CACHE (blank = unset; a leading ~ or ~/ expanded, not ~user/: give
+# that one as an absolute path); without it, $XDG_CACHE_HOME/ouroboros-local (as before), else
+# ~/.cache/ouroboros-local.
 CACHE="${OUROBOROS_CACHE:-}"
 [[ "$CACHE" =~ ^[[:space:]]*$ ]] && CACHE=""
 case "$CACHE" in

@@ -581,6 +581,21 @@ def test_a_cache_folder_that_is_a_link_loop_is_called_one(tmp_path: Path) -> Non
             make_folder(folder)
 
 
+def test_a_file_whose_name_starts_with_a_tilde_is_read_as_named(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """`-f '~notes.txt'` and `-f './~notes.txt'` asked for the home folder of a user 'notes.txt'."""
+    from ouroboros_local.environment import SettingError, expand_home
+    from ouroboros_local.text_input import read_text
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "~notes.txt").write_text("mine\n", encoding="utf-8")
+    assert read_text("~notes.txt", "prompt file") == "mine\n"
+    assert read_text("./~notes.txt", "prompt file") == "mine\n"
+    assert expand_home("./~other", "x") == Path("./~other")   # not at the start: a name, as a shell has it
+    with pytest.raises(SettingError, match="home folder of user 'other' for ~other/x: give"):
+        expand_home("~other/x", "give it without ~")
+
+
 def test_a_text_file_path_with_a_tilde_is_read_from_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """generate --file=~/p.txt said "prompt file not found: ~/p.txt": no shell expands ~ after --file=."""
     from ouroboros_local.errors import ParameterError
