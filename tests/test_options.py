@@ -189,6 +189,18 @@ def test_a_servers_option_another_method_cannot_take_is_left_to_that_methods_def
     assert method_and_options({}, "speculative", {"gamma": 1})[1]["gamma"] == 1
     with pytest.raises(ApiError, match="gamma"):   # a request's own value is still checked
         method_and_options({"method": "pearl", "method_options": {"gamma": 1}}, "speculative", {"gamma": 1})
+    # a draft of another vocabulary: the server's p_min refused every speculative request
+    other = (False, "the vocabularies differ")
+    _, options, _ = method_and_options({"method": "speculative"}, "vanilla", {"p_min": 0.3}, pair=other)
+    assert "p_min" not in options
+    assert method_and_options({"method": "speculative"}, "vanilla", {"p_min": 0.3}, pair=(True, None))[1]["p_min"] == 0.3
+    # a request that turns the switch off drops the server's tuning of it (it was told to add adaedl=true)
+    server = {"adaedl": True, "adaedl_lambda": 0.5}
+    _, options, _ = method_and_options({"method": "speculative", "method_options": {"adaedl": False}}, "auto", server)
+    assert options == {"adaedl": False}
+    with pytest.raises(ApiError, match="adaedl_lambda tunes AdaEDL"):   # the request's own tuning: its error
+        method_and_options({"method": "speculative", "method_options": {"adaedl": False, "adaedl_lambda": 0.4}},
+                           "auto", server)
 
 
 def test_an_option_a_pair_of_two_vocabularies_refuses_is_the_requests_method_options() -> None:

@@ -186,7 +186,9 @@ class _Service:
         body = await self._read_json(request)
         check_model(body, self.model_ids, self.config.model_id)
         parsed = parse_generation(body, chat, self.sampling_default, self.default_method,
-                                  self.config.method_options, has_draft=self.engine.draft is not None)
+                                  self.config.method_options, has_draft=self.engine.draft is not None,
+                                  pair=(getattr(self.engine, "pair_compatible", None),
+                                        getattr(self.engine, "pair_reason", None)))
         self._or_503(self.worker.check_room)   # before the prompt is tokenized: seconds of CPU for a long one
         job = self._submit(parsed, await self._prompt_tokens(parsed))
         try:

@@ -16,7 +16,9 @@ from typing import TYPE_CHECKING, Any
 from ..chat import template_variables, validate_messages
 from ..errors import (ContextOverflowError, DrafterError, IncompatiblePairError, MethodOptionError, OuroborosError,
                       ParameterError)
-from ..proposers import applicable_options, check_options, method_names, method_options, needs_draft, overlaid
+from ..options import Option
+from ..proposers import (applicable_options, check_options, check_pair_options, method_names, method_options,
+                         needs_draft, overlaid)
 from ..sampling import SamplingParams
 from .worker import ShuttingDown
 
@@ -207,11 +209,13 @@ def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
 
 
 def method_and_options(body: dict[str, Any], default: str, server_options: dict[str, Any],
-                       has_draft: bool = True) -> tuple[str, dict[str, Any], bool]:
-    """The method and its options: the server's (those the method has) under the request's, all checked
-    here, before anything is queued or allocated. A request cannot name a file (the history pool is the
-    server's, set when it starts). The flag says whether the request gave options of its own.
-    ``has_draft``: the server loaded a draft model (a method that needs one is refused without it)."""
+                       has_draft: bool = True, pair: tuple[bool | None, str | None] | None = None,
+                       ) -> tuple[str, dict[str, Any], bool]:
+    """The method and its options: the server's (those the method can take, ``_suited``) under the
+    request's, all checked here, before anything is queued or allocated. A request cannot name a file (the
+    history pool is the server's, set when it starts). The flag says whether the request gave options of its
+    own. ``has_draft``: the server loaded a draft model (a method that needs one is refused without it);
+    ``pair``: whether its vocabulary is the target's, and the difference where not."""
     method = body.get("method")
     if method is None:
         method = default
@@ -230,25 +234,56 @@ def method_and_options(body: dict[str, Any], default: str, server_options: dict[
         raise bad_request("method_options", "method_options must be an object", "invalid_type")
     try:
         check_options(method, options, per_request=True)
-        merged = overlaid(method, _suited(method, server_options), options)
+        merged = overlaid(method, _suited(method, server_options, options, pair), options)
         check_options(method, merged)
     except ParameterError as exc:
         raise bad_request("method_options", f"invalid method_options: {exc}") from None
     return method, merged, bool(options)
 
 
-def _suited(method: str, server_options: dict[str, Any]) -> dict[str, Any]:
-    """The server's options that ``method`` takes with their values: ``serve --method speculative --gamma 1``
-    set gamma for its own method, and every request for pearl (gamma 2-64) heard a 400 blaming it."""
+def _suited(method: str, server_options: dict[str, Any], request: dict[str, Any],
+            pair: tuple[bool | None, str | None] | None) -> dict[str, Any]:
+    """The server's options that ``method`` takes, under the request's: each with its value (``serve --method
+    speculative --gamma 1`` set gamma for its own method, and every request for pearl, gamma 2-64, heard a
+    400 blaming it), with the server's draft (``--p-min`` refused every speculative request with a draft of
+    another vocabulary), and with the switch it tunes on (``{"adaedl": false}`` on a server with
+    ``--adaedl-lambda`` was told to add adaedl=true)."""
     declared = {alias: option for option in method_options(method) for alias in (option.name, *option.aliases)}
-    suited = {}
-    for name, value in applicable_options(method, server_options).items():
-        try:
-            declared[name].check(value)
-        except ParameterError:
-            continue
-        suited[name] = value
-    return suited
+    suited = {name: value for name, value in applicable_options(method, server_options).items()
+              if _takes(declared[name], value)}
+    if pair is not None and pair[0] is not None:
+        refused = _pair_refuses(method, overlaid(method, suited, request), pair)
+        given = {declared[name].name for name in request if name in declared}
+        suited = {name: value for name, value in suited.items()
+                  if declared[name].name not in refused or declared[name].name in given}
+    merged = {declared[name].name if name in declared else name: value
+              for name, value in overlaid(method, suited, request).items()}
+
+    def switched_off(option: Option) -> bool:
+        switch = option.needs[0] if option.needs else None
+        return switch is not None and not merged.get(switch, declared[switch].default if switch in declared else None)
+
+    return {name: value for name, value in suited.items() if not switched_off(declared[name])}
+
+
+def _takes(option: Option, value: Any) -> bool:
+    try:
+        option.check(value)
+    except ParameterError:
+        return False
+    return True
+
+
+def _pair_refuses(method: str, options: dict[str, Any], pair: tuple[bool | None, str | None]) -> tuple[str, ...]:
+    """The options the server's model pair refuses for ``method`` (none where the options are wrong otherwise:
+    that error is the request's to hear)."""
+    try:
+        check_pair_options(method, options, check_options(method, options), pair[0], pair[1])
+    except IncompatiblePairError as exc:
+        return exc.options
+    except ParameterError:
+        pass
+    return ()
 
 
 # ---- unsupported OpenAI features ----------------------------------------------------------------
@@ -394,14 +429,16 @@ class GenerationRequest:
 
 
 def parse_generation(body: dict[str, Any], chat: bool, sampling: SamplingParams, method: str,
-                     server_options: dict[str, Any], has_draft: bool = True) -> GenerationRequest:
+                     server_options: dict[str, Any], has_draft: bool = True,
+                     pair: tuple[bool | None, str | None] | None = None) -> GenerationRequest:
     """Check every field of a generation body; ``sampling`` and ``method`` are the server's defaults,
-    ``has_draft`` whether it loaded a draft model."""
+    ``has_draft`` whether it loaded a draft model, ``pair`` whether that shares the target's vocabulary
+    (and how not)."""
     refuse_unsupported(body, chat)
     stream, include_usage = stream_flags(body)
     params = sampling_params(body, sampling)
     stops = stop_strings(body)
-    method, options, user_options = method_and_options(body, method, server_options, has_draft)
+    method, options, user_options = method_and_options(body, method, server_options, has_draft, pair)
     max_tokens, max_tokens_param = max_tokens_field(body)
     param = "messages" if chat else "prompt"
     if param not in body:
