@@ -1266,3 +1266,22 @@ def test_bench_saves_its_results_for_a_non_utf8_path_and_an_out_with_a_tilde(
     assert json.loads((out / "results.json").read_text(encoding="utf-8"))["sets"][0]["file"] == str(pfile)
     assert "## pr\\xe9 (raw" in (out / "results.md").read_text(encoding="utf-8")
     assert not (tmp_path / "~").exists()
+
+
+def test_a_full_stdout_keeps_the_results_files(tiny_target: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    """`bench > /dev/full` ran every prompt, then the table's print raised and nothing was saved."""
+    import errno
+    import io
+    import sys
+
+    class Full(io.StringIO):
+        def write(self, text: str) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    pfile = write_jsonl(tmp_path / "p.jsonl", [{"id": "a", "turns": ["hello there"]}])
+    monkeypatch.setattr(sys, "stdout", Full())
+    out = tmp_path / "out"
+    code = main(["bench", "-m", str(tiny_target), "--prompts", str(pfile), "--methods", "vanilla", "-n", "4",
+                 "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth"])
+    assert code == 1 and (out / "results.json").is_file() and (out / "results.md").is_file()
+    assert "cannot write the table to standard output (No space left on device)" in capsys.readouterr().err

@@ -33,6 +33,18 @@ DEFAULT_METHODS = "all"
 TOLERANCE = 0.5   # ouroboros_local.compare.DEFAULT_TOLERANCE (not imported here: keeps --help cheap)
 
 
+def _print_table(md: str) -> list[str]:
+    """The run's table on stdout; the line saying why not where stdout cannot take it (a full disk under
+    `> table.md`): the results files are still written (the error ended the run with nothing saved)."""
+    try:
+        print(md, flush=True)
+    except OSError as exc:
+        if isinstance(exc, BrokenPipeError):   # `| head`: the reader has what it wanted
+            return []
+        return [f"cannot write the table to standard output ({exc.strerror or exc}); it is in results.md"]
+    return []
+
+
 def register(subparsers: Any, add_model_args: Callable, add_sampling_args: Callable,
              add_method_args: Callable) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
@@ -643,11 +655,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 "wall_seconds": run.wall_seconds,
             }
             md = report.render_markdown(payload)
-            print(md, flush=True)   # first: the table survives files the disk has no room for
+            not_shown = _print_table(md)   # first: the table survives files the disk has no room for
             offloaded = engine.config.gpu_layers != 0 and machine.get("gpus")
             where = machine["gpus"][0].split(",")[0] if offloaded else machine.get("cpu")
             title = report.readable(f"{Path(target.path).name} on {where}")   # a chart's text, as results.md's
-            unsaved = save_results(out_dir, payload, md, sweep_info, title, log)
+            unsaved = save_results(out_dir, payload, md, sweep_info, title, log) + not_shown
         if pressed and not run.interrupted:   # its exit status: 130 Ctrl-C, 143 SIGTERM, 129 SIGHUP
             run.interrupted, run.exit_status = True, 128 + pressed[0]
         for line in unsaved:
