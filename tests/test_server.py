@@ -1302,3 +1302,18 @@ def test_a_second_signal_inside_the_first_ones_handler_does_not_hang(monkeypatch
     first.join(5)
     assert not first.is_alive(), "the second signal's handler waits for a lock the first one holds"
     assert ended.wait(5) and server[0].stopped_by == signal.SIGINT
+
+
+def test_a_second_ctrl_c_while_stopping_does_not_force_uvicorn_past_the_apps_shutdown() -> None:
+    """Two Ctrl-Cs 50 ms apart set uvicorn's force_exit, which skipped the app's lifespan shutdown: a
+    "Traceback ... KeyboardInterrupt ... CancelledError" in every such stop's log."""
+    import uvicorn
+
+    from ouroboros_local.server import cli as server_cli
+
+    ended = threading.Event()
+    server = server_cli._server(uvicorn, uvicorn.Config(lambda *a: None), ended.set)
+    server.handle_exit(signal.SIGTERM, None)
+    server.handle_exit(signal.SIGINT, None)
+    assert server.should_exit and not server.force_exit and server.stopped_by == signal.SIGTERM
+    assert ended.wait(5)

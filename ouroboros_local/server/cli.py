@@ -202,10 +202,13 @@ def _server(uvicorn: Any, config: Any, end_jobs: Callable[[], None]) -> Any:
         stopped_by: int | None = None   # the signal that stopped it: the exit status says it, as other commands'
 
         def handle_exit(self, sig: int, frame: Any) -> None:
-            with contextlib.suppress(OSError):   # the pipe is full or closed: the stopper has its byte
+            if self.stopped_by is not None:
+                # stopping already, and the jobs ended at once: uvicorn's forced exit on a second Ctrl-C
+                # only skipped the app's shutdown, which logged a traceback
+                return
+            self.stopped_by = int(sig)
+            with contextlib.suppress(OSError):   # the pipe is closed: the stopper has its byte
                 os.write(wake_write, b"x")
-            if self.stopped_by is None:
-                self.stopped_by = int(sig)
             super().handle_exit(sig, frame)
 
     return Server(config)
