@@ -30,7 +30,7 @@ import numpy as np
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
 from .cpu_load import cpu_model
-from .errors import (ContextOverflowError, DrafterError, MethodOptionError, OuroborosError, ParameterError,
+from .errors import (ContextOverflowError, DrafterError, MethodOptionError, ModelError, OuroborosError, ParameterError,
                      PoolError, counted)
 from .gguf_file import validate_gguf
 from .history import History
@@ -1521,14 +1521,23 @@ def resolve_and_check(target: str | os.PathLike[str], draft: str | os.PathLike[s
                                  f"(got {type(spec).__name__})")
     # a Path stays one: Path("gemma3-270m") is a file here, never the catalogue's name
     target_path = models.resolve_model(target, progress=progress)
-    models.validate_gguf(target_path)
+    _refuse_recurrent(models.validate_gguf(target_path))
     draft = models.resolve_draft_spec(target, draft)   # -d auto
     if draft is None:
         return target_path, None, None, None
     draft_path = models.resolve_model(draft, progress=progress)
-    models.validate_gguf(draft_path)
+    _refuse_recurrent(models.validate_gguf(draft_path))
     report = models.check_pair(target_path, draft_path)
     return target_path, draft_path, report.compatible, report.reason
+
+
+def _refuse_recurrent(info: Any) -> None:
+    """ModelError for a recurrent or hybrid architecture named in the file's header, before its weights load
+    (the load refuses it too, once minutes of a large model's weights are read)."""
+    if info.is_recurrent:
+        raise ModelError(f"{info.path.name} is a {info.arch} model, whose memory is recurrent: speculative "
+                         "decoding needs to roll back rejected tokens, which llama.cpp cannot do for recurrent "
+                         "state; use a transformer model")
 
 
 def _sampling_params(sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:

@@ -197,6 +197,19 @@ def test_adapters_and_vocabulary_only_files_are_refused_before_loading(tmp_path:
         validate_gguf(write_gguf(tmp_path / "vocab.gguf", tensor_elems=0))
 
 
+def test_a_recurrent_model_is_refused_before_its_weights_load(tmp_path: Path, monkeypatch) -> None:
+    """A Mamba or hybrid model was refused only once llama.cpp had read its weights (minutes for a large one)."""
+    from ouroboros_local.engine import resolve_and_check
+    from ouroboros_local.llama import binding
+
+    monkeypatch.setattr(binding.Model, "__init__", lambda *a, **k: pytest.fail("the weights began to load"))
+    with pytest.raises(ModelError, match="mamba.gguf is a mamba model, whose memory is recurrent"):
+        resolve_and_check(write_gguf(tmp_path / "mamba.gguf", arch="mamba"), None, progress=False)
+    with pytest.raises(ModelError, match="draft.gguf is a rwkv7 model"):
+        resolve_and_check(write_gguf(tmp_path / "t.gguf"), write_gguf(tmp_path / "draft.gguf", arch="rwkv7"),
+                          progress=False)
+
+
 def test_a_failed_load_names_llama_cpps_cause(gguf_file: Path) -> None:
     from ouroboros_local.llama import Model
 
