@@ -142,36 +142,35 @@ def test_streaming_yields_the_same_text(pair_engine: Engine) -> None:
     assert "".join(pieces) == result.text
 
 
-def test_a_stream_readers_own_time_is_not_the_decodes(pair_engine: Engine) -> None:
-    """generate --compare timed the method's answer with its printing (a slow terminal made it 0.42x of
-    vanilla, which generate() timed without): the reader's time between events is not the engine's."""
+def _read_slowly(engine: Engine, max_tokens: int) -> tuple[int, float]:
+    """A stream read 0.1 s per event (a slow terminal): its events and the decode seconds it reports."""
     import time
 
-    quick = pair_engine.generate(PROMPTS[2], max_tokens=12, method="vanilla").stats.decode_seconds
     events = 0
     result = None
-    for ev in pair_engine.stream(PROMPTS[2], max_tokens=12, method="vanilla"):
+    for ev in engine.stream(PROMPTS[2], max_tokens=max_tokens, method="vanilla"):
         events += ev.result is None
         result = ev.result or result
         time.sleep(0.1)
-    assert events >= 5 and result.stats.decode_seconds < quick + 0.2 < 0.1 * events
+    return events, result.stats.decode_seconds
+
+
+def test_a_stream_readers_own_time_is_not_the_decodes(pair_engine: Engine) -> None:
+    """generate --compare timed the method's answer with its printing (a slow terminal made it 0.42x of
+    vanilla, which generate() timed without): the reader's time between events is not the engine's."""
+    quick = pair_engine.generate(PROMPTS[2], max_tokens=12, method="vanilla").stats.decode_seconds
+    events, seconds = _read_slowly(pair_engine, 12)
+    assert events >= 5 and seconds < quick + 0.2 < 0.1 * events
 
 
 def test_a_readers_time_while_a_drafter_thread_works_stays_the_decodes(pair_engine: Engine, monkeypatch) -> None:
     """PEARL drafts the next round in its thread while the reader holds an event: leaving the reader's time
     out reported 22 tok/s for a slow reader where a fast one measured 13."""
-    import time
-
     from ouroboros_local.proposers.base import NoDraft
 
     monkeypatch.setattr(NoDraft, "drafts_while_read", True)   # as PEARL's while its job runs
-    events = 0
-    result = None
-    for ev in pair_engine.stream(PROMPTS[2], max_tokens=8, method="vanilla"):
-        events += ev.result is None
-        result = ev.result or result
-        time.sleep(0.1)
-    assert events >= 4 and result.stats.decode_seconds >= 0.1 * events
+    events, seconds = _read_slowly(pair_engine, 8)
+    assert events >= 4 and seconds >= 0.1 * events
     from ouroboros_local.proposers import pearl
 
     assert isinstance(pearl.PearlProposer.__dict__["drafts_while_read"], property)
