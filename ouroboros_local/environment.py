@@ -4,6 +4,7 @@ and a one-line error naming the variable where a value cannot be used."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from .errors import ParameterError
@@ -34,20 +35,26 @@ def env_path(name: str) -> Path | None:
     value = os.environ.get(name, "")
     if not value.strip():
         return None
-    return expand_home(value, f"set {name} to an absolute path")
+    return expand_home(value, f"set {name} to an absolute path", strict=True)
 
 
-def expand_home(path: str | os.PathLike[str], remedy: str) -> Path:
+def expand_home(path: str | os.PathLike[str], remedy: str, *, strict: bool = False) -> Path:
     """`path` with a leading ``~`` or ``~user`` expanded, as a shell would (only where the text starts with
-    it: "./~x" is a file's name). Where that home cannot be found (no HOME and no passwd entry, as under
-    `docker run --user 1234`, or no such user), a file of that very name is used if there is one (~notes.txt),
-    else SettingError saying `remedy`."""
+    it: "./~x" is a file's name). ``~name`` whose home is not found is kept as written, as a shell keeps it (a
+    file or folder named "~notes.txt"; Windows guesses a home for any name, so there a file of that name wins
+    where the guessed home has none), unless ``strict`` (a variable's value: no shell was there to expand it).
+    SettingError saying `remedy` where the home is needed and not found: no HOME and no passwd entry, as under
+    `docker run --user 1234`, or a ``strict`` user that does not exist."""
     text = os.fspath(path)
     if not text.startswith("~"):
         return Path(text)
     expanded = os.path.expanduser(text)   # unchanged where it finds no home (pathlib raised RuntimeError)
-    if expanded != text or os.path.lexists(text):
+    user = re.split(r"[\\/]", text[1:], maxsplit=1)[0]
+    if user and not strict and os.path.lexists(text) and not os.path.lexists(expanded):
+        return Path(text)
+    if expanded != text:
         return Path(expanded)
-    user = text[1:].split(os.sep, 1)[0]
+    if user and not strict:
+        return Path(text)
     whose = f"the home folder of user {user!r}" if user else "your home folder (HOME is unset)"
     raise SettingError(f"cannot find {whose} for {text}: {remedy}")

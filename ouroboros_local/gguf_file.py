@@ -32,6 +32,7 @@ RECURRENT_ARCHS = frozenset({
     "mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7",
     "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h",
     "nemotron_h_moe", "qwen3next", "qwen35", "qwen35moe", "kimi-linear",
+    "bailingmoe3", "kimi-k3", "glm5-next", "qwen4exp", "deepseek4", "minimax-01",   # llama-cpp-python 0.3.36's
 })
 
 

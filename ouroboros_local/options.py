@@ -49,6 +49,7 @@ class Option:
     # (a bool option, what it switches on): this one takes effect only with that on, and is refused
     # without it, where it would be ignored as if it had taken effect
     needs: tuple[str, str] = ()
+    at_most: str = ""         # another option this one may not exceed (min_ngram, max_ngram)
 
     def with_default(self, default: Any) -> "Option":
         return replace(self, default=default)
@@ -126,7 +127,8 @@ TOPK = Option("topk", "int", 2, "pool phrases hung after a draft", 0, 64)
 # 16: a match counts as 16 tokens at most (prompt_lookup.MATCH_CAP), and every n-gram size is indexed at
 # every position (64 took 400 MB and 10 s more on a 16k-token prompt)
 MAX_NGRAM = Option("max_ngram", "int", 3, "prompt-lookup: longest n-gram matched", 1, 16)
-MIN_NGRAM = Option("min_ngram", "int", 1, "prompt-lookup: shortest n-gram matched", 1, 16, flag=False)
+MIN_NGRAM = Option("min_ngram", "int", 1, "prompt-lookup: shortest n-gram matched", 1, 16, flag=False,
+                   at_most="max_ngram")
 MAX_BRANCHES = Option("max_branches", "int", 1, "prompt-lookup: matches drafted as branches", 1, 16,
                       flag=False)
 P_MIN = Option("p_min", "float", 0.0, "stop drafting where the draft's top probability is below this", 0.0, 1.0)
@@ -214,7 +216,18 @@ def parse(method: str, declared: Iterable[Option], raw: Mapping[str, Any] | None
         out[option.name] = option.default if checked is None else checked
     if not per_request:
         _refuse_switched_off(by_name, raw or {}, out)
+        _refuse_crossed(by_name, out)
     return out
+
+
+def _refuse_crossed(by_name: dict[str, Option], out: dict[str, Any]) -> None:
+    """MethodOptionError for an option above the one it may not exceed (``Option.at_most``): checked with
+    the others, not when the drafter is made, so that a server's setting and a request's are weighed together."""
+    for option in by_name.values():
+        bound = out.get(option.at_most) if option.at_most else None
+        value = out.get(option.name)
+        if bound is not None and value is not None and value > bound:
+            raise MethodOptionError(f"option {option.name!r} ({value}) must not exceed {option.at_most!r} ({bound})")
 
 
 def _refuse_switched_off(by_name: dict[str, Option], raw: Mapping[str, Any], out: dict[str, Any]) -> None:

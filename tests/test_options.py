@@ -193,7 +193,12 @@ def test_a_servers_option_another_method_cannot_take_is_left_to_that_methods_def
     other = (False, "the vocabularies differ")
     _, options, _ = method_and_options({"method": "speculative"}, "vanilla", {"p_min": 0.3}, pair=other)
     assert "p_min" not in options
-    assert method_and_options({"method": "speculative"}, "vanilla", {"p_min": 0.3}, pair=(True, None))[1]["p_min"] == 0.3
+    same = (True, None)
+    assert method_and_options({"method": "speculative"}, "vanilla", {"p_min": 0.3}, pair=same)[1]["p_min"] == 0.3
+    # a server limit that clashes with a request's own value gives way (min_ngram 3 under --max-ngram 2)
+    _, options, _ = method_and_options({"method": "prompt-lookup", "method_options": {"min_ngram": 3}}, "auto",
+                                       {"max_ngram": 2})
+    assert options == {"min_ngram": 3}
     # a request that turns the switch off drops the server's tuning of it (it was told to add adaedl=true)
     server = {"adaedl": True, "adaedl_lambda": 0.5}
     _, options, _ = method_and_options({"method": "speculative", "method_options": {"adaedl": False}}, "auto", server)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from .. import options as opt
 from ..drafting import cut_at_eog, hang_phrases
-from ..errors import MethodOptionError, ParameterError
+from ..errors import ParameterError
 from ..history import History
 from ..pool import PhrasePool, continues
 from ..tree import TokenTree
@@ -246,9 +246,6 @@ def create(ctx: DraftingContext, options: dict[str, Any], named_history: bool = 
     pool = None
     if options["pool"] is not None or (named_history and ctx.history.named_file is not None):
         pool = ctx.history.pool(POOL_PHRASE_LEN, POOL_PER_KEY, options["pool"])
-    if options["min_ngram"] > options["max_ngram"]:
-        raise MethodOptionError(f"option 'min_ngram' ({options['min_ngram']}) must not exceed 'max_ngram' "
-                                f"({options['max_ngram']})")
     return PromptLookupProposer(max_ngram=options["max_ngram"], min_ngram=options["min_ngram"],
                                 gamma=options["gamma"] or DEFAULT_GAMMA, max_branches=options["max_branches"],
                                 pool=pool, feed_pool=options["feed_pool"], history=ctx.history)

@@ -56,4 +56,5 @@ if not TYPE_CHECKING:   # hidden from type checkers, which see the import above
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ServerConfig", "create_app", "default_method", "defer_method_default"]
+# ServerConfig (lazily, with FastAPI) is not in __all__: `from ouroboros_local.server import *` needs no FastAPI
+__all__ = ["create_app", "default_method", "defer_method_default"]

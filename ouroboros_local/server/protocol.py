@@ -263,7 +263,28 @@ def _suited(method: str, server_options: dict[str, Any], request: dict[str, Any]
         switch = option.needs[0] if option.needs else None
         return switch is not None and not merged.get(switch, declared[switch].default if switch in declared else None)
 
-    return {name: value for name, value in suited.items() if not switched_off(declared[name])}
+    suited = {name: value for name, value in suited.items() if not switched_off(declared[name])}
+    return _consistent(method, suited, request)
+
+
+def _consistent(method: str, suited: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    """``suited`` less the one server option that makes a valid request invalid beside it (``--max-ngram
+    2`` under a request's min_ngram 3 was a 400 blaming the request)."""
+    if _valid(method, overlaid(method, suited, request)) or not _valid(method, request):
+        return suited
+    for name in suited:
+        fewer = {key: value for key, value in suited.items() if key != name}
+        if _valid(method, overlaid(method, fewer, request)):
+            return fewer
+    return suited
+
+
+def _valid(method: str, options: dict[str, Any]) -> bool:
+    try:
+        check_options(method, options)
+    except ParameterError:
+        return False
+    return True
 
 
 def _takes(option: Option, value: Any) -> bool:
