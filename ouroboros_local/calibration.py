@@ -396,5 +396,5 @@ def cached_or_measured(kv: "KVCache", key: str, cache: CalibrationCache, refresh
     except (OSError, PoolError) as exc:   # a read-only cache folder: the next start measures again
         model.__dict__["_unsaved"] = str(exc)
         warn_not_saved(cache.path, "cost curve", "OUROBOROS_CALIBRATION_FILE",
-                       "every start measures it again (seconds to a minute)", exc)
+                       "every start measures it again (seconds to minutes)", exc)
     return model

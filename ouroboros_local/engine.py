@@ -880,7 +880,7 @@ class Engine:
 
     def prepare(self, method: str = "vanilla", options: Mapping[str, Any] | None = None) -> None:
         """Measure now what the first generation with ``method`` would measure first (this machine's
-        cost curves, where none are cached yet: seconds to a minute), so that it starts at once. The chat
+        cost curves, where none are cached yet: seconds to minutes), so that it starts at once. The chat
         does this before its first prompt: there Ctrl-C quits, while during an answer it only stops it."""
         self._refuse_reentry()
         if method not in method_names():
