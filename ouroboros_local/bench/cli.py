@@ -508,10 +508,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         def fits_context(b: prompts_mod.BuiltPrompt) -> bool:
             return len(b.tokens) + b.max_tokens + 1 <= n_ctx
 
-        fits = [b for b in built if fits_context(b)]
-        too_long = {s.name: sum(b.set_name == s.name and not fits_context(b) for b in built) for s in sets}
-        if len(fits) < len(built):
-            dropped = [f"{b.set_name}/{b.id}" for b in built if b not in fits]
+        fits: list[prompts_mod.BuiltPrompt] = []
+        longer: list[prompts_mod.BuiltPrompt] = []
+        for b in built:
+            (fits if fits_context(b) else longer).append(b)
+        too_long = {s.name: sum(b.set_name == s.name for b in longer) for s in sets}
+        if longer:
+            dropped = [f"{b.set_name}/{b.id}" for b in longer]
             notes.append(f"{len(dropped)} prompt(s) longer than the context ({n_ctx}) minus the max new tokens "
                          f"were skipped: {', '.join(dropped[:10])}{' ...' if len(dropped) > 10 else ''}")
             log(f"bench: {notes[-1]}")
