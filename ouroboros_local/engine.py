@@ -30,9 +30,9 @@ import numpy as np
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
 from .cpu_load import cpu_model
-from .errors import (ContextOverflowError, DrafterError, MethodOptionError, ModelError, OuroborosError, ParameterError,
+from .errors import (ContextOverflowError, DrafterError, MethodOptionError, OuroborosError, ParameterError,
                      PoolError, counted)
-from .gguf_file import validate_gguf
+from .gguf_file import recurrent_refusal, validate_gguf
 from .history import History
 from .kv import KVCache
 from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, copy_priors, estimates_key
@@ -1535,9 +1535,7 @@ def _refuse_recurrent(info: Any) -> None:
     """ModelError for a recurrent or hybrid architecture named in the file's header, before its weights load
     (the load refuses it too, once minutes of a large model's weights are read)."""
     if info.is_recurrent:
-        raise ModelError(f"{info.path.name} is a {info.arch} model, whose memory is recurrent: speculative "
-                         "decoding needs to roll back rejected tokens, which llama.cpp cannot do for recurrent "
-                         "state; use a transformer model")
+        raise recurrent_refusal(info.path.name, f"a {info.arch} model, whose memory is recurrent")
 
 
 def _sampling_params(sampling: SamplingParams | dict[str, Any] | None) -> SamplingParams:

@@ -36,6 +36,13 @@ RECURRENT_ARCHS = frozenset({
 })
 
 
+def recurrent_refusal(name: str, what: str) -> ModelError:
+    """The refusal of model file ``name``, which is ``what`` ("a mamba model, ..."): from its header before
+    the weights load (the engine), or from llama.cpp once they have (the binding)."""
+    return ModelError(f"{name} is {what}: speculative decoding needs to roll back rejected tokens, which "
+                      "llama.cpp cannot do for recurrent state; use a transformer model")
+
+
 @dataclass(frozen=True)
 class GGUFInfo:
     """What validation learned about a GGUF file."""

@@ -22,6 +22,7 @@ from ..cpu_load import busy_cores_now, idle_threads, math_cores, usable_cores  #
 from ..environment import env_flag
 from ..errors import LLAMA_CPP_PYTHON, ContextOverflowError, ModelError, OuroborosError, ParameterError
 from ..filestore import file_identity
+from ..gguf_file import recurrent_refusal
 from ..text_input import utf8_bytes
 from . import huge_pages as huge_pages_mod
 from .interrupts import noted_ctrl_c
@@ -347,9 +348,7 @@ class Model(_Native):
         if not vocab_only and (lc.llama_model_is_recurrent(ptr) or lc.llama_model_is_hybrid(ptr)):
             kind = "recurrent" if lc.llama_model_is_recurrent(ptr) else "hybrid"
             self.close()
-            raise ModelError(
-                f"{self.path.name} is a {kind} model: speculative decoding needs to roll back rejected "
-                "tokens, which llama.cpp cannot do for recurrent state; use a transformer model")
+            raise recurrent_refusal(self.path.name, f"a {kind} model")
         self.n_vocab = int(lc.llama_vocab_n_tokens(self.vocab))
         self.bos = int(lc.llama_vocab_bos(self.vocab))
         self.eos = int(lc.llama_vocab_eos(self.vocab))
