@@ -37,8 +37,7 @@ class SamplingParams:
 
     def validated(self) -> "SamplingParams":
         """These settings as the engine runs them: numpy's numbers as Python's, -1 as off (top_k) and as
-        random (seed)."""
-        self._check()
+        random (seed). (Checked when made, and the copy is checked again as it is made.)"""
         # numpy's numbers as Python's: a seed of np.uint32 and a top_k of np.int64 behave as their ints;
         # -1 is random, as on the command line and the server (llama.cpp's default seed)
         return replace(self, temperature=float(self.temperature), top_p=float(self.top_p),
