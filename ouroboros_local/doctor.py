@@ -90,10 +90,9 @@ def flash_attention_line(gpu: bool) -> str:
     return "flash attention: off by default on the CPU (bit-reproducible greedy output); --flash-attn sets it"
 
 
-def huge_pages_line(enabled: bool = True, models: Sequence[tuple[str, int]] = (),
-                    available: int | None = None) -> str:
+def huge_pages_line(enabled: bool = True, models: Sequence[tuple[str, int]] = ()) -> str:
     """Whether this run's weights kept on the CPU go into 2 MiB pages (llama/huge_pages.py): ``enabled`` is
-    --huge-pages, ``models`` (label, file size) and ``available`` the memory (huge_pages.worth_it's rule)."""
+    --huge-pages, ``models`` (label, file size) those that ``huge_pages.worth_it`` judges."""
     import mmap
 
     from .llama import huge_pages
@@ -105,7 +104,7 @@ def huge_pages_line(enabled: bool = True, models: Sequence[tuple[str, int]] = ()
         return (f"huge pages: off (--no-huge-pages): weights are mapped from the file in {small}, as llama.cpp "
                 f"does (transparent huge pages: {mode})")
     share = huge_pages.MEMORY_SHARE
-    mapped = [label for label, size in models if available is None or size > share * available]
+    mapped = [label for label, size in models if not huge_pages.worth_it(size)]
     line = (f"huge pages: weights kept on the CPU are read into 2 MiB pages (transparent huge pages: {mode}; "
             f"models up to {share:.0%} of the available memory); --no-huge-pages maps them")
     if mapped:   # read in, a large model's weights could not be paged back to the file under pressure
@@ -167,13 +166,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     paths = {label: resolve_model(spec, progress=True) for label, spec in (("target", args.model),
                                                                           ("draft", args.draft)) if spec}
     infos = {label: validate_gguf(path) for label, path in paths.items()}
-    meminfo = huge_pages.memory_available()   # None: /proc/meminfo says nothing (huge_pages.worth_it's figure)
-    available, source = meminfo, ""
+    available, source = huge_pages.memory_available(), ""
     if available is None:   # no /proc/meminfo (macOS, Windows): llama.cpp's figure for the CPU's memory
         available = next((dev.memory_free for dev in found if dev.kind == "cpu" and dev.memory_free), None)
         source = " (llama.cpp's figure for the CPU device)"
-    print(huge_pages_line(args.huge_pages, [(label, info.file_size) for label, info in infos.items()],
-                          meminfo))
+    print(huge_pages_line(args.huge_pages, [(label, info.file_size) for label, info in infos.items()]))
     if available:
         print(f"memory available: {available / 2**30:.1f} GiB{source}")
     n_ctx = args.ctx_size   # 0: each model's trained context
