@@ -1022,7 +1022,7 @@ class Engine:
                                             round_size, draft_budget, guesses,
                                             sizer.size() if sizer is not None else round_size)
                     if sizer is not None:
-                        sizer.observe(step.tree.batch_size, step.stand_in, step.result.tokens)
+                        sizer.observe(step.tree.batch_size, step.stand_in, step.result.tokens, step.seconds)
                     observe_later = None
                     ahead_drafts += step.drafted > 0
                     ahead_carried += step.carried is not None or bool(step.guesses)
@@ -1086,7 +1086,9 @@ class Engine:
             if overlap:
                 stats.extra["overlap"] = {"drafts": ahead_drafts, "carried": ahead_carried}
             if sizer is not None:
-                stats.extra["round_switch"] = {"plain_rounds": sizer.plain_rounds, "changes": sizer.changes}
+                stats.extra["round_switch"] = {"plain_rounds": sizer.plain_rounds, "changes": sizer.changes,
+                                               "cost_ratio": round(sizer.cost_ratio, 3),
+                                               "calibrated_ratio": round(sizer.calibrated_ratio, 3)}
             if sched is not None and proposer.name in sched.retired:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}
         text_tail = out.flush()
@@ -1206,7 +1208,7 @@ class Engine:
         if sizer is None:
             sizer = self._sizers[proposer.name] = RoundSizer(
                 round_size, costs.cost(round_size) / costs.plain_seconds,
-                max(costs.switch_seconds, 0.0) / costs.plain_seconds)
+                max(costs.switch_seconds, 0.0) / costs.plain_seconds, costs.plain_seconds)
         return sizer
 
     def _overlaps(self, proposer: Proposer) -> bool:

@@ -9,15 +9,26 @@ have written (its guesses against the tokens that followed), so both sizes are j
 change of size costs decodes without their graph on both sides (on that H200 a plain step after a round
 of 4 took 4.2 ms against 1.4), so the size changes only once the other size would have gained more than
 a change there and back costs: a CUSUM of the gain, in plain steps' time (docs/design.md#cost-model).
+
+What a round of K costs against a plain step is timed here, as this loop decodes them (its drafting
+during the decode included), once each size has been timed TIMED_MIN times past a change of size; until
+then the calibration's figure stands, rounds of K timed against its plain step once they are. The
+calibration decodes both back to back on a short context, and on an H200 with flash attention the
+1.5B's rounds of 4 then cost 1.7 of its plain steps, not the calibrated figure: the sizer kept rounds
+that wrote 1.6 tokens, at 0.90-0.94x of plain decoding (docs/reports/h200-h).
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
+from .calibration import SWITCH_STEPS
+
 # what the sizer must see gained beyond a change there and back before it changes size: a guard against
 # noise where changes cost little (a CPU)
 NOISE_STEPS = 1.0
+TIMED_MIN = 3         # decodes of a size timed before its time replaces the calibrated one
+TIME_WEIGHT = 0.1     # the timed seconds' moving average
 
 
 class RoundSizer:
@@ -25,29 +36,53 @@ class RoundSizer:
     method and engine: a request begins (``begin_request``) at the size the last one left, since a
     request's first decode has no graph to keep either way."""
 
-    def __init__(self, round_size: int, cost_ratio: float, switch_steps: float = 0.0):
-        """``cost_ratio``: a round of ``round_size`` over a plain step, both decoded back to back;
-        ``switch_steps``: what the decodes after a change of size lose, in plain steps."""
+    def __init__(self, round_size: int, cost_ratio: float, switch_steps: float = 0.0,
+                 plain_seconds: float | None = None):
+        """``cost_ratio``: a round of ``round_size`` over a plain step, both decoded back to back (the
+        calibration's, until both are timed here); ``switch_steps``: what the decodes after a change of
+        size lose, in plain steps; ``plain_seconds``: the calibration's plain step, which rounds of K
+        timed here are set against until plain steps are (None: the ratio waits for both)."""
         self.round_size = round_size
-        self.cost_ratio = cost_ratio
+        self.calibrated_ratio = cost_ratio
+        self.calibrated_plain = plain_seconds
         self.threshold = 2 * switch_steps + NOISE_STEPS   # a change, and the change back
         self.plain = False            # starts in rounds of K, as without the sizer
         self.balance = 0.0            # plain steps' time the other size would have saved (CUSUM, >= 0)
         self.plain_rounds = 0
         self.changes = 0
         self._pending: list[list] = []    # [guesses, matched]: rounds of K that plain steps stand for
+        self._timed: dict[int, list[float]] = {1: [0.0, 0], round_size: [0.0, 0]}   # [average, count]
+        self._run_size = 0            # the size of the decodes in a row so far, and how many
+        self._run_length = 0
 
     def begin_request(self) -> None:
         self.plain_rounds = self.changes = 0
         self._pending.clear()
+        self._run_size = 0            # after the prompt's decode: another shape
+
+    @property
+    def cost_ratio(self) -> float:
+        """A round of K over a plain step: as timed here, else against the calibrated plain step, else the
+        calibrated ratio."""
+        (round_seconds, rounds), (plain_seconds, plains) = self._timed[self.round_size], self._timed[1]
+        if rounds < TIMED_MIN:
+            return self.calibrated_ratio
+        if plains >= TIMED_MIN:
+            return round_seconds / plain_seconds
+        if self.calibrated_plain:
+            return round_seconds / self.calibrated_plain
+        return self.calibrated_ratio
 
     def size(self) -> int:
         return 1 if self.plain else self.round_size
 
-    def observe(self, decoded: int, guesses: Sequence[int], written: Sequence[int]) -> None:
-        """A round that decoded ``decoded`` tokens wrote ``written``; ``guesses``, for a plain step: the
-        K - 1 tokens the round of K it replaced would have checked after the root (a round of K's own
-        count is what it wrote, so it passes none)."""
+    def observe(self, decoded: int, guesses: Sequence[int], written: Sequence[int],
+                seconds: float | None = None) -> None:
+        """A round that decoded ``decoded`` tokens in ``seconds`` wrote ``written``; ``guesses``, for a
+        plain step: the K - 1 tokens the round of K it replaced would have checked after the root (a
+        round of K's own count is what it wrote, so it passes none)."""
+        if seconds is not None:
+            self._time(decoded, seconds)
         for token in written:    # the plain steps' stand-ins, judged on the tokens that followed them
             self._pending = [entry for entry in self._pending if self._advance(entry, token)]
         if decoded > 1:
@@ -59,6 +94,18 @@ class RoundSizer:
                 self._pending.append(stand_in)
         if self.balance > self.threshold:
             self.plain, self.balance, self.changes = not self.plain, 0.0, self.changes + 1
+
+    def _time(self, decoded: int, seconds: float) -> None:
+        """Average the seconds of plain steps and rounds of K, past the SWITCH_STEPS decodes after a change
+        of shape (those run without their CUDA graph: the switch's cost, counted apart)."""
+        if decoded != self._run_size:
+            self._run_size, self._run_length = decoded, 0
+        self._run_length += 1
+        timed = self._timed.get(decoded)
+        if timed is None or self._run_length <= SWITCH_STEPS:
+            return
+        timed[0] = seconds if not timed[1] else timed[0] + TIME_WEIGHT * (seconds - timed[0])
+        timed[1] += 1
 
     def _advance(self, stand_in: list, token: int) -> bool:
         """One more token written after a stand-in's root: False once it is judged (and counted)."""

@@ -9,16 +9,17 @@ from types import SimpleNamespace
 import pytest
 
 from ouroboros_local.engine import Engine
-from ouroboros_local.round_sizer import NOISE_STEPS, RoundSizer
+from ouroboros_local.calibration import SWITCH_STEPS, CostModel
+from ouroboros_local.round_sizer import NOISE_STEPS, TIMED_MIN, RoundSizer
 from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.lossless import assert_greedy_equals_vanilla, assert_seeded_equals_vanilla
 
 K = 4
 
 
-def rounds_of_k(sizer: RoundSizer, written: int, n: int) -> None:
+def rounds_of_k(sizer: RoundSizer, written: int, n: int, seconds: float | None = None) -> None:
     for _ in range(n):
-        sizer.observe(K, [], list(range(written)))
+        sizer.observe(K, [], list(range(written)), seconds)
 
 
 def test_rounds_that_lose_give_way_once_the_loss_passes_a_change_there_and_back() -> None:
@@ -68,16 +69,52 @@ def test_a_new_request_keeps_the_size_and_forgets_its_stand_ins() -> None:
     assert sizer.size() == 1 and not sizer._pending and sizer.plain_rounds == sizer.changes == 0
 
 
+def test_rounds_timed_dearer_than_calibrated_give_way_to_plain_steps() -> None:
+    """The H200's 1.5B: calibrated, a round of 4 cost 1.3 plain steps; in the loop it took 1.7, and rounds
+    writing 1.6 tokens went on at 0.90-0.94x of plain decoding. Timed, they give way; the decodes after a
+    change of shape (no CUDA graph yet) are not timed."""
+    calibrated = RoundSizer(K, cost_ratio=1.3, plain_seconds=1.0)
+    rounds_of_k(calibrated, 2, SWITCH_STEPS, seconds=9.0)            # a new shape: the switch's cost
+    assert calibrated.size() == K and calibrated.cost_ratio == 1.3
+    for _ in range(40):                                             # 1.6 tokens a round of 1.7 steps
+        rounds_of_k(calibrated, 2, 3, seconds=1.7)
+        rounds_of_k(calibrated, 1, 2, seconds=1.7)
+    assert calibrated.cost_ratio == pytest.approx(1.7)              # against the calibrated plain step
+    assert calibrated.size() == 1 and calibrated.changes == 1
+    # plain steps timed in turn: the ratio is both sizes' own
+    for token in range(SWITCH_STEPS + TIMED_MIN):
+        calibrated.observe(1, [0, 0, 0], [token + 1], 0.85)
+    assert calibrated.cost_ratio == pytest.approx(2.0)
+    # without a calibrated plain step, rounds timed alone keep the calibrated ratio
+    alone = RoundSizer(K, cost_ratio=1.3)
+    rounds_of_k(alone, 2, 20, seconds=1.7)
+    assert alone.cost_ratio == 1.3 and alone.size() == K
+
+
+def test_a_request_begins_a_new_shape_and_other_sizes_are_not_timed() -> None:
+    sizer = RoundSizer(K, cost_ratio=1.3, plain_seconds=1.0)
+    rounds_of_k(sizer, 2, SWITCH_STEPS + TIMED_MIN, seconds=2.0)
+    assert sizer.cost_ratio == pytest.approx(2.0)
+    sizer.begin_request()                                           # after the prompt's decode
+    rounds_of_k(sizer, 2, SWITCH_STEPS, seconds=50.0)
+    sizer.observe(3, [], [1, 2], 50.0)                               # the answer's last round: 3 tokens
+    assert sizer.cost_ratio == pytest.approx(2.0)
+
+
 @pytest.fixture(scope="module")
 def switching_engine(tiny_target):
-    """Rounds of 4 drafting while they decode, a sizer that finds them dear (3 steps a round)."""
+    """Rounds of 4 drafting while they decode, a sizer that finds them dear (3 steps a round; what they
+    take here is not timed)."""
     engine = tiny_engine(tiny_target, overlap=True, round_size=K)
     sizers: dict[str, RoundSizer] = {}
 
     def sizer(proposer) -> RoundSizer | None:
         if proposer.name == "vanilla":
             return None
-        return sizers.setdefault(proposer.name, RoundSizer(K, cost_ratio=3.0))
+        if proposer.name not in sizers:
+            sizers[proposer.name] = RoundSizer(K, cost_ratio=3.0)
+            sizers[proposer.name]._time = lambda decoded, seconds: None
+        return sizers[proposer.name]
 
     engine._round_sizer = sizer
     yield engine
@@ -105,8 +142,6 @@ def test_plain_steps_between_rounds_of_k_leave_greedy_output_unchanged(switching
 def test_the_engine_sizes_rounds_from_the_calibrated_costs(tiny_target) -> None:
     """Only where both costs were measured back to back: a flat stand-in curve, or round_switch off,
     leave every round K tokens."""
-    from ouroboros_local.calibration import CostModel
-
     auto = SimpleNamespace(name="auto", drafts_ahead=True)
     vanilla = SimpleNamespace(name="vanilla", drafts_ahead=True)
     with tiny_engine(tiny_target, overlap=True, round_size=K) as flat:
@@ -115,12 +150,26 @@ def test_the_engine_sizes_rounds_from_the_calibrated_costs(tiny_target) -> None:
         curve = CostModel(sizes=[1, 8], seconds=[1.0, 2.0], switch_seconds=0.5)
         engine.scheduler().costs = curve.with_rounds_of(K, 1.5)
         sizer = engine._round_sizer(auto)
-        assert sizer is not None and sizer.cost_ratio == pytest.approx(1.5)
+        assert sizer is not None and sizer.cost_ratio == pytest.approx(1.5) and sizer.calibrated_plain == 1.0
         assert sizer.threshold == pytest.approx(2 * 0.5 + NOISE_STEPS)
         assert engine._round_sizer(auto) is sizer               # one per method, kept across requests
         assert engine._round_sizer(vanilla) is None
         engine.config = replace(engine.config, round_switch=False)
         assert engine._round_sizer(auto) is None
+
+
+def test_the_engine_times_its_rounds_for_the_sizer(tiny_target) -> None:
+    """A curve that calls rounds of 4 as cheap as a plain step, whose plain step takes a microsecond: the
+    rounds the loop times cost far more, and plain steps take over (with the calibrated ratio alone,
+    every round of 4 would pay)."""
+    with tiny_engine(tiny_target, overlap=True, round_size=K, calibration="auto") as engine:
+        engine.scheduler().costs = CostModel(sizes=[1, 8], seconds=[1e-6, 1e-6]).with_rounds_of(K, 1e-6)
+        answer = engine.generate(PROMPTS[1], max_tokens=48, method="prompt-lookup")
+        switch = answer.stats.extra["round_switch"]
+        # (the ratio in the end is both sizes' own: near 1 for a tiny model, whose steps are all Python)
+        assert switch["calibrated_ratio"] == 1.0 and switch["cost_ratio"] != 1.0
+        assert switch["plain_rounds"] > 0
+        assert answer.tokens == engine.generate(PROMPTS[1], max_tokens=48).tokens
 
 
 def test_seeded_sampling_is_unchanged_by_plain_steps_between_rounds_of_k(switching_engine: Engine) -> None:
@@ -160,7 +209,8 @@ def test_a_draft_model_runs_in_rounds_of_k_under_the_calibrated_costs(tiny_targe
         assert greedy.tokens == engine.generate(prompt, max_tokens=24).tokens
         assert "round_switch" in greedy.stats.extra
         sampled = engine.generate(prompt, max_tokens=24, method="speculative", sampling={"temperature": 0.8})
-        assert sampled.stats.tokens == 24 and "round_switch" not in sampled.stats.extra
+        # (unseeded, it may draw the end token: 20 tokens once in ~10 runs)
+        assert sampled.finish_reason in ("length", "stop") and "round_switch" not in sampled.stats.extra
         seeded = {"temperature": 0.8, "seed": 7}
         sampled = engine.generate(prompt, max_tokens=24, method="speculative", sampling=seeded)
         # (its text is seeded plain decoding's up to the batch shapes' rounding, which the switch picks
