@@ -88,7 +88,37 @@ def main(argv: list[str]) -> int:
                 cells.append(f"{statistics.mean(v):.2f}x ({min(v):.2f}-{max(v):.2f})" if v else "–")
             print(f"| {label} | {arm} | " + " | ".join(cells) + " |")
     print_time_split(summaries)
+    print_round_switch(payloads)
     return 0
+
+
+def print_round_switch(payloads: dict[str, dict]) -> None:
+    """In rounds of one size (a GPU's default): how often each method's requests ran plain steps instead,
+    and the cost of a round of K in plain steps as the round switch timed it against the calibrated
+    figure (medians over the requests; ``stats.extra["round_switch"]``)."""
+    rows: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for run, payload in payloads.items():
+        for record in payload.get("records") or []:
+            switch = (record.get("extra") or {}).get("round_switch") if isinstance(record, dict) else None
+            if isinstance(switch, dict):
+                rows[record.get("set", "?"), record.get("method", "?")][setting(run)].append(
+                    {**switch, "passes": record.get("target_passes") or 0})
+    if not rows:
+        return
+    print("\nround switch (per request, medians): plain steps' share of the passes, changes of size, a round"
+          " of K in plain steps timed / calibrated:\n")
+    print("| set | method | setting | plain share | changes | timed | calibrated |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for (name, label), by_arm in rows.items():
+        for arm, switches in by_arm.items():
+            passes = sum(sw["passes"] for sw in switches)
+            share = sum(sw.get("plain_rounds", 0) for sw in switches) / passes if passes else 0.0
+
+            def median(key: str) -> str:
+                values = [sw[key] for sw in switches if isinstance(sw.get(key), (int, float))]
+                return f"{statistics.median(values):.2f}" if values else "–"
+            print(f"| {name} | {label} | {arm} | {share:.0%} | {median('changes')} | {median('cost_ratio')} "
+                  f"| {median('calibrated_ratio')} |")
 
 
 def print_time_split(summaries: dict[str, dict]) -> None:

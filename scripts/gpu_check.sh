@@ -17,7 +17,7 @@
 #                                        folders). Prints the device calls to make.
 #   scripts/gpu_check.sh rehearse        `next` on this CPU (cached models, 1 prompt a set, 8 tokens, a CUDA
 #                                        GPU's defaults forced): fails where a part of the plan would fail
-#                                        there (~2 minutes, ~6 with no cost curve cached; run it before
+#                                        there (~9 minutes with the cost curves cached; run it before
 #                                        any device time)
 # On the device machine (the `run` tool; each call carries one folder, timeout_s a little above need):
 #   scripts/gpu_check.sh start            carry .gpu/c1: unpack, start the CUDA build in the background
@@ -89,6 +89,11 @@
 # prompts by its deadline), bench smol, an ab of flash attention. It ran without rounds of 4 (libggml
 # was not found beside LLAMA_CPP_LIB_PATH's build, so devices() raised and the default fell back without
 # a word); hence preflight. Flash attention made SmolLM2's plain decoding 13% faster.
+# The eighth H200 run (2026-11-29, sixty-third session; docs/reports/h200-h): 29 folders; start 36 s, all
+# carried at 181 s, the build 310 s, then `NEXT_SECONDS=560 next` (521 s; the plan before this one: the
+# round switch off/on for SmolLM2, bench qwen15 cut to 1 gsm8k prompt, bench smol whole, no profile),
+# then two ab calls of the 1.5B, rounds of 4 against --round-size 0 (23 s, a mistyped arm, and 43 s):
+# 794 s of device time in all. Rounds of 4 lost on gsm8k and humaneval (above, at `next`).
 set -uo pipefail
 CAP_MIB=60
 SITE=/tmp/site
@@ -339,27 +344,28 @@ case "${1:-}" in
     rm -f "$OUT"/"$AB"-[ab][0-9]*.log
     ;;
   next)
-    # After the stashes, one call (timeout_s ~560) of what docs/reports/h200-g left to measure: its full
-    # comparisons with the peers ran without the rounds of 4 made the CUDA default (libggml not found
-    # beside LLAMA_CPP_LIB_PATH's build; fixed in 98bda2e) and with flash attention off (llama.cpp's own
-    # default is auto, ours too on a GPU since 081fb85). So: preflight (devices listed, rounds of 4 and
-    # flash attention auto by default; where not, the benches ask for them by flag and say so), then
-    # SmolLM2 with plain steps where rounds of 4 do not pay (--round-switch, default on since the
-    # forty-second session, never run on a GPU) against rounds of 4 throughout (~50 s), then the 1.5B's
-    # full comparison and SmolLM2's, each interrupted at its deadline (the prompts done are kept), then
-    # where auto's Python goes (if a minute is left). Since b0cccc8 and f00b772 (forty-fifth session, not
-    # yet run on a GPU) a request of auto's that timed fewer than 3 plain steps outside drafted rounds'
-    # wakes pulls the plain steps' factor halfway to its usual ratio to the drafted sizes'; on the code
-    # sets, where copies can fill whole requests, check in the runs' results.json how many auto records
-    # have extra.time_split "plain" < 3, and whether auto's speed-up held.
+    # After the stashes, one call (timeout_s ~600, NEXT_SECONDS=560) of what docs/reports/h200-h left to
+    # measure. There, in rounds of 4 (the CUDA default), the 1.5B's `auto` ran 0.90-0.94x on gsm8k and
+    # humaneval against 0.98-0.99x in rounds of each draft's size (--round-size 0): with flash attention a
+    # round of 4 cost 1.7 plain steps in the loop, and the round switch, sizing by the calibrated ratio,
+    # kept rounds that wrote 1.6 tokens. Since 433a088 the switch times both sizes in the loop. So:
+    # preflight, then rounds of 4 (default) against --round-size 0 for the 1.5B (gsm8k, humaneval, code
+    # edits) and SmolLM2 (gsm8k, mt_bench), each ab printing the switch's timed and calibrated ratios,
+    # then the full comparisons with the peers (the 1.5B's, then SmolLM2's), each interrupted at its
+    # deadline (the prompts done are kept), then where auto's Python goes (if a minute is left). The
+    # first ab's deadline leaves ~130 s for the build's end (it took 267-381 s from `start`).
     end=$(( $(date +%s) + ${NEXT_SECONDS:-525} ))
     FORCE=()
     "$0" preflight || { FORCE=(--round-size 4 --flash-attn auto); echo "preflight failed: benches run with ${FORCE[*]}"; }
     [ -n "${REHEARSE:-}" ] && FORCE+=(--overlap on)   # a GPU's llama_decode returns early: a CPU's does not
-    BENCH_DEADLINE=$((end - 360)) AB_LABEL=smol-rs "$0" ab smol 1 '--round-switch off' '' \
-      --methods vanilla,auto --peers '' "${FORCE[@]}"
-    BENCH_DEADLINE=$((end - 110)) LABEL=q15 "$0" bench qwen15 "${FORCE[@]}"
-    BENCH_DEADLINE=$((end - 20)) LABEL=smol "$0" bench smol "${FORCE[@]}"
+    S="$MODELS"
+    BENCH_DEADLINE=$((end - 350)) AB_LABEL=q15-rs "$0" ab qwen15 1 '' '--round-size 0' \
+      --prompts "$S/gsm8k.jsonl,$S/humaneval.jsonl,$S/codeedit.jsonl" --methods vanilla,prompt-lookup,auto \
+      --peers '' "${FORCE[@]}"
+    BENCH_DEADLINE=$((end - 300)) AB_LABEL=smol-rs "$0" ab smol 1 '' '--round-size 0' \
+      --prompts "$S/gsm8k.jsonl,$S/mt_bench.jsonl" --methods vanilla,auto --peers '' "${FORCE[@]}"
+    BENCH_DEADLINE=$((end - 100)) LABEL=q15 "$0" bench qwen15 "${FORCE[@]}"
+    BENCH_DEADLINE=$((end - 15)) LABEL=smol "$0" bench smol "${FORCE[@]}"
     [ "$(date +%s)" -lt $((end - 60)) ] && PROFILE_FORCE="${FORCE[*]:+1}" "$0" profile > /dev/null
     ls "$OUT"
     ;;
@@ -371,8 +377,8 @@ case "${1:-}" in
     # attention auto). A flag the CLI no longer takes, or a method failing under those defaults, then
     # shows here and not in a session's 15 minutes: the forty-sixth session found `speculative` raising
     # on every request in rounds of 4 this way (fixed), which would have cost the 1.5B's whole bench.
-    # ~2 minutes on 2 cores with the cost curves cached (118 s here), ~6 from an empty cache (they are
-    # measured first); fails, with the lines that say why, where any part of `next` failed.
+    # ~9 minutes on 2 cores with the cost curves cached (528 s for the plan of 433a088), more from an
+    # empty cache (they are measured first); fails, with the lines that say why, where any part of `next` failed.
     cache="${OUROBOROS_CACHE:-$HOME/.cache/ouroboros-local}"
     dir=$(mktemp -d)
     ln -s "$cache"/models/*.gguf "$dir"/ && ln -s "$(cd "${BENCH_DIR:-../shared/bench}" && pwd)"/*.jsonl "$dir"/ \

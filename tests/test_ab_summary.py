@@ -78,3 +78,22 @@ def test_runs_of_other_prompts_or_budgets_are_refused_and_the_settings_models_ma
         ab_summary.main([str(tmp_path), "s-a1", "s-a4"])
     with pytest.raises(OuroborosError, match="given twice"):
         ab_summary.main([str(tmp_path), "s-a1", "s-b1", "s-a1/"])
+
+
+def test_the_round_switch_is_summed_per_setting(tmp_path: Path, capsys) -> None:
+    """How often rounds of K gave way to plain steps, and at what timed cost: what an H200 run lacked to
+    tell why rounds of 4 went on where they lost (docs/reports/h200-h)."""
+    for name, plain, timed in (("s-a1", 30, 1.7), ("s-b1", 0, None)):
+        _run(tmp_path, name, 1.0, 2.0)
+        path = tmp_path / name / "results.json"
+        payload = json.loads(path.read_text())
+        switch = {"plain_rounds": plain, "changes": 2, "calibrated_ratio": 1.3}
+        if timed:
+            switch["cost_ratio"] = timed
+        payload["records"] = [{"set": "gsm8k", "id": str(i), "method": "auto", "target_passes": 60,
+                               "extra": {"round_switch": switch}} for i in range(2)]
+        path.write_text(json.dumps(payload))
+    assert ab_summary.main([str(tmp_path), "s-a1", "s-b1"]) == 0
+    out = capsys.readouterr().out
+    assert "| gsm8k | auto | s-a | 50% | 2.00 | 1.70 | 1.30 |" in out
+    assert "| gsm8k | auto | s-b | 0% | 2.00 | – | 1.30 |" in out
