@@ -535,6 +535,13 @@ class Engine:
         with self._exclusive():
             return cached_or_measured(kv, key, CalibrationCache(), refresh, measure=measure_costs)
 
+    @property
+    def priced_curves(self) -> tuple[CostModel, CostModel | None] | None:
+        """The target's and the draft's cost curves that rounds are priced with, once ``scheduler()``
+        loaded or measured them (a method that prices rounds, or rounds of one size); None before. Reading
+        it measures nothing."""
+        return self._curves
+
     def scheduler(self) -> Scheduler:
         """The cost-model scheduler (the first call loads or measures the cost curve)."""
         if self._scheduler is None:

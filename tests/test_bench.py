@@ -687,6 +687,16 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     assert "gpu layers 0, flash attention off, rounds of 4, overlap off, created" in report.render_markdown(payload)
     payload["settings"]["engine_config"].update(round_switch=False)
     assert "rounds of 4, overlap off, round switch off, created" in report.render_markdown(payload)
+    # the verify costs the run priced rounds with (speculative's scheduler measured them), and, in rounds of
+    # one size, a round's against the plain step (an H200 run could not tell them afterwards)
+    curve = data["settings"]["cost_curves"]["target"]
+    assert curve["sizes"][0] == 1 and len(curve["seconds"]) == len(curve["sizes"]) and curve["round_size"] == 0
+    assert "- verify costs as calibrated, in plain steps of " in md
+    payload["settings"]["cost_curves"]["target"] = {"sizes": [1, 4, 8], "seconds": [0.003, 0.003, 0.005],
+                                                    "round_size": 4, "plain_seconds": 0.002,
+                                                    "switch_seconds": 0.004}
+    assert ("in plain steps of 2.00 ms: a round of 4 1.50; c(8) 2.50; the plain steps after another size lose"
+            " 2.00") in report.render_markdown(payload)
     try:
         import matplotlib  # noqa: F401
     except ImportError:

@@ -420,6 +420,23 @@ def write_charts(summary: dict[str, Any], sweep_info: dict[str, Any] | None, out
     return unsaved
 
 
+def _cost_curves(engine: Any) -> dict[str, Any] | None:
+    """The verify-cost curves this run priced rounds with (None where no contender needed them): what
+    an H200 run could not tell afterwards when rounds of 4 went on that lost."""
+    curves = engine.priced_curves
+    if curves is None:
+        return None
+
+    def entry(curve: Any) -> dict[str, Any] | None:
+        if curve is None:
+            return None
+        return {"sizes": list(curve.sizes), "seconds": [round(s, 7) for s in curve.seconds],
+                "round_size": curve.round_size, "plain_seconds": round(curve.plain_seconds, 7),
+                "switch_seconds": round(curve.switch_seconds, 7), "origin": curve.origin}
+
+    return {"target": entry(curves[0]), "draft": entry(curves[1])}
+
+
 def _sampling_desc(sampling: Any) -> str:
     if sampling.greedy:
         return "greedy"
@@ -642,6 +659,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
                     "gpu_layers": gpu_layers, "draft_gpu_layers": engine.config.draft_gpu_layers,
                     "flash_attn": engine.config.flash_attn, "order": "balanced per prompt (Williams design)",
                     "engine_config": dataclasses.asdict(engine.config),
+                    "cost_curves": _cost_curves(engine),
                 },
                 "machine": machine,
                 "versions": versions(),
