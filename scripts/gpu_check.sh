@@ -347,7 +347,7 @@ case "${1:-}" in
     # After the stashes, one call (timeout_s ~600, NEXT_SECONDS=560) of what docs/reports/h200-h left to
     # measure. There, in rounds of 4 (the CUDA default), the 1.5B's `auto` ran 0.90-0.94x on gsm8k and
     # humaneval against 0.98-0.99x in rounds of each draft's size (--round-size 0): with flash attention a
-    # round of 4 cost 1.7 plain steps in the loop, and the round switch, sizing by the calibrated ratio,
+    # round of 4 cost 1.6-1.7 plain steps in the loop, and the round switch, sizing by the calibrated ratio,
     # kept rounds that wrote 1.6 tokens. Since 433a088 the switch times both sizes in the loop. So:
     # preflight, then rounds of 4 (default) against --round-size 0 for the 1.5B (gsm8k, humaneval, code
     # edits) and SmolLM2 (gsm8k, mt_bench), each ab printing the switch's timed and calibrated ratios,
