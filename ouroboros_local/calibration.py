@@ -117,9 +117,13 @@ class CostModel:
         (``EngineConfig.round_size``): a round of up to ``size`` tokens costs ``seconds`` (the shape
         never changes, ``measure_round``); a larger tree costs what the curve says, and a switch."""
         larger = [(n, max(s, seconds)) for n, s in zip(self.sizes, self.seconds) if n > size]
-        return replace(self, sizes=[1, size] + [n for n, _ in larger],
-                       seconds=[seconds, seconds] + [s for _, s in larger], round_size=size,
-                       plain_seconds=self.cost(1))
+        rounds = replace(self, sizes=[1, size] + [n for n, _ in larger],
+                         seconds=[seconds, seconds] + [s for _, s in larger], round_size=size,
+                         plain_seconds=self.cost(1))
+        for note in ("_origin", "_unsaved"):   # how this process got the curve (not dataclass fields)
+            if note in self.__dict__:
+                rounds.__dict__[note] = self.__dict__[note]
+        return rounds
 
     @classmethod
     def flat(cls) -> "CostModel":

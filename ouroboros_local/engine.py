@@ -1093,8 +1093,9 @@ class Engine:
             if overlap:
                 stats.extra["overlap"] = {"drafts": ahead_drafts, "carried": ahead_carried}
             if sizer is not None:
+                timed = sizer.timed_ratio   # None: rounds of K not timed yet (the calibrated ratio counted)
                 stats.extra["round_switch"] = {"plain_rounds": sizer.plain_rounds, "changes": sizer.changes,
-                                               "cost_ratio": round(sizer.cost_ratio, 3),
+                                               "timed_ratio": None if timed is None else round(timed, 3),
                                                "calibrated_ratio": round(sizer.calibrated_ratio, 3)}
             if sched is not None and proposer.name in sched.retired:
                 stats.extra["draft_ceiling"] = {proposer.name: sched.retired[proposer.name]}

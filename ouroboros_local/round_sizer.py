@@ -11,8 +11,11 @@ of 4 took 4.2 ms against 1.4), so the size changes only once the other size woul
 a change there and back costs: a CUSUM of the gain, in plain steps' time (docs/design.md#cost-model).
 
 What a round of K costs against a plain step is timed here, as this loop decodes them (its drafting
-during the decode included), once each size has been timed TIMED_MIN times past a change of size; until
-then the calibration's figure stands, rounds of K timed against its plain step once they are. The
+during the decode included): the median of each size's last TIMED_WINDOW decodes past a change of size,
+once TIMED_MIN are timed; rounds of K timed before any plain step are set against the calibration's
+plain step, and before that the calibration's ratio stands. Rounds of K are not left before they are
+timed, and a size not timed in a request is forgiven half of what it exceeds the calibration by (as
+``round_costs.RoundCosts`` does), so that a slow spell does not stop rounds of K for good. The
 calibration decodes both back to back on a short context; on an H200 with flash attention the 1.5B's
 rounds of 4 cost 1.6-1.7 of its plain steps in the loop, and the sizer, sizing by the calibrated ratio,
 kept a third to a half of its rounds in rounds of 4 that wrote 1.6 tokens, at 0.90-0.94x of plain
@@ -21,6 +24,8 @@ decoding (docs/reports/h200-h).
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from typing import Sequence
 
 from .calibration import SWITCH_STEPS
@@ -29,7 +34,8 @@ from .calibration import SWITCH_STEPS
 # noise where changes cost little (a CPU)
 NOISE_STEPS = 1.0
 TIMED_MIN = 3         # decodes of a size timed before its time replaces the calibrated one
-TIME_WEIGHT = 0.1     # the timed seconds' moving average
+TIMED_WINDOW = 9      # the last decodes of a size whose median is its time (one slow decode is not)
+STALE_KEEP = 0.5      # a size not timed in a request keeps this share of its excess over the calibration
 
 
 class RoundSizer:
@@ -52,27 +58,45 @@ class RoundSizer:
         self.plain_rounds = 0
         self.changes = 0
         self._pending: list[list] = []    # [guesses, matched]: rounds of K that plain steps stand for
-        self._timed: dict[int, list[float]] = {1: [0.0, 0], round_size: [0.0, 0]}   # [average, count]
+        self._timed: dict[int, deque[float]] = {size: deque(maxlen=TIMED_WINDOW) for size in (1, round_size)}
+        self._timed_now: set[int] = set()   # the sizes timed in this request
+        self._timing = False          # seconds were given (callers that time nothing size as calibrated)
         self._run_size = 0            # the size of the decodes in a row so far, and how many
         self._run_length = 0
 
     def begin_request(self) -> None:
+        """A new request: what it counts starts afresh, and a round of K not timed in the last one is
+        forgiven part of what it exceeds the calibrated ratio by (rounds given up after a slow spell are
+        not timed again, so only this brings them back)."""
         self.plain_rounds = self.changes = 0
         self._pending.clear()
         self._run_size = 0            # after the prompt's decode: another shape
+        ratio = self._ratio()
+        if self.round_size not in self._timed_now and ratio is not None and ratio > self.calibrated_ratio:
+            keep = (self.calibrated_ratio + STALE_KEEP * (ratio - self.calibrated_ratio)) / ratio
+            timed = self._timed[self.round_size]
+            timed.extend([seconds * keep for seconds in timed])   # (maxlen: the scaled copies replace them)
+        self._timed_now.clear()
+
+    @property
+    def timed_ratio(self) -> float | None:
+        """A round of K over a plain step as timed here (at most K: K plain steps write as much), or None
+        while rounds of K are not timed."""
+        ratio = self._ratio()
+        return None if ratio is None else min(ratio, float(self.round_size))
 
     @property
     def cost_ratio(self) -> float:
-        """A round of K over a plain step: as timed here, else against the calibrated plain step, else the
-        calibrated ratio."""
-        (round_seconds, rounds), (plain_seconds, plains) = self._timed[self.round_size], self._timed[1]
-        if rounds < TIMED_MIN:
-            return self.calibrated_ratio
-        if plains >= TIMED_MIN and plain_seconds > 0:
-            return round_seconds / plain_seconds
-        if self.calibrated_plain:
-            return round_seconds / self.calibrated_plain
-        return self.calibrated_ratio
+        """The ratio the sizer counts with: the timed one, else the calibrated one."""
+        timed = self.timed_ratio
+        return self.calibrated_ratio if timed is None else timed
+
+    def _ratio(self) -> float | None:
+        rounds, plains = self._timed[self.round_size], self._timed[1]
+        if len(rounds) < TIMED_MIN:
+            return None
+        plain = statistics.median(plains) if len(plains) >= TIMED_MIN else self.calibrated_plain
+        return statistics.median(rounds) / plain if plain else None
 
     def size(self) -> int:
         return 1 if self.plain else self.round_size
@@ -93,20 +117,23 @@ class RoundSizer:
             stand_in = [list(guesses[:self.round_size - 1]), 0]
             if self._advance(stand_in, written[0]):   # its first guess meets the token this step wrote
                 self._pending.append(stand_in)
-        if self.balance > self.threshold:
+        # rounds of K are left only once timed: a calibration that overprices them is then corrected
+        leave = self.plain or not self._timing or len(self._timed[self.round_size]) >= TIMED_MIN
+        if self.balance > self.threshold and leave:
             self.plain, self.balance, self.changes = not self.plain, 0.0, self.changes + 1
 
     def _time(self, decoded: int, seconds: float) -> None:
-        """Average the seconds of plain steps and rounds of K, past the SWITCH_STEPS decodes after a change
-        of shape (those run without their CUDA graph: the switch's cost, counted apart)."""
+        """Keep the seconds of plain steps and rounds of K, past the SWITCH_STEPS decodes after a change of
+        shape (those run without their CUDA graph: the switch's cost, counted apart)."""
+        self._timing = True
         if decoded != self._run_size:
             self._run_size, self._run_length = decoded, 0
         self._run_length += 1
         timed = self._timed.get(decoded)
         if timed is None or self._run_length <= SWITCH_STEPS:
             return
-        timed[0] = seconds if not timed[1] else timed[0] + TIME_WEIGHT * (seconds - timed[0])
-        timed[1] += 1
+        timed.append(seconds)
+        self._timed_now.add(decoded)
 
     def _advance(self, stand_in: list, token: int) -> bool:
         """One more token written after a stand-in's root: False once it is judged (and counted)."""

@@ -94,14 +94,15 @@ def main(argv: list[str]) -> int:
 
 def print_round_switch(payloads: dict[str, dict]) -> None:
     """In rounds of one size (a GPU's default): how often each method's requests ran plain steps instead,
-    and the cost of a round of K in plain steps as the round switch timed it against the calibrated
-    figure (medians over the requests; ``stats.extra["round_switch"]``)."""
+    and the cost of a round of K in plain steps as the round switch timed it (– where no request had timed
+    one) against the calibrated figure (medians over the requests; ``stats.extra["round_switch"]``)."""
     rows: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for run, payload in payloads.items():
         for record in payload.get("records") or []:
             switch = (record.get("extra") or {}).get("round_switch") if isinstance(record, dict) else None
             if isinstance(switch, dict):
-                rows[record.get("set", "?"), record.get("method", "?")][setting(run)].append(
+                label = record.get("label") or record.get("method", "?")   # a --variant apart from its method
+                rows[record.get("set", "?"), label][setting(run)].append(
                     {**switch, "passes": record.get("target_passes") or 0})
     if not rows:
         return
@@ -117,7 +118,7 @@ def print_round_switch(payloads: dict[str, dict]) -> None:
             def median(key: str) -> str:
                 values = [sw[key] for sw in switches if isinstance(sw.get(key), (int, float))]
                 return f"{statistics.median(values):.2f}" if values else "–"
-            print(f"| {name} | {label} | {arm} | {share:.0%} | {median('changes')} | {median('cost_ratio')} "
+            print(f"| {name} | {label} | {arm} | {share:.0%} | {median('changes')} | {median('timed_ratio')} "
                   f"| {median('calibrated_ratio')} |")
 
 

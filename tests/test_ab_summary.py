@@ -89,11 +89,15 @@ def test_the_round_switch_is_summed_per_setting(tmp_path: Path, capsys) -> None:
         payload = json.loads(path.read_text())
         switch = {"plain_rounds": plain, "changes": 2, "calibrated_ratio": 1.3}
         if timed:
-            switch["cost_ratio"] = timed
+            switch["timed_ratio"] = timed
         payload["records"] = [{"set": "gsm8k", "id": str(i), "method": "auto", "target_passes": 60,
                                "extra": {"round_switch": switch}} for i in range(2)]
+        # a --variant of prompt-lookup: a row of its own, as in the tables above
+        payload["records"].append({"set": "gsm8k", "id": "0", "method": "prompt-lookup", "label": "pl1",
+                                   "target_passes": 10, "extra": {"round_switch": {**switch, "plain_rounds": 1}}})
         path.write_text(json.dumps(payload))
     assert ab_summary.main([str(tmp_path), "s-a1", "s-b1"]) == 0
     out = capsys.readouterr().out
     assert "| gsm8k | auto | s-a | 50% | 2.00 | 1.70 | 1.30 |" in out
     assert "| gsm8k | auto | s-b | 0% | 2.00 | – | 1.30 |" in out
+    assert "| gsm8k | pl1 | s-b | 10% | 2.00 | – | 1.30 |" in out and "| prompt-lookup |" not in out

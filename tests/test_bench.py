@@ -704,6 +704,19 @@ def test_bench_end_to_end(tiny_target: Path, tiny_draft: Path, tmp_path: Path,
     assert (out / "speedup.png").stat().st_size > 0 and (out / "sweep.png").stat().st_size > 0
 
 
+def test_cost_curves_out_of_shape_leave_the_cost_line_out() -> None:
+    """A hand-edited settings.cost_curves (a list, a string, a bool or a text for a number, NaN) made
+    re-rendering a results.json a traceback."""
+    good = {"sizes": [1, 4, 8], "seconds": [0.003, 0.003, 0.005], "round_size": 4, "plain_seconds": 0.002}
+    payload = {"settings": {"cost_curves": {"target": good}}}
+    assert "a round of 4 1.50; c(8) 2.50" in report.render_markdown(payload)
+    for curves in ([good], "n/a", {"target": [1, 2]}, {"target": {**good, "round_size": "4"}},
+                   {"target": {**good, "round_size": True}}, {"target": {**good, "seconds": ["x", 0.003, 0.005]}},
+                   {"target": {**good, "plain_seconds": float("nan")}}):
+        payload["settings"]["cost_curves"] = curves
+        assert "verify costs" not in report.render_markdown(payload)
+
+
 def test_the_report_pools_the_draft_models_graphs() -> None:
     """extra.draft_graphs ([decodes, new graphs]) pooled per set and method, and a table of them where a
     draft model decoded (none where none did)."""

@@ -10,7 +10,7 @@ import pytest
 
 from ouroboros_local.engine import Engine
 from ouroboros_local.calibration import SWITCH_STEPS, CostModel
-from ouroboros_local.round_sizer import NOISE_STEPS, TIMED_MIN, RoundSizer
+from ouroboros_local.round_sizer import NOISE_STEPS, TIMED_MIN, TIMED_WINDOW, RoundSizer
 from ouroboros_local.testing.engines import tiny_engine
 from ouroboros_local.testing.lossless import assert_greedy_equals_vanilla, assert_seeded_equals_vanilla
 
@@ -91,6 +91,46 @@ def test_rounds_timed_dearer_than_calibrated_give_way_to_plain_steps() -> None:
     assert alone.cost_ratio == 1.3 and alone.size() == K
 
 
+def test_one_slow_round_does_not_stop_rounds_that_pay() -> None:
+    """A 30 ms stall (a pause, another process) among the first rounds timed made the ratio 20 and put a
+    copying method into plain steps for the engine's life: the median of the last rounds ignores it, and
+    a round of K never counts as dearer than K plain steps."""
+    sizer = RoundSizer(K, cost_ratio=1.3, switch_steps=2.0, plain_seconds=0.001)
+    for seconds in [0.0013] * SWITCH_STEPS + [0.030] + [0.0013] * 40:
+        sizer.observe(K, [], [1, 2, 3, 4], seconds)
+    assert sizer.size() == K and sizer.changes == 0 and sizer.timed_ratio == pytest.approx(1.3)
+    stalled = RoundSizer(K, cost_ratio=1.3, plain_seconds=0.001)
+    rounds_of_k(stalled, 4, SWITCH_STEPS + TIMED_MIN, seconds=0.030)
+    assert stalled.timed_ratio == K
+
+
+def test_rounds_of_k_are_timed_before_they_are_left() -> None:
+    """A calibration that overprices rounds (3 steps where they take 1.3) put the sizer in plain steps
+    after four rounds, none of them timed, and nothing timed them again."""
+    sizer = RoundSizer(K, cost_ratio=3.0, plain_seconds=1.0)
+    rounds_of_k(sizer, 2, 20, seconds=1.3)
+    assert sizer.size() == K and sizer.changes == 0 and sizer.cost_ratio == pytest.approx(1.3)
+    untimed = RoundSizer(K, cost_ratio=3.0)     # a caller that times nothing sizes as calibrated
+    rounds_of_k(untimed, 2, 4)
+    assert untimed.size() == 1 and untimed.timed_ratio is None
+
+
+def test_rounds_given_up_in_a_slow_spell_come_back() -> None:
+    """Rounds of K timed in a slow spell (30 steps each, counted as K) give way; while plain steps decode they are not
+    timed again, and each request forgives half of what they exceed the calibration by, until stand-ins
+    that would have written K tokens bring them back."""
+    sizer = RoundSizer(K, cost_ratio=1.3, plain_seconds=1.0)
+    rounds_of_k(sizer, 1, SWITCH_STEPS + TIMED_WINDOW, seconds=30.0)
+    assert sizer.size() == 1 and sizer.timed_ratio == K
+    for request in range(8):
+        sizer.begin_request()
+        for token in range(40):                   # a copy: every stand-in's guesses come true
+            sizer.observe(1, [token, token + 1, token + 2], [token], 1.0)
+        if sizer.size() == K:
+            break
+    assert sizer.size() == K and request == 4      # the ratio forgiven: 30, 15.7, 8.5, 4.9, 3.1
+
+
 def test_a_request_begins_a_new_shape_and_other_sizes_are_not_timed() -> None:
     sizer = RoundSizer(K, cost_ratio=1.3, plain_seconds=1.0)
     rounds_of_k(sizer, 2, SWITCH_STEPS + TIMED_MIN, seconds=2.0)
@@ -167,9 +207,16 @@ def test_the_engine_times_its_rounds_for_the_sizer(tiny_target) -> None:
         answer = engine.generate(PROMPTS[1], max_tokens=48, method="prompt-lookup")
         switch = answer.stats.extra["round_switch"]
         # (the ratio in the end is both sizes' own: near 1 for a tiny model, whose steps are all Python)
-        assert switch["calibrated_ratio"] == 1.0 and switch["cost_ratio"] != 1.0
+        assert switch["calibrated_ratio"] == 1.0 and switch["timed_ratio"] not in (None, 1.0)
         assert switch["plain_rounds"] > 0
         assert answer.tokens == engine.generate(PROMPTS[1], max_tokens=48).tokens
+
+
+def test_a_curve_in_rounds_of_k_keeps_how_it_was_got() -> None:
+    """bench's settings.cost_curves said origin "" in rounds of one size, the mode it was added for."""
+    curve = CostModel(sizes=[1, 8], seconds=[1.0, 2.0])
+    curve.__dict__["_origin"] = "cached, checked"
+    assert curve.with_rounds_of(K, 1.5).origin == "cached, checked"
 
 
 def test_seeded_sampling_is_unchanged_by_plain_steps_between_rounds_of_k(switching_engine: Engine) -> None:

@@ -323,22 +323,26 @@ def identical_cell(s: Mapping[str, Any]) -> str:
 
 
 def _cost_line(curve: Any) -> str | None:
-    """The target's calibrated verify costs in plain steps (``settings.cost_curves``), or None."""
+    """The target's calibrated verify costs in plain steps (``settings.cost_curves``), or None (none
+    recorded, or a value hand-edited out of shape)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
     if not isinstance(curve, dict):
         return None
-    sizes, seconds = curve.get("sizes"), curve.get("seconds")
-    if not (isinstance(sizes, list) and isinstance(seconds, list) and len(sizes) == len(seconds) > 1):
+    sizes, seconds, round_size = curve.get("sizes"), curve.get("seconds"), curve.get("round_size") or 0
+    if not (isinstance(sizes, list) and isinstance(seconds, list) and len(sizes) == len(seconds) > 1
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in sizes)
+            and all(number(v) for v in seconds) and isinstance(round_size, int) and not isinstance(round_size, bool)):
         return None
-    round_size = curve.get("round_size") or 0
     step = curve.get("plain_seconds") if round_size else seconds[0]
-    if not isinstance(step, (int, float)) or step <= 0:
+    if not number(step) or step <= 0:
         return None
     costs = ", ".join(f"c({n}) {s / step:.2f}" for n, s in zip(sizes, seconds)
-                      if isinstance(n, int) and isinstance(s, (int, float)) and n in (2, 4, 8, 16)
-                      and n > max(round_size, 1))
+                      if n in (2, 4, 8, 16) and n > max(round_size, 1))
     switch = curve.get("switch_seconds")
     parts = ([f"a round of {round_size} {seconds[0] / step:.2f}"] if round_size else []) + ([costs] if costs else [])
-    if isinstance(switch, (int, float)) and switch > 0:
+    if number(switch) and switch > 0:
         parts.append(f"the plain steps after another size lose {switch / step:.2f}")
     return f"- verify costs as calibrated, in plain steps of {step * 1e3:.2f} ms: " + "; ".join(parts)
 
@@ -368,7 +372,8 @@ def render_markdown(payload: Mapping[str, Any]) -> str:
                  + (", round switch off" if engine.get("round_size") and engine.get("round_switch") is False
                     else "")
                  + f", created {payload.get('created')}")
-    cost = _cost_line((st.get("cost_curves") or {}).get("target"))
+    curves = st.get("cost_curves")
+    cost = _cost_line(curves.get("target") if isinstance(curves, dict) else None)
     if cost:
         lines.append(cost)
     lines.append("")
