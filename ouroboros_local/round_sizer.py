@@ -75,7 +75,9 @@ class RoundSizer:
         if self.round_size not in self._timed_now and ratio is not None and ratio > self.calibrated_ratio:
             keep = (self.calibrated_ratio + STALE_KEEP * (ratio - self.calibrated_ratio)) / ratio
             timed = self._timed[self.round_size]
-            timed.extend([seconds * keep for seconds in timed])   # (maxlen: the scaled copies replace them)
+            scaled = [seconds * keep for seconds in timed]
+            timed.clear()
+            timed.extend(scaled)
         self._timed_now.clear()
 
     @property

@@ -129,6 +129,11 @@ def test_rounds_given_up_in_a_slow_spell_come_back() -> None:
         if sizer.size() == K:
             break
     assert sizer.size() == K and request == 4      # the ratio forgiven: 30, 15.7, 8.5, 4.9, 3.1
+    few = RoundSizer(K, cost_ratio=1.3, plain_seconds=1.0)    # fewer rounds timed than the window holds
+    rounds_of_k(few, 1, SWITCH_STEPS + TIMED_MIN, seconds=30.0)
+    few.begin_request()
+    few.begin_request()
+    assert few._ratio() == pytest.approx(1.3 + 0.5 * (30 - 1.3))   # each of its times scaled, once
 
 
 def test_a_request_begins_a_new_shape_and_other_sizes_are_not_timed() -> None:
