@@ -29,13 +29,13 @@ from collections import deque
 from typing import Sequence
 
 from .calibration import SWITCH_STEPS
+from .round_costs import STALE_KEEP   # the share of its excess a size not timed in a request keeps
 
 # what the sizer must see gained beyond a change there and back before it changes size: a guard against
 # noise where changes cost little (a CPU)
 NOISE_STEPS = 1.0
 TIMED_MIN = 3         # decodes of a size timed before its time replaces the calibrated one
 TIMED_WINDOW = 9      # the last decodes of a size whose median is its time (one slow decode is not)
-STALE_KEEP = 0.5      # a size not timed in a request keeps this share of its excess over the calibration
 
 
 class RoundSizer:
