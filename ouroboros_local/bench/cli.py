@@ -426,15 +426,8 @@ def _cost_curves(engine: Any) -> dict[str, Any] | None:
     curves = engine.priced_curves
     if curves is None:
         return None
-
-    def entry(curve: Any) -> dict[str, Any] | None:
-        if curve is None:
-            return None
-        return {"sizes": list(curve.sizes), "seconds": [round(s, 7) for s in curve.seconds],
-                "round_size": curve.round_size, "plain_seconds": round(curve.plain_seconds, 7),
-                "switch_seconds": round(curve.switch_seconds, 7), "origin": curve.origin}
-
-    return {"target": entry(curves[0]), "draft": entry(curves[1])}
+    target, draft = ({**curve.to_dict(), "origin": curve.origin} if curve is not None else None for curve in curves)
+    return {"target": target, "draft": draft}
 
 
 def _sampling_desc(sampling: Any) -> str:
