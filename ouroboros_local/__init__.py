@@ -9,7 +9,9 @@ from .errors import (ContextOverflowError, IncompatiblePairError, MethodOptionEr
                      OuroborosError, ParameterError, PoolError)
 
 if TYPE_CHECKING:   # what editors and type checkers see of the lazy names below
-    from .engine import Engine, EngineConfig, GenerationResult, GenerationStats, StreamEvent
+    from .engine import Engine
+    from .engine_config import EngineConfig
+    from .generation import GenerationResult, GenerationStats, StreamEvent
     from .sampling import SamplingParams
 else:   # hidden from type checkers: a module __getattr__ made every unknown name Any for them
     def __getattr__(name: str) -> object:

@@ -27,7 +27,8 @@ from .server import defer_method_default
 from .text_input import check_argument
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import Engine, GenerationResult
+    from .engine import Engine
+    from .generation import GenerationResult
     from .sampling import SamplingParams
 
 PROMPT = ">>> "

@@ -249,7 +249,7 @@ def refuse_without_draft(methods: Sequence[str]) -> None:
 
 
 def check_threads(threads: int | None) -> None:
-    from .engine import MAX_THREADS
+    from .engine_config import MAX_THREADS
 
     if threads is not None and threads > MAX_THREADS:
         raise ParameterError(f"-t/--threads must be at most {MAX_THREADS}")
@@ -259,7 +259,7 @@ def check_threads(threads: int | None) -> None:
 
 def engine_config_from_args(args: argparse.Namespace) -> Any:
     """The EngineConfig of the model flags, every one checked (doctor checks them as generate does)."""
-    from .engine import MAX_CTX, MAX_SEQS, EngineConfig
+    from .engine_config import MAX_CTX, MAX_SEQS, EngineConfig
 
     for name, high in (("ctx_size", MAX_CTX), ("batch_size", MAX_CTX), ("seqs", MAX_SEQS)):
         if not 1 <= getattr(args, name) <= high:

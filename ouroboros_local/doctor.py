@@ -73,7 +73,7 @@ def main_gpu_line(main_gpu: int | None, gpus: Sequence["Device"]) -> str | None:
 
 def rounds_line(cuda: bool) -> str:
     """How many tokens a round decodes by default here (``EngineConfig.round_size``)."""
-    from .engine import CUDA_ROUND_SIZE
+    from .engine_config import CUDA_ROUND_SIZE
 
     if cuda:
         return (f"rounds: {CUDA_ROUND_SIZE} tokens each by default where every layer of the target is on the CUDA "
@@ -83,7 +83,7 @@ def rounds_line(cuda: bool) -> str:
 
 
 def flash_attention_line(gpu: bool) -> str:
-    """Flash attention's default here (``EngineConfig.flash_attn``, ``engine.default_flash_attn``)."""
+    """Flash attention's default here (``EngineConfig.flash_attn``, ``engine_config.default_flash_attn``)."""
     if gpu:
         return ("flash attention: auto by default for a model with layers on the GPU (llama.cpp's own default); "
                 "off for one on the CPU (bit-reproducible greedy output); --flash-attn sets it")
@@ -132,7 +132,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from . import __version__
     from .catalogue import default_draft_for, resolve_draft_spec, resolve_model
     from .cli import engine_config_from_args, trained_context_note
-    from .engine import MAX_CTX, has_cuda_gpu
+    from .engine_config import MAX_CTX, has_cuda_gpu
     from .gguf_file import validate_gguf
     from .llama import Model, devices, huge_pages, offload_gpus, supports_gpu_offload, system_info
     from .pairs import check_pair

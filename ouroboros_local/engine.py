@@ -14,14 +14,13 @@ import atexit
 import inspect
 import logging
 import os
-import re
 import secrets
 import sys
 import threading
 import time
 import weakref
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Generator, Iterator, Mapping, Sequence, TypeVar, cast
 
@@ -30,14 +29,15 @@ import numpy as np
 from .calibration import (CalibrationCache, CostModel, cached_or_measured, calibration_key, measure_costs,
                           measure_round)
 from .cpu_load import cpu_model
+from .engine_config import EngineConfig, default_flash_attn, default_round_size
 from .errors import (ContextOverflowError, DrafterError, MethodOptionError, OuroborosError, ParameterError,
                      PoolError, counted)
+from .generation import AnswerOutput, GenerationResult, GenerationStats, StreamEvent
 from .gguf_file import recurrent_refusal, validate_gguf
 from .history import History
 from .kv import KVCache
 from .learned import PRIOR_WEIGHT, RESTORE_WEIGHT, SAVE_INTERVAL, LearnedEstimates, copy_priors, estimates_key
-from .llama import Context, ContextParams, Device, Model, TextStream, devices, supports_gpu_offload
-from .llama.binding import KV_CACHE_TYPES
+from .llama import Context, ContextParams, Model, supports_gpu_offload
 from .llama.binding import decode_seconds as llama_decode_clock
 from .options import is_integer
 from .pairs import check_pair
@@ -58,313 +58,6 @@ _EngineT = TypeVar("_EngineT", bound="Engine")   # Engine.load and `with` give a
 # spent waiting for its logits after llama_decode returned: time the draft's Python can use. A CUDA
 # build on an H200 waited 0.93 of SmolLM2's step; a CPU build computes inside llama_decode (~0).
 ASYNC_WAIT_SHARE = 0.5
-
-# ``EngineConfig.round_size`` left to None: rounds of this size where every layer of the target is on a
-# CUDA device. There a decode of a new shape runs without llama.cpp's CUDA graph (on an H200 a plain step
-# after a larger decode cost 4.2 ms against 1.4), and rounds of 4 beat rounds of their draft's size on
-# seven of eight sets of two models (docs/benchmarks.md, sixth H200 run). Elsewhere a round costs what its
-# tokens do (a CPU: four tokens about three steps), so rounds take their draft's size.
-CUDA_ROUND_SIZE = 4
-
-
-def has_cuda_gpu(found: Sequence[Device]) -> bool:
-    """Is one of llama.cpp's devices a CUDA GPU (a build that replays CUDA graphs)?"""
-    return any(d.kind == "gpu" and d.name.startswith("CUDA") for d in found)
-
-
-def default_round_size(target: Model, n_batch: int) -> int:
-    """``EngineConfig.round_size`` when left to None: ``CUDA_ROUND_SIZE`` where the whole target is on a
-    CUDA device (the GPU build's graphs) and a batch holds a round, else 0 (each round its draft's size)."""
-    layers = target.n_gpu_layers
-    if layers == 0 or 0 < layers <= target.n_layer or n_batch < CUDA_ROUND_SIZE or not supports_gpu_offload():
-        return 0
-    try:
-        found = devices()
-    except (ImportError, AttributeError, OSError, RuntimeError) as exc:   # no ggml device API found
-        log.warning("llama.cpp's devices are unknown (%s): rounds take their draft's size "
-                    "(--round-size %d keeps a CUDA GPU's graphs)", exc, CUDA_ROUND_SIZE)
-        return 0
-    return CUDA_ROUND_SIZE if has_cuda_gpu(found) else 0
-
-
-UNQUANTISED_CACHE = ("f32", "f16")   # KV cache types llama.cpp runs without flash attention
-
-
-def default_flash_attn(model: Model, type_v: str = "f16") -> str:
-    """``EngineConfig.flash_attn`` when left to None: llama.cpp's default (auto: on where its backend
-    supports it) for a model with layers on a GPU, as plain llama.cpp runs it there (an H200 decoded
-    SmolLM2-135M 13% faster with it); off on a CPU, where flash attention would change the logits with
-    the batch's shape (docs/design.md#exactness) and gains little at these context sizes; auto wherever
-    the V cache is quantised, which llama.cpp runs only with flash attention."""
-    if type_v not in UNQUANTISED_CACHE:
-        return "auto"
-    return "auto" if model.n_gpu_layers != 0 and supports_gpu_offload() else "off"
-
-
-MAX_CTX = 2**24        # tokens: a context, a batch (llama.cpp: 32-bit; 16M cells is already ~TBs of KV)
-MAX_SEQS = 256         # llama.cpp's LLAMA_MAX_SEQ
-MAX_THREADS = 512      # ggml's GGML_MAX_N_THREADS
-
-
-@dataclass(frozen=True)   # checked once: a field changed afterwards skipped the checks (10**11 threads aborted)
-class EngineConfig:
-    """How ``Engine.load`` makes the contexts and how generations run; the command line's flags set the
-    same fields (``-c`` n_ctx, ``-b`` n_batch, ``--seqs`` n_seq_max, ``-t`` threads, ``--gpu-layers``,
-    ...). Frozen and checked when made: ``dataclasses.replace`` gives a changed copy.
-
-    n_ctx, n_batch, n_seq_max: the target's context in tokens, the most tokens one decode takes (a draft
-        tree, a prefill chunk), the sequence ids per context (branches and a lookahead window).
-    threads, threads_batch: llama.cpp's threads for single steps and for larger decodes; None: the cores
-        other processes leave idle, and ``threads``.
-    flash_attn: "off", "on" or "auto"; None: off on a CPU (bit-reproducible greedy output), auto on a GPU.
-    gpu_layers, draft_gpu_layers: layers on the GPU (-1: all); None: all where llama.cpp has a GPU backend.
-    main_gpu: the whole of both models on this GPU; None: their layers split across every GPU.
-    type_k, type_v, draft_type_k, draft_type_v: the KV caches' types (f16, q8_0, q4_0, ...).
-    draft_n_ctx: the draft's context; None: n_ctx.
-    adaptive: draft lengths priced by the measured cost model (False: each method's fixed settings).
-    calibration: "auto" (the cached or measured cost curve) or "off" (verification priced as one step).
-    max_draft: the longest draft the scheduler prices, in tokens.
-    learned: start from what earlier sessions learned of acceptance, and save what this one learns.
-    huge_pages: weights kept on the CPU read into 2 MiB pages.
-    round_size: every drafting round decodes this many tokens (0: the draft's size; None: 4 where the whole
-        target is on a CUDA device, else 0).
-    overlap: draft while the target decodes a plain step; None: where the device lets it (a GPU).
-    round_switch: with round_size, plain steps where its rounds would write fewer tokens than they cost.
-    """
-
-    n_ctx: int = 4096             # the target's context, in tokens
-    n_batch: int = 256            # largest tree / prefill chunk in one decode
-    n_seq_max: int = 16           # sequence ids per context (branches + lookahead window)
-    threads: int | None = None    # None: the cores other processes leave idle (cpu_load.py)
-    threads_batch: int | None = None   # threads of decodes of more than a token; None: ``threads``
-    # off | on | auto; None: ``default_flash_attn`` per model (off on a CPU: bit-reproducible greedy
-    # output, docs/design.md#exactness; on a GPU llama.cpp's own default, auto)
-    flash_attn: str | None = None
-    # layers on the GPU (-1: all); None: all where llama.cpp has a GPU backend, else 0 (the CLI's auto)
-    gpu_layers: int | None = None
-    draft_gpu_layers: int | None = None
-    # the whole of both models on this GPU; None: llama.cpp's default, their layers split across every GPU
-    main_gpu: int | None = None
-    type_k: str = "f16"           # the KV cache's types (q8_0, q4_0, ...: llama.cpp's), target and draft
-    type_v: str = "f16"
-    draft_type_k: str = "f16"
-    draft_type_v: str = "f16"
-    draft_n_ctx: int | None = None   # the draft's context; None: n_ctx
-    adaptive: bool = True         # cap draft lengths by the measured cost model (scheduler.py)
-    calibration: str = "auto"     # auto: cached or measured cost curve; off: assume flat costs
-    max_draft: int = 16           # the longest draft the scheduler prices (tokens)
-    learned: bool = True          # start from the estimates earlier sessions learned, and save them (learned.py)
-    huge_pages: bool = True       # weights kept on the CPU read into 2 MiB pages (llama/huge_pages.py)
-    # every round of a drafting method decodes this many tokens, a plain step too (0: the draft's size):
-    # drafts are cut to it and a shorter chain is filled with guesses (``filled``). A decode of an
-    # unchanged shape reuses llama.cpp's graph, and on a CUDA build its CUDA graph (docs/design.md#cost-model).
-    # None: ``default_round_size`` (4 where the whole target is on a CUDA device, else 0)
-    round_size: int | None = None
-    # draft while the target decodes a plain step (the draft's first level is checked by that step, the
-    # rest verified next round): free on a GPU, where llama_decode returns before the decode ends, and a
-    # pass more per draft on a CPU, where it does not. None: where plain steps were seen to wait for their
-    # logits after llama_decode returned (ASYNC_WAIT_SHARE), and until one is timed, on a GPU
-    overlap: bool | None = None
-    # in rounds of one size that draft while they decode: plain one-token steps where rounds of
-    # ``round_size`` would write fewer tokens than they cost, and back (round_sizer.py)
-    round_switch: bool = True
-
-    def __post_init__(self) -> None:
-        """Every value checked here, in one line each: a bad one once failed deep in a generation (a
-        numpy error from the scheduler for max_draft=0) or was taken silently (round_size=-1)."""
-        for name in ("gpu_layers", "draft_gpu_layers"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, -1 if supports_gpu_offload() else 0)
-        # llama.cpp takes these as 32-bit integers: 2**32 + 512 became a context of 512, a batch of
-        # 2**32 + 2 failed an assertion, 10**11 threads aborted the process
-        bounds = {"n_ctx": (0, MAX_CTX), "n_batch": (1, MAX_CTX), "n_seq_max": (1, MAX_SEQS),
-                  "threads": (0, MAX_THREADS), "threads_batch": (0, MAX_THREADS), "gpu_layers": (-1, 2**31 - 1),
-                  "draft_gpu_layers": (-1, 2**31 - 1), "main_gpu": (0, 2**31 - 1), "draft_n_ctx": (0, MAX_CTX),
-                  "max_draft": (1, MAX_CTX), "round_size": (0, MAX_CTX)}
-        optional = {"threads", "threads_batch", "draft_n_ctx", "round_size", "main_gpu"}
-        for name, (low, high) in bounds.items():
-            value = getattr(self, name)
-            if value is None and name in optional:
-                continue
-            if not is_integer(value) or not low <= value <= high:
-                raise ParameterError(f"EngineConfig.{name} must be an integer from {low} to {high}"
-                                     f"{' or None' if name in optional else ''} (got {value!r})")
-            object.__setattr__(self, name, int(value))   # numpy's integers too
-        if self.round_size == 1:   # the command line's --round-size refuses it too
-            raise ParameterError("EngineConfig.round_size must be 0 (every round its draft's size) or 2 and more: "
-                                 "a round of 1 token checks no draft")
-        if self.round_size and (self.round_size > self.n_batch or 0 < self.n_ctx < self.round_size):
-            raise ParameterError(f"EngineConfig.round_size ({self.round_size}) must fit the batch ({self.n_batch}) "
-                                 f"and the context ({self.n_ctx})")
-        choices = {"flash_attn": (None, "on", "off", "auto"), "calibration": ("auto", "off"),
-                   "overlap": (None, True, False)}
-        for name in ("adaptive", "learned", "huge_pages", "round_switch"):
-            choices[name] = (True, False)
-        for name in ("type_k", "type_v", "draft_type_k", "draft_type_v"):   # refused before the weights load
-            choices[name] = tuple(KV_CACHE_TYPES)
-        for name, allowed in choices.items():
-            value = getattr(self, name)
-            if isinstance(value, np.bool_):
-                value = bool(value)
-                object.__setattr__(self, name, value)
-            # ``is`` for None/True/False: 1 == True must not pass for a flag
-            if not any(value is a or (isinstance(a, str) and value == a) for a in allowed):
-                raise ParameterError(f"EngineConfig.{name} must be one of {', '.join(map(repr, allowed))} "
-                                     f"(got {value!r})")
-        quantised_v = [n for n in ("type_v", "draft_type_v") if getattr(self, n) not in UNQUANTISED_CACHE]
-        if self.flash_attn == "off" and quantised_v:   # llama.cpp refused it after the weights loaded
-            raise ParameterError(f"EngineConfig.{quantised_v[0]}={getattr(self, quantised_v[0])!r} needs flash "
-                                 "attention (llama.cpp quantises the V cache only with it): flash_attn 'on', "
-                                 "'auto' or None (--flash-attn), or an f16 V cache")
-
-
-def _shown_text(text: str, limit: int = 60) -> str:
-    """``text`` for a repr: its first ``limit`` characters, and how many more."""
-    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
-
-
-def _shown_ids(tokens: Sequence[int], limit: int = 8) -> str:
-    shown = ", ".join(map(str, tokens[:limit]))
-    return f"[{shown}]" if len(tokens) <= limit else f"[{shown}, ...] ({len(tokens)} tokens)"
-
-
-@dataclass
-class GenerationStats:
-    """How a generation went: tokens, times, target passes, drafted and accepted tokens, ``finish_reason``
-    (stop: an end-of-generation token or a stop string; length: the token budget or the context's end;
-    cancelled), the seed a sampled answer used, and the method's own numbers in ``extra``. The decode's
-    seconds leave out the time a ``stream``'s reader spends between events (printing them, say)."""
-
-    method: str
-    tokens: int = 0
-    prompt_tokens: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    tokens_per_second: float = 0.0
-    target_passes: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_pass: float = 0.0    # accepted draft tokens per target pass (bonus excluded)
-    tokens_per_pass: float = 0.0      # tokens the target produced per pass: accepted_per_pass + 1 (the bonus)
-    finish_reason: str = ""
-    seed: int | None = None           # a sampled answer's seed, drawn here where none was given: it repeats it
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def finalize(self) -> None:
-        self.tokens_per_second = self.tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
-        if self.target_passes:
-            self.accepted_per_pass = self.accepted / self.target_passes
-            # not tokens / passes: a pass that ends the answer (end of generation, a stop string, the
-            # token budget) emits less than it produced, and "0.88 tokens per pass" reads as a bug
-            self.tokens_per_pass = self.accepted_per_pass + 1.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-@dataclass
-class GenerationResult:
-    """An answer: its ``text``, its token ids (through the one that completed a stop string, whose text is
-    cut off) and its ``stats``."""
-
-    text: str
-    tokens: list[int]
-    stats: GenerationStats
-
-    @property
-    def finish_reason(self) -> str:
-        return self.stats.finish_reason
-
-    def __repr__(self) -> str:   # bounded: a notebook cell showing a 100k-token answer printed a megabyte
-        st = self.stats
-        return (f"GenerationResult(text={_shown_text(self.text)}, tokens={_shown_ids(self.tokens)}, "
-                f"finish_reason={st.finish_reason!r}, method={st.method!r}, "
-                f"{st.tokens_per_second:.1f} tokens/s, {st.tokens_per_pass:.2f} tokens per pass)")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "tokens": list(self.tokens), "stats": self.stats.to_dict()}   # a copy, as stats
-
-
-@dataclass
-class StreamEvent:
-    """A piece of a streamed answer; the final event carries the whole ``result``."""
-
-    text: str                          # new text since the previous event ("" is possible)
-    tokens: list[int]                  # new tokens since the previous event
-    result: GenerationResult | None = None   # set on the final event only
-
-    def __repr__(self) -> str:
-        final = f", result={self.result!r}" if self.result is not None else ""
-        return f"StreamEvent(text={_shown_text(self.text)}, tokens={_shown_ids(self.tokens)}{final})"
-
-
-PREFIX_SET_CHARS = 4_000_000   # the stop strings' prefixes are kept in a set up to this many characters
-
-
-class StopMatcher:
-    """Finds stop strings in streamed text and holds back text that may begin one."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self._longest = max(map(len, self.stops), default=0)
-        # one search over every stop string, and their proper prefixes in a set where that is small: each
-        # stop string searched and its prefixes tried in turn cost every token that much (1,000 of them
-        # took the CLI from 1,152 to 244 tokens a second)
-        self._any_stop = re.compile("|".join(map(re.escape, self.stops))) if self.stops else None
-        small = sum(len(s) * len(s) for s in self.stops) <= PREFIX_SET_CHARS
-        self._prefixes = {s[:k] for s in self.stops for k in range(1, len(s))} if small else None
-        self._released: list[str] = []   # everything released so far, joined once at the end
-        self._tail = ""                   # its last characters, where a stop string could begin
-        self.pending = ""
-        self.stopped = False
-
-    @property
-    def text(self) -> str:
-        return "".join(self._released)
-
-    def _release(self, out: str) -> str:
-        if out:
-            self._released.append(out)
-            if self._longest:
-                self._tail = (self._tail + out)[-self._longest:]
-        return out
-
-    def push(self, piece: str) -> str:
-        if not self.stops:
-            return self._release(piece)
-        self.pending += piece
-        window = self._tail + self.pending
-        offset = len(window) - len(self.pending)
-        hit = self._any_stop.search(window)   # the leftmost start of any stop string
-        if hit is not None:
-            cut = hit.start() - offset
-            out = self.pending[:max(cut, 0)]   # cut < 0 cannot happen: text that may begin a stop is held
-            self.pending = ""
-            self.stopped = True
-            return self._release(out)
-        hold = self._held_back(self.pending)
-        out = self.pending[:len(self.pending) - hold]
-        self.pending = self.pending[len(self.pending) - hold:]
-        return self._release(out)
-
-    def _held_back(self, pending: str) -> int:
-        """The length of ``pending``'s longest end that begins a stop string (held until it is decided)."""
-        if self._prefixes is not None:
-            for k in range(min(self._longest - 1, len(pending)), 0, -1):
-                if pending[len(pending) - k:] in self._prefixes:
-                    return k
-            return 0
-        hold = 0
-        for s in self.stops:   # long stop strings: their prefixes would take too much memory
-            for k in range(min(len(s) - 1, len(pending)), hold, -1):
-                if pending.endswith(s[:k]):
-                    hold = k
-                    break
-        return hold
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return self._release(out)
 
 
 @dataclass
@@ -967,7 +660,7 @@ class Engine:
             sched.begin_request()
             sched.enroll(proposer)
             setup = replace(setup, retired=sched.hopeless(proposer.name))
-        out = _Output(self.target, stops, eog, max_tokens)
+        out = AnswerOutput(self.target, stops, eog, max_tokens)
         committed = list(prompt)
         target_before, draft_before = _graph_counts(self.target_ctx), _graph_counts(self._draft_ctx)
 
@@ -1404,45 +1097,6 @@ class _Round:
     #                                                     this round wrote, the next round's guesses
     stand_in: list[int] = field(default_factory=list)  # a plain step in their place: the guesses its round
     #                                                     of one size would have checked after the root
-
-
-class _Output:
-    """The answer as it is emitted: end-of-generation tokens, stop strings and the token budget end it,
-    and text is released only where it cannot begin a stop string."""
-
-    def __init__(self, target: Model, stops: Sequence[str], eog: frozenset[int], max_tokens: int):
-        self.text_stream = TextStream(target)
-        self.matcher = StopMatcher(stops)
-        self.eog = eog
-        self.max_tokens = max_tokens
-        self.tokens: list[int] = []
-        self.finish: str | None = None if max_tokens > 0 else "length"
-
-    def take(self, new: Sequence[int]) -> StreamEvent | None:
-        """Emit a round's tokens up to whatever ends the answer; the event to stream, if any."""
-        emitted: list[int] = []
-        text = ""
-        for tok in new:
-            if tok in self.eog:
-                self.finish = "stop"
-                break
-            emitted.append(tok)
-            text += self.matcher.push(self.text_stream.push(tok))
-            if self.matcher.stopped:
-                self.finish = "stop"
-                break
-            if len(self.tokens) + len(emitted) >= self.max_tokens:
-                self.finish = "length"
-                break
-        self.tokens.extend(emitted)
-        return StreamEvent(text=text, tokens=emitted) if emitted or text else None
-
-    def flush(self) -> str:
-        """The text held back at the end (an incomplete character, a partial stop string)."""
-        if self.matcher.stopped:
-            return ""
-        tail = self.text_stream.flush()
-        return (self.matcher.push(tail) if tail else "") + self.matcher.flush()
 
 
 FILL_WINDOW = 256   # tokens of the context ``filled`` looks back through

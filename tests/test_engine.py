@@ -7,7 +7,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ouroboros_local.engine import Engine, StopMatcher
+from ouroboros_local.engine import Engine
+from ouroboros_local.generation import StopMatcher
 from ouroboros_local.errors import ContextOverflowError, OuroborosError, ParameterError
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
@@ -114,10 +115,10 @@ def test_stop_matcher_releases_all_but_what_may_begin_a_stop_string(prefix_set: 
     first stop string, less its longest end that begins one."""
     import random
 
-    import ouroboros_local.engine as engine_mod
+    import ouroboros_local.generation as generation
 
     if not prefix_set:
-        monkeypatch.setattr(engine_mod, "PREFIX_SET_CHARS", 0)
+        monkeypatch.setattr(generation, "PREFIX_SET_CHARS", 0)
     rng = random.Random(0)
     for _ in range(3000):
         stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(0, 4))) for _ in range(rng.randint(1, 5))]
@@ -1016,7 +1017,7 @@ def test_a_quantised_v_cache_turns_flash_attention_on_or_is_refused_before_loadi
 
     with pytest.raises(ParameterError, match="type_v='q4_0' needs flash attention"):
         EngineConfig(type_v="q4_0", flash_attn="off")
-    from ouroboros_local.engine import default_flash_attn
+    from ouroboros_local.engine_config import default_flash_attn
     from ouroboros_local.llama import Model
 
     model = Model(tiny_target, vocab_only=True)   # (its heads, 16 wide, take no 32-wide quantised block)

@@ -45,9 +45,9 @@ def test_gpu_layers_auto_follows_the_backend() -> None:
 @pytest.mark.parametrize("backend", [True, False])
 def test_the_python_api_offloads_as_the_command_line_does(backend: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """EngineConfig's layers default to the CLI's auto: a Python user on a CUDA build ran on the CPU."""
-    import ouroboros_local.engine as engine_mod
+    import ouroboros_local.engine_config as config_mod
 
-    monkeypatch.setattr(engine_mod, "supports_gpu_offload", lambda: backend)
+    monkeypatch.setattr(config_mod, "supports_gpu_offload", lambda: backend)
     config = EngineConfig()
     assert config.gpu_layers == config.draft_gpu_layers == (-1 if backend else 0)
     assert EngineConfig(gpu_layers=3, draft_gpu_layers=0).gpu_layers == 3
@@ -57,8 +57,10 @@ def test_an_engine_on_a_loaded_model_takes_its_layers_from_the_model(tiny_target
     """A config's default on a GPU build says every layer; a Model loaded without offload holds none.
     The cost curve's key and the overlap's guess before any step is timed follow the model."""
     import ouroboros_local.engine as engine_mod
+    import ouroboros_local.engine_config as config_mod
 
-    monkeypatch.setattr(engine_mod, "supports_gpu_offload", lambda: True)
+    for module in (engine_mod, config_mod):
+        monkeypatch.setattr(module, "supports_gpu_offload", lambda: True)
     config = EngineConfig(n_ctx=256, n_batch=32, n_seq_max=2, threads=1)
     with Engine(Model(tiny_target), None, config) as engine:
         assert engine.config.gpu_layers == -1 and engine.target.n_gpu_layers == 0
@@ -119,7 +121,7 @@ def test_gpu_and_cpu_agree_on_plain_decoding(tiny_target) -> None:
 def test_a_target_wholly_on_a_cuda_gpu_decodes_rounds_of_one_size(tiny_target) -> None:
     """The default where the whole target is on a CUDA GPU: rounds of CUDA_ROUND_SIZE; on another GPU, or
     with a layer left on the CPU, each round its draft's size."""
-    from ouroboros_local.engine import CUDA_ROUND_SIZE, has_cuda_gpu
+    from ouroboros_local.engine_config import CUDA_ROUND_SIZE, has_cuda_gpu
     from ouroboros_local.llama import devices
 
     with engine_with(tiny_target, None, -1, 0) as gpu:
@@ -162,10 +164,10 @@ class _Placed:
 ])
 def test_flash_attention_follows_llama_cpp_on_a_gpu_and_stays_off_on_a_cpu(
         monkeypatch, offload: bool, layers: int, expected: str) -> None:
-    import ouroboros_local.engine as engine_module
+    import ouroboros_local.engine_config as config_mod
 
-    monkeypatch.setattr(engine_module, "supports_gpu_offload", lambda: offload)
-    assert engine_module.default_flash_attn(_Placed(layers)) == expected
+    monkeypatch.setattr(config_mod, "supports_gpu_offload", lambda: offload)
+    assert config_mod.default_flash_attn(_Placed(layers)) == expected
 
 
 def test_an_engine_resolves_flash_attention_and_keeps_a_setting_given(tiny_target) -> None:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ouroboros_local.calibration import CostModel
-from ouroboros_local.engine import CUDA_ROUND_SIZE, Engine, default_round_size, filled
+from ouroboros_local.engine import Engine, filled
+from ouroboros_local.engine_config import CUDA_ROUND_SIZE, default_round_size
 from ouroboros_local.proposers import method_names
 from ouroboros_local.sampling import SamplingParams
 from ouroboros_local.scheduler import Scheduler
@@ -148,11 +149,11 @@ class _Target:
 ])
 def test_rounds_of_one_size_are_the_default_where_the_whole_target_is_on_a_cuda_gpu(
         monkeypatch, layers: int, device: str, n_batch: int, expected: int) -> None:
-    import ouroboros_local.engine as engine_module
+    import ouroboros_local.engine_config as config_mod
     from ouroboros_local.llama import Device
 
-    monkeypatch.setattr(engine_module, "supports_gpu_offload", lambda: True)
-    monkeypatch.setattr(engine_module, "devices", lambda: [Device(device, "a GPU", "gpu", 1, 2),
+    monkeypatch.setattr(config_mod, "supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(config_mod, "devices", lambda: [Device(device, "a GPU", "gpu", 1, 2),
                                                            Device("CPU", "a CPU", "cpu", 1, 2)])
     assert default_round_size(_Target(layers), n_batch) == expected
 
@@ -162,13 +163,13 @@ def test_rounds_of_one_size_are_the_default_where_the_whole_target_is_on_a_cuda_
 def test_devices_that_cannot_be_listed_leave_rounds_their_drafts_size_and_say_so(
         monkeypatch, caplog, error: Exception) -> None:
     """Not silently: the seventh H200 run lost its rounds of 4 to a libggml that was not found."""
-    import ouroboros_local.engine as engine_module
+    import ouroboros_local.engine_config as config_mod
 
     def no_device_api():
         raise error
 
-    monkeypatch.setattr(engine_module, "supports_gpu_offload", lambda: True)
-    monkeypatch.setattr(engine_module, "devices", no_device_api)
+    monkeypatch.setattr(config_mod, "supports_gpu_offload", lambda: True)
+    monkeypatch.setattr(config_mod, "devices", no_device_api)
     with caplog.at_level("WARNING", logger="ouroboros_local"):
         assert default_round_size(_Target(-1), 512) == 0
     assert f"--round-size {CUDA_ROUND_SIZE}" in caplog.text and str(error) in caplog.text

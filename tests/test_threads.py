@@ -228,7 +228,7 @@ def test_doctor_says_how_many_tokens_a_round_decodes_and_whether_attention_is_fl
     """On this CPU build: each round its draft's size (rounds of one size are a CUDA GPU's default) and
     flash attention off (on a GPU, llama.cpp's auto)."""
     from ouroboros_local import cli, doctor
-    from ouroboros_local.engine import CUDA_ROUND_SIZE
+    from ouroboros_local.engine_config import CUDA_ROUND_SIZE
 
     assert cli.main(["doctor", "-m", str(tiny_target)]) == 0
     out = capsys.readouterr().out

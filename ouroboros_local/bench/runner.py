@@ -29,7 +29,8 @@ from .prompts import BuiltPrompt
 log = logging.getLogger("ouroboros_local")
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine, GenerationResult
+    from ..engine import Engine
+    from ..generation import GenerationResult
     from ..sampling import SamplingParams
 
 

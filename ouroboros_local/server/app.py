@@ -36,7 +36,8 @@ from .protocol import (DEFAULT_COMPLETION_TOKENS, ApiError, ChatTemplateFields, 
 from .worker import Cancelled, ClientGone, GenerationWorker, Job, QueueFull, ShuttingDown
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine, GenerationResult
+    from ..engine import Engine
+    from ..generation import GenerationResult
 
 log = logging.getLogger("ouroboros_local.server")
 

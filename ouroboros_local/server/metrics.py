@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Iterable
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import GenerationStats
+    from ..generation import GenerationStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 PREFIX = "ouroboros"

@@ -23,7 +23,7 @@ from ..sampling import SamplingParams
 from .worker import ShuttingDown
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import GenerationResult
+    from ..generation import GenerationResult
 
 MAX_STOPS = 16
 DEFAULT_COMPLETION_TOKENS = 16      # OpenAI's default for /v1/completions

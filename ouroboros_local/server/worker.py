@@ -20,7 +20,8 @@ from ..errors import DrafterError, OuroborosError
 from .metrics import Metrics
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine, GenerationResult
+    from ..engine import Engine
+    from ..generation import GenerationResult
 
 log = logging.getLogger("ouroboros_local.server")
 

@@ -22,7 +22,8 @@ from ..llama import Context, ContextParams, Model
 from ..sampling import SamplingParams, distribution
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..engine import Engine, GenerationResult
+    from ..engine import Engine
+    from ..generation import GenerationResult
 
 # A sampler that is exactly lossless fails a test with probability ALPHA (the chi-square's p-value is
 # uniform then), so a suite of a few dozen such tests stays green; a real bias drives p towards 0.
