@@ -1308,3 +1308,23 @@ def test_a_full_stdout_keeps_the_results_files(tiny_target: Path, tmp_path: Path
                  "-t", "1", "--out", str(out), "--no-progress", "--no-bandwidth"])
     assert code == 1 and (out / "results.json").is_file() and (out / "results.md").is_file()
     assert "cannot write the table to standard output (No space left on device)" in capsys.readouterr().err
+
+
+def test_gpus_llama_cpp_offloads_to_are_named_where_nvidia_smi_is_absent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Mac's results (Metal) named only the CPU: the machine facts listed nvidia-smi's GPUs alone."""
+    from ouroboros_local import llama
+    from ouroboros_local.bench import machine
+    from ouroboros_local.llama import Device
+
+    monkeypatch.setattr(machine.shutil, "which", lambda name: None)
+    found = [Device("CPU", "a CPU", "cpu", 1, 2), Device("MTL0", "Apple M2 Max", "gpu", 2**30, 22 * 2**30)]
+    monkeypatch.setattr(llama, "devices", lambda: found)
+    assert machine.gpus() == ["Apple M2 Max, 22528 MiB, llama.cpp device MTL0"]
+    monkeypatch.setattr(llama, "devices", lambda: found[:1])   # a CPU build: no GPU, as before
+    assert machine.gpus() == []
+
+    def no_device_api() -> list[Device]:
+        raise AttributeError("libggml has no ggml_backend_dev_count")
+
+    monkeypatch.setattr(llama, "devices", no_device_api)
+    assert machine.gpus() == []

@@ -37,6 +37,12 @@ def memory_bytes() -> int | None:
 
 
 def gpus() -> list[str]:
+    """The GPUs, each as "NAME, MEMORY, ...": nvidia-smi's (name, memory, driver), else those llama.cpp's
+    backends offload to (a Mac's Metal GPU, Vulkan's, ROCm's), whose results once named only the CPU."""
+    return _nvidia_gpus() or _llama_gpus()
+
+
+def _nvidia_gpus() -> list[str]:
     exe = shutil.which("nvidia-smi")
     if not exe:
         return []
@@ -46,6 +52,16 @@ def gpus() -> list[str]:
     except (OSError, subprocess.SubprocessError):
         return []
     return [ln.strip() for ln in out.splitlines() if ln.strip()]
+
+
+def _llama_gpus() -> list[str]:
+    try:
+        from ..llama import devices, offload_gpus
+
+        found = offload_gpus(devices())
+    except Exception:   # llama.cpp not importable, or no device API in its library: the rest is reported
+        return []
+    return [f"{d.description or d.name}, {d.memory_total // 2**20} MiB, llama.cpp device {d.name}" for d in found]
 
 
 def measure_memory_bandwidth(mib: int = 128, repeats: int = 5) -> float | None:
