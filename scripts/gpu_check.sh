@@ -36,13 +36,14 @@
 #                                         $OUT/NAME-runs.tgz (NAME: AB_LABEL, else the set). A run of
 #                                         vanilla and auto takes ~25 s (1.5B) and ~20 s (SmolLM2)
 #   scripts/gpu_check.sh next             the plan for the next GPU session, in one call after the stashes
-#                                         (timeout_s ~560): preflight, SmolLM2's auto with --round-switch
-#                                         off against on, then the full comparisons with the peers under
-#                                         the GPU's defaults (rounds of 4, flash attention auto, round
-#                                         switch on): bench qwen15, then bench smol, each interrupted at a
-#                                         deadline (BENCH_DEADLINE, epoch seconds: SIGINT, the prompts done
-#                                         are reported), then profile (if a minute is left), so that the
-#                                         call ends by ~525 s
+#                                         (timeout_s 600, NEXT_SECONDS=560): preflight, rounds of 4 (the
+#                                         default) against --round-size 0 for the 1.5B and for SmolLM2
+#                                         (ab), then the full comparisons with the peers under the GPU's
+#                                         defaults (rounds of 4, flash attention auto, round switch on):
+#                                         bench qwen15, then bench smol, each interrupted at a deadline
+#                                         (BENCH_DEADLINE, epoch seconds: SIGINT, the prompts done are
+#                                         reported; an ab gives each of its runs an equal share of the
+#                                         time left), then profile (if a minute is left)
 #   scripts/gpu_check.sh preflight        llama.cpp's devices and the engine's defaults here (doctor, into
 #                                         $OUT/doctor.txt); fails unless rounds of 4 and flash attention
 #                                         auto are the defaults (next then asks for them by flag)
@@ -321,11 +322,17 @@ case "${1:-}" in
     read -ra ARM_B <<< "${5:-}"
     COMMON=("${@:6}")
     RUNS=()
+    AB_DEADLINE="${BENCH_DEADLINE:-}"
+    todo=$((2 * REPEATS))
     for i in $(seq 1 "$REPEATS"); do
       order="a b"; [ $((i % 2)) -eq 0 ] && order="b a"
       for arm in $order; do
         NAME="${AB_LABEL:-$SET}-$arm$i"
         if [ "$arm" = a ]; then EXTRA=("${COMMON[@]}" "${ARM_A[@]}"); else EXTRA=("${COMMON[@]}" "${ARM_B[@]}"); fi
+        # each run its share of the time left to the deadline: with one deadline for all, a late build
+        # left the first run all of it and the second arm none (its log only: "no time left")
+        [ -n "$AB_DEADLINE" ] && BENCH_DEADLINE=$(( $(date +%s) + (AB_DEADLINE - $(date +%s)) / todo ))
+        todo=$((todo - 1))
         bench_set "$SET" > "$OUT/$NAME.log" 2>&1 || tail -5 "$OUT/$NAME.log"
         cp "$OUT/$NAME.log" "$OUT/$NAME/" 2>/dev/null
         RUNS+=("$NAME")
