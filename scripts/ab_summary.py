@@ -16,8 +16,8 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ouroboros_local.bench.report import read_results
 from ouroboros_local.errors import OuroborosError
-from ouroboros_local.text_input import read_json
 
 
 def setting(run: str) -> str:
@@ -36,8 +36,8 @@ def load_run(root: Path, run: str) -> dict:
     """``root/run/results.json``, whose summary is set -> method -> row; a run without one is an
     OuroborosError naming the file."""
     path = root / run / "results.json"
-    data = read_json(path, "bench results.json")
-    summary = data.get("summary") if isinstance(data, dict) else None
+    data = read_results(path)
+    summary = data.get("summary")
     if not isinstance(summary, dict) or not all(
             isinstance(rows, dict) and all(isinstance(row, dict) for row in rows.values())
             for rows in summary.values()):

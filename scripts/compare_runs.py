@@ -19,12 +19,11 @@ prompt with another text or budget: a change of the command, not of the code).
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter, defaultdict
 from typing import Any
 
-from ouroboros_local.bench.report import refuse_different_runs
+from ouroboros_local.bench.report import read_results, refuse_different_runs
 from ouroboros_local.errors import ParameterError
 
 Key = tuple[str, str, str]   # (set, prompt id, label)
@@ -33,20 +32,6 @@ MISMATCH = "mismatch"
 
 class RunError(Exception):
     """A results file that cannot be compared (one line, exit status 2)."""
-
-
-def load(path: str) -> dict[str, Any]:
-    """A bench results.json's contents; a file that is not one is a RunError."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except OSError as exc:
-        raise RunError(f"{path}: {exc.strerror or exc}") from None
-    except ValueError as exc:   # not JSON (a truncated file), or not UTF-8
-        raise RunError(f"{path}: not a results file ({exc})") from None
-    if not isinstance(data, dict) or not isinstance(data.get("records"), list):
-        raise RunError(f"{path}: not a bench results.json (no records)")
-    return data
 
 
 def records(path: str, data: dict[str, Any]) -> dict[Key, dict[str, Any]]:
@@ -106,7 +91,7 @@ def main(argv: list[str]) -> int:
         print("usage: " + __doc__.strip().splitlines()[3].strip(), file=sys.stderr)
         return 2
     try:
-        runs = [(path, load(path)) for path in argv]
+        runs = [(path, read_results(path)) for path in argv]
         before, after = (records(path, data) for path, data in runs)
         refuse_different_runs(runs)
     except (RunError, ParameterError) as exc:

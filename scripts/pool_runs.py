@@ -18,19 +18,8 @@ import argparse
 import sys
 from collections import defaultdict
 
-from ouroboros_local.bench.report import refuse_different_runs, refuse_repeated_files
+from ouroboros_local.bench.report import read_results, refuse_different_runs, refuse_repeated_files
 from ouroboros_local.errors import OuroborosError
-from ouroboros_local.text_input import read_json
-
-
-def load(path: str) -> dict:
-    """A bench results.json; a file without records is an OuroborosError naming it."""
-    data = read_json(path, "bench results.json")
-    records = data.get("records") if isinstance(data, dict) else None
-    if not isinstance(records, list) or not all(isinstance(r, dict) and "set" in r and "label" in r
-                                                for r in records):
-        raise OuroborosError(f"{path}: not a bench results.json (no records with a set and a label)")
-    return data
 
 
 def timed(rec: dict) -> bool:
@@ -57,7 +46,7 @@ def main() -> int:
     labels: list[str] = []
     used: list[int] = []   # the runs with a timed record
     refuse_repeated_files(args.runs)
-    payloads = [load(path) for path in args.runs]
+    payloads = [read_results(path) for path in args.runs]
     refuse_different_runs(list(zip(args.runs, payloads)))
     for i, payload in enumerate(payloads):
         records = [rec for rec in payload["records"] if timed(rec)]

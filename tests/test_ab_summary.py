@@ -23,7 +23,7 @@ def _run(root: Path, name: str, speedup: float, propose_ms: float) -> None:
     summary = {"gsm8k": {"vanilla": {"speedup": 1.0, "time_split": None},
                          "auto": {"speedup": speedup, "time_split": split}}}
     (root / name).mkdir()
-    (root / name / "results.json").write_text(json.dumps({"summary": summary}))
+    (root / name / "results.json").write_text(json.dumps({"summary": summary, "records": []}))
 
 
 def test_each_setting_gets_its_mean_speedup_and_time_split(tmp_path: Path, capsys) -> None:
@@ -53,7 +53,8 @@ def _with_records(root: Path, name: str, prompt: str, max_tokens: int, model: st
     _run(root, name, 1.0, 2.0)
     path = root / name / "results.json"
     payload = json.loads(path.read_text())
-    payload["records"] = [{"set": "gsm8k", "id": "1", "kind": "ours", "prompt": prompt, "max_tokens": max_tokens}]
+    payload["records"] = [{"set": "gsm8k", "id": "1", "label": "auto", "kind": "ours", "prompt": prompt,
+                           "max_tokens": max_tokens}]
     payload["models"] = {"target": {"file": model}}
     path.write_text(json.dumps(payload))
 
@@ -90,7 +91,7 @@ def test_the_round_switch_is_summed_per_setting(tmp_path: Path, capsys) -> None:
         switch = {"plain_rounds": plain, "changes": 2, "calibrated_ratio": 1.3}
         if timed:
             switch["timed_ratio"] = timed
-        payload["records"] = [{"set": "gsm8k", "id": str(i), "method": "auto", "target_passes": 60,
+        payload["records"] = [{"set": "gsm8k", "id": str(i), "method": "auto", "label": "auto", "target_passes": 60,
                                "extra": {"round_switch": switch}} for i in range(2)]
         # a --variant of prompt-lookup: a row of its own, as in the tables above
         payload["records"].append({"set": "gsm8k", "id": "0", "method": "prompt-lookup", "label": "pl1",

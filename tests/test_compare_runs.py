@@ -62,8 +62,8 @@ def test_unreadable_files_are_one_line_errors(tmp_path: Path, capsys: pytest.Cap
     truncated = tmp_path / "t.json"
     truncated.write_text(Path(good).read_text()[:40])
     no_text = write(tmp_path / "n.json", [{k: v for k, v in r.items() if k != "text"} for r in RUN])
-    for files, message in (([str(tmp_path / "nope.json"), good], "nope.json: No such file or directory"),
-                           ([str(truncated), good], "t.json: not a results file"),
+    for files, message in (([str(tmp_path / "nope.json"), good], "results file not found: "),
+                           ([str(truncated), good], "t.json is not JSON"),
                            ([good, write(tmp_path / "x.json", [])][::-1], "the runs share no output"),
                            ([good, no_text], "n.json: run the benchmark with --save-text")):
         assert compare_runs.main(files) == 2

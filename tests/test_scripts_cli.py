@@ -190,7 +190,7 @@ def test_a_reader_that_goes_away_ends_the_scripts_quietly(files: Path) -> None:
     (files / "ab" / "s-b1").mkdir()
     summary = {"gsm8k": {"vanilla": {"speedup": 1.0}, "auto": {"speedup": 1.5}}}
     for run in ("s-a1", "s-b1"):
-        (files / "ab" / run / "results.json").write_text(json.dumps({"summary": summary}))
+        (files / "ab" / run / "results.json").write_text(json.dumps({"summary": summary, "records": []}))
     for script, args in (("pool_runs", ["results.json", "again.json"]), ("compare_runs", ["text.json", "text.json"]),
                          ("ab_summary", ["ab", "s-a1", "s-b1"])):
         done = run_into_closed_pipe(script, *args, cwd=files)

@@ -340,10 +340,10 @@ def _was_stopped(run_dir: Path) -> bool:
     from . import report
 
     try:
-        notes = json.loads((run_dir / "results.json").read_text(encoding="utf-8")).get("notes") or []
-    except (OSError, ValueError, AttributeError):
+        notes = report.read_results(run_dir / "results.json").get("notes")
+    except ParameterError:   # none, or not one: nothing says it stopped
         return False
-    return report.stopped_early(notes)
+    return isinstance(notes, list) and report.stopped_early(notes)
 
 
 def check_out_dir(out_dir: Path) -> None:

@@ -529,6 +529,8 @@ def rerender(results: str | Path) -> Path:
     and rewrite it and the Markdown beside it (``markdown_path``); returns the Markdown file's path."""
     path = Path(results)
     payload = read_results(path)
+    if "methods" not in payload:
+        raise ParameterError(f"{path} is not a bench results.json (no methods)")
     md = markdown_path(path)
     if md.exists() and not md.is_file():   # refused before the results file is rewritten
         raise ParameterError(f"cannot write {md}: it is not a file")
@@ -543,13 +545,17 @@ def rerender(results: str | Path) -> Path:
 
 
 def read_results(path: str | Path) -> dict[str, Any]:
-    """A bench results.json (ParameterError in one line when it is missing, not JSON or not one)."""
+    """A bench results.json: a JSON object whose records are objects, each naming its set and label. The
+    one reader of these files (re-rendering, pooling, scripts/ab_summary.py, pool_runs.py, compare_runs.py):
+    ParameterError in one line naming the file where it is missing, unreadable, not JSON or not one."""
     try:
         payload = json.loads(read_text(path, "results file"))
     except ValueError as exc:
         raise ParameterError(f"{path} is not JSON ({exc})") from None
-    if not isinstance(payload, dict) or not isinstance(payload.get("records"), list) or "methods" not in payload:
-        raise ParameterError(f"{path} is not a bench results.json (no records and methods)")
+    records = payload.get("records") if isinstance(payload, dict) else None
+    if not isinstance(records, list) or not all(isinstance(r, dict) and "set" in r and "label" in r
+                                                for r in records):
+        raise ParameterError(f"{path} is not a bench results.json (no records, each naming its set and label)")
     return payload
 
 
