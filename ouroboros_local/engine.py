@@ -30,9 +30,14 @@ from .calibration import (CalibrationCache, CostModel, cached_or_measured, calib
                           measure_round)
 from .cpu_load import cpu_model
 from .engine_config import EngineConfig, default_flash_attn, default_round_size
+# moved to engine_config.py and generation.py, and still importable from here: code outside the package
+# imports them (patching them here no longer changes the defaults: engine_config's copies do)
+from .engine_config import (CUDA_ROUND_SIZE, MAX_CTX, MAX_SEQS, MAX_THREADS, UNQUANTISED_CACHE,  # noqa: F401
+                            has_cuda_gpu)
 from .errors import (ContextOverflowError, DrafterError, MethodOptionError, OuroborosError, ParameterError,
                      PoolError, counted)
 from .generation import AnswerOutput, GenerationResult, GenerationStats, StreamEvent
+from .generation import PREFIX_SET_CHARS, StopMatcher  # noqa: F401  (moved; see the note above)
 from .gguf_file import recurrent_refusal, validate_gguf
 from .history import History
 from .kv import KVCache

@@ -278,9 +278,11 @@ def test_doctor_prices_a_draft_of_another_vocabulary_too(tiny_target, tiny_other
 def test_a_build_without_offload_keys_one_curve_whatever_the_layers_asked(tiny_target, monkeypatch) -> None:
     """doctor says --gpu-layers is ignored on a CPU build; each value still measured its own curve."""
     import ouroboros_local.engine as engine_mod
+    import ouroboros_local.engine_config as config_mod
 
     config = EngineConfig(n_ctx=256, n_batch=32, n_seq_max=2, threads=1)
     for backend, expected in ((False, 0), (True, 3)):
-        monkeypatch.setattr(engine_mod, "supports_gpu_offload", lambda: backend)
+        for module in (engine_mod, config_mod):   # the engine's key, and its defaults (flash attention)
+            monkeypatch.setattr(module, "supports_gpu_offload", lambda: backend)
         with Engine(Model(tiny_target, n_gpu_layers=3), None, config) as engine:
             assert engine.calibration_settings()["gpu_layers"] == expected
