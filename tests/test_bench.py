@@ -1328,3 +1328,35 @@ def test_gpus_llama_cpp_offloads_to_are_named_where_nvidia_smi_is_absent(monkeyp
 
     monkeypatch.setattr(llama, "devices", no_device_api)
     assert machine.gpus() == []
+
+
+def test_an_nvidia_smi_that_fails_names_no_gpu_and_llama_cpp_is_asked(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its message on stdout ("NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA
+    driver...", exit status 9) was recorded as the machine's GPU, and titled the chart."""
+    from ouroboros_local import llama
+    from ouroboros_local.bench import machine
+    from ouroboros_local.llama import Device
+
+    stub = tmp_path / "nvidia-smi"
+    stub.write_text("#!/bin/sh\necho \"NVIDIA-SMI has failed because it couldn't communicate with the driver\"\n"
+                    "exit 9\n")
+    stub.chmod(0o755)
+    monkeypatch.setattr(machine.shutil, "which", lambda name: str(stub))
+    monkeypatch.setattr(llama, "devices", lambda: [Device("Vulkan0", "AMD Radeon RX 7900", "gpu", 1, 2**34)])
+    assert machine.gpus() == ["AMD Radeon RX 7900, 16384 MiB, llama.cpp device Vulkan0"]
+
+
+def test_results_nested_too_deep_or_with_records_naming_no_id_are_refused_in_one_line(tmp_path: Path) -> None:
+    """A corrupted file raised RecursionError (too deep for json) or KeyError: 'id' (pooling) in every
+    reader of results.json."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    no_id = tmp_path / "no_id.json"
+    no_id.write_text(json.dumps({"records": [{"set": "s", "label": "vanilla"}], "methods": ["vanilla"]}))
+    for path, words in ((deep, "nested too deep"), (no_id, "each naming its set, id and label")):
+        with pytest.raises(ParameterError, match=words):
+            report.read_results(path)
+        again = tmp_path / f"again-{path.name}"
+        again.write_bytes(path.read_bytes())
+        assert report.main(["--pool", "auto", str(path), str(again)]) == 2

@@ -47,11 +47,13 @@ def _nvidia_gpus() -> list[str]:
     if not exe:
         return []
     try:
-        out = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10).stdout
+        done = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return []
-    return [ln.strip() for ln in out.splitlines() if ln.strip()]
+    if done.returncode != 0:   # a driver it cannot reach, no device: its message is on stdout, not a GPU
+        return []
+    return [ln.strip() for ln in done.stdout.splitlines() if ln.strip()]
 
 
 def _llama_gpus() -> list[str]:

@@ -544,18 +544,23 @@ def rerender(results: str | Path) -> Path:
     return md
 
 
+RECORD_KEYS = ("set", "id", "label")   # what every record of bench's names (runner._record)
+
+
 def read_results(path: str | Path) -> dict[str, Any]:
-    """A bench results.json: a JSON object whose records are objects, each naming its set and label. The
+    """A bench results.json: a JSON object whose records are objects, each naming its set, id and label. The
     one reader of these files (re-rendering, pooling, scripts/ab_summary.py, pool_runs.py, compare_runs.py):
     ParameterError in one line naming the file where it is missing, unreadable, not JSON or not one."""
     try:
         payload = json.loads(read_text(path, "results file"))
     except ValueError as exc:
         raise ParameterError(f"{path} is not JSON ({exc})") from None
+    except RecursionError:   # nested deeper than Python's stack: no results file is
+        raise ParameterError(f"{path} is not a bench results.json (nested too deep)") from None
     records = payload.get("records") if isinstance(payload, dict) else None
-    if not isinstance(records, list) or not all(isinstance(r, dict) and "set" in r and "label" in r
-                                                for r in records):
-        raise ParameterError(f"{path} is not a bench results.json (no records, each naming its set and label)")
+    if not isinstance(records, list) or not all(
+            isinstance(r, dict) and all(isinstance(r.get(key), str) for key in RECORD_KEYS) for r in records):
+        raise ParameterError(f"{path} is not a bench results.json (no records, each naming its set, id and label)")
     return payload
 
 
