@@ -309,7 +309,7 @@ class CalibrationCache:
         raw = self._read().get(key)
         if raw is None:
             return None
-        problem = _curve_problem(raw)
+        problem = curve_problem(raw)
         if problem is not None:
             log.warning("the cached cost curve %s in %s is not valid (%s): it is measured again", key, self.path,
                         problem)
@@ -345,7 +345,7 @@ _FIELD_CHECKS: dict[str, Callable[[Any], bool]] = {
 }
 
 
-def _curve_problem(raw: Any) -> str | None:
+def curve_problem(raw: Any) -> str | None:
     """What makes a saved curve unusable, or None when ``CostModel(**raw)`` is a valid curve."""
     if not isinstance(raw, dict):
         return "not an object"

@@ -1360,3 +1360,13 @@ def test_results_nested_too_deep_or_with_records_naming_no_id_are_refused_in_one
         again = tmp_path / f"again-{path.name}"
         again.write_bytes(path.read_bytes())
         assert report.main(["--pool", "auto", str(path), str(again)]) == 2
+
+
+def test_a_cost_curve_holding_a_number_no_float_holds_leaves_the_cost_line_out() -> None:
+    """1 and 400 zeros is valid JSON: the cost line's own check of the curve raised OverflowError on it,
+    where the cost-curve cache's (calibration.curve_problem, now the one check) refuses it."""
+    curve = {"sizes": [1, 4, 8], "seconds": [0.003, 0.003, 10**400], "round_size": 4, "plain_seconds": 0.002,
+             "origin": "measured: none cached yet"}
+    assert "verify costs" not in report.render_markdown({"settings": {"cost_curves": {"target": curve}}})
+    curve["seconds"][2] = 0.005   # the origin bench stores beside the fields is no field of the curve
+    assert "a round of 4 1.50; c(8) 2.50" in report.render_markdown({"settings": {"cost_curves": {"target": curve}}})

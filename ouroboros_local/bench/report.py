@@ -12,6 +12,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from ..calibration import CostModel, curve_problem
 from ..errors import ParameterError
 from ..filestore import replace_text
 from ..text_input import read_text
@@ -323,27 +324,21 @@ def identical_cell(s: Mapping[str, Any]) -> str:
 
 
 def _cost_line(curve: Any) -> str | None:
-    """The target's calibrated verify costs in plain steps (``settings.cost_curves``), or None (none
-    recorded, or a value hand-edited out of shape)."""
-    def number(v: Any) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-    if not isinstance(curve, dict):
+    """The target's calibrated verify costs in plain steps (``settings.cost_curves``: a CostModel's fields
+    and its origin), or None (none recorded, or a curve the cost-curve cache would refuse: edited by hand)."""
+    fields = {k: v for k, v in curve.items() if k != "origin"} if isinstance(curve, dict) else None
+    if curve_problem(fields) is not None:
         return None
-    sizes, seconds, round_size = curve.get("sizes"), curve.get("seconds"), curve.get("round_size") or 0
-    if not (isinstance(sizes, list) and isinstance(seconds, list) and len(sizes) == len(seconds) > 1
-            and all(isinstance(n, int) and not isinstance(n, bool) for n in sizes)
-            and all(number(v) for v in seconds) and isinstance(round_size, int) and not isinstance(round_size, bool)):
-        return None
-    step = curve.get("plain_seconds") if round_size else seconds[0]
-    if not number(step) or step <= 0:
+    model = CostModel(**fields)
+    sizes, seconds, round_size = model.sizes, model.seconds, model.round_size
+    step = model.plain_seconds if round_size else seconds[0]
+    if len(sizes) < 2 or step <= 0:
         return None
     costs = ", ".join(f"c({n}) {s / step:.2f}" for n, s in zip(sizes, seconds)
                       if n in (2, 4, 8, 16) and n > max(round_size, 1))
-    switch = curve.get("switch_seconds")
     parts = ([f"a round of {round_size} {seconds[0] / step:.2f}"] if round_size else []) + ([costs] if costs else [])
-    if number(switch) and switch > 0:
-        parts.append(f"the plain steps after another size lose {switch / step:.2f}")
+    if model.switch_seconds > 0:
+        parts.append(f"the plain steps after another size lose {model.switch_seconds / step:.2f}")
     return f"- verify costs as calibrated, in plain steps of {step * 1e3:.2f} ms: " + "; ".join(parts)
 
 
