@@ -98,11 +98,10 @@ def print_round_switch(payloads: dict[str, dict]) -> None:
     one) against the calibrated figure (medians over the requests; ``stats.extra["round_switch"]``)."""
     rows: dict[tuple[str, str], dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for run, payload in payloads.items():
-        for record in payload.get("records") or []:
-            switch = (record.get("extra") or {}).get("round_switch") if isinstance(record, dict) else None
-            if isinstance(switch, dict):
-                label = record.get("label") or record.get("method", "?")   # a --variant apart from its method
-                rows[record.get("set", "?"), label][setting(run)].append(
+        for record in payload["records"]:   # each names its set and label (read_results)
+            switch = (record.get("extra") or {}).get("round_switch")
+            if isinstance(switch, dict):   # keyed by label: a --variant apart from its method
+                rows[record["set"], record["label"]][setting(run)].append(
                     {**switch, "passes": record.get("target_passes") or 0})
     if not rows:
         return

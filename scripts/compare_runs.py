@@ -35,11 +35,9 @@ class RunError(Exception):
 
 
 def records(path: str, data: dict[str, Any]) -> dict[Key, dict[str, Any]]:
-    """A --save-text run's records by (set, id, label); failed generations keep no text and are kept."""
-    try:
-        out = {(r["set"], r["id"], r["label"]): r for r in data["records"]}
-    except (KeyError, TypeError):
-        raise RunError(f"{path}: not a bench results.json (a record without set, id or label)") from None
+    """A --save-text run's records by (set, id, label), which read_results checked each names; failed
+    generations keep no text and are kept."""
+    out = {(r["set"], r["id"], r["label"]): r for r in data["records"]}
     if any(r.get("text") is None and r.get("match") != "error" for r in out.values()):
         raise RunError(f"{path}: run the benchmark with --save-text")
     return out
